@@ -1,0 +1,92 @@
+"""Optional dependencies: which are installed, at which version, and the error when one is missing.
+
+Nothing here imports the packages it asks about (``import bitsandbytes`` alone costs seconds and may
+reach the Hub); versions come from the installed distributions' metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import metadata
+from importlib.util import find_spec
+
+from packaging.version import InvalidVersion, Version
+
+from xpukit.errors import MissingExtraError
+
+__all__ = [
+    "EXTRAS",
+    "Extra",
+    "installed_version",
+    "is_installed",
+    "require",
+    "version_at_least",
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Extra:
+    """One optional package and the xpukit extra that installs it."""
+
+    package: str  # distribution name on PyPI
+    module: str  # import name
+    extra: str  # the xpukit extra, as in ``pip install "xpukit[extra]"``
+    minimum: str | None = None  # oldest usable version, if any
+
+
+# One table of the optional packages; `doctor`, `require` and the docs read it.
+EXTRAS: dict[str, Extra] = {
+    "bitsandbytes": Extra(package="bitsandbytes", module="bitsandbytes", extra="quant", minimum="0.48"),
+    "peft": Extra(package="peft", module="peft", extra="lora"),
+    "kernels": Extra(package="kernels", module="kernels", extra="kernels", minimum="0.11"),
+    "liger-kernel": Extra(package="liger-kernel", module="liger_kernel", extra="liger"),
+}
+
+
+def installed_version(package: str) -> str | None:
+    """The installed version of a distribution, or ``None`` when it is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def is_installed(module: str) -> bool:
+    """Whether a module can be imported, without importing it."""
+    try:
+        return find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def version_at_least(version: str | None, minimum: str) -> bool:
+    """``version >= minimum``; an unparseable or missing version is treated as too old."""
+    if version is None:
+        return False
+    try:
+        return Version(version) >= Version(minimum)
+    except InvalidVersion:
+        return False
+
+
+def require(package: str, feature: str, *, minimum: str | None = None) -> str:
+    """Return the installed version of an optional package, or raise :class:`MissingExtraError`.
+
+    Args:
+        package: a key of :data:`EXTRAS`.
+        feature: what the user asked for, quoted in the error (e.g. ``quantize="4bit"``).
+        minimum: a stricter minimum than the table's, when this feature needs one.
+
+    Raises:
+        MissingExtraError: the package is missing or older than ``minimum``.
+    """
+    extra = EXTRAS[package]
+    needed = minimum or extra.minimum
+    found = installed_version(extra.package)
+    if found is None or not is_installed(extra.module):
+        raise MissingExtraError(
+            feature, extra.package, extra.extra, requirement=f">={needed}" if needed else ""
+        )
+    if needed and not version_at_least(found, needed):
+        raise MissingExtraError(feature, extra.package, extra.extra, found=found, requirement=f">={needed}")
+    return found

@@ -1,0 +1,1 @@
+"""The ``xpukit`` command line: one module per subcommand, each with ``add_parser`` and ``run``."""

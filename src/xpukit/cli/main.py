@@ -1,0 +1,67 @@
+"""``xpukit`` entry point: argparse subcommands, errors as one line on stderr with exit code 1.
+
+Each subcommand module exposes ``add_parser(subparsers)`` and ``run(args) -> int`` and imports
+torch/transformers only inside ``run``, so ``xpukit --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from xpukit import __version__
+from xpukit.errors import XpukitError
+
+# Subcommand modules, in the order `--help` lists them.
+SUBCOMMANDS = ("doctor", "plan", "launch", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (also used to generate docs/cli.md)."""
+    parser = argparse.ArgumentParser(
+        prog="xpukit",
+        description="Load, fine-tune and launch Hugging Face Transformers correctly on Intel GPUs "
+        "(xpu), CUDA, MPS and CPU.",
+        epilog="Examples:\n  xpukit doctor\n  xpukit plan Qwen/Qwen3-8B --assume arc-b580\n"
+        "  xpukit launch --devices 0,1 -- torchrun --nproc-per-node 2 train.py\n  xpukit demo",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"xpukit {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log xpukit's decisions (INFO)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"xpukit.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"xpukit.cli.{name}":
+                raise
+            continue  # a subcommand not built yet in this tree
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="xpukit: %(levelname)s: %(message)s",
+    )
+    try:
+        return int(args.run(args))
+    except XpukitError as exc:
+        print(f"xpukit {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+# Sourced by scripts/demo and scripts/test: create or reuse .venv and install what is needed.
+# Reinstalls only when pyproject.toml or constraints/dev.txt changed since the last install.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${XPUKIT_VENV:-$root/.venv}"
+py="${PYTHON:-python3}"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "xpukit: creating virtualenv $venv" >&2
+  "$py" -m venv "$venv"
+fi
+stamp="$venv/.xpukit-install-stamp"
+want="$(cat "$root/pyproject.toml" "$root/constraints/dev.txt" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "xpukit: installing the pinned dev/test set into $venv (first run takes a few minutes)" >&2
+  # torch first, pinned, so nothing below can pull a multi-GB CUDA build in its place.
+  torch_pin="$(grep -E '^torch==' "$root/constraints/dev.txt")"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$torch_pin"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check \
+    -c "$root/constraints/dev.txt" -e "$root[dev]"
+  echo "$want" > "$stamp"
+fi
+export PATH="$venv/bin:$PATH"

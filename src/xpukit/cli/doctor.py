@@ -1,0 +1,52 @@
+"""``xpukit doctor``: report this machine's torch build, devices, extras, environment and problems."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``doctor`` subcommand."""
+    parser = sub.add_parser(
+        "doctor",
+        help="what this machine has, and known-bad setups",
+        description="Report the torch build, devices and their facts (bf16/fp16/fp64, memory, whether "
+        "free memory can be queried), installed extras, the environment variables that matter, and "
+        "known-bad setups. Exit 0 when healthy, 1 when a blocking problem was found.",
+        epilog="Examples:\n  xpukit doctor\n  xpukit doctor --json > report.json\n"
+        "  xpukit doctor --selftest   # run tiny real ops on each device",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (stable schema)")
+    parser.add_argument(
+        "--selftest", action="store_true", help="also run small real operations on every device"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; exit 1 when it found a blocking problem."""
+    from xpukit.doctor import run_doctor
+
+    report = run_doctor()
+    if args.selftest:
+        from dataclasses import replace
+
+        from xpukit.selftest import results_to_dict, run_selftest
+
+        checks = results_to_dict(run_selftest(report.machine))
+        failed = [c for c in checks if not c["ok"]]
+        summary = f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (
+            "; failed: " + ", ".join(f"{c['device']} {c['check']}" for c in failed) if failed else ""
+        )
+        report = replace(report, extras={"selftest": {"summary": summary, "checks": checks}})
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        print(report.render())
+        if args.selftest:
+            for c in report.extras["selftest"]["checks"]:
+                print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['device']:<7} {c['check']:<13} {c['detail']}")
+    return 0 if report.healthy else 1

@@ -1,0 +1,172 @@
+"""Doctor: healthy and broken setups (simulated through facts), JSON schema, real run, CLI exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from xpukit.doctor import SCHEMA_VERSION, DoctorReport, HostFacts, diagnose, run_doctor
+from xpukit.facts import MachineFacts
+from xpukit.profiles import machine_profile
+
+HEALTHY_PKGS = {"torch": "2.13.0", "transformers": "5.22.2", "bitsandbytes": "0.50.2"}
+
+
+def host(**kw: object) -> HostFacts:
+    base: dict[str, object] = {"packages": dict(HEALTHY_PKGS)}
+    base.update(kw)
+    return HostFacts(**base)  # type: ignore[arg-type]
+
+
+def codes(machine: MachineFacts, h: HostFacts) -> dict[str, str]:
+    return {f.code: f.severity for f in diagnose(machine, h)}
+
+
+def xpu_build_without_devices(**env: str) -> MachineFacts:
+    m = machine_profile("arc-b580")
+    return replace(m, devices=(), accelerator="cpu", env=env)
+
+
+def test_healthy_xpu_machine() -> None:
+    report = run_doctor(machine=machine_profile("arc-b580"), host=host(intel_gpus=("8086:e20b",)))
+    assert report.healthy and report.findings == ()
+
+
+def test_healthy_cpu_machine() -> None:
+    assert codes(machine_profile("cpu-bf16"), host()) == {}
+
+
+def test_cpu_wheel_on_intel_gpu_machine_is_an_error() -> None:
+    found = diagnose(machine_profile("cpu-bf16"), host(intel_gpus=("8086:56a0",)))
+    (f,) = found
+    assert (f.code, f.severity) == ("cpu-wheel-on-intel-gpu", "error")
+    assert "whl/xpu" in f.fix and "8086:56a0" in f.message
+
+
+def test_ipex_installed_warns() -> None:
+    pkgs = dict(HEALTHY_PKGS, **{"intel-extension-for-pytorch": "2.8.10+xpu"})
+    assert codes(machine_profile("arc-a770"), host(packages=pkgs)) == {"ipex-installed": "warning"}
+
+
+def test_render_group_missing_with_no_visible_device() -> None:
+    h = host(intel_gpus=("8086:e20b",), dri_exists=True, render_nodes_accessible=False, in_render_group=False)
+    found = diagnose(xpu_build_without_devices(), h)
+    assert found[0].code == "render-permission" and found[0].severity == "error"
+    assert "usermod -aG render" in found[0].fix
+
+
+def test_render_group_missing_but_device_visible_is_a_warning() -> None:
+    h = host(dri_exists=True, render_nodes_accessible=False, in_render_group=False)
+    assert codes(machine_profile("arc-b580"), h) == {"render-permission": "warning"}
+
+
+def test_affinity_mask_selecting_no_device() -> None:
+    found = diagnose(xpu_build_without_devices(ZE_AFFINITY_MASK="0.1"), host(intel_gpus=("8086:e20b",)))
+    assert found[0].code == "mask-selects-nothing" and found[0].severity == "error"
+    assert "xpukit launch" in found[0].fix
+
+
+def test_xpu_build_with_no_driver_quotes_the_runtime() -> None:
+    m = replace(
+        xpu_build_without_devices(),
+        notes=("Failed to initialize XPU devices. The driver may not be installed",),
+    )
+    (f,) = diagnose(m, host(intel_gpus=("8086:e20b",)))
+    assert f.code == "xpu-no-device" and f.severity == "error"
+    assert "Failed to initialize XPU devices" in f.message
+
+
+def test_old_bitsandbytes_with_xpu() -> None:
+    pkgs = dict(HEALTHY_PKGS, bitsandbytes="0.47.0")
+    found = codes(machine_profile("arc-a770"), host(packages=pkgs))
+    assert found == {"bitsandbytes-old-for-xpu": "error"}
+    # The same version is fine on a CPU-only machine without an Intel GPU.
+    assert codes(machine_profile("cpu"), host(packages=pkgs)) == {}
+
+
+def test_lunar_lake_free_memory_note() -> None:
+    assert codes(machine_profile("lunar-lake"), host()) == {"free-memory-unknown": "info"}
+
+
+def test_missing_or_old_transformers() -> None:
+    assert codes(machine_profile("cpu"), host(packages={"transformers": "4.57.1"})) == {
+        "transformers-old": "error"
+    }
+    assert codes(machine_profile("cpu"), host(packages={})) == {"transformers-missing": "error"}
+
+
+def test_errors_sort_first() -> None:
+    pkgs = dict(HEALTHY_PKGS, **{"intel-extension-for-pytorch": "2.8.10"})
+    found = diagnose(xpu_build_without_devices(ZE_AFFINITY_MASK="7"), host(packages=pkgs))
+    assert [f.severity for f in found] == sorted(
+        (f.severity for f in found), key=["error", "warning", "info"].index
+    )
+
+
+def test_report_json_round_trip() -> None:
+    report = run_doctor(machine=machine_profile("max-1550", 2), host=host())
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["schema"] == SCHEMA_VERSION and data["healthy"] is True
+    assert MachineFacts.from_dict(data["machine"]) == report.machine
+    assert HostFacts(**{**data["host"], "intel_gpus": tuple(data["host"]["intel_gpus"])}) == report.host
+
+
+def test_render_mentions_every_device() -> None:
+    text = run_doctor(machine=machine_profile("lunar-lake"), host=host()).render()
+    assert "xpu:0" in text and "free: unknown" in text and "integrated" in text
+
+
+def test_unhealthy_report_says_so() -> None:
+    report = DoctorReport(
+        machine=machine_profile("cpu"),
+        host=host(packages={}),
+        findings=tuple(diagnose(machine_profile("cpu"), host(packages={}))),
+    )
+    assert not report.healthy and "NOT healthy" in report.render()
+
+
+def _xpukit(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "xpukit.cli.main", *args], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_doctor_json_reports_this_machine_truthfully() -> None:
+    out = _xpukit("doctor", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    import torch
+
+    assert data["machine"]["torch_version"] == torch.__version__
+    assert data["machine"]["compiled"] == [
+        b
+        for b in ("xpu", "cuda", "mps")
+        if (
+            (b == "xpu" and torch.xpu._is_compiled())
+            or (b == "cuda" and torch.version.cuda)
+            or (b == "mps" and torch.backends.mps.is_built())
+        )
+    ]
+    assert (
+        data["host"]["packages"]["torch"] == torch.__version__.split("+")[0]
+        or data["host"]["packages"]["torch"] == torch.__version__
+    )
+
+
+def test_doctor_exit_code_and_selftest() -> None:
+    out = _xpukit("doctor", "--selftest")
+    assert out.returncode == 0, out.stderr
+    assert "matmul-fp32" in out.stdout and "healthy" in out.stdout
+
+
+@pytest.mark.gpu
+def test_doctor_selftest_on_gpu() -> None:
+    out = _xpukit("doctor", "--selftest", "--json")
+    data = json.loads(out.stdout)
+    checks = data["selftest"]["checks"]
+    gpu = [c for c in checks if c["device"] != "cpu"]
+    assert gpu and all(c["ok"] for c in gpu if c["check"] in ("matmul-fp16", "matmul-fp32"))

@@ -1,0 +1,114 @@
+"""Error hierarchy, missing-extra messages, and the promise that `import xpukit` stays light."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import xpukit
+from xpukit import _compat
+from xpukit.errors import (
+    DeviceSelectionError,
+    DeviceUnavailableError,
+    InvalidRequestError,
+    MissingExtraError,
+    PlanError,
+    RuntimeAlreadyInitializedError,
+    XpukitError,
+)
+
+HEAVY = ("torch", "transformers", "accelerate", "peft", "bitsandbytes", "kernels", "huggingface_hub")
+
+
+@pytest.mark.parametrize(
+    ("cls", "builtin"),
+    [
+        (InvalidRequestError, ValueError),
+        (DeviceSelectionError, ValueError),
+        (MissingExtraError, ImportError),
+        (DeviceUnavailableError, RuntimeError),
+        (RuntimeAlreadyInitializedError, RuntimeError),
+        (PlanError, RuntimeError),
+    ],
+)
+def test_every_error_is_an_xpukit_error_and_its_builtin(cls: type[Exception], builtin: type) -> None:
+    assert issubclass(cls, XpukitError) and issubclass(cls, builtin)
+
+
+def test_public_names_are_sorted_and_exported() -> None:
+    assert xpukit.__all__ == sorted(xpukit.__all__, key=str.lower) or xpukit.__all__ == sorted(xpukit.__all__)
+    for name in xpukit.__all__:
+        assert hasattr(xpukit, name), name
+
+
+def test_missing_extra_names_the_pip_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compat, "installed_version", lambda package: None)
+    with pytest.raises(MissingExtraError, match=r'pip install "xpukit\[quant\]"') as info:
+        _compat.require("bitsandbytes", 'quantize="4bit"')
+    assert 'quantize="4bit" needs bitsandbytes>=0.48' in str(info.value)
+    assert info.value.extra == "quant"
+
+
+def test_too_old_extra_names_the_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_compat, "installed_version", lambda package: "0.47.0")
+    monkeypatch.setattr(_compat, "is_installed", lambda module: True)
+    with pytest.raises(MissingExtraError, match=r"0\.47\.0 is installed, but bitsandbytes>=0\.48") as info:
+        _compat.require("bitsandbytes", "4-bit on XPU")
+    assert 'pip install "bitsandbytes>=0.48"' in str(info.value)
+
+
+def test_require_returns_the_installed_version() -> None:
+    assert _compat.require("peft", "lora=True") == _compat.installed_version("peft")
+
+
+def test_import_xpukit_imports_nothing_heavy() -> None:
+    code = (
+        "import sys, json, xpukit, xpukit.cli.main; "
+        "import xpukit.doctor, xpukit.profiles, xpukit.precision; "
+        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_every_public_module_imports_nothing_heavy() -> None:
+    """Importing any xpukit module (not calling it) must stay torch-free."""
+    code = (
+        "import sys, json, pkgutil, importlib, xpukit\n"
+        "mods = [m.name for m in pkgutil.walk_packages(xpukit.__path__, 'xpukit.')]\n"
+        "for m in mods: importlib.import_module(m)\n"
+        f"print(json.dumps([sorted(mods), [m for m in {HEAVY!r} if m in sys.modules]]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    mods, heavy = json.loads(out.stdout)
+    assert len(mods) > 5
+    assert heavy == []
+
+
+def test_cli_help_is_fast_and_lists_commands() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "xpukit.cli.main", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "doctor" in out.stdout
+
+
+def test_cli_error_is_one_line_with_exit_1() -> None:
+    code = (
+        "import sys\n"
+        "from xpukit.cli import main as m\n"
+        "from xpukit.errors import InvalidRequestError\n"
+        "def boom(args): raise InvalidRequestError('bad thing; fix: do X')\n"
+        "p = m.build_parser\n"
+        "def patched():\n"
+        "    parser = p()\n"
+        "    parser.set_defaults(command='boom', run=boom)\n"
+        "    return parser\n"
+        "m.build_parser = patched\n"
+        "sys.exit(m.main([]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert out.stderr.strip() == "xpukit boom: error: bad thing; fix: do X"

@@ -1,0 +1,150 @@
+"""Shared test set-up: an offline Hub, throw-away caches, tiny models, and GPU tests skipped without a GPU.
+
+At import (before any test module imports huggingface_hub, which reads ``HF_HUB_OFFLINE`` once) this
+file makes the Hub unreachable on purpose and points every cache at a scratch directory that is
+removed when the session ends, so tests never read or write the user's real caches. It imports
+neither torch nor transformers: the fixtures do, when a test asks for them.
+
+Fixtures (session-scoped, built on first use and shared by every test):
+
+- ``tiny_models``: a read-only mapping ``{arch: Path}`` over :data:`xpukit.tiny.ARCHITECTURES`; each
+  model is built the first time its name is looked up, so a test that needs only one pays for one.
+- ``tiny_model``: ``tiny_models["qwen3"]``.
+- ``tiny_model_factory``: ``factory(arch, *, seed=0, **config_overrides) -> Path`` for variants.
+- ``demo_model``: the ``xpukit demo`` default model, built into the scratch cache.
+
+Treat the returned directories as read-only (other tests share them); copy one to change it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_SCRATCH = Path(tempfile.mkdtemp(prefix="xpukit-tests-"))
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["HF_HOME"] = str(_SCRATCH / "hf")
+os.environ["XPUKIT_CACHE_DIR"] = str(_SCRATCH / "xpukit")
+# Variables that would send one cache elsewhere than HF_HOME.
+for _name in ("HF_HUB_CACHE", "HF_ASSETS_CACHE", "HF_XET_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE"):
+    os.environ.pop(_name, None)
+# tokenizers warns in every child forked after it used threads; that noise would land in the stderr
+# of CLI tests that run subprocesses.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_SCRATCH, ignore_errors=True)
+
+
+# --- GPU-only tests ------------------------------------------------------------------------------
+
+
+@functools.cache
+def _has_accelerator() -> bool:
+    """Whether torch sees a CUDA or XPU device, asked in a child process.
+
+    Asking here would initialise the CUDA / Level Zero runtime in the test process, which then keeps
+    the device view it read (CUDA_VISIBLE_DEVICES, ZE_AFFINITY_MASK) for good, under every later test.
+    """
+    code = (
+        "import sys, torch\n"
+        "xpu = getattr(torch, 'xpu', None)\n"
+        "sys.exit(0 if torch.cuda.is_available() or (xpu is not None and xpu.is_available()) else 1)\n"
+    )
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # Decided per test about to run, so a session without gpu tests never asks at all.
+    if item.get_closest_marker("gpu") is not None and not _has_accelerator():
+        pytest.skip("needs a CUDA or XPU device; none is visible to torch")
+
+
+# --- tiny models ---------------------------------------------------------------------------------
+
+
+class _TinyModelFactory:
+    """Builds tiny models into one directory, once per distinct (arch, seed, overrides)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._built: dict[str, Path] = {}
+
+    def __call__(self, arch: str, *, seed: int = 0, **config_overrides: Any) -> Path:
+        from xpukit.tiny import build_tiny_model
+
+        key = json.dumps([arch, seed, config_overrides], sort_keys=True, default=str)
+        if key not in self._built:
+            name = arch if seed == 0 and not config_overrides else f"{arch}-{len(self._built)}"
+            self._built[key] = build_tiny_model(arch, self._root / name, seed=seed, **config_overrides)
+        return self._built[key]
+
+
+class _TinyModels(Mapping[str, Path]):
+    """Every tiny architecture by name; each model is built on first lookup, then reused."""
+
+    def __init__(self, factory: _TinyModelFactory) -> None:
+        self._factory = factory
+
+    @staticmethod
+    def _names() -> tuple[str, ...]:
+        from xpukit.tiny import ARCHITECTURES
+
+        return tuple(ARCHITECTURES)
+
+    def __getitem__(self, arch: str) -> Path:
+        if arch not in self._names():
+            raise KeyError(f"{arch!r} is not a tiny architecture; choose from {', '.join(self._names())}")
+        return self._factory(arch)
+
+    def __contains__(self, arch: object) -> bool:  # membership must not build anything
+        return arch in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``factory(arch, *, seed=0, **config_overrides) -> Path``: a tiny model, built once per arguments."""
+    return _TinyModelFactory(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_model_factory: _TinyModelFactory) -> Mapping[str, Path]:
+    """``{arch: Path}`` over every tiny architecture; each is built the first time it is looked up."""
+    return _TinyModels(tiny_model_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models: Mapping[str, Path]) -> Path:
+    """The tiny Qwen3 model's directory (config, safetensors weights, tokenizer)."""
+    return tiny_models["qwen3"]
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """The ``xpukit demo`` default model, built once into the session's scratch cache."""
+    from xpukit.tiny import demo_model_dir
+
+    return demo_model_dir()

@@ -17,6 +17,7 @@ from xpukit.errors import (
     RuntimeAlreadyInitializedError,
     XpukitError,
 )
+from xpukit.devices import DeviceSelection, select_devices
 from xpukit.facts import DeviceFacts, MachineFacts
 from xpukit.probe import detect
 
@@ -27,6 +28,7 @@ except _metadata.PackageNotFoundError:  # running from a source tree without ins
 
 __all__ = [
     "DeviceFacts",
+    "DeviceSelection",
     "DeviceSelectionError",
     "DeviceUnavailableError",
     "InvalidRequestError",
@@ -37,4 +39,5 @@ __all__ = [
     "XpukitError",
     "__version__",
     "detect",
+    "select_devices",
 ]

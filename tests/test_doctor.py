@@ -170,3 +170,9 @@ def test_doctor_selftest_on_gpu() -> None:
     checks = data["selftest"]["checks"]
     gpu = [c for c in checks if c["device"] != "cpu"]
     assert gpu and all(c["ok"] for c in gpu if c["check"] in ("matmul-fp16", "matmul-fp32"))
+
+
+def test_mixed_integrated_and_discrete_intel_gpus_warn() -> None:
+    h = host(intel_gpus=("8086:7d55", "8086:e20b"), intel_igpu_present=True)
+    assert codes(machine_profile("arc-b580"), h) == {"mixed-intel-gpus": "warning"}
+    assert codes(machine_profile("arc-b580"), host(intel_gpus=("8086:e20b", "8086:e20b"))) == {}

@@ -69,6 +69,7 @@ class HostFacts:
 
     Attributes:
         intel_gpus: PCI ids (``8086:xxxx``) of Intel display controllers found in sysfs.
+        intel_igpu_present: one of them sits at PCI 00:02.0, where Intel integrated GPUs live.
         level_zero_loader: whether ``libze_loader`` can be found (the Intel GPU driver stack).
         dri_exists: whether ``/dev/dri`` exists.
         render_nodes_accessible: whether the current user can open every ``/dev/dri/renderD*``.
@@ -77,6 +78,7 @@ class HostFacts:
     """
 
     intel_gpus: tuple[str, ...] = ()
+    intel_igpu_present: bool = False
     level_zero_loader: bool = False
     dri_exists: bool = False
     render_nodes_accessible: bool = True
@@ -94,8 +96,10 @@ def gather_host() -> HostFacts:
     """Read the host facts (sysfs, /dev/dri, groups, package metadata); touches no GPU runtime."""
     dri = Path("/dev/dri")
     nodes = sorted(dri.glob("renderD*")) if dri.exists() else []
+    gpus = _intel_display_devices()
     return HostFacts(
-        intel_gpus=_intel_display_devices(),
+        intel_gpus=tuple(pci_id for _, pci_id in gpus),
+        intel_igpu_present=any(address.endswith(":00:02.0") for address, _ in gpus),
         level_zero_loader=ctypes.util.find_library("ze_loader") is not None,
         dri_exists=dri.exists(),
         render_nodes_accessible=all(os.access(n, os.R_OK | os.W_OK) for n in nodes),
@@ -104,7 +108,8 @@ def gather_host() -> HostFacts:
     )
 
 
-def _intel_display_devices() -> tuple[str, ...]:
+def _intel_display_devices() -> list[tuple[str, str]]:
+    """(PCI address, ``8086:device``) of every Intel display controller."""
     found = []
     for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
         try:
@@ -114,8 +119,8 @@ def _intel_display_devices() -> tuple[str, ...]:
         except OSError:
             continue
         if vendor == "0x8086" and klass.startswith("0x03"):  # PCI class 03: display controller
-            found.append(f"8086:{device.removeprefix('0x')}")
-    return tuple(found)
+            found.append((dev.name, f"8086:{device.removeprefix('0x')}"))
+    return found
 
 
 def _in_render_group() -> bool:
@@ -231,6 +236,18 @@ def diagnose(machine: MachineFacts, host: HostFacts) -> list[Finding]:
             )
         )
 
+    if host.intel_igpu_present and len(host.intel_gpus) > 1:
+        add(
+            Finding(
+                severity="warning",
+                code="mixed-intel-gpus",
+                message="This machine has an integrated Intel GPU (PCI 00:02.0) and a discrete one. "
+                "With ZE_ENABLE_PCI_ID_DEVICE_ORDER=1 (which `xpukit launch` sets for a stable order) "
+                "device ordinals follow the PCI bus, so the iGPU is 0; without it discrete cards come "
+                "first, and torch >= 2.7 hides the iGPU while a discrete GPU is visible.",
+                fix="check which card an ordinal means with `xpukit launch --devices N -- xpukit doctor`",
+            )
+        )
     ipex = pkgs.get("intel-extension-for-pytorch")
     if ipex is not None:
         add(

@@ -20,6 +20,7 @@ from xpukit.errors import (
 from xpukit.devices import DeviceSelection, select_devices
 from xpukit.facts import DeviceFacts, MachineFacts
 from xpukit.probe import detect
+from xpukit.train import training_args
 
 try:
     __version__ = _metadata.version("xpukit")
@@ -40,4 +41,5 @@ __all__ = [
     "__version__",
     "detect",
     "select_devices",
+    "training_args",
 ]

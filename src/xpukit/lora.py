@@ -1,0 +1,446 @@
+"""LoRA adapters for training (``lora=True`` / a config) and for inference (``lora=PATH``).
+
+:func:`resolve_lora` turns the user's ``lora=`` argument into a frozen :class:`LoraRequest` (pure: it
+reads at most an ``adapter_config.json``); :func:`apply_lora` carries it out on a loaded model and
+returns notes of what really ran, which the loader records in the model's plan.
+
+Training a quantised model is lean by default (docs/training.md has the numbers). peft's
+``prepare_model_for_kbit_training`` upcasts every weight that is not 4-bit (embeddings, ``lm_head``,
+norms) to fp32; on an H200 with a Qwen3-8B-shaped model that cost 13.97 GB peak and 2 684 tok/s,
+against 10.88 GB and 4 226 tok/s with those weights left in bf16, at the same loss. xpukit therefore
+does its own preparation: freeze the base weights, gradient checkpointing (non-reentrant, which also
+makes the input embeddings require grad), and no blanket upcast. Only what a precision needs is
+changed: with fp16 compute the trainable weights must be fp32, because ``GradScaler`` refuses to
+unscale fp16 gradients; with fp32 compute the half-precision weights become fp32.
+
+On CPUs with avx512_bf16, bitsandbytes repacks a 4-bit weight into a CPU-only layout on the first
+eval-mode forward (``generate`` does one). That layout is served by ``gemv_4bit``, which has no
+backward, so LoRA layers before the residual stream silently get zero gradients afterwards
+(cpu-findings §4). :func:`apply_lora` undoes such a repacking and turns it off for the model it
+prepares for training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from xpukit._compat import require
+from xpukit.bnb_cpu import restore_trainable_4bit_layout
+from xpukit.errors import InvalidRequestError
+from xpukit.facts import DeviceFacts
+from xpukit.precision import normalize_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "DEFAULT_LORA",
+    "LORA_CONFIG_KEYS",
+    "LoraRequest",
+    "apply_lora",
+    "linear_module_names",
+    "resolve_lora",
+]
+
+logger = logging.getLogger(__name__)
+
+# lora=True. r=16 with alpha=32 (scale alpha/r = 2) is the common QLoRA-era default: enough capacity
+# for instruction or domain tuning on every linear layer, about 0.5 % of an 8B model's parameters.
+# Dropout 0.05 is what the QLoRA paper used for models up to 13B. "all-linear" targets every linear
+# layer but the output head, on any architecture (peft's per-model default list misses new ones).
+DEFAULT_LORA: dict[str, Any] = {
+    "r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.05,
+    "target_modules": "all-linear",
+    "bias": "none",
+    "task_type": "CAUSAL_LM",
+}
+
+# The keyword arguments of peft's LoraConfig (peft 0.17–0.21). Checked without importing peft, so
+# a typo is refused at once; a key only newer peft knows can still be passed in a LoraConfig object.
+LORA_CONFIG_KEYS: frozenset[str] = frozenset(
+    {
+        "task_type", "base_model_name_or_path", "revision", "inference_mode", "r", "target_modules",
+        "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out", "bias", "use_rslora",
+        "modules_to_save", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
+        "alpha_pattern", "megatron_config", "megatron_core", "trainable_token_indices", "loftq_config",
+        "eva_config", "corda_config", "lora_ga_config", "use_dora", "velora_config",
+        "alora_invocation_tokens", "use_qalora", "qalora_group_size", "monteclora_config",
+        "layer_replication", "runtime_config", "lora_bias", "target_parameters", "use_bdlora",
+        "arrow_config", "kasa_config", "ensure_weight_tying",
+    }
+)  # fmt: skip
+# Keys of a lora= dict that steer xpukit rather than peft.
+_XPUKIT_KEYS = frozenset({"gradient_checkpointing", "liger"})
+# LoraConfig fields that describe the object, not the adapter.
+_NOT_KWARGS = frozenset({"peft_type", "auto_mapping", "peft_version"})
+_ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraRequest:
+    """What ``lora=`` asked for, resolved and validated.
+
+    Attributes:
+        kind: ``"new"`` (fresh trainable adapters) or ``"adapter"`` (a trained adapter for inference).
+        config: keyword arguments for ``peft.LoraConfig`` (for ``"adapter"``: the saved config, for
+            display only).
+        adapter_path: the adapter directory when ``kind == "adapter"``.
+        gradient_checkpointing: enable non-reentrant gradient checkpointing when applying.
+        reason: why these settings.
+        liger: use liger-kernel's fused kernels: ``None`` decides by device and installation,
+            ``False`` never (``lora={"liger": False}``), ``True`` insists (a note says when it cannot).
+    """
+
+    kind: Literal["new", "adapter"]
+    config: dict[str, Any]
+    adapter_path: str | None
+    gradient_checkpointing: bool
+    reason: str
+    liger: bool | None = None
+
+    def describe(self) -> str:
+        """One line for the plan's explain table."""
+        c = self.config
+        if self.kind == "adapter":
+            saved = f"r={c.get('r')}, targets {_targets_text(c.get('target_modules'))}" if c else "saved"
+            return f"LoRA adapter {self.adapter_path} ({saved}), inference only"
+        gc = "on" if self.gradient_checkpointing else "off"
+        return (
+            f"new LoRA r={c.get('r')} alpha={c.get('lora_alpha')} dropout={c.get('lora_dropout')} "
+            f"{_targets_text(c.get('target_modules'))}, checkpointing {gc}"
+        )
+
+
+def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
+    """Validate ``lora=`` and resolve it to a :class:`LoraRequest` (no model, no peft import).
+
+    Args:
+        lora: ``None``/``False`` (no LoRA); ``True`` (new adapters with :data:`DEFAULT_LORA`); a dict
+            of ``LoraConfig`` keywords laid over those defaults (plus xpukit's own
+            ``gradient_checkpointing`` and ``liger`` keys); a ``peft.LoraConfig``; or the path of a
+            trained adapter directory (loaded for inference).
+        quantized: the base model is loaded in 4/8-bit (gradient checkpointing then defaults on).
+
+    Returns:
+        The request, or ``None`` when no LoRA is wanted.
+
+    Raises:
+        InvalidRequestError: an unknown key, a wrong type, or an adapter directory without
+            ``adapter_config.json``.
+
+    Example::
+
+        >>> resolve_lora(True, quantized=True).describe()
+        'new LoRA r=16 alpha=32 dropout=0.05 all-linear, checkpointing on'
+    """
+    if lora is None or lora is False:
+        return None
+    if lora is True:
+        return _new(dict(DEFAULT_LORA), quantized, None, None, "lora=True: xpukit's defaults")
+    if isinstance(lora, dict):
+        return _from_dict(lora, quantized)
+    if isinstance(lora, str | os.PathLike):
+        return _from_path(Path(os.fspath(lora)))
+    if type(lora).__name__ == "LoraConfig" and dataclasses.is_dataclass(lora):
+        config = _config_kwargs(lora)
+        _check_numbers(config)
+        return _new(config, quantized, None, None, "your LoraConfig, as given")
+    raise InvalidRequestError(
+        f"lora={lora!r} ({type(lora).__name__}) is not understood. Valid: None/False, True, a dict of "
+        "LoraConfig keywords, a peft.LoraConfig, or the path of a trained adapter directory."
+    )
+
+
+def _new(
+    config: dict[str, Any], quantized: bool, gc: bool | None, liger: bool | None, origin: str
+) -> LoraRequest:
+    gradient_checkpointing = quantized if gc is None else gc
+    why_gc = (
+        "given" if gc is not None else "on for quantised training" if quantized else "off (not quantised)"
+    )
+    return LoraRequest(
+        kind="new",
+        config=config,
+        adapter_path=None,
+        gradient_checkpointing=gradient_checkpointing,
+        liger=liger,
+        reason=f"{origin}; gradient checkpointing {why_gc}",
+    )
+
+
+def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
+    bad = [k for k in lora if not isinstance(k, str) or (k not in LORA_CONFIG_KEYS | _XPUKIT_KEYS)]
+    if bad:
+        hints = []
+        for key in bad:
+            close = difflib.get_close_matches(str(key), sorted(LORA_CONFIG_KEYS | _XPUKIT_KEYS), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise InvalidRequestError(
+            f"lora= dict has unknown keys: {', '.join(hints)}. Valid keys are peft.LoraConfig's "
+            f"({', '.join(sorted(LORA_CONFIG_KEYS))}) and xpukit's gradient_checkpointing and liger. "
+            "A key only a newer peft knows can be passed as a peft.LoraConfig object instead."
+        )
+    options = dict(lora)
+    gc = options.pop("gradient_checkpointing", None)
+    liger = options.pop("liger", None)
+    for name, value in (("gradient_checkpointing", gc), ("liger", liger)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidRequestError(f"lora={{'{name}': {value!r}}}: must be True or False.")
+    _check_numbers(options)
+    given = ", ".join(sorted(options)) or "nothing"
+    return _new(
+        {**DEFAULT_LORA, **options}, quantized, gc, liger, f"xpukit's defaults with {given} from lora="
+    )
+
+
+def _check_numbers(options: dict[str, Any]) -> None:
+    """The numeric settings peft only checks while it changes the model (too late to refuse cleanly)."""
+    r, alpha, dropout = options.get("r", 1), options.get("lora_alpha", 1), options.get("lora_dropout", 0.0)
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise InvalidRequestError(
+            f"lora={{'r': {r!r}}}: the rank must be a positive integer (e.g. 8, 16, 64)."
+        )
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
+        raise InvalidRequestError(
+            f"lora={{'lora_alpha': {alpha!r}}}: must be a positive number (commonly r or 2*r)."
+        )
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise InvalidRequestError(f"lora={{'lora_dropout': {dropout!r}}}: must be in [0, 1).")
+
+
+def _from_path(path: Path) -> LoraRequest:
+    config_file = path / "adapter_config.json"
+    if not path.is_dir():
+        raise InvalidRequestError(
+            f"lora={str(path)!r}: no such directory. A trained adapter is a directory written by "
+            "PeftModel.save_pretrained (adapter_config.json + adapter_model.safetensors); download a Hub "
+            "adapter first with huggingface_hub.snapshot_download."
+        )
+    if not config_file.is_file():
+        present = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
+        raise InvalidRequestError(
+            f"lora={str(path)!r}: adapter_config.json is missing (found: {present}). Point lora= at the "
+            "directory PeftModel.save_pretrained wrote, or use lora=True for new adapters."
+        )
+    try:
+        saved = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(f"lora={str(path)!r}: adapter_config.json is unreadable: {exc}") from exc
+    if not isinstance(saved, dict):
+        raise InvalidRequestError(f"lora={str(path)!r}: adapter_config.json does not hold a JSON object.")
+    return LoraRequest(
+        kind="adapter",
+        config=saved,
+        adapter_path=str(path),
+        gradient_checkpointing=False,
+        reason="a trained adapter directory: loaded for inference (eval mode, not trainable)",
+    )
+
+
+def _config_kwargs(config: object) -> dict[str, Any]:
+    """A LoraConfig's keyword arguments (sets become sorted lists; enums their values)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        if not f.init or f.name in _NOT_KWARGS:
+            continue
+        value = getattr(config, f.name)
+        if isinstance(value, set | frozenset):
+            value = sorted(value)
+        elif hasattr(value, "value") and type(value).__module__.startswith("peft"):
+            value = value.value  # TaskType enum -> "CAUSAL_LM"
+        out[f.name] = value
+    return out
+
+
+def _targets_text(targets: object) -> str:
+    if isinstance(targets, list | tuple | set):
+        return ",".join(sorted(map(str, targets)))
+    return str(targets)
+
+
+# =============================================================================================
+# Acting: apply a request to a loaded model
+# =============================================================================================
+
+
+def apply_lora(
+    model: Any, request: LoraRequest, *, compute_dtype: str, quantized: bool, device: DeviceFacts
+) -> tuple[Any, list[str]]:
+    """Carry out a :class:`LoraRequest` on a loaded model.
+
+    For ``kind="new"``: validates the targets against the model before changing anything, undoes a
+    bitsandbytes CPU repacking, freezes the base weights, applies the dtype policy (module
+    docstring), enables non-reentrant gradient checkpointing when asked, applies liger-kernel where
+    it can run, then ``peft.get_peft_model``. For ``kind="adapter"``: ``PeftModel.from_pretrained``
+    with ``is_trainable=False`` and eval mode.
+
+    Args:
+        model: a transformers ``PreTrainedModel``.
+        request: from :func:`resolve_lora`.
+        compute_dtype: the plan's compute dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        quantized: the model's linear layers are 4/8-bit (bitsandbytes).
+        device: the device the model is on.
+
+    Returns:
+        The ``PeftModel`` and notes of what ran (fallbacks included).
+
+    Raises:
+        MissingExtraError: peft is not installed (extra ``lora``).
+        InvalidRequestError: the LoRA config is invalid or its targets match no module of the model
+            (the message lists the model's linear layers), found before the model is changed. If
+            peft itself refuses later, the message says to reload the model.
+        DeviceUnavailableError: a repacked 4-bit weight could not be restored for training.
+    """
+    require("peft", "lora=" + ("PATH" if request.kind == "adapter" else "True"))
+    dtype = normalize_dtype(compute_dtype)
+    if dtype is None:
+        raise InvalidRequestError(
+            f"apply_lora(compute_dtype={compute_dtype!r}): expected bfloat16, float16 or float32."
+        )
+    if request.kind == "adapter":
+        return _load_adapter(model, request)
+    return _new_adapters(model, request, dtype=dtype, quantized=quantized, device=device)
+
+
+def _load_adapter(model: Any, request: LoraRequest) -> tuple[Any, list[str]]:
+    from peft import PeftModel
+
+    try:
+        peft_model = PeftModel.from_pretrained(model, request.adapter_path, is_trainable=False)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise InvalidRequestError(
+            f"lora={request.adapter_path!r}: the adapter does not fit this model: {exc}. Load the base "
+            f"model the adapter was trained on ({request.config.get('base_model_name_or_path')!r})."
+        ) from exc
+    peft_model.eval()
+    return peft_model, [f"loaded LoRA adapter {request.adapter_path} for inference (eval mode, frozen)"]
+
+
+def _new_adapters(
+    model: Any, request: LoraRequest, *, dtype: str, quantized: bool, device: DeviceFacts
+) -> tuple[Any, list[str]]:
+    import torch
+    from peft import get_peft_model
+
+    config = _build_config(request)
+    _check_targets(model, config)  # before any change to the model
+    notes: list[str] = []
+    notes += restore_trainable_4bit_layout(model)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    notes.append(
+        "froze the base weights" + (" (xpukit's lean k-bit preparation: no fp32 upcast)" if quantized else "")
+    )
+    if dtype == "float32":
+        changed = _cast_half_params(model, torch.float32)
+        if changed:
+            notes.append(f"compute is float32: cast {changed} half-precision base tensors to float32")
+    else:
+        notes.append(f"non-quantised weights (embeddings, lm_head, norms) kept in {dtype}")
+    if request.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        notes.append("gradient checkpointing on (use_reentrant=False; input embeddings require grad)")
+    from xpukit.liger import apply_liger
+
+    notes += apply_liger(model, device, wanted=request.liger)
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"lora=: peft could not add adapters to this {type(model).__name__}: {exc}. The model has been "
+            "prepared (frozen, checkpointing): reload it before trying another lora= setting."
+        ) from exc
+    if dtype == "float16":
+        changed = _upcast_trainable(peft_model, torch.float32)
+        notes.append(
+            "compute is float16: trainable (LoRA) weights are float32 so GradScaler can unscale their "
+            f"gradients ({changed} cast); frozen base weights stay float16"
+        )
+    trainable, total = _count_parameters(peft_model)
+    targets = _targets_text(request.config.get("target_modules"))
+    notes.append(
+        f"LoRA on {targets}: {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / max(total, 1):.2f} %)"
+    )
+    logger.info("LoRA applied: %s", "; ".join(notes))
+    return peft_model, notes
+
+
+def _build_config(request: LoraRequest) -> Any:
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig(**request.config)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"lora=: peft.LoraConfig rejected {request.config}: {exc}") from exc
+
+
+def linear_module_names(model: Any) -> list[str]:
+    """The distinct names (last path part) of a model's linear layers, e.g. ``['down_proj', ...]``.
+
+    These are what ``target_modules`` can name. bitsandbytes' 4/8-bit layers subclass
+    ``torch.nn.Linear``; GPT-2's ``Conv1D`` is counted as well.
+    """
+    import torch
+
+    names = set()
+    for name, module in model.named_modules():
+        if name and (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def _check_targets(model: Any, config: Any) -> None:
+    """Refuse targets that match no module, listing the model's linear layers (peft's own error
+    names neither the model's layers nor the fix)."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = config.target_modules
+    if targets is None or targets == _ALL_LINEAR or getattr(config, "target_parameters", None):
+        return  # peft resolves these per architecture
+    if any(check_target_module_exists(config, name) for name, _ in model.named_modules() if name):
+        return
+    raise InvalidRequestError(
+        f"lora target_modules={_targets_text(targets)!r} match no module of this "
+        f"{type(model).__name__}. Its linear layers are: {', '.join(linear_module_names(model))}. "
+        'Name some of those, or use target_modules="all-linear".'
+    )
+
+
+def _cast_half_params(model: Any, dtype: torch.dtype) -> int:
+    import torch
+
+    changed = 0
+    for param in model.parameters():
+        if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
+            param.data = param.data.to(dtype)
+            changed += 1
+    return changed
+
+
+def _upcast_trainable(model: Any, dtype: torch.dtype) -> int:
+    changed = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            changed += 1
+    return changed
+
+
+def _count_parameters(model: Any) -> tuple[int, int]:
+    trainable = total = 0
+    for param in model.parameters():
+        # A 4-bit weight packs two values per uint8 element.
+        n = param.numel() * (2 if type(param).__name__ == "Params4bit" else 1)
+        total += n
+        trainable += n if param.requires_grad else 0
+    return trainable, total

@@ -1,0 +1,301 @@
+"""training_args: the keyword rules per device (recorded profiles), real TrainingArguments on this CPU,
+and a real QLoRA Trainer run whose loss falls."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from xpukit.errors import InvalidRequestError
+from xpukit.profiles import device_profile, machine_profile
+from xpukit.train import TrainingContext, training_args, training_kwargs
+
+# ---------------------------------------------------------------------------------------------
+# training_kwargs: pure, over recorded device profiles
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("profile", "bf16", "fp16", "use_cpu"),
+    [
+        ("max-1550", True, False, None),
+        ("arc-a770", True, False, None),  # Alchemist has native bf16 (XMX); only fp16 is out (no fp64)
+        ("meteor-lake", False, True, None),  # bf16 only emulated; fp64 present, so fp16 + GradScaler
+        ("lunar-lake", True, False, None),
+        ("h100", True, False, None),
+        ("t4", False, True, None),  # compute capability 7.5
+        ("apple-m2", False, False, None),
+        ("cpu", False, False, True),
+        ("cpu-bf16", True, False, True),
+    ],
+)
+def test_precision_and_cpu_per_profile(profile: str, bf16: bool, fp16: bool, use_cpu: bool | None) -> None:
+    kw = training_kwargs(device_profile(profile), output_dir="out")
+    assert (kw["bf16"], kw["fp16"], kw.get("use_cpu")) == (bf16, fp16, use_cpu)
+    assert kw["report_to"] == "none" and kw["output_dir"] == "out"
+    assert "ddp_backend" not in kw  # single process: setting it crashes TrainingArguments
+    assert kw["optim"] == "adamw_torch"
+
+
+def test_no_bf16_no_fp64_trains_in_fp32() -> None:
+    # An Alchemist-like GPU without native bf16 must not get fp16: its GradScaler needs fp64.
+    no_bf16 = replace(device_profile("arc-a770"), native_bf16=False)
+    kw = training_kwargs(no_bf16)
+    assert kw["bf16"] is False and kw["fp16"] is False
+
+
+@pytest.mark.parametrize(
+    ("profile", "torch_version", "backend"),
+    [
+        ("max-1550", "2.8.0+xpu", "xccl"),
+        ("arc-b580", "2.13.0", "xccl"),
+        ("max-1550", "2.7.1+xpu", None),  # no xccl before torch 2.8: left to accelerate
+        ("h100", "2.13.0", "nccl"),
+        ("cpu", "2.13.0", "gloo"),
+        ("apple-m2", "2.13.0", "gloo"),
+    ],
+)
+def test_ddp_backend_only_when_distributed(profile: str, torch_version: str, backend: str | None) -> None:
+    device = device_profile(profile)
+    single = training_kwargs(device, context=TrainingContext(world_size=1, torch_version=torch_version))
+    assert "ddp_backend" not in single
+    multi = training_kwargs(device, context=TrainingContext(world_size=2, torch_version=torch_version))
+    assert multi.get("ddp_backend") == backend
+
+
+@pytest.mark.parametrize(
+    ("profile", "bnb", "optim"),
+    [
+        ("h100", "0.48.0", "paged_adamw_8bit"),
+        ("h100", None, "adamw_torch"),
+        ("max-1550", "0.50.2", "paged_adamw_8bit"),
+        ("max-1550", "0.49.1", "adamw_torch"),  # paged optimizers on XPU from bitsandbytes 0.50
+        ("cpu-bf16", "0.50.2", "adamw_torch"),  # never on CPU/MPS
+        ("apple-m2", "0.50.2", "adamw_torch"),
+    ],
+)
+def test_optimizer_for_quantised_models(profile: str, bnb: str | None, optim: str) -> None:
+    ctx = TrainingContext(quantized=True, bitsandbytes_version=bnb)
+    assert training_kwargs(device_profile(profile), context=ctx)["optim"] == optim
+    not_quantised = TrainingContext(quantized=False, bitsandbytes_version=bnb)
+    assert training_kwargs(device_profile(profile), context=not_quantised)["optim"] == "adamw_torch"
+
+
+def test_gradient_checkpointing_is_non_reentrant() -> None:
+    from_model = training_kwargs(device_profile("h100"), context=TrainingContext(gradient_checkpointing=True))
+    assert from_model["gradient_checkpointing"] is True
+    assert from_model["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    from_user = training_kwargs(device_profile("h100"), gradient_checkpointing=True)
+    assert from_user["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    theirs = training_kwargs(
+        device_profile("h100"),
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": True},
+    )
+    assert theirs["gradient_checkpointing_kwargs"] == {"use_reentrant": True}
+    assert "gradient_checkpointing_kwargs" not in training_kwargs(device_profile("h100"))
+
+
+def test_user_keywords_win() -> None:
+    kw = training_kwargs(
+        device_profile("h100"),
+        context=TrainingContext(quantized=True, bitsandbytes_version="0.50.2", world_size=4),
+        optim="adamw_torch_fused",
+        report_to="wandb",
+        ddp_backend="gloo",
+        learning_rate=1e-4,
+    )
+    assert (kw["optim"], kw["report_to"], kw["ddp_backend"], kw["learning_rate"]) == (
+        "adamw_torch_fused",
+        "wandb",
+        "gloo",
+        1e-4,
+    )
+    # A mixed precision named by the user replaces xpukit's choice instead of joining it.
+    fp16 = training_kwargs(device_profile("h100"), fp16=True)
+    assert fp16["fp16"] is True and fp16["bf16"] is False
+    bf16 = training_kwargs(device_profile("t4"), bf16=True)  # emulated there: allowed with a warning
+    assert bf16["bf16"] is True and bf16["fp16"] is False
+
+
+def test_impossible_combinations_are_refused_with_the_fix() -> None:
+    with pytest.raises(InvalidRequestError, match="at most one mixed precision"):
+        training_kwargs(device_profile("h100"), bf16=True, fp16=True)
+    with pytest.raises(InvalidRequestError, match=r"fp64.*Fix: drop fp16=True \(xpukit picks bfloat16\)"):
+        training_kwargs(device_profile("arc-a770"), fp16=True)
+    with pytest.raises(InvalidRequestError, match="Fix: drop use_cpu=False"):
+        training_kwargs(device_profile("cpu-bf16"), bf16=True, use_cpu=False)
+    # use_cpu=False alone on a CPU: xpukit drops its own bf16 rather than let transformers raise.
+    kw = training_kwargs(device_profile("cpu-bf16"), use_cpu=False)
+    assert kw["use_cpu"] is False and kw["bf16"] is False
+
+
+def test_device_from_the_models_plan() -> None:
+    from xpukit.train import _training_device
+
+    plan_device = device_profile("max-1550")
+    model = SimpleNamespace(xpukit_plan=SimpleNamespace(device=plan_device, dtype="bfloat16"))
+    assert _training_device(model, None, use_cpu=False) is plan_device
+    cpu = _training_device(model, machine_profile("max-1550"), use_cpu=True)
+    assert cpu.backend == "cpu"
+
+
+def test_device_missing_from_facts_is_refused() -> None:
+    import torch
+
+    from xpukit.train import _training_device
+
+    class OnCuda(torch.nn.Module):
+        def parameters(self, recurse: bool = True) -> Any:
+            yield torch.empty(1, device="meta")  # meta tensors are skipped
+            yield SimpleNamespace(device=torch.device("cuda", 1))
+
+    with pytest.raises(InvalidRequestError, match=r"on cuda:1.*found: cuda:0"):
+        _training_device(OnCuda(), machine_profile("h100"), use_cpu=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real TrainingArguments on this CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def test_real_training_args_on_this_machine(tmp_path: Path) -> None:
+    from xpukit.precision import training_precision
+    from xpukit.probe import detect
+
+    facts = detect()
+    device = facts.devices[0] if facts.devices else facts.cpu  # here: the CPU
+    args = training_args(output_dir=str(tmp_path))  # no model, no facts: detected
+    want = training_precision(device)
+    assert (args.bf16, args.fp16) == (want.bf16, want.fp16)
+    assert args.use_cpu is (device.backend == "cpu") and args.device.type == device.backend
+    assert args.ddp_backend is None and args.report_to == []
+
+
+@pytest.mark.parametrize(("profile", "bf16"), [("cpu-bf16", True), ("cpu", False)])
+def test_real_training_args_for_cpu_profiles(tmp_path: Path, profile: str, bf16: bool) -> None:
+    args = training_args(
+        facts=machine_profile(profile), output_dir=str(tmp_path), per_device_train_batch_size=2
+    )
+    assert args.use_cpu is True and args.bf16 is bf16 and args.per_device_train_batch_size == 2
+
+
+def test_user_bf16_on_a_cpu_without_use_cpu_gets_it_added(tmp_path: Path) -> None:
+    # transformers alone raises "Your setup doesn't support bf16/gpu" here.
+    args = training_args(facts=machine_profile("cpu"), output_dir=str(tmp_path), bf16=True)
+    assert args.bf16 is True and args.use_cpu is True
+
+
+# ---------------------------------------------------------------------------------------------
+# A real QLoRA run: 4-bit + LoRA + Trainer with training_args, loss falls
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path) -> None:
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        BitsAndBytesConfig,
+        DataCollatorForLanguageModeling,
+        Trainer,
+    )
+
+    from xpukit.lora import apply_lora, resolve_lora
+    from xpukit.probe import cpu_facts
+    from xpukit.tiny import corpus_lines
+
+    bnb = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model, quantization_config=bnb, dtype=torch.bfloat16, device_map="cpu"
+    )
+    request = resolve_lora(True, quantized=True)
+    assert request is not None
+    model, _ = apply_lora(model, request, compute_dtype="bfloat16", quantized=True, device=cpu_facts())
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    data = [tok(line, truncation=True, max_length=32) for line in corpus_lines()]
+    args = training_args(
+        model,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=12,
+        learning_rate=5e-3,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+    )
+    assert args.use_cpu and args.gradient_checkpointing  # the model has it on: the args say so
+    assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    assert args.optim == "adamw_torch"  # no paged optimizers on CPU
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.2, losses
+
+
+@pytest.mark.gpu
+def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path) -> None:
+    """On CUDA/XPU: bf16 (or fp16) from the device, the paged 8-bit optimizer, a few real steps."""
+    import torch
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        BitsAndBytesConfig,
+        DataCollatorForLanguageModeling,
+        Trainer,
+    )
+
+    from xpukit.lora import apply_lora, resolve_lora
+    from xpukit.precision import training_precision
+    from xpukit.probe import detect
+    from xpukit.tiny import corpus_lines
+
+    facts = detect()
+    device = facts.devices[0]
+    want = training_precision(device)
+    dtype = getattr(torch, want.name)
+    bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model, quantization_config=bnb, dtype=dtype, device_map=device.torch_device
+    )
+    request = resolve_lora(True, quantized=True)
+    assert request is not None
+    model, _ = apply_lora(model, request, compute_dtype=want.name, quantized=True, device=device)
+    args = training_args(
+        model, output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=8, learning_rate=5e-3,
+        logging_steps=1, save_strategy="no", seed=0,
+    )  # fmt: skip
+    assert (args.bf16, args.fp16, args.use_cpu) == (want.bf16, want.fp16, False)
+    assert args.optim == "paged_adamw_8bit" and args.device.type == device.backend
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    data = [tok(line, truncation=True, max_length=32) for line in corpus_lines()]
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+    )
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3

@@ -1,12 +1,14 @@
 """xpukit: load, fine-tune and launch Hugging Face Transformers correctly on Intel GPUs (xpu).
 
 The same calls do the right thing on CUDA, MPS and CPU. Importing xpukit imports neither torch nor
-transformers: the public functions import what they need when they are called.
+transformers, and the public names below are resolved on first use (PEP 562), so ``import xpukit``
+costs a few milliseconds and the CLI starts fast.
 """
 
 from __future__ import annotations
 
-from importlib import metadata as _metadata
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import (
     DeviceSelectionError,
@@ -17,22 +19,68 @@ from xpukit.errors import (
     RuntimeAlreadyInitializedError,
     XpukitError,
 )
-from xpukit.devices import DeviceSelection, select_devices
-from xpukit.facts import DeviceFacts, MachineFacts
-from xpukit.probe import detect
-from xpukit.train import training_args
 
-try:
-    __version__ = _metadata.version("xpukit")
-except _metadata.PackageNotFoundError:  # running from a source tree without installing
-    __version__ = "0.0.0+unknown"
+if TYPE_CHECKING:
+    from xpukit.devices import DeviceSelection, select_devices
+    from xpukit.facts import DeviceFacts, MachineFacts
+    from xpukit.load import load_for_xpu
+    from xpukit.loadplan import Decision, LoadEvent, LoadPlan
+    from xpukit.plan import plan_load
+    from xpukit.probe import detect
+    from xpukit.train import training_args
+
+# Public name -> the module that defines it, imported on first attribute access.
+_LAZY = {
+    "Decision": "xpukit.loadplan",
+    "DeviceFacts": "xpukit.facts",
+    "DeviceSelection": "xpukit.devices",
+    "LoadEvent": "xpukit.loadplan",
+    "LoadPlan": "xpukit.loadplan",
+    "MachineFacts": "xpukit.facts",
+    "detect": "xpukit.probe",
+    "load_for_xpu": "xpukit.load",
+    "plan_load": "xpukit.plan",
+    "select_devices": "xpukit.devices",
+    "training_args": "xpukit.train",
+}
+
+
+def _version() -> str:
+    # importlib.metadata costs more to import than the rest of xpukit: read it only when asked.
+    from importlib import metadata
+
+    try:
+        return metadata.version("xpukit")
+    except metadata.PackageNotFoundError:  # running from a source tree without installing
+        return "0.0.0+unknown"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        value: Any = _version()
+        globals()[name] = value
+        return value
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xpukit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | {"__version__"})
+
 
 __all__ = [
+    "Decision",
     "DeviceFacts",
     "DeviceSelection",
     "DeviceSelectionError",
     "DeviceUnavailableError",
     "InvalidRequestError",
+    "LoadEvent",
+    "LoadPlan",
     "MachineFacts",
     "MissingExtraError",
     "PlanError",
@@ -40,6 +88,8 @@ __all__ = [
     "XpukitError",
     "__version__",
     "detect",
+    "load_for_xpu",
+    "plan_load",
     "select_devices",
     "training_args",
 ]

@@ -1,0 +1,92 @@
+"""``xpukit plan``: the dry run of ``load_for_xpu`` — every choice and why, no weights read."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from typing import Any
+
+from xpukit.errors import InvalidRequestError
+
+
+def add_parser(sub: Any) -> None:
+    """Register the ``plan`` subcommand."""
+    parser = sub.add_parser(
+        "plan",
+        help="dry run: what load_for_xpu would do with a model, and why",
+        description="Plan how a model would be loaded for inference (device, dtype, 4-bit, device_map, "
+        "max_memory, attention, Hub kernels) from its config alone; no weights are read. MODEL is a "
+        "local model directory, a Hub id (offline: only when its config is in the local cache), or a "
+        "built-in shape (qwen3-0.6b, qwen3-8b, qwen3-32b, llama-3.1-8b, llama-3.1-70b).",
+        epilog="Examples:\n"
+        "  xpukit plan qwen3-8b --assume arc-b580          # does it fit one Arc B580?\n"
+        "  xpukit plan qwen3-8b --assume arc-b580 --quantize 4bit\n"
+        "  xpukit plan llama-3.1-70b --assume max-1550x2 --json\n"
+        "  xpukit plan ./my-model --device cpu",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", metavar="MODEL", help="model directory, Hub id, or built-in shape name")
+    parser.add_argument("--device", help="xpu, xpu:1, cuda, mps or cpu (default: the first available)")
+    parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: auto)")
+    parser.add_argument(
+        "--attn", default="auto", help="auto, sdpa, eager, flash_attention_2 … (default: auto)"
+    )
+    parser.add_argument(
+        "--kernels", default="auto", choices=("auto", "on", "off"), help="Hub kernels (use_kernels)"
+    )
+    parser.add_argument("--quantize", help="4bit, 8bit or auto (4-bit only when needed to fit)")
+    parser.add_argument(
+        "--assume",
+        metavar="PROFILE[xN]",
+        help="plan for recorded hardware instead of this machine, e.g. arc-b580, max-1550x2 "
+        "(`python -c 'import xpukit.profiles as p; print(p.profile_names())'` lists them)",
+    )
+    parser.add_argument(
+        "--max-memory", metavar="SPEC", help="weights budget per device, e.g. 0=10GiB,1=10GiB,cpu=30GiB"
+    )
+    parser.add_argument("--headroom", help="memory kept free beside the weights, e.g. 2GiB")
+    parser.add_argument("--no-offload", action="store_true", help="fail instead of offloading to CPU")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan (or its JSON); a bad request or a plan that fits nowhere exits 1."""
+    from xpukit.model_source import local_model_dir
+    from xpukit.plan import plan_load
+    from xpukit.reference_models import REFERENCE_CONFIGS, reference_config
+
+    if not getattr(args, "verbose", False):
+        # The plan's warnings are part of what is printed; do not log them a second time.
+        logging.getLogger("xpukit.plan").setLevel(logging.ERROR)
+    model: Any = args.model
+    if local_model_dir(args.model) is None and args.model.lower() in REFERENCE_CONFIGS:
+        model = reference_config(args.model)
+    plan = plan_load(
+        model,
+        device=args.device,
+        dtype=args.dtype,
+        attn=args.attn,
+        kernels={"on": True, "off": False}.get(args.kernels, "auto"),
+        quantize=args.quantize,
+        max_memory=parse_max_memory(args.max_memory) if args.max_memory else None,
+        headroom=args.headroom,
+        offload=not args.no_offload,
+        facts=args.assume,
+    )
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.explain())
+    return 0
+
+
+def parse_max_memory(spec: str) -> dict[str, str]:
+    """``"0=10GiB,cpu=30GiB"`` → ``{"0": "10GiB", "cpu": "30GiB"}`` (sizes are checked by the planner)."""
+    out: dict[str, str] = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise InvalidRequestError(
+                f"--max-memory {spec!r}: use DEVICE=SIZE pairs, e.g. 0=10GiB,cpu=30GiB."
+            )
+        out[key.strip()] = value.strip()
+    return out

@@ -1,0 +1,282 @@
+"""load_for_xpu for real on CPU: every tiny architecture, fallbacks recorded, errors before weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from xpukit.errors import DeviceUnavailableError, InvalidRequestError, XpukitError
+from xpukit.load import load_for_xpu
+from xpukit.plan import plan_load
+
+ARCHS = ["qwen3", "llama", "mistral", "gemma", "phi3", "gpt2"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_load_generate_and_pipeline(tiny_models, arch):
+    import torch
+    from transformers import AutoTokenizer, pipeline
+
+    path = tiny_models[arch]
+    model = load_for_xpu(path)
+    plan = model.xpukit_plan
+    assert plan.carried_out and plan.model == str(path)
+    assert model.dtype == getattr(torch, plan.dtype)
+    assert str(model.device) == "cpu" and plan.device_map == "cpu"
+    assert model.config._attn_implementation == plan.attn_implementation == "sdpa"
+    tok = AutoTokenizer.from_pretrained(path)
+    out = model.generate(
+        **tok(["the quick brown fox"], return_tensors="pt"), max_new_tokens=4, do_sample=False
+    )
+    assert out.shape[1] > 4
+    text = pipeline("text-generation", model=model, tokenizer=tok)(
+        "the quick", max_new_tokens=3, do_sample=False
+    )
+    assert text[0]["generated_text"].startswith("the quick")
+
+
+def test_same_model_as_raw_from_pretrained(tiny_model, tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = load_for_xpu(tiny_model)
+    raw = AutoModelForCausalLM.from_pretrained(tiny_model, **model.xpukit_plan.from_pretrained_kwargs())
+    batch = tokenizer(["load weight on the device"], return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(model(**batch).logits, raw(**batch).logits)
+
+
+def test_overrides_and_passthrough(tiny_model):
+    import torch
+
+    model = load_for_xpu(tiny_model, dtype="float32", attn="eager", use_cache=False)
+    assert model.dtype == torch.float32
+    assert model.config._attn_implementation == "eager"
+    assert model.config.use_cache is False  # a config override, passed through to from_pretrained
+    assert model.xpukit_plan.from_pretrained_kwargs()["use_cache"] is False
+    again = load_for_xpu(model.xpukit_plan)  # a plan can be carried out as it is
+    assert again.dtype == torch.float32
+
+
+def test_hub_attention_kernel_that_cannot_be_had_falls_back(tiny_model, monkeypatch, tmp_path, caplog):
+    from xpukit import hub
+
+    if not hub.kernels_support().accepted:
+        pytest.skip("needs a kernels release this transformers accepts")
+    # A kernel the cache claims to have (refs/v1 → snapshot) but whose files are not there: the plan
+    # takes it; fetching it at load fails; the load goes on with SDPA and says why.
+    root = tmp_path / "kernels--acme--attn-kernel"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "v1").write_text("abc123")
+    (root / "snapshots" / "abc123").mkdir(parents=True)
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
+    plan = plan_load(tiny_model, attn="acme/attn-kernel")
+    assert plan.attn_implementation == "acme/attn-kernel" and plan.attention_kernel == "acme/attn-kernel"
+    with caplog.at_level(logging.WARNING, logger="xpukit.load"):
+        model = load_for_xpu(plan)
+    carried = model.xpukit_plan
+    assert model.config._attn_implementation == "sdpa" == carried.attn_implementation
+    (fallback,) = carried.fallbacks
+    assert fallback.what == "attn_implementation" and fallback.planned == "acme/attn-kernel"
+    assert "acme/attn-kernel" in fallback.cause
+    assert carried.decision("attn_implementation").source == "fallback"
+    assert len([r for r in caplog.records if r.name == "xpukit.load"]) == 1
+    assert "fallback attn_implementation" in carried.explain()
+
+
+def test_layer_kernels_that_cannot_be_had_fall_back(tiny_model, monkeypatch, caplog):
+    import xpukit.load as load
+
+    def fail(plan):
+        raise FileNotFoundError("kernels-community/rmsnorm: no build for this device")
+
+    monkeypatch.setattr(load, "preload_layer_kernels", fail)
+    plan = replace(plan_load(tiny_model), use_kernels=True)
+    with caplog.at_level(logging.WARNING, logger="xpukit.load"):
+        model = load.carry_out(plan)
+    carried = model.xpukit_plan
+    assert carried.use_kernels is False and not getattr(model, "use_kernels", False)
+    assert carried.fallbacks[0].what == "use_kernels" and "no build" in carried.fallbacks[0].cause
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Fail the test if any weights are read."""
+    from transformers import AutoModelForCausalLM
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("from_pretrained was called")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fix"),
+    [
+        ({"dtype": "float8"}, "bfloat16"),
+        ({"attn": "flash"}, "sdpa"),
+        ({"attn": "flash_attention_3"}, "cuda"),
+        ({"dtype": "float16", "torch_dtype": "bfloat16"}, "only dtype="),
+        ({"quantize": "2bit"}, "4bit"),
+        ({"max_memory": {"gpu": "1GiB"}}, "cpu"),
+    ],
+)
+def test_bad_input_fails_before_any_weight(tiny_model, no_weights, kwargs, fix):
+    with pytest.raises(XpukitError, match=fix):
+        load_for_xpu(tiny_model, **kwargs)
+
+
+def test_bad_paths_fail_before_any_weight(tmp_path, no_weights):
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        load_for_xpu(tmp_path / "nope")
+    with pytest.raises(InvalidRequestError, match=r"config\.json"):
+        load_for_xpu(tmp_path)
+
+
+def test_device_this_build_cannot_use(tiny_model, no_weights):
+    with pytest.raises(DeviceUnavailableError, match=r"download\.pytorch\.org/whl/xpu"):
+        load_for_xpu(tiny_model, device="xpu")
+    # A plan made for a profile is refused here before from_pretrained would assert.
+    with pytest.raises(DeviceUnavailableError, match="no XPU support"):
+        load_for_xpu(tiny_model, facts="arc-b580")
+
+
+def test_a_bare_config_has_nothing_to_load(no_weights):
+    from xpukit.reference_models import reference_config
+
+    with pytest.raises(InvalidRequestError, match="no weights"):
+        load_for_xpu(reference_config("qwen3-0.6b"), facts="cpu")
+
+
+@pytest.mark.slow
+def test_4bit_load_on_cpu(tiny_model, tokenizer):
+    pytest.importorskip("bitsandbytes")
+    model = load_for_xpu(tiny_model, quantize="4bit")
+    plan = model.xpukit_plan
+    assert plan.quantization == "4bit" and getattr(model, "is_loaded_in_4bit", False)
+    # The estimate leaves out bitsandbytes' quantization state (absmax…), a few percent at most.
+    assert plan.memory.weights == pytest.approx(model.get_memory_footprint(), rel=0.05)
+    out = model.generate(**tokenizer(["the quick brown fox"], return_tensors="pt"), max_new_tokens=3)
+    assert out.shape[1] > 3
+
+
+@pytest.mark.slow
+def test_lora_is_applied_and_recorded(tiny_model):
+    pytest.importorskip("peft")
+    model = load_for_xpu(tiny_model, lora=True)
+    plan = model.xpukit_plan
+    assert type(model).__name__ == "PeftModelForCausalLM"
+    assert plan.decision("lora").value.startswith("new LoRA")
+    assert any(e.what == "lora" for e in plan.events)
+    assert plan.use_kernels is False
+
+
+# --- a Hub endpoint that accepts connections and never answers -------------------------------------
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join(2)
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+CHILD = r"""
+import json, sys
+from xpukit.errors import InvalidRequestError
+from xpukit.load import load_for_xpu
+from xpukit.reference_models import reference_config
+from xpukit.plan import plan_load
+
+out = {}
+plan = plan_load(reference_config("qwen3-8b"), facts="arc-b580", kernels="auto", attn="auto")
+out["attn"] = plan.attn_implementation
+out["use_kernels"] = plan.use_kernels
+out["why"] = dict(plan.decision("attn_implementation").rejected)
+try:
+    plan_load("Qwen/Qwen3-0.6B", facts="cpu")
+    out["hub_id"] = "planned"
+except InvalidRequestError as exc:
+    out["hub_id"] = str(exc)
+model = load_for_xpu(sys.argv[1], kernels="auto", attn="auto")
+out["loaded"] = model.xpukit_plan.attn_implementation
+out["bitsandbytes_imported"] = "bitsandbytes" in sys.modules
+if len(sys.argv) > 2:  # import bitsandbytes reaches the Hub on avx512_bf16 CPUs; the guard keeps it off
+    quantized = load_for_xpu(sys.argv[1], quantize="4bit")
+    out["quantized"] = quantized.xpukit_plan.quantization
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_silent_hub_endpoint_costs_seconds_not_forever(tiny_model, silent_endpoint):
+    env = {k: v for k, v in os.environ.items() if k not in {"HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"}}
+    env |= {"HF_ENDPOINT": silent_endpoint, "XPUKIT_HUB_TIMEOUT": "1"}
+    args = [sys.executable, "-c", CHILD, str(tiny_model)]
+    try:
+        import bitsandbytes  # noqa: F401  (only to know whether the child can try the 4-bit path)
+
+        args.append("quant")
+    except ImportError:
+        pass
+    done = subprocess.run(
+        args, capture_output=True, text=True, env=env, timeout=240, cwd=Path(tiny_model).parent
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["attn"] == "sdpa" and out["use_kernels"] is False
+    assert "no answer" in out["why"]["kernels-community/flash-attn2"]
+    assert "cannot be used" in out["hub_id"] and "no answer" in out["hub_id"]
+    assert out["loaded"] == "sdpa" and out["bitsandbytes_imported"] is False
+    if len(args) > 4:
+        assert out["quantized"] == "4bit"
+
+
+def test_a_given_config_is_used(tiny_model):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.use_cache = False
+    model = load_for_xpu(tiny_model, config=config)
+    assert model.config.use_cache is False
+    assert model.xpukit_plan.from_pretrained_kwargs()["config"] is config
+    # A config read from a model directory knows where its weights are.
+    again = load_for_xpu(config)
+    assert again.xpukit_plan.model == str(tiny_model) and again.config.use_cache is False

@@ -1,0 +1,486 @@
+"""plan_load decided from recorded device profiles and real-size model shapes (no hardware, no Hub)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from xpukit import hub
+from xpukit.errors import (
+    DeviceSelectionError,
+    DeviceUnavailableError,
+    InvalidRequestError,
+    MissingExtraError,
+    PlanError,
+    XpukitError,
+)
+from xpukit.placement import GiB
+from xpukit.plan import plan_load
+from xpukit.reference_models import reference_config
+
+QWEN3_8B = "qwen3-8b"
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    """Real-size configs, built once (no network)."""
+    return {
+        name: reference_config(name)
+        for name in ("qwen3-0.6b", "qwen3-8b", "qwen3-32b", "llama-3.1-8b", "llama-3.1-70b")
+    }
+
+
+def fake_kernel(cache: Path, repo: str, version: int) -> None:
+    """Lay out a Hub kernel in a kernels cache the way the kernels library does (refs/vN → snapshot)."""
+    root = cache / f"kernels--{repo.replace('/', '--')}"
+    (root / "refs").mkdir(parents=True, exist_ok=True)
+    (root / "refs" / f"v{version}").write_text("0123abcd")
+    (root / "snapshots" / "0123abcd").mkdir(parents=True, exist_ok=True)
+    (root / "snapshots" / "0123abcd" / "README.md").write_text("fake")
+
+
+@pytest.fixture
+def bnb(monkeypatch):
+    """Pretend a bitsandbytes version (or none) is installed, as package metadata would say."""
+
+    def set_version(version: str | None) -> None:
+        import xpukit._compat as compat
+        import xpukit.quantization as quantization
+
+        for module in (compat, quantization):
+            real_version = module.installed_version
+            monkeypatch.setattr(
+                module,
+                "installed_version",
+                lambda pkg, v=version, real=real_version: v if pkg == "bitsandbytes" else real(pkg),
+            )
+            real = module.is_installed
+            monkeypatch.setattr(
+                module,
+                "is_installed",
+                lambda mod, v=version, real=real: v is not None if mod == "bitsandbytes" else real(mod),
+            )
+
+    return set_version
+
+
+# --- the profile table ---------------------------------------------------------------------------
+
+# (profile, shape, quantize) -> (device, dtype, placement kind, quantization)
+TABLE = [
+    ("max-1550x2", "qwen3-32b", None, "xpu:0", "bfloat16", "split", None),
+    ("max-1550x2", "qwen3-8b", None, "xpu:0", "bfloat16", "single", None),
+    ("max-1550x2", "llama-3.1-70b", "auto", "xpu:0", "bfloat16", "single", "4bit"),
+    ("arc-a770", "qwen3-8b", None, "xpu:0", "bfloat16", "offload", None),
+    ("arc-a770", "qwen3-8b", "4bit", "xpu:0", "bfloat16", "single", "4bit"),
+    ("arc-a770", "qwen3-8b", "auto", "xpu:0", "bfloat16", "single", "4bit"),
+    ("arc-b580", "qwen3-8b", "auto", "xpu:0", "bfloat16", "single", "4bit"),
+    ("arc-b580", "qwen3-0.6b", "auto", "xpu:0", "bfloat16", "single", None),
+    ("lunar-lake", "qwen3-8b", None, "xpu:0", "bfloat16", "offload", None),
+    ("lunar-lake", "qwen3-8b", "4bit", "xpu:0", "bfloat16", "single", "4bit"),
+    ("meteor-lake", "qwen3-0.6b", None, "xpu:0", "float16", "single", None),
+    ("t4", "qwen3-0.6b", None, "cuda:0", "float16", "single", None),
+    ("t4", "qwen3-8b", None, "cuda:0", "float16", "offload", None),
+    ("h100", "llama-3.1-8b", None, "cuda:0", "bfloat16", "single", None),
+    ("max-1550x2", "llama-3.1-70b", None, "xpu:0", "bfloat16", "offload", None),
+    ("h100", "llama-3.1-70b", "auto", "cuda:0", "bfloat16", "single", "4bit"),
+    ("cpu-bf16", "qwen3-0.6b", None, "cpu", "bfloat16", "single", None),
+    ("cpu", "qwen3-0.6b", None, "cpu", "float32", "single", None),
+    ("apple-m2", "qwen3-0.6b", None, "mps:0", "float16", "single", None),
+]
+
+
+@pytest.mark.parametrize(("profile", "shape", "quantize", "device", "dtype", "kind", "quant"), TABLE)
+def test_profile_table(shapes, bnb, profile, shape, quantize, device, dtype, kind, quant):
+    bnb("0.50.2")
+    plan = plan_load(shapes[shape], facts=profile, quantize=quantize)
+    assert plan.device.torch_device == device
+    assert plan.dtype == dtype
+    assert plan.memory.placement == kind
+    assert plan.quantization == quant
+    assert plan.attn_implementation == "sdpa"  # offline, empty kernel cache: never the Hub kernel
+    key = f"{quant}/{dtype}" if quant else dtype
+    assert plan.memory.weights == plan.model_facts.weights(dtype, quant)
+    assert plan.memory.weights_key == key
+    if kind == "single":
+        assert plan.device_map == ("mps" if device == "mps:0" else device) and plan.max_memory is None
+        assert plan.memory.needed <= plan.memory.budgets[0].usable
+    else:
+        # Never a bare "auto": accelerate drops an XPU whose free memory cannot be queried.
+        assert plan.device_map == "auto" and plan.max_memory
+        assert all(isinstance(k, int) for k in plan.max_memory if k != "cpu")
+    if kind == "offload":
+        assert "cpu" in plan.max_memory
+        assert any("CPU offload" in w for w in plan.warnings)
+    if kind == "split":
+        assert set(plan.max_memory) == {0, 1}
+        assert sum(plan.max_memory.values()) >= plan.memory.weights
+
+
+def test_split_budgets_leave_the_headroom(shapes):
+    plan = plan_load(shapes["qwen3-32b"], facts="max-1550x2")
+    usable = sum(b.usable for b in plan.memory.budgets)
+    assert sum(plan.max_memory.values()) == pytest.approx(usable - plan.memory.headroom, abs=2)
+    assert plan.memory.needed > plan.memory.budgets[0].usable  # it really did not fit one stack
+
+
+def test_unknown_free_memory_uses_the_stated_fraction(shapes):
+    plan = plan_load(shapes["qwen3-0.6b"], facts="lunar-lake")
+    budget = plan.memory.budgets[0]
+    assert plan.device.free_memory is None
+    assert budget.usable == int(plan.device.total_memory * 0.6)
+    assert "cannot be queried" in budget.rule and "0.6" in budget.rule
+    assert "cannot be queried" in plan.explain()
+
+
+def test_offload_warning_points_at_4bit(shapes):
+    plan = plan_load(shapes[QWEN3_8B], facts="arc-b580")
+    assert plan.memory.placement == "offload"
+    assert any("quantize='4bit'" in w for w in plan.warnings)
+
+
+def test_no_offload_is_an_error_with_the_numbers(shapes):
+    with pytest.raises(PlanError) as err:
+        plan_load(shapes[QWEN3_8B], facts="arc-b580", offload=False)
+    text = str(err.value)
+    assert "GiB" in text and "xpu:0" in text and "headroom" in text
+    assert "quantize='4bit'" in text and "offload=True" in text
+
+
+def test_fits_nowhere(shapes):
+    with pytest.raises(PlanError, match=r"does not fit cpu"):
+        plan_load(shapes["llama-3.1-70b"], facts="cpu")
+    # An H100 host with 24 GiB of RAM cannot take the 52 GiB an unquantized 70B leaves over.
+    with pytest.raises(
+        PlanError, match=r"quantize='4bit' \(35.79 GiB of weights\) fits; even with CPU offload"
+    ):
+        plan_load(shapes["llama-3.1-70b"], facts="h100")
+
+
+def test_explicit_device_index(shapes):
+    plan = plan_load(shapes["qwen3-0.6b"], facts="max-1550x2", device="xpu:1")
+    assert plan.device.torch_device == "xpu:1" and plan.device_map == "xpu:1"
+    assert plan.decision("device").source == "user"
+    with pytest.raises(DeviceSelectionError, match="xpu:0, xpu:1"):
+        plan_load(shapes["qwen3-0.6b"], facts="max-1550x2", device="xpu:2")
+
+
+def test_given_max_memory_and_device_map(shapes):
+    plan = plan_load(shapes[QWEN3_8B], facts="max-1550x2", max_memory={0: "10GiB", "xpu:1": "10GiB"})
+    assert plan.max_memory == {0: 10 * GiB, 1: 10 * GiB} and plan.device_map == "auto"
+    with pytest.raises(PlanError, match="exceed the max_memory"):
+        plan_load(shapes[QWEN3_8B], facts="max-1550x2", max_memory={0: "1GiB"})
+    plan = plan_load(shapes["qwen3-0.6b"], facts="max-1550x2", device_map="xpu:1")
+    assert plan.device_map == "xpu:1" and plan.device.index == 1
+    with pytest.raises(InvalidRequestError, match="no such device"):
+        plan_load(shapes["qwen3-0.6b"], facts="max-1550x2", device_map={"": "xpu:5"})
+
+
+def test_headroom_rule_and_override(shapes):
+    plan = plan_load(shapes[QWEN3_8B], facts="h100")
+    facts = plan.model_facts
+    kv = facts.kv_bytes_per_token * 4096
+    assert plan.memory.headroom == kv + int(plan.memory.weights * 0.10) + 256 * 2**20
+    assert plan.decision("headroom").reason == plan.memory.headroom_rule
+    plan = plan_load(shapes[QWEN3_8B], facts="h100", headroom="1GiB")
+    assert plan.memory.headroom == GiB and plan.decision("headroom").source == "user"
+
+
+# --- dtype ---------------------------------------------------------------------------------------
+
+
+def test_explicit_dtype_wins_and_emulation_warns(shapes):
+    plan = plan_load(shapes["qwen3-0.6b"], facts="meteor-lake", dtype="bf16")
+    assert plan.dtype == "bfloat16" and plan.decision("dtype").source == "user"
+    assert any("emulated" in w for w in plan.warnings)
+    plan = plan_load(shapes["qwen3-0.6b"], facts="arc-b580", dtype="float32")
+    assert plan.dtype == "float32" and not plan.warnings
+    assert plan.memory.weights == plan.model_facts.weights("float32")
+
+
+def test_dtype_accepts_torch_dtypes_and_refuses_the_rest(shapes):
+    import torch
+
+    assert plan_load(shapes["qwen3-0.6b"], facts="h100", dtype=torch.float16).dtype == "float16"
+    for bad in ("int8", torch.int8, "bfloat17"):
+        with pytest.raises(InvalidRequestError, match="bfloat16"):
+            plan_load(shapes["qwen3-0.6b"], facts="h100", dtype=bad)
+
+
+def test_torch_dtype_alias_and_conflicts(shapes):
+    plan = plan_load(shapes["qwen3-0.6b"], facts="h100", torch_dtype="float16")
+    assert plan.dtype == "float16"
+    assert "torch_dtype" not in plan.from_pretrained_kwargs()
+    with pytest.raises(InvalidRequestError, match="only dtype="):
+        plan_load(shapes["qwen3-0.6b"], facts="h100", dtype="bfloat16", torch_dtype="float16")
+    with pytest.raises(InvalidRequestError, match="only attn="):
+        plan_load(shapes["qwen3-0.6b"], facts="h100", attn="eager", attn_implementation="sdpa")
+    with pytest.raises(InvalidRequestError, match="quantize='4bit'"):
+        plan_load(shapes["qwen3-0.6b"], facts="h100", load_in_4bit=True)
+
+
+# --- attention -----------------------------------------------------------------------------------
+
+
+def test_attention_defaults_and_refusals(shapes):
+    plan = plan_load(shapes["qwen3-0.6b"], facts="t4")
+    rejected = dict(plan.decision("attn_implementation").rejected)
+    assert "compute capability 7.5" in rejected["kernels-community/flash-attn2"]
+    assert plan_load(shapes["qwen3-0.6b"], facts="h100", attn="eager").attn_implementation == "eager"
+    for bad_attn in ("flash_attention_3", "flash_attention_4"):
+        with pytest.raises(InvalidRequestError, match="Hopper/Blackwell"):
+            plan_load(shapes["qwen3-0.6b"], facts="arc-b580", attn=bad_attn)
+    with pytest.raises(InvalidRequestError, match="cuda/xpu only"):
+        plan_load(shapes["qwen3-0.6b"], facts="cpu-bf16", attn="flash_attention_2")
+    with pytest.raises(InvalidRequestError, match="fp16/bf16"):
+        plan_load(shapes["qwen3-0.6b"], facts="arc-b580", attn="flash_attention_2", dtype="float32")
+    with pytest.raises(InvalidRequestError, match="flash_attention_2"):
+        plan_load(shapes["qwen3-0.6b"], facts="arc-b580", attn="fast")
+
+
+def test_flash_attn2_offline_falls_back_to_sdpa(shapes):
+    plan = plan_load(shapes["qwen3-0.6b"], facts="arc-b580", attn="flash_attention_2")
+    decision = plan.decision("attn_implementation")
+    assert plan.attn_implementation == "sdpa" and decision.source == "fallback"
+    assert "HF_HUB_OFFLINE" in decision.reason
+    assert any("flash_attention_2" in w for w in plan.warnings)
+    assert plan.attention_kernel is None
+
+
+def test_flash_attn2_without_kernels_falls_back(shapes, monkeypatch):
+    missing = hub.KernelsSupport(
+        installed=None,
+        required=">=0.17.2,<0.18",
+        transformers="5",
+        accepted=False,
+        reason='the `kernels` package is not installed (pip install "xpukit[kernels]")',
+    )
+    monkeypatch.setattr("xpukit.attention.kernels_support", lambda: missing)
+    plan = plan_load(shapes["qwen3-0.6b"], facts="h100", attn="flash_attention_2")
+    assert plan.attn_implementation == "sdpa"
+    assert "xpukit[kernels]" in plan.decision("attn_implementation").reason
+
+
+def test_installed_but_rejected_kernels_is_named(shapes, monkeypatch):
+    monkeypatch.setattr(hub, "_transformers_kernels_requirement", lambda: ">=0.18.2,<0.19")
+    hub.kernels_support.cache_clear()
+    try:
+        plan = plan_load(shapes["qwen3-0.6b"], facts="arc-b580", attn="flash_attention_2")
+        reason = plan.decision("attn_implementation").reason
+        assert "is installed, but transformers" in reason and "kernels>=0.18.2" in reason
+    finally:
+        hub.kernels_support.cache_clear()
+
+
+def test_cached_flash_attn2_is_chosen(shapes, monkeypatch, tmp_path):
+    if not hub.kernels_support().accepted:
+        pytest.skip("needs a kernels release this transformers accepts")
+    from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_VERSIONS
+
+    fake_kernel(
+        tmp_path, "kernels-community/flash-attn2", FLASH_ATTN_KERNEL_VERSIONS["kernels-community/flash-attn2"]
+    )
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
+    monkeypatch.setattr(hub, "_probe", _no_network)
+    plan = plan_load(shapes["qwen3-0.6b"], facts="arc-b580")
+    assert plan.attn_implementation == "kernels-community/flash-attn2"
+    assert plan.attention_kernel == "kernels-community/flash-attn2"
+    assert "local kernel cache" in plan.decision("attn_implementation").reason
+    # ...but never on a device without flash-attn2 builds, and never for a model that lacks it.
+    assert plan_load(shapes["qwen3-0.6b"], facts="t4").attn_implementation == "sdpa"
+
+
+# --- use_kernels ---------------------------------------------------------------------------------
+
+
+def test_use_kernels_rules(shapes, monkeypatch, tmp_path):
+    with pytest.raises(InvalidRequestError, match="KernelConfig accepts"):
+        plan_load(shapes["qwen3-0.6b"], facts="cpu-bf16", kernels=True)
+    cpu = plan_load(shapes["qwen3-0.6b"], facts="cpu-bf16")
+    assert cpu.use_kernels is False and "replaces nothing" in cpu.decision("use_kernels").reason
+    offline = plan_load(shapes["qwen3-0.6b"], facts="arc-b580")
+    assert offline.use_kernels is False and "not in the local cache" in offline.decision("use_kernels").reason
+    asked = plan_load(shapes["qwen3-0.6b"], facts="arc-b580", kernels=True)
+    assert asked.use_kernels is False and asked.decision("use_kernels").source == "fallback"
+    if not hub.kernels_support().accepted:
+        return
+    for repo, version in (
+        ("kernels-community/rmsnorm", 1),
+        ("kernels-community/activation", 1),
+        ("kernels-community/rotary", 2),
+    ):
+        fake_kernel(tmp_path, repo, version)
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
+    cached = plan_load(shapes["qwen3-0.6b"], facts="arc-b580")
+    assert cached.use_kernels is True and cached.from_pretrained_kwargs()["use_kernels"] is True
+    assert "kernels-community/rmsnorm" in cached.decision("use_kernels").reason
+
+
+# --- quantization --------------------------------------------------------------------------------
+
+
+def test_quantize_auto_without_bitsandbytes_says_what_it_would_do(shapes, bnb):
+    bnb(None)
+    plan = plan_load(shapes[QWEN3_8B], facts="arc-b580", quantize="auto")
+    reason = plan.decision("quantization").reason
+    assert plan.quantization is None and plan.memory.placement == "offload"
+    assert "would pick 4-bit" in reason and "xpukit[quant]" in reason
+
+
+def test_explicit_4bit_needs_bitsandbytes_here(shapes, bnb, tiny_model):
+    bnb(None)
+    with pytest.raises(MissingExtraError, match=r"xpukit\[quant\]"):
+        plan_load(tiny_model, quantize="4bit")  # this machine: enforced
+    plan = plan_load(shapes[QWEN3_8B], facts="arc-b580", quantize="4bit")  # assumed machine: noted
+    assert plan.quantization == "4bit" and any("xpukit[quant]" in w for w in plan.warnings)
+    bnb("0.47.0")
+    with pytest.raises(MissingExtraError, match=r">=0\.48"):
+        plan_load(tiny_model, quantize="8bit")
+
+
+def test_arc_a_with_old_bitsandbytes_computes_in_fp16(shapes, bnb):
+    bnb("0.49.0")
+    plan = plan_load(shapes[QWEN3_8B], facts="arc-a770", quantize="4bit")
+    assert plan.dtype == "float16" and plan.quantization_config["bnb_4bit_compute_dtype"] == "float16"
+    assert "0.50" in plan.decision("dtype").reason
+    with pytest.raises(InvalidRequestError, match=r"bitsandbytes>=0\.50"):
+        plan_load(shapes[QWEN3_8B], facts="arc-a770", quantize="4bit", dtype="bfloat16")
+    bnb("0.50.2")
+    assert plan_load(shapes[QWEN3_8B], facts="arc-a770", quantize="4bit").dtype == "bfloat16"
+
+
+def test_quantize_refusals(shapes, bnb):
+    bnb("0.50.2")
+    with pytest.raises(InvalidRequestError, match="no MPS backend"):
+        plan_load(shapes["qwen3-0.6b"], facts="apple-m2", quantize="4bit")
+    with pytest.raises(InvalidRequestError, match="'4bit'"):
+        plan_load(shapes["qwen3-0.6b"], facts="h100", quantize="3bit")
+    with pytest.raises(PlanError, match="fp32"):  # a 4-bit 70B does not fit one B580 and is not offloaded
+        plan_load(shapes["llama-3.1-70b"], facts="arc-b580", quantize="4bit")
+
+
+def test_4bit_config_and_user_config(shapes, bnb):
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    bnb("0.50.2")
+    plan = plan_load(shapes[QWEN3_8B], facts="h100", quantize="4bit", dtype="float16")
+    cfg = plan.from_pretrained_kwargs()["quantization_config"]
+    assert cfg.load_in_4bit and cfg.bnb_4bit_quant_type == "nf4" and cfg.bnb_4bit_use_double_quant
+    assert cfg.bnb_4bit_compute_dtype == torch.float16
+    mine = BitsAndBytesConfig(load_in_8bit=True)
+    plan = plan_load(shapes[QWEN3_8B], facts="h100", quantize=mine)
+    assert plan.quantization == "8bit" and plan.from_pretrained_kwargs()["quantization_config"] is mine
+    assert plan.quantization_config["load_in_8bit"] is True
+    offloading = BitsAndBytesConfig(load_in_4bit=True, llm_int8_enable_fp32_cpu_offload=True)
+    plan = plan_load(shapes["qwen3-32b"], facts="arc-a770", quantize=offloading)
+    assert plan.memory.placement == "offload"
+
+
+# --- the plan object -----------------------------------------------------------------------------
+
+
+def test_plan_is_explained_serialised_and_frozen(shapes):
+    import dataclasses
+
+    plan = plan_load(shapes[QWEN3_8B], facts="lunar-lake", quantize="auto")
+    text = plan.explain()
+    for d in plan.decisions:
+        assert d.name in text
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["dtype"] == plan.dtype and data["memory"]["weights"] == plan.memory.weights
+    assert {d["name"] for d in data["decisions"]} >= {"device", "dtype", "device_map", "attn_implementation"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.dtype = "float32"  # type: ignore[misc]
+    import torch
+
+    assert plan.from_pretrained_kwargs()["dtype"] is torch.bfloat16
+
+
+def test_offline_plan_makes_no_network_call(shapes, monkeypatch):
+    monkeypatch.setattr(hub, "_probe", _no_network)
+    plan = plan_load(shapes[QWEN3_8B], facts="arc-b580", attn="flash_attention_2", kernels=True)
+    assert plan.attn_implementation == "sdpa" and plan.use_kernels is False
+
+
+def test_hub_id_not_cached_offline_is_refused():
+    with pytest.raises(InvalidRequestError, match=r"hf download Qwen/Qwen3-0\.6B"):
+        plan_load("Qwen/Qwen3-0.6B", facts="cpu")
+
+
+def test_bad_paths(tmp_path):
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        plan_load(str(tmp_path / "missing" / "model"), facts="cpu")
+    with pytest.raises(InvalidRequestError, match=r"no config\.json"):
+        plan_load(tmp_path, facts="cpu")
+
+
+def test_torch_build_without_the_backend_is_refused(tiny_model):
+    # This CPU wheel: transformers itself would raise a bare AssertionError from from_pretrained.
+    with pytest.raises(DeviceUnavailableError, match="whl/xpu"):
+        plan_load(tiny_model, device="xpu")
+    with pytest.raises(DeviceUnavailableError, match="whl/cu"):
+        plan_load(tiny_model, device="cuda:0")
+    with pytest.raises(InvalidRequestError, match="not a device"):
+        plan_load(tiny_model, device="gpu")
+
+
+def test_errors_are_xpukit_errors(shapes):
+    for kwargs in ({"dtype": "int4"}, {"attn": "nope"}, {"kernels": "maybe"}, {"max_memory": {"gpu0": 1}}):
+        with pytest.raises(XpukitError):
+            plan_load(shapes["qwen3-0.6b"], facts="h100", **kwargs)
+
+
+@pytest.mark.slow
+def test_planning_for_a_profile_imports_no_bitsandbytes_and_initialises_nothing():
+    code = (
+        "import sys, xpukit.plan as p\n"
+        "assert 'torch' not in sys.modules\n"
+        "from xpukit.reference_models import reference_config\n"
+        "import xpukit.probe as probe\n"
+        "probe.detect = lambda **k: (_ for _ in ()).throw(AssertionError('detect called'))\n"
+        "plan = p.plan_load(reference_config('qwen3-8b'), facts='arc-b580', quantize='4bit')\n"
+        "import torch\n"
+        "assert not probe.runtime_initialized()\n"
+        "assert not torch.xpu.is_initialized() and not torch.cuda.is_initialized()\n"
+        "print(plan.memory.weights, 'bitsandbytes' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    weights, bnb_imported = out.stdout.split()
+    assert int(weights) > 5 * GiB and bnb_imported == "False"
+
+
+def _no_network(*args, **kwargs):
+    raise AssertionError("the Hub was contacted")
+
+
+# --- xpukit plan ---------------------------------------------------------------------------------
+
+
+def test_cli_plan_json_and_text(capsys):
+    from xpukit.cli.main import main
+
+    assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["device_map"] == "xpu:0" and data["quantization"] == "4bit"
+    assert data["machine"]["source"] == "profile:arc-b580"
+    assert main(["plan", "qwen3-8b", "--assume", "max-1550x2", "--max-memory", "0=20GiB,1=20GiB"]) == 0
+    text = capsys.readouterr().out
+    assert "max_memory argument" in text and "Rejected alternatives" in text
+
+
+def test_cli_plan_errors_exit_1(capsys):
+    from xpukit.cli.main import main
+
+    assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--no-offload"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("xpukit plan: error:") and "quantize='4bit'" in err
+    assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--max-memory", "lots"]) == 1
+    assert "DEVICE=SIZE" in capsys.readouterr().err
+    assert main(["plan", "qwen3-8b", "--assume", "rtx-9090"]) == 1
+    assert "arc-b580" in capsys.readouterr().err

@@ -1,0 +1,155 @@
+"""Every example runs on CPU, offline: the two scripts as subprocesses, the notebook with nbclient.
+
+The two scripts start together (each spends most of its time importing, which uses one core), so
+the pair costs about as much as the slower one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+TIMEOUT = 280
+
+
+def _env() -> dict[str, str]:
+    """Offline, conftest's scratch caches (where demo_model is built), and one torch thread: the tiny
+    model gains nothing from more, and on a shared 2-core runner two threads stall each other."""
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+@dataclass
+class Script:
+    """An example script started in the background; its output goes to files (no pipe to fill up)."""
+
+    proc: subprocess.Popen[bytes]
+    stdout: Path
+    stderr: Path
+
+    def finish(self, name: str) -> str:
+        self.proc.wait(timeout=TIMEOUT)
+        err = self.stderr.read_text(errors="replace")
+        assert self.proc.returncode == 0, f"{name}: exit {self.proc.returncode}\n{err[-4000:]}"
+        return self.stdout.read_text()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("examples")
+
+
+@pytest.fixture(scope="module")
+def scripts(work: Path, demo_model: Path) -> Iterator[dict[str, Script]]:
+    """Start both example scripts at once; each test waits for its own."""
+    commands = {
+        "inference": [str(EXAMPLES / "inference.py")],
+        "qlora": [str(EXAMPLES / "qlora_finetune.py"), "--steps", "10", "--output-dir", "out"],
+    }
+    started = {}
+    for name, args in commands.items():
+        out, err = work / f"{name}.out", work / f"{name}.err"
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            proc = subprocess.Popen(
+                [sys.executable, *args], cwd=work, env=_env(), stdout=stdout, stderr=stderr
+            )
+        started[name] = Script(proc=proc, stdout=out, stderr=err)
+    yield started
+    for script in started.values():  # a test that failed early must not leave a process behind
+        if script.proc.poll() is None:
+            script.proc.kill()
+            script.proc.wait()
+
+
+@pytest.mark.slow
+def test_inference_example_runs(scripts: dict[str, Script]) -> None:
+    out = scripts["inference"].finish("inference")
+    assert "Plan for" in out and "loaded on cpu" in out
+    generated = re.search(r"^generate\(\): (.+)$", out, re.M)
+    piped = re.search(r"^pipeline\(\): +(.+)$", out, re.M)
+    assert generated and piped
+    # Greedy decoding of the same prompt: the pipeline must produce what generate() did.
+    assert generated.group(1).startswith("The baker") and piped.group(1) == generated.group(1)
+
+
+@pytest.mark.slow
+def test_qlora_example_trains_and_saves_the_adapter(scripts: dict[str, Script], work: Path) -> None:
+    pytest.importorskip("peft")  # extras lora + quant
+    pytest.importorskip("bitsandbytes")
+    out = scripts["qlora"].finish("qlora")
+    match = re.search(r"^loss ([\d.]+) -> ([\d.]+)$", out, re.M)
+    assert match, out
+    assert float(match.group(2)) < float(match.group(1))
+    adapter = work / "out"
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] > 0
+    assert (adapter / "adapter_model.safetensors").stat().st_size > 0
+
+
+# --- the notebook --------------------------------------------------------------------------------
+
+
+def _notebook() -> Any:
+    import nbformat
+
+    return nbformat.read(EXAMPLES / "quickstart.ipynb", as_version=4)
+
+
+def test_notebook_is_committed_without_outputs() -> None:
+    import nbformat
+
+    nb = _notebook()
+    nbformat.validate(nb)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert cell.outputs == [] and cell.execution_count is None
+
+
+@pytest.mark.slow
+def test_notebook_runs(tmp_path: Path, demo_model: Path) -> None:
+    """Executed with a kernel on this interpreter (not whatever `python3` kernel the user has)."""
+    pytest.importorskip("peft")  # the notebook fine-tunes in 4-bit: extras lora + quant
+    pytest.importorskip("bitsandbytes")
+    from jupyter_client.kernelspec import KernelSpecManager
+    from jupyter_client.manager import KernelManager
+    from nbclient import NotebookClient
+
+    spec = tmp_path / "kernels" / "xpukit-test"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "xpukit test",
+                "language": "python",
+            }
+        )
+    )
+    specs = KernelSpecManager(kernel_dirs=[str(spec.parent)], ensure_native_kernel=False)
+    km = KernelManager(kernel_name="xpukit-test", kernel_spec_manager=specs)
+    nb = _notebook()
+    client = NotebookClient(nb, km=km, timeout=TIMEOUT, resources={"metadata": {"path": str(tmp_path)}})
+    client.execute(env=_env())
+    text = "\n".join(
+        out.get("text", "")
+        for cell in nb.cells
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "stream"
+    )
+    assert "Plan for" in text
+    logged = re.search(r"^loss: (.+)$", text, re.M)
+    assert logged, text
+    losses = [float(x) for x in logged.group(1).split(" -> ")]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    before = re.search(r"^before: (.+)$", text, re.M)
+    after = re.search(r"^after: +(.+)$", text, re.M)
+    assert before and after and before.group(1) != after.group(1)

@@ -176,3 +176,32 @@ def test_mixed_integrated_and_discrete_intel_gpus_warn() -> None:
     h = host(intel_gpus=("8086:7d55", "8086:e20b"), intel_igpu_present=True)
     assert codes(machine_profile("arc-b580"), h) == {"mixed-intel-gpus": "warning"}
     assert codes(machine_profile("arc-b580"), host(intel_gpus=("8086:e20b", "8086:e20b"))) == {}
+
+
+def test_kernels_version_rejected_by_transformers_is_named() -> None:
+    reason = (
+        "kernels 0.17.2 is installed, but transformers 5.24.0 accepts only kernels>=0.18.2,<0.19 and "
+        "treats it as missing"
+    )
+    found = diagnose(machine_profile("h100"), host(kernels_accepted=False, kernels_reason=reason))
+    (f,) = found
+    assert (f.code, f.severity) == ("kernels-rejected", "warning")
+    assert "0.17.2" in f.message and "not installed" in f.message
+    assert codes(machine_profile("h100"), host(kernels_accepted=True)) == {}
+    assert codes(machine_profile("h100"), host(kernels_accepted=None)) == {}
+
+
+def test_unreachable_hub_suggests_offline_mode() -> None:
+    found = diagnose(machine_profile("cpu"), host(hub_reachable=False, hub_reason="DNS failed"))
+    (f,) = found
+    assert f.code == "hub-unreachable" and "HF_HUB_OFFLINE=1" in f.fix
+    assert codes(machine_profile("cpu"), host(hub_offline=True, hub_reachable=None)) == {}
+
+
+def test_real_host_reports_kernels_and_hub_without_network() -> None:
+    from xpukit.doctor import gather_host
+
+    h = gather_host()  # conftest sets HF_HUB_OFFLINE=1: no network is attempted
+    assert h.hub_offline is True and h.hub_reachable is None
+    if h.packages.get("kernels"):
+        assert h.kernels_accepted is not None and "kernels" in h.kernels_reason

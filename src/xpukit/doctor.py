@@ -75,6 +75,11 @@ class HostFacts:
         render_nodes_accessible: whether the current user can open every ``/dev/dri/renderD*``.
         in_render_group: whether the user is root or in the ``render`` group.
         packages: installed versions of :data:`PACKAGES`.
+        kernels_accepted: whether transformers accepts the installed ``kernels`` (None: absent).
+        kernels_reason: the version check in words.
+        hub_offline: ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) is set.
+        hub_reachable: the bounded reachability check's answer (None when offline: not checked).
+        hub_reason: that check in words.
     """
 
     intel_gpus: tuple[str, ...] = ()
@@ -84,6 +89,11 @@ class HostFacts:
     render_nodes_accessible: bool = True
     in_render_group: bool = True
     packages: dict[str, str | None] = field(default_factory=dict)
+    kernels_accepted: bool | None = None  # None: kernels not installed
+    kernels_reason: str = ""
+    hub_offline: bool = False
+    hub_reachable: bool | None = None  # None: not checked (offline)
+    hub_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -96,7 +106,11 @@ def gather_host() -> HostFacts:
     """Read the host facts (sysfs, /dev/dri, groups, package metadata); touches no GPU runtime."""
     dri = Path("/dev/dri")
     nodes = sorted(dri.glob("renderD*")) if dri.exists() else []
+    from xpukit.hub import hub_status, kernels_support
+
     gpus = _intel_display_devices()
+    kernels = kernels_support()
+    hub = hub_status()  # bounded (XPUKIT_HUB_TIMEOUT, default 2 s); no network when offline
     return HostFacts(
         intel_gpus=tuple(pci_id for _, pci_id in gpus),
         intel_igpu_present=any(address.endswith(":00:02.0") for address, _ in gpus),
@@ -105,6 +119,11 @@ def gather_host() -> HostFacts:
         render_nodes_accessible=all(os.access(n, os.R_OK | os.W_OK) for n in nodes),
         in_render_group=_in_render_group(),
         packages={name: installed_version(name) for name in PACKAGES},
+        kernels_accepted=kernels.accepted if kernels.installed else None,
+        kernels_reason=kernels.reason,
+        hub_offline=hub.offline,
+        hub_reachable=None if hub.offline else hub.reachable,
+        hub_reason=hub.reason,
     )
 
 
@@ -271,6 +290,29 @@ def diagnose(machine: MachineFacts, host: HostFacts) -> list[Finding]:
                 fix='pip install -U "bitsandbytes>=0.50"',
             )
         )
+    if host.kernels_accepted is False:
+        add(
+            Finding(
+                severity="warning",
+                code="kernels-rejected",
+                message=f"{host.kernels_reason}. Hub kernels (flash-attn2 on XPU/CUDA, use_kernels) "
+                "stay off, and transformers' own errors will wrongly say kernels is not installed.",
+                fix="install a kernels release inside that range, or a transformers release that "
+                'accepts the newest kernels (pip install "transformers[kernels]" resolves one)',
+            )
+        )
+    if host.hub_reachable is False:
+        add(
+            Finding(
+                severity="warning",
+                code="hub-unreachable",
+                message=f"The Hugging Face Hub is not reachable ({host.hub_reason}). xpukit skips "
+                "Hub-backed choices (flash-attn2 kernel, use_kernels) and says so in the plan; other "
+                "libraries have no network timeout (huggingface_hub 2.4) and can wait forever on an "
+                "endpoint that accepts and never answers.",
+                fix="export HF_HUB_OFFLINE=1 on machines without Hub access",
+            )
+        )
     for device in machine.devices:
         if device.backend == "xpu" and not device.free_memory_known:
             add(
@@ -344,6 +386,14 @@ class DoctorReport:
         lines.append(f"packages     {pkgs}")
         env = ", ".join(f"{k}={v}" for k, v in m.env.items()) or "none set"
         lines.append(f"environment  {env}")
+        hub = (
+            "offline (HF_HUB_OFFLINE)"
+            if self.host.hub_offline
+            else ("reachable" if self.host.hub_reachable else "NOT reachable") + f": {self.host.hub_reason}"
+        )
+        lines.append(f"hub          {hub}")
+        if self.host.kernels_reason:
+            lines.append(f"kernels      {self.host.kernels_reason}")
         for key, value in self.extras.items():
             if isinstance(value, dict) and "summary" in value:
                 lines.append(f"{key:<12} {value['summary']}")

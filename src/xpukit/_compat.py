@@ -6,6 +6,7 @@ reach the Hub); versions come from the installed distributions' metadata.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from importlib import metadata
 from importlib.util import find_spec
@@ -43,8 +44,13 @@ EXTRAS: dict[str, Extra] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def installed_version(package: str) -> str | None:
-    """The installed version of a distribution, or ``None`` when it is not installed."""
+    """The installed version of a distribution, or ``None`` when it is not installed.
+
+    Cached per process: a metadata lookup costs milliseconds (it scans sys.path), and every plan
+    asks for several versions. ``installed_version.cache_clear()`` re-reads after an install.
+    """
     try:
         return metadata.version(package)
     except metadata.PackageNotFoundError:

@@ -22,9 +22,11 @@ import functools
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -148,3 +150,30 @@ def demo_model() -> Path:
     from xpukit.tiny import demo_model_dir
 
     return demo_model_dir()
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """A loopback Hub endpoint that accepts connections and never answers (the no-timeout hang)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])  # keep it open, say nothing
+            except OSError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join(2)
+    for conn in held:
+        conn.close()
+    server.close()

@@ -15,34 +15,6 @@ from xpukit.errors import InvalidRequestError
 
 
 @pytest.fixture
-def silent_server() -> Iterator[str]:
-    """A loopback endpoint that accepts connections and never answers."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(16)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-                held.append(conn)  # keep it open, say nothing
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    stop.set()
-    thread.join(2)
-    for conn in held:
-        conn.close()
-    server.close()
-
-
-@pytest.fixture
 def answering_server() -> Iterator[str]:
     """A loopback endpoint that answers HEAD / with 200."""
 
@@ -63,8 +35,8 @@ def answering_server() -> Iterator[str]:
 
 
 @pytest.mark.timeout(30)
-def test_silent_endpoint_is_unreachable_within_the_bound(silent_server):
-    status = hub._probe(silent_server, 0.5)
+def test_silent_endpoint_is_unreachable_within_the_bound(silent_endpoint):
+    status = hub._probe(silent_endpoint, 0.5)
     assert not status.reachable and not status.offline
     assert "no answer" in status.reason and "0.5" in status.reason
 

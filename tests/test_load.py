@@ -5,11 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
-import threading
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -188,33 +185,7 @@ def test_lora_is_applied_and_recorded(tiny_model):
     assert plan.use_kernels is False
 
 
-# --- a Hub endpoint that accepts connections and never answers -------------------------------------
-
-
-@pytest.fixture
-def silent_endpoint() -> Iterator[str]:
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        server.settimeout(0.1)
-        while not stop.is_set():
-            try:
-                held.append(server.accept()[0])
-            except OSError:
-                continue
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    stop.set()
-    thread.join(2)
-    for conn in held:
-        conn.close()
-    server.close()
+# --- a Hub endpoint that accepts connections and never answers (fixture in conftest.py) ------------
 
 
 CHILD = r"""

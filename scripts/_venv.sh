@@ -9,6 +9,12 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 stamp="$venv/.xpukit-install-stamp"
+if [ "${XPUKIT_SKIP_INSTALL:-0}" = "1" ]; then
+  # Use the environment as it is (e.g. a venv with the XPU or CUDA build of torch and
+  # `pip install -e ".[dev]"` done by hand): installing the pinned CPU set would replace that torch.
+  export PATH="$venv/bin:$PATH"
+  return 0 2>/dev/null || exit 0
+fi
 want="$(cat "$root/pyproject.toml" "$root/constraints/dev.txt" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "xpukit: installing the pinned dev/test set into $venv (first run takes a few minutes)" >&2

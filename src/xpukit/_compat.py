@@ -44,7 +44,7 @@ EXTRAS: dict[str, Extra] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def installed_version(package: str) -> str | None:
     """The installed version of a distribution, or ``None`` when it is not installed.
 

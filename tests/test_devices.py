@@ -285,7 +285,7 @@ def test_facts_read_under_a_mask_do_not_give_the_count() -> None:
 
 
 def test_max_counts_are_unknown_across_hierarchies_and_noted_in_flat() -> None:
-    facts = machine_profile("max-1550", 2)  # one card, two stacks, read in FLAT mode
+    facts = machine_profile("max-1550")  # one card, two stacks, read in FLAT mode
     flat = select_devices("0,1", facts=facts)
     assert flat.device_count == 2
     assert any("every stack is its own device" in n for n in flat.notes)

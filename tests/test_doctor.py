@@ -41,10 +41,59 @@ def test_healthy_cpu_machine() -> None:
 
 
 def test_cpu_wheel_on_intel_gpu_machine_is_an_error() -> None:
-    found = diagnose(machine_profile("cpu-bf16"), host(intel_gpus=("8086:56a0",)))
+    found = diagnose(machine_profile("cpu-bf16"), host(intel_gpus=("8086:56a0",), level_zero_loader=True))
     (f,) = found
     assert (f.code, f.severity) == ("cpu-wheel-on-intel-gpu", "error")
     assert "whl/xpu" in f.fix and "8086:56a0" in f.message
+
+
+def test_intel_gpu_without_driver_and_cpu_wheel_is_only_a_warning() -> None:
+    # An office laptop's iGPU with no Level Zero driver: nothing the user meant to compute on.
+    found = codes(machine_profile("cpu-bf16"), host(intel_gpus=("8086:9a49",)))
+    assert found == {"cpu-wheel-on-intel-gpu": "warning"}
+
+
+def test_healthy_cuda_machine_with_an_intel_igpu_is_healthy() -> None:
+    pkgs = dict(HEALTHY_PKGS, bitsandbytes="0.47.0")
+    report = run_doctor(
+        machine=machine_profile("h100"),
+        host=host(intel_gpus=("8086:a780",), intel_igpu_present=True, level_zero_loader=True, packages=pkgs),
+    )
+    assert report.healthy
+    assert {f.code: f.severity for f in report.findings} == {"cpu-wheel-on-intel-gpu": "warning"}
+    assert "a CUDA build" in report.findings[0].message
+
+
+def test_accessible_nodes_without_render_group_are_not_called_locked() -> None:
+    h = host(dri_exists=True, render_nodes_accessible=True, in_render_group=False)
+    assert codes(machine_profile("arc-b580"), h) == {"render-group": "info"}
+    # With no device visible, the runtime's own words matter more than the group.
+    m = replace(
+        xpu_build_without_devices(),
+        notes=("Failed to initialize XPU devices. The driver may not be installed",),
+    )
+    found = diagnose(m, replace(h, intel_gpus=("8086:e20b",)))
+    assert found[0].code == "xpu-no-device" and "Failed to initialize" in found[0].message
+
+
+def test_selector_hiding_every_level_zero_gpu() -> None:
+    found = diagnose(
+        xpu_build_without_devices(ONEAPI_DEVICE_SELECTOR="opencl:*"), host(intel_gpus=("8086:e20b",))
+    )
+    assert found[0].code == "selector-selects-nothing" and "level_zero" in found[0].fix
+
+
+def test_misspelled_and_ignored_variables() -> None:
+    m = replace(
+        machine_profile("arc-a770"),
+        env={"UR_L0_USE_RELAXED_ALLOCATION_LIMITS": "1", "ZE_FLAT_DEVICE_HIERARCHY": "flat"},
+    )
+    assert codes(m, host()) == {"misspelled-variable": "warning", "hierarchy-ignored": "warning"}
+
+
+def test_failed_enumeration_is_a_blocking_finding() -> None:
+    m = replace(machine_profile("cpu"), notes=("cuda device enumeration failed: RuntimeError: boom",))
+    assert codes(m, host())["probe-failed"] == "error"
 
 
 def test_ipex_installed_warns() -> None:
@@ -108,7 +157,7 @@ def test_errors_sort_first() -> None:
 
 
 def test_report_json_round_trip() -> None:
-    report = run_doctor(machine=machine_profile("max-1550", 2), host=host())
+    report = run_doctor(machine=machine_profile("max-1550"), host=host())
     data = json.loads(json.dumps(report.to_dict()))
     assert data["schema"] == SCHEMA_VERSION and data["healthy"] is True
     assert MachineFacts.from_dict(data["machine"]) == report.machine

@@ -27,6 +27,8 @@ from xpukit.profiles import PROFILES, device_profile, machine_profile, parse_ass
         ("Intel(R) Arc(TM) Graphics", 0x7D55, "meteor-lake"),  # MTL and ARL share this name
         ("Intel(R) Arc(TM) Graphics", 0x7D51, "arrow-lake-h"),
         ("Intel(R) Arc(TM) Graphics", 0x7D67, "arrow-lake-s"),
+        ("Intel(R) Arc(TM) Graphics", 0x7D60, "meteor-lake"),
+        ("Intel(R) Graphics", 0xB640, "arrow-lake-s"),
         ("Intel(R) Arc(TM) B390 GPU", None, "panther-lake"),  # PTL iGPU, not a discrete Arc B
         ("Intel(R) Arc(TM) Graphics", None, "intel-unknown"),
         ("Some Future GPU", 0x1234, "intel-unknown"),
@@ -138,12 +140,15 @@ def test_parse_assume_rejects(spec: str) -> None:
         parse_assume(spec)
 
 
-def test_machine_profile_flat_max_1550_has_two_devices() -> None:
-    m = machine_profile("max-1550", 2)
+def test_machine_profile_flat_max_1550_card_has_two_devices() -> None:
+    m = machine_profile("max-1550")
     assert m.accelerator == "xpu"
     assert [d.torch_device for d in m.devices] == ["xpu:0", "xpu:1"]
     assert all(d.total_memory == 64 * 2**30 for d in m.devices)
-    assert machine_profile("max-1550x2") == m
+    two_cards = machine_profile("max-1550x2")
+    assert two_cards == machine_profile("max-1550", 2)
+    assert two_cards.device_count == 4 and two_cards.source == "profile:max-1550x2"
+    assert machine_profile("arc-b580x2").device_count == 2
 
 
 def test_machine_profile_cpu_only() -> None:
@@ -157,3 +162,19 @@ def test_machine_facts_json_round_trip(name: str) -> None:
     m = machine_profile(name, 2 if name == "h100" else 1)
     again = MachineFacts.from_dict(json.loads(json.dumps(m.to_dict())))
     assert again == m
+
+
+def test_machine_facts_from_a_newer_report_keeps_what_it_knows() -> None:
+    data = machine_profile("arc-b580").to_dict()
+    data["devices"][0]["pci_bus_id"] = "0000:03:00.0"  # a key a later xpukit might add
+    facts = MachineFacts.from_dict(data)
+    assert facts.devices[0].family == "arc-b"
+    assert "ignored unknown keys: pci_bus_id" in facts.devices[0].notes
+
+
+@pytest.mark.parametrize(("key", "value"), [("accelerator", "tpu"), ("compiled", ["rocm"])])
+def test_machine_facts_with_unknown_backend_are_refused(key: str, value: object) -> None:
+    data = machine_profile("arc-b580").to_dict()
+    data[key] = value
+    with pytest.raises(InvalidRequestError, match="not a backend xpukit knows"):
+        MachineFacts.from_dict(data)

@@ -72,9 +72,9 @@ def bnb(monkeypatch):
 
 # (profile, shape, quantize) -> (device, dtype, placement kind, quantization)
 TABLE = [
-    ("max-1550x2", "qwen3-32b", None, "xpu:0", "bfloat16", "split", None),
-    ("max-1550x2", "qwen3-8b", None, "xpu:0", "bfloat16", "single", None),
-    ("max-1550x2", "llama-3.1-70b", "auto", "xpu:0", "bfloat16", "single", "4bit"),
+    ("max-1550", "qwen3-32b", None, "xpu:0", "bfloat16", "split", None),
+    ("max-1550", "qwen3-8b", None, "xpu:0", "bfloat16", "single", None),
+    ("max-1550", "llama-3.1-70b", "auto", "xpu:0", "bfloat16", "single", "4bit"),
     ("arc-a770", "qwen3-8b", None, "xpu:0", "bfloat16", "offload", None),
     ("arc-a770", "qwen3-8b", "4bit", "xpu:0", "bfloat16", "single", "4bit"),
     ("arc-a770", "qwen3-8b", "auto", "xpu:0", "bfloat16", "single", "4bit"),
@@ -86,7 +86,7 @@ TABLE = [
     ("t4", "qwen3-0.6b", None, "cuda:0", "float16", "single", None),
     ("t4", "qwen3-8b", None, "cuda:0", "float16", "offload", None),
     ("h100", "llama-3.1-8b", None, "cuda:0", "bfloat16", "single", None),
-    ("max-1550x2", "llama-3.1-70b", None, "xpu:0", "bfloat16", "offload", None),
+    ("max-1550", "llama-3.1-70b", None, "xpu:0", "bfloat16", "offload", None),
     ("h100", "llama-3.1-70b", "auto", "cuda:0", "bfloat16", "single", "4bit"),
     ("cpu-bf16", "qwen3-0.6b", None, "cpu", "bfloat16", "single", None),
     ("cpu", "qwen3-0.6b", None, "cpu", "float32", "single", None),
@@ -122,7 +122,7 @@ def test_profile_table(shapes, bnb, profile, shape, quantize, device, dtype, kin
 
 
 def test_split_budgets_leave_the_headroom(shapes):
-    plan = plan_load(shapes["qwen3-32b"], facts="max-1550x2")
+    plan = plan_load(shapes["qwen3-32b"], facts="max-1550")
     usable = sum(b.usable for b in plan.memory.budgets)
     assert sum(plan.max_memory.values()) == pytest.approx(usable - plan.memory.headroom, abs=2)
     assert plan.memory.needed > plan.memory.budgets[0].usable  # it really did not fit one stack
@@ -162,22 +162,22 @@ def test_fits_nowhere(shapes):
 
 
 def test_explicit_device_index(shapes):
-    plan = plan_load(shapes["qwen3-0.6b"], facts="max-1550x2", device="xpu:1")
+    plan = plan_load(shapes["qwen3-0.6b"], facts="max-1550", device="xpu:1")
     assert plan.device.torch_device == "xpu:1" and plan.device_map == "xpu:1"
     assert plan.decision("device").source == "user"
     with pytest.raises(DeviceSelectionError, match="xpu:0, xpu:1"):
-        plan_load(shapes["qwen3-0.6b"], facts="max-1550x2", device="xpu:2")
+        plan_load(shapes["qwen3-0.6b"], facts="max-1550", device="xpu:2")
 
 
 def test_given_max_memory_and_device_map(shapes):
-    plan = plan_load(shapes[QWEN3_8B], facts="max-1550x2", max_memory={0: "10GiB", "xpu:1": "10GiB"})
+    plan = plan_load(shapes[QWEN3_8B], facts="max-1550", max_memory={0: "10GiB", "xpu:1": "10GiB"})
     assert plan.max_memory == {0: 10 * GiB, 1: 10 * GiB} and plan.device_map == "auto"
     with pytest.raises(PlanError, match="exceed the max_memory"):
-        plan_load(shapes[QWEN3_8B], facts="max-1550x2", max_memory={0: "1GiB"})
-    plan = plan_load(shapes["qwen3-0.6b"], facts="max-1550x2", device_map="xpu:1")
+        plan_load(shapes[QWEN3_8B], facts="max-1550", max_memory={0: "1GiB"})
+    plan = plan_load(shapes["qwen3-0.6b"], facts="max-1550", device_map="xpu:1")
     assert plan.device_map == "xpu:1" and plan.device.index == 1
     with pytest.raises(InvalidRequestError, match="no such device"):
-        plan_load(shapes["qwen3-0.6b"], facts="max-1550x2", device_map={"": "xpu:5"})
+        plan_load(shapes["qwen3-0.6b"], facts="max-1550", device_map={"": "xpu:5"})
 
 
 def test_headroom_rule_and_override(shapes):

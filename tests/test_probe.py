@@ -211,3 +211,61 @@ def test_simulated_xpu_preferred_over_cuda(monkeypatch: pytest.MonkeyPatch) -> N
     facts = detect()
     assert facts.accelerator == "xpu"
     assert facts.compiled[:2] == ("xpu", "cuda")
+
+
+@pytest.mark.parametrize(
+    ("name", "integrated", "bf16"),
+    [
+        ("Intel(R) Arc(TM) Graphics", None, False),  # MTL/ARL share the name: no bf16 assumed
+        ("Intel(R) Graphics [0x9a49]", True, False),  # an unknown iGPU
+        ("Intel(R) Future Discrete GPU", False, True),  # an unknown discrete card
+    ],
+)
+def test_simulated_xpu_unknown_device_without_flags(name: str, integrated: bool | None, bf16: bool) -> None:
+    dump = dict(B580_NO_OCLOC, name=name, device_id=None, is_integrated_gpu=integrated)
+    d = xpu_device_facts(0, SimpleNamespace(**dump), free=None)
+    assert d.family == "intel-unknown" and d.native_bf16 is bf16
+    assert any("not assumed" in n or "assumed" in n for n in d.notes)
+
+
+def test_simulated_xpu_broken_driver_gives_a_note_not_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    def lost(i: int) -> object:
+        raise RuntimeError("UR_RESULT_ERROR_DEVICE_LOST")
+
+    _simulate_xpu(monkeypatch, [A770_DUMP], free_ok=True)
+    monkeypatch.setattr(torch.xpu, "get_device_properties", lost)
+    facts = detect()
+    assert facts.devices == () and facts.accelerator == "cpu"
+    assert any("xpu device enumeration failed" in n and "DEVICE_LOST" in n for n in facts.notes)
+
+
+def test_runtime_initialized_counts_xpukits_own_enumeration(monkeypatch: pytest.MonkeyPatch) -> None:
+    from xpukit import probe
+
+    _simulate_xpu(monkeypatch, [A770_DUMP], free_ok=True)
+    monkeypatch.setattr(probe, "_DEVICES_READ", set())
+    assert probe.runtime_initialized() is False
+    detect(devices=False)
+    assert probe.runtime_initialized() is False  # reading the build touches nothing
+    detect()
+    assert probe.runtime_initialized() is True  # enumerating XPUs initialises Level Zero
+
+
+def test_runtime_initialized_counts_transformers_xpu_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+    import sys
+    import types
+
+    from xpukit import probe
+
+    _simulate_xpu(monkeypatch, [A770_DUMP], free_ok=True)
+    monkeypatch.setattr(probe, "_DEVICES_READ", set())
+    fake = types.ModuleType("transformers.utils.import_utils")
+    fake.is_torch_xpu_available = functools.lru_cache(lambda check_device=False: True)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers.utils.import_utils", fake)
+    monkeypatch.delitem(sys.modules, "transformers.integrations.sdpa_attention", raising=False)
+    assert probe.runtime_initialized() is False
+    fake.is_torch_xpu_available()  # type: ignore[attr-defined]
+    assert probe.runtime_initialized() is True

@@ -33,7 +33,7 @@ RELEVANT_VARIABLES = (
     "TRANSFORMERS_OFFLINE",
     "WORLD_SIZE",
 )
-RELEVANT_PREFIXES = ("ZE_", "CCL_", "ONEAPI_", "SYCL_")
+RELEVANT_PREFIXES = ("ZE_", "ZES_", "UR_", "CCL_", "ONEAPI_", "SYCL_", "CUDA_", "PYTORCH_")
 
 
 def get(name: str, default: str | None = None, *, environ: Mapping[str, str] | None = None) -> str | None:

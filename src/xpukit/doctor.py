@@ -52,6 +52,9 @@ PACKAGES = (
 
 Severity = Literal["error", "warning", "info"]
 
+# Names people export that the runtime never reads (peers.md §3.8), and the real one.
+_MISSPELLED = {"UR_L0_USE_RELAXED_ALLOCATION_LIMITS": "UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS"}
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Finding:
@@ -189,18 +192,37 @@ def diagnose(machine: MachineFacts, host: HostFacts) -> list[Finding]:
             )
         )
 
+    for note in machine.notes:
+        if "enumeration failed" in note:
+            add(
+                Finding(
+                    severity="error",
+                    code="probe-failed",
+                    message=f"Reading the devices failed: {note}",
+                    fix="check the driver with `sycl-ls` (XPU) or `nvidia-smi` (CUDA); reinstall or "
+                    "update the GPU driver if it fails there too",
+                )
+            )
+    cuda_devices = machine.devices_of("cuda")
     if host.intel_gpus and machine.torch_version is not None and not xpu_build:
+        # An error only where the Intel GPU is what this machine computes on: a CUDA box or an
+        # office laptop with an Intel iGPU and no Level Zero driver is healthy.
+        blocking = host.level_zero_loader and not cuda_devices
+        build = "a CUDA build" if machine.torch_cuda else "a CPU build"
         add(
             Finding(
-                severity="error",
+                severity="error" if blocking else "warning",
                 code="cpu-wheel-on-intel-gpu",
                 message=f"This machine has an Intel GPU ({', '.join(host.intel_gpus)}) but torch "
-                f"{machine.torch_version} was built without XPU support, so the GPU cannot be used.",
+                f"{machine.torch_version} is {build} without XPU support, so that GPU cannot be used."
+                + ("" if host.level_zero_loader else " (No Level Zero driver was found either.)"),
                 fix="pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/xpu",
             )
         )
+    render_locked = host.dri_exists and not host.render_nodes_accessible
     if xpu_build and not machine.devices_of("xpu"):
         mask = machine.env.get("ZE_AFFINITY_MASK")
+        selector = machine.env.get("ONEAPI_DEVICE_SELECTOR")
         runtime_said = [n for n in machine.notes if "XPU" in n or "xpu" in n]
         if mask is not None:
             add(
@@ -213,7 +235,18 @@ def diagnose(machine: MachineFacts, host: HostFacts) -> list[Finding]:
                     "`xpukit launch --devices SPEC -- CMD`",
                 )
             )
-        elif host.dri_exists and not (host.render_nodes_accessible and host.in_render_group):
+        elif selector is not None and "level_zero" not in selector and not selector.startswith("*"):
+            add(
+                Finding(
+                    severity="error",
+                    code="selector-selects-nothing",
+                    message=f"ONEAPI_DEVICE_SELECTOR={selector!r} leaves no Level Zero GPU, and "
+                    "PyTorch uses Level Zero GPUs only (an opencl:* selector gives zero XPUs).",
+                    fix="unset ONEAPI_DEVICE_SELECTOR (choose devices with `xpukit launch`), or use "
+                    "level_zero:N",
+                )
+            )
+        elif render_locked:
             add(
                 Finding(
                     severity="error",
@@ -234,17 +267,27 @@ def diagnose(machine: MachineFacts, host: HostFacts) -> list[Finding]:
                     "'PyTorch prerequisites for Intel GPUs'; check with `sycl-ls`",
                 )
             )
-    elif host.dri_exists and not (host.render_nodes_accessible and host.in_render_group):
+    elif render_locked:
         add(
             Finding(
                 severity="warning",
                 code="render-permission",
                 message="This user cannot open every /dev/dri/renderD* (not in the `render` group); "
-                "GPU access may fail over SSH or for other users.",
+                "GPU access may fail for this user.",
                 fix="sudo usermod -aG render $USER, then log in again",
             )
         )
-    if machine.torch_cuda and not machine.devices_of("cuda") and "CUDA_VISIBLE_DEVICES" in machine.env:
+    elif host.dri_exists and not host.in_render_group and (xpu_build or host.intel_gpus):
+        add(
+            Finding(
+                severity="info",
+                code="render-group",
+                message="The render nodes open in this session (a local login grants access), but "
+                "this user is not in the `render` group: over SSH or in a batch job the GPU may vanish.",
+                fix="sudo usermod -aG render $USER, then log in again",
+            )
+        )
+    if machine.torch_cuda and not cuda_devices and "CUDA_VISIBLE_DEVICES" in machine.env:
         add(
             Finding(
                 severity="warning",
@@ -254,7 +297,27 @@ def diagnose(machine: MachineFacts, host: HostFacts) -> list[Finding]:
                 fix="unset CUDA_VISIBLE_DEVICES or use `xpukit launch --devices SPEC -- CMD`",
             )
         )
-
+    for wrong, right in _MISSPELLED.items():
+        if wrong in machine.env:
+            add(
+                Finding(
+                    severity="warning",
+                    code="misspelled-variable",
+                    message=f"{wrong} is set, but the runtime reads {right}; this one does nothing.",
+                    fix=f"export {right}={machine.env[wrong]} (and unset {wrong})",
+                )
+            )
+    hierarchy = machine.env.get("ZE_FLAT_DEVICE_HIERARCHY")
+    if hierarchy is not None and hierarchy not in ("FLAT", "COMPOSITE", "COMBINED"):
+        add(
+            Finding(
+                severity="warning",
+                code="hierarchy-ignored",
+                message=f"ZE_FLAT_DEVICE_HIERARCHY={hierarchy!r} is not one of FLAT, COMPOSITE, "
+                "COMBINED (upper case): the driver ignores it and uses its default.",
+                fix=f"export ZE_FLAT_DEVICE_HIERARCHY={hierarchy.upper()}",
+            )
+        )
     if host.intel_igpu_present and len(host.intel_gpus) > 1:
         add(
             Finding(
@@ -280,7 +343,7 @@ def diagnose(machine: MachineFacts, host: HostFacts) -> list[Finding]:
             )
         )
     bnb = pkgs.get("bitsandbytes")
-    if bnb is not None and (xpu_build or host.intel_gpus) and not version_at_least(bnb, "0.48"):
+    if bnb is not None and xpu_build and not version_at_least(bnb, "0.48"):
         add(
             Finding(
                 severity="error",

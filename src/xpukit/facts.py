@@ -159,11 +159,31 @@ class MachineFacts:
     def from_dict(cls, data: dict[str, Any]) -> MachineFacts:
         """Rebuild facts written by :meth:`to_dict` (e.g. a ``doctor --json`` report)."""
 
+        from dataclasses import fields
+
+        from xpukit.errors import InvalidRequestError
+
+        known = {f.name for f in fields(DeviceFacts)}
+
+        def backend(value: Any, what: str) -> Any:
+            if value not in BACKENDS:
+                raise InvalidRequestError(
+                    f"{what}={value!r} in these facts is not a backend xpukit knows; valid: "
+                    f"{', '.join(BACKENDS)}. Fix: pass a report written by `xpukit doctor --json`."
+                )
+            return value
+
         def device(d: dict[str, Any]) -> DeviceFacts:
-            d = dict(d)
+            # Reports may come from a newer xpukit (keys are added within a schema version):
+            # keep what this version knows and say what was dropped.
+            extra = sorted(set(d) - known)
+            d = {k: v for k, v in d.items() if k in known}
+            backend(d.get("backend"), "backend")
             cc = d.get("compute_capability")
             d["compute_capability"] = tuple(cc) if cc else None
-            d["notes"] = tuple(d.get("notes", ()))
+            d["notes"] = tuple(d.get("notes", ())) + (
+                (f"ignored unknown keys: {', '.join(extra)}",) if extra else ()
+            )
             return DeviceFacts(**d)
 
         return cls(
@@ -171,8 +191,8 @@ class MachineFacts:
             torch_xpu=data.get("torch_xpu"),
             torch_cuda=data.get("torch_cuda"),
             torch_hip=data.get("torch_hip"),
-            compiled=tuple(data.get("compiled", ())),
-            accelerator=data.get("accelerator", "cpu"),
+            compiled=tuple(backend(b, "compiled") for b in data.get("compiled", ())),
+            accelerator=backend(data.get("accelerator", "cpu"), "accelerator"),
             devices=tuple(device(d) for d in data.get("devices", ())),
             cpu=device(data["cpu"]) if "cpu" in data else generic_cpu(),
             env=dict(data.get("env", {})),
@@ -265,9 +285,9 @@ _DEVICE_IDS: dict[str, frozenset[int]] = {
         }
     ),
     "arc-b": frozenset({0xE202, 0xE20B, 0xE20C, 0xE20D, 0xE210, 0xE211, 0xE212, 0xE216}),
-    "meteor-lake": frozenset({0x7D40, 0x7D45, 0x7D55, 0x7DD5}),
+    "meteor-lake": frozenset({0x7D40, 0x7D45, 0x7D55, 0x7D60, 0x7DD5}),
     "arrow-lake-h": frozenset({0x7D51, 0x7DD1}),
-    "arrow-lake-s": frozenset({0x7D41, 0x7D67}),
+    "arrow-lake-s": frozenset({0x7D41, 0x7D67, 0xB640}),
     "lunar-lake": frozenset({0x6420, 0x64A0, 0x64B0}),
     "panther-lake": frozenset({0xB080, 0xB081, 0xB082, 0xB083, 0xB08F, 0xB090}),
 }

@@ -77,7 +77,7 @@ def plan_load(
         headroom: memory kept free beside the weights (bytes or ``"2GiB"``); default: the rule in
             docs/planning.md.
         facts: the machine to plan for: :class:`MachineFacts`, or a profile such as
-            ``"max-1550x2"``; default: this machine (:func:`xpukit.detect`).
+            ``"max-1550"`` (one card: two FLAT stacks); default: this machine (:func:`xpukit.detect`).
         model_class: the transformers class to load with (default: the Auto class for the config).
         **from_pretrained_kwargs: passed to ``from_pretrained`` unchanged.
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import subprocess
 import warnings
 from collections.abc import Iterator
@@ -57,9 +58,14 @@ def detect(*, devices: bool = True) -> MachineFacts:
     notes: list[str] = []
     found: dict[Backend, tuple[DeviceFacts, ...]] = {}
     if devices:
+        _mark_devices_read(compiled)
         for backend in compiled:
             with _captured_warnings(notes):
-                found[backend] = _READERS[backend](torch)
+                try:
+                    found[backend] = _READERS[backend](torch)
+                except Exception as exc:  # a broken driver must give a report, not a traceback
+                    notes.append(f"{backend} device enumeration failed: {type(exc).__name__}: {exc}")
+                    found[backend] = ()
     accelerator: Backend = next((b for b in BACKENDS if found.get(b)), "cpu")
     return MachineFacts(
         torch_version=torch.__version__,
@@ -77,8 +83,24 @@ def detect(*, devices: bool = True) -> MachineFacts:
     )
 
 
+# Backends whose devices this process has enumerated through detect(devices=True): on XPU with
+# torch <= 2.12 (or without pyzes) that initialises Level Zero without setting is_initialized().
+_DEVICES_READ: set[str] = set()
+
+
+def _mark_devices_read(backends: tuple[Backend, ...]) -> None:
+    _DEVICES_READ.update(backends)
+
+
 def runtime_initialized() -> bool:
-    """Whether an XPU or CUDA runtime is initialised in this process (never imports torch)."""
+    """Whether an XPU or CUDA runtime has (probably) read its device variables in this process.
+
+    Never imports torch. True when ``torch.{xpu,cuda}.is_initialized()`` says so, and also after the
+    touches that read ``ZE_*`` / ``CUDA_*`` without setting that flag (platform.md, Implications 1):
+    xpukit's own device enumeration, transformers' cached ``is_torch_xpu_available()`` /
+    accelerate's ``is_xpu_available()`` having run, or transformers' SDPA integration imported —
+    each counted only when this torch build has the matching backend compiled in.
+    """
     import sys
 
     torch = sys.modules.get("torch")
@@ -89,6 +111,20 @@ def runtime_initialized() -> bool:
         check = getattr(module, "is_initialized", None)
         if check is not None and check():
             return True
+    compiled = _compiled_backends(torch)
+    if _DEVICES_READ & set(compiled):
+        return True
+    if "xpu" in compiled:
+        if "transformers.integrations.sdpa_attention" in sys.modules:
+            return True
+        for module_name, function in (
+            ("transformers.utils.import_utils", "is_torch_xpu_available"),
+            ("accelerate.utils.imports", "is_xpu_available"),
+        ):
+            cached = getattr(sys.modules.get(module_name), function, None)
+            info = getattr(cached, "cache_info", None)
+            if info is not None and info().currsize > 0:
+                return True
     return False
 
 
@@ -143,15 +179,27 @@ def xpu_device_facts(index: int, props: Any, free: int | None) -> DeviceFacts:
     if traits is not None:
         native_bf16, fp64, integrated, _ = traits
     else:
-        # Unknown family: trust the flags when they say anything, else assume a discrete card.
-        native_bf16 = (
-            flags["has_subgroup_matrix_multiply_accumulate"] or flags["has_bfloat16_conversions"]
-            if flags_known
-            else True
-        )
-        fp64 = flags["has_fp64"] if flags_known else False
+        # Unknown family: trust the flags when they say anything. Without them, an integrated GPU,
+        # or one named just "Intel(R) Arc(TM) Graphics" (Meteor Lake and Arrow Lake share it), may
+        # lack bf16 hardware (old iGPUs give garbage in bf16, IPEX#711): fp16 is the safe choice.
+        # Only an unrecognised discrete card is assumed to have bf16.
         integrated = bool(integrated_prop)
-        notes.append(f"unrecognised Intel GPU {name!r} (device id {device_id}): traits from flags")
+        generic_name = re.fullmatch(r"Intel\(R\) Arc\(TM\) Graphics|Intel\(R\) Graphics.*", name)
+        if flags_known:
+            native_bf16 = (
+                flags["has_subgroup_matrix_multiply_accumulate"] or flags["has_bfloat16_conversions"]
+            )
+        else:
+            native_bf16 = not (integrated or generic_name)
+        fp64 = flags["has_fp64"] if flags_known else False
+        notes.append(
+            f"unrecognised Intel GPU {name!r} (device id {device_id}): traits from "
+            + (
+                "its capability flags"
+                if flags_known
+                else "its kind, bf16 " + ("assumed" if native_bf16 else "not assumed")
+            )
+        )
     if flags_known and traits is not None and flags["has_fp64"] != fp64:
         fp64 = flags["has_fp64"]  # a real dump beats the family table
     if integrated_prop is not None:

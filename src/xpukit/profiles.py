@@ -212,15 +212,22 @@ def parse_assume(spec: str) -> tuple[str, int]:
     return match["name"], count
 
 
-def machine_profile(name: str, count: int = 1, *, cpu: str = "cpu-bf16") -> MachineFacts:
-    """Facts of a machine with ``count`` devices of one profile (and a CPU profile as host).
+# Cards that show up as several torch devices: a Max 1550 has two stacks, and FLAT mode (the
+# default on Xe-HPC) makes each stack one device (platform.md §1.1).
+STACKS = {"max-1550": 2}
 
-    A CPU profile gives a CPU-only machine. The torch build is described as a recent one with the
-    matching backend compiled in.
+
+def machine_profile(name: str, count: int = 1, *, cpu: str = "cpu-bf16") -> MachineFacts:
+    """Facts of a machine with ``count`` cards of one profile (and a CPU profile as host).
+
+    ``count`` counts cards: ``machine_profile("max-1550")`` is one card, i.e. two ~64 GB devices
+    in FLAT mode, and ``"max-1550x2"`` is two cards, four devices. A CPU profile gives a CPU-only
+    machine. The torch build is described as a recent one with the matching backend compiled in.
     """
     if "x" in name and name not in PROFILES:
         name, count = parse_assume(name)
     device = device_profile(name)
+    count *= STACKS.get(name, 1)
     if device.backend == "cpu":
         return MachineFacts(torch_version="2.13.0", cpu=device, source=f"profile:{name}")
     devices = tuple(replace(device, index=i) for i in range(count))
@@ -233,5 +240,7 @@ def machine_profile(name: str, count: int = 1, *, cpu: str = "cpu-bf16") -> Mach
         devices=devices,
         cpu=device_profile(cpu),
         xccl_available=True if device.backend == "xpu" else None,
-        source=f"profile:{name}x{count}" if count > 1 else f"profile:{name}",
+        source=f"profile:{name}x{count // STACKS.get(name, 1)}"
+        if count > STACKS.get(name, 1)
+        else f"profile:{name}",
     )

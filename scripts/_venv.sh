@@ -19,8 +19,12 @@ want="$(cat "$root/pyproject.toml" "$root/constraints/dev.txt" | sha256sum | cut
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "xpukit: installing the pinned dev/test set into $venv (first run takes a few minutes)" >&2
   # torch first, pinned, so nothing below can pull a multi-GB CUDA build in its place.
+  # XPUKIT_TORCH_INDEX (e.g. https://download.pytorch.org/whl/cpu) picks where that torch comes
+  # from; unset, pip's own configuration decides (here: a CPU build on local disk).
   torch_pin="$(grep -E '^torch==' "$root/constraints/dev.txt")"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check "$torch_pin"
+  index_args=()
+  if [ -n "${XPUKIT_TORCH_INDEX:-}" ]; then index_args=(--index-url "$XPUKIT_TORCH_INDEX"); fi
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "${index_args[@]}" "$torch_pin"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check \
     -c "$root/constraints/dev.txt" -e "$root[dev]"
   echo "$want" > "$stamp"

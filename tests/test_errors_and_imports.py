@@ -120,3 +120,21 @@ def test_cli_error_is_one_line_with_exit_1() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 1
     assert out.stderr.strip() == "xpukit boom: error: bad thing; fix: do X"
+
+
+def test_a_package_installed_later_is_seen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After `%pip install X` (the fix a MissingExtraError names) the next call must see X."""
+    from importlib import metadata
+
+    answers = iter([metadata.PackageNotFoundError("late-package"), "1.0"])
+
+    def version(name: str) -> str:
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(_compat.metadata, "version", version)
+    assert _compat.installed_version("late-package") is None
+    assert _compat.installed_version("late-package") == "1.0"
+    assert _compat.installed_version("late-package") == "1.0"  # found versions are cached

@@ -6,7 +6,6 @@ reach the Hub); versions come from the installed distributions' metadata.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from importlib import metadata
 from importlib.util import find_spec
@@ -44,17 +43,25 @@ EXTRAS: dict[str, Extra] = {
 }
 
 
-@functools.cache
+_FOUND: dict[str, str] = {}
+
+
 def installed_version(package: str) -> str | None:
     """The installed version of a distribution, or ``None`` when it is not installed.
 
-    Cached per process: a metadata lookup costs milliseconds (it scans sys.path), and every plan
-    asks for several versions. ``installed_version.cache_clear()`` re-reads after an install.
+    Versions found are cached per process (a metadata lookup scans sys.path and costs milliseconds;
+    every plan asks for several). "Not installed" is never cached, so ``%pip install`` in a running
+    notebook — the fix a MissingExtraError names — is seen on the next call.
     """
+    found = _FOUND.get(package)
+    if found is not None:
+        return found
     try:
-        return metadata.version(package)
+        found = metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
+    _FOUND[package] = found
+    return found
 
 
 def is_installed(module: str) -> bool:

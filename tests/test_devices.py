@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -17,6 +18,7 @@ from xpukit import probe
 from xpukit.devices import DeviceSelection, select_devices
 from xpukit.errors import DeviceSelectionError, RuntimeAlreadyInitializedError, XpukitError
 from xpukit.facts import MachineFacts
+from xpukit.probe import intel_display_devices as real_sysfs_scan  # before any test replaces it
 from xpukit.profiles import machine_profile
 
 SELECTION_VARS = (
@@ -36,6 +38,8 @@ def _clean_selection_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # The tests decide what is exported; monkeypatch restores the real environment afterwards.
     for name in SELECTION_VARS:
         monkeypatch.delenv(name, raising=False)
+    # No Intel display devices unless a test lists some: the real scan reads this machine's sysfs.
+    monkeypatch.setattr(probe, "intel_display_devices", lambda: [], raising=False)
 
 
 # --- valid specs: the exact variables ------------------------------------------------------------
@@ -49,6 +53,7 @@ VALID: list[tuple[Any, dict[str, Any], dict[str, str], tuple[str, ...]]] = [
     ("0-1,4", {"backend": "xpu"}, {"ZE_AFFINITY_MASK": "0,1,4", **ORDER_XPU}, ()),
     ("2-2", {"backend": "xpu"}, {"ZE_AFFINITY_MASK": "2", **ORDER_XPU}, ()),
     ("007", {"backend": "xpu"}, {"ZE_AFFINITY_MASK": "7", **ORDER_XPU}, ()),
+    ("0" * 5000 + "1", {"backend": "xpu"}, {"ZE_AFFINITY_MASK": "1", **ORDER_XPU}, ()),  # past int()'s limit
     (3, {"backend": "xpu"}, {"ZE_AFFINITY_MASK": "3", **ORDER_XPU}, ()),
     ([0, 2], {"backend": "xpu"}, {"ZE_AFFINITY_MASK": "0,2", **ORDER_XPU}, ()),
     (("1", 3), {"backend": "xpu"}, {"ZE_AFFINITY_MASK": "1,3", **ORDER_XPU}, ()),
@@ -259,6 +264,38 @@ def test_invalid_specs_are_refused_and_touch_nothing(
     assert dict(os.environ) == before
 
 
+# Inputs past Python's int/str conversion limit (4300 digits), and facts that are not facts: these
+# once escaped as ValueError/AttributeError (a traceback from `xpukit launch`).
+HUGE: list[Any] = [
+    pytest.param("1" * 5000, {"backend": "xpu"}, "an index of 5000 digits", id="long-digit-string"),
+    pytest.param("1-" + "9" * 5000, {"backend": "cuda"}, "an index of 5000 digits", id="long-range-end"),
+    pytest.param(
+        "0." + "1" * 5000, {"backend": "xpu", "hierarchy": "composite"}, "5000 digits", id="long-tile"
+    ),
+    pytest.param(10**5000, {"backend": "xpu"}, "an int of 5001 digits", id="huge-int"),
+    pytest.param(-(10**5000), {"backend": "cuda"}, "negative device index", id="huge-negative-int"),
+    pytest.param([10**5000], {"backend": "xpu"}, "an int of 5001 digits", id="huge-int-in-list"),
+    pytest.param([0, [10**5000]], {"backend": "xpu"}, "ints or strings", id="huge-int-nested"),
+    pytest.param("0", {"backend": 10**5000}, "cannot be selected", id="huge-int-backend"),
+    pytest.param("0", {"backend": "xpu", "hierarchy": 10**5000}, "not a Level Zero", id="huge-int-hierarchy"),
+    pytest.param("0", {"facts": "x"}, "facts must be a MachineFacts", id="facts-str"),
+    pytest.param("0", {"backend": "xpu", "facts": {}}, "got dict", id="facts-dict"),
+]
+
+
+@pytest.mark.parametrize(("spec", "kwargs", "fragment"), HUGE)
+def test_huge_or_mistyped_inputs_give_a_device_selection_error(
+    spec: Any, kwargs: dict[str, Any], fragment: str
+) -> None:
+    before = dict(os.environ)
+    with pytest.raises(DeviceSelectionError) as info:
+        select_devices(spec, **kwargs)
+    message = str(info.value)
+    assert fragment in message
+    assert len(message) < 1000  # the input is summarised, not echoed
+    assert dict(os.environ) == before
+
+
 def test_decreasing_xpu_list_says_what_the_program_would_see() -> None:
     with pytest.raises(DeviceSelectionError) as info:
         select_devices("3,1", backend="xpu")
@@ -307,7 +344,18 @@ def test_hierarchy_is_inherited_from_the_environment(monkeypatch: pytest.MonkeyP
     # Written down so that the selection does not depend on what happens to be exported.
     assert sel.env["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE"
     assert sel.hierarchy == "COMPOSITE"
-    assert "ZE_FLAT_DEVICE_HIERARCHY" not in select_devices("0", backend="xpu").env
+    # Also without tiles: `0,1` names two cards in COMPOSITE but two stacks of card 0 in FLAT (the
+    # default on a Max node), so the line must carry the hierarchy it was checked in.
+    cards = select_devices("0,1", backend="xpu")
+    assert cards.env["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE"
+    assert cards.shell_prefix() == (
+        "ZE_AFFINITY_MASK=0,1 ZE_ENABLE_PCI_ID_DEVICE_ORDER=1 ZE_FLAT_DEVICE_HIERARCHY=COMPOSITE"
+    )
+    assert "--hierarchy composite" in cards.launch_hint()
+    assert select_devices("all", backend="xpu").env["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE"
+    assert "ZE_FLAT_DEVICE_HIERARCHY" not in select_devices("0", backend="cuda").env
+    monkeypatch.delenv("ZE_FLAT_DEVICE_HIERARCHY")
+    assert "ZE_FLAT_DEVICE_HIERARCHY" not in select_devices("0", backend="xpu").env  # driver default
     monkeypatch.setenv("ZE_FLAT_DEVICE_HIERARCHY", "composite")  # the driver wants upper case
     with pytest.raises(DeviceSelectionError, match="COMPOSITE mode"):
         select_devices("0.1", backend="xpu")
@@ -317,6 +365,7 @@ def test_hierarchy_is_inherited_from_the_environment(monkeypatch: pytest.MonkeyP
 def test_hierarchy_is_inherited_from_the_facts_environment() -> None:
     facts = machine_profile("arc-b580", 2).with_env({"ZE_FLAT_DEVICE_HIERARCHY": "COMPOSITE"})
     assert select_devices("1.0", facts=facts).env["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE"
+    assert select_devices("0,1", facts=facts).env["ZE_FLAT_DEVICE_HIERARCHY"] == "COMPOSITE"
 
 
 # --- detection (no facts, no backend) ------------------------------------------------------------
@@ -383,6 +432,120 @@ def test_detected_backends_without_devices_are_refused(monkeypatch: pytest.Monke
         select_devices("all")
 
 
+def test_sysman_count_leaves_torchs_device_cache_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.13's _raw_device_count_zes refills torch.xpu._cached_zes_device_infos (clear() in place,
+    # then a new list when it drops iGPUs) with every device, unmasked; the telemetry calls map
+    # xpu:N through that list, so a count taken for checking must not leave its list behind.
+    torch = _fake_torch()
+    cache = ["xpu:0 of the masked process"]
+    torch.xpu._cached_zes_device_infos = cache
+
+    def count_like_torch(visible_mask: list[int]) -> int:
+        torch.xpu._cached_zes_device_infos.clear()
+        torch.xpu._cached_zes_device_infos.extend(f"device {i}" for i in range(3))
+        torch.xpu._cached_zes_device_infos = ["device 1", "device 2"]
+        return 2
+
+    torch.xpu._raw_device_count_zes = count_like_torch
+    monkeypatch.setattr(
+        probe, "detect", lambda devices=True: MachineFacts(torch_version="2.13.0", compiled=("xpu",))
+    )
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    assert select_devices("1").device_count == 2
+    assert torch.xpu._cached_zes_device_infos is cache
+    assert cache == ["xpu:0 of the masked process"]
+
+
+# --- an integrated GPU next to discrete ones ------------------------------------------------------
+
+IGPU = ("0000:00:02.0", "8086:7d55")  # Meteor Lake graphics, where Intel iGPUs always sit
+B580 = ("0000:03:00.0", "8086:e20b")
+B580_2 = ("0000:83:00.0", "8086:e20b")
+MAX_1550 = ("0000:29:00.0", "8086:0bd5")
+
+
+def _machine(monkeypatch: pytest.MonkeyPatch, sysfs: list[tuple[str, str]], **counts: int | None) -> None:
+    """A torch-2.13 XPU machine: what sysfs lists, and what torch's own counters say."""
+    monkeypatch.setattr(probe, "intel_display_devices", lambda: list(sysfs), raising=False)
+    monkeypatch.setattr(
+        probe, "detect", lambda devices=True: MachineFacts(torch_version="2.13.0", compiled=("xpu",))
+    )
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch(**counts))
+
+
+def test_igpu_next_to_a_dgpu_counts_pci_ordinals(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Sysman (like torch) counts only the discrete card; Level Zero in PCI order numbers both.
+    _machine(monkeypatch, [B580, IGPU], zes=1)
+    first_discrete = select_devices("1")
+    assert first_discrete.env["ZE_AFFINITY_MASK"] == "1"
+    assert first_discrete.device_count == 2
+    assert any("integrated" in n and "checked against 2" in n for n in first_discrete.notes)
+    assert first_discrete.warnings == ()
+    assert first_discrete.visible_count == 1
+    with pytest.raises(DeviceSelectionError, match="device 2 is out of range"):
+        select_devices("2")
+
+
+def test_igpu_ordinal_is_warned_about(monkeypatch: pytest.MonkeyPatch) -> None:
+    _machine(monkeypatch, [IGPU, B580, B580_2], zes=2)
+    alone = select_devices("0")
+    (warning,) = alone.warnings
+    assert "device 0 is the integrated GPU at 0000:00:02.0" in warning
+    assert "the first discrete card is 1" in warning
+    assert alone.visible_count == 1  # alone, the program runs on the iGPU
+    assert alone.to_dict()["warnings"] == [warning]
+    both = select_devices("0,1")
+    assert "torch leaves it out" in both.warnings[0] and "will not see it" in both.warnings[0]
+    assert both.visible_count == 1  # torch drops an iGPU whenever a discrete GPU is visible
+    every = select_devices("all")
+    assert every.device_count == 3 and every.torch_devices == ("xpu:0", "xpu:1")
+    assert every.warnings == ()
+    # A named backend (no count is checked) still warns: the ordinals are this machine's.
+    named = select_devices("0", backend="xpu")
+    assert named.device_count is None and named.warnings == alone.warnings
+
+
+@pytest.mark.parametrize(
+    ("sysfs", "counts", "hierarchy", "expected"),
+    [
+        ([IGPU, B580], {}, None, 2),  # torch <= 2.12 cannot count: sysfs lists the ordinals
+        ([IGPU, MAX_1550], {"zes": 2}, None, 3),  # FLAT: two stacks, and the iGPU
+        ([IGPU, MAX_1550], {}, None, None),  # stacks per card unknown without torch's count
+        ([IGPU, MAX_1550], {}, "COMPOSITE", 2),  # COMPOSITE: one device per card
+        ([IGPU], {"zes": 1}, None, 1),  # an iGPU alone is simply device 0
+        ([B580, B580_2], {"zes": 2}, None, 2),
+    ],
+)
+def test_count_on_machines_with_and_without_an_igpu_mix(
+    monkeypatch: pytest.MonkeyPatch,
+    sysfs: list[tuple[str, str]],
+    counts: dict[str, int],
+    hierarchy: str | None,
+    expected: int | None,
+) -> None:
+    if hierarchy:
+        monkeypatch.setenv("ZE_FLAT_DEVICE_HIERARCHY", hierarchy)
+    _machine(monkeypatch, sysfs, **counts)
+    sel = select_devices("0")
+    assert sel.device_count == expected
+    assert bool(sel.warnings) == (IGPU in sysfs and len(sysfs) > 1)
+
+
+def test_the_real_sysfs_scan_gives_intel_display_devices_in_pci_order() -> None:
+    gpus = real_sysfs_scan()  # this machine's (often none): only the shape can be checked
+    assert gpus == sorted(gpus)
+    assert all(re.fullmatch(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]", a) for a, _ in gpus)
+    assert all(re.fullmatch(r"8086:[0-9a-f]{4}", pci_id) for _, pci_id in gpus)
+
+
+def test_facts_override_the_sysfs_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Facts may describe another machine: this machine's PCI bus says nothing about them.
+    _machine(monkeypatch, [IGPU, B580], zes=1)
+    sel = select_devices("0", facts=machine_profile("arc-b580", 1))
+    assert sel.device_count == 1 and sel.warnings == ()
+    assert not any("integrated" in n for n in sel.notes)
+
+
 # --- apply() -------------------------------------------------------------------------------------
 
 
@@ -432,8 +595,13 @@ def test_apply_of_what_is_already_in_effect_is_allowed_after_init(monkeypatch: p
 
 # --- any input: a selection or an XpukitError, and os.environ untouched -------------------------
 
+_huge_ints = st.integers(min_value=4290, max_value=4400).map(lambda n: 10**n)  # past str()'s limit
+_long_digits = st.integers(min_value=4290, max_value=4400).map(lambda n: "1" * n)
 _tokens = st.one_of(
     st.integers(min_value=-3, max_value=200),
+    st.integers(),
+    _huge_ints,
+    _long_digits,
     st.text(alphabet="0123456789,.- aAlLGPUMI/f", max_size=12),
     st.text(max_size=8),
 )
@@ -448,7 +616,11 @@ _specs = st.one_of(
     _plausible,
     st.text(max_size=40),
     st.text(alphabet="0123456789,.-", max_size=20),
-    st.integers(min_value=-(2**70), max_value=2**70),
+    st.integers(),
+    _huge_ints,
+    _huge_ints.map(lambda n: -n),
+    _long_digits,
+    st.tuples(_long_digits, st.sampled_from(["-1", "-" + "9" * 5000, ".0", ""])).map("".join),
     st.lists(_tokens, max_size=6),
     st.tuples(_tokens, _tokens),
     st.none(),
@@ -456,20 +628,27 @@ _specs = st.one_of(
     st.booleans(),
 )
 _hierarchies = st.one_of(
-    st.none(), st.none(), st.sampled_from(["flat", "COMPOSITE", "Combined"]), st.text(max_size=10)
+    st.none(),
+    st.none(),
+    st.sampled_from(["flat", "COMPOSITE", "Combined"]),
+    st.text(max_size=10),
+    _huge_ints,
 )
 _facts = st.one_of(
     st.none(),
     st.sampled_from(["arc-b580", "max-1550", "h100", "cpu"]).flatmap(
         lambda name: st.integers(1, 4).map(lambda n: machine_profile(name, n))
     ),
+    st.sampled_from(["x", {}, 0]),  # not facts: refused, not an AttributeError
 )
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     spec=_specs,
-    backend=st.one_of(st.none(), st.sampled_from(["xpu", "cuda", "Xpu"]), st.text(max_size=6)),
+    backend=st.one_of(
+        st.none(), st.sampled_from(["xpu", "cuda", "Xpu"]), st.text(max_size=6), st.integers(), _huge_ints
+    ),
     hierarchy=_hierarchies,
     facts=_facts,
 )

@@ -233,6 +233,38 @@ def test_conflicting_exported_variables_are_warned_about_on_stderr() -> None:
     assert same.stderr == ""  # the same value is no conflict
 
 
+def test_an_exported_hierarchy_is_written_into_the_line() -> None:
+    # `0,1` was checked as two cards (COMPOSITE); under the default FLAT of a Max node the same mask
+    # would be two stacks of card 0, so the line must not depend on the shell it is pasted into.
+    env = _clean_env(ZE_FLAT_DEVICE_HIERARCHY="COMPOSITE")
+    out = _xpukit("--devices", "0,1", "--backend", "xpu", "--dry-run", "--", "python", "t.py", env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == (
+        "ZE_AFFINITY_MASK=0,1 ZE_ENABLE_PCI_ID_DEVICE_ORDER=1 ZE_FLAT_DEVICE_HIERARCHY=COMPOSITE "
+        "python t.py\n"
+    )
+    assert out.stderr == ""  # the exported value is kept, so nothing is overridden
+
+
+def test_integrated_gpu_ordinal_is_warned_about_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from xpukit import probe
+
+    for name in SELECTION_VARS:
+        monkeypatch.delenv(name, raising=False)
+    sysfs = [("0000:00:02.0", "8086:7d55"), ("0000:03:00.0", "8086:e20b")]
+    monkeypatch.setattr(probe, "intel_display_devices", lambda: sysfs, raising=False)
+    code = main(["launch", "--devices", "0", "--backend", "xpu", "--dry-run", "--", "python", "t.py"])
+    out = capsys.readouterr()
+    assert code == 0
+    assert out.out == "ZE_AFFINITY_MASK=0 ZE_ENABLE_PCI_ID_DEVICE_ORDER=1 python t.py\n"
+    assert "xpukit launch: warning: device 0 is the integrated GPU at 0000:00:02.0" in out.err
+    assert "the first discrete card is 1" in out.err
+    assert main(["launch", "--devices", "1", "--backend", "xpu", "--dry-run", "--", "python"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_more_ranks_than_devices_is_warned_about() -> None:
     out = _xpukit(
         "--devices", "0,1", "--backend", "xpu", "--dry-run", "--", "torchrun", "--nproc_per_node=4", "t.py"
@@ -263,6 +295,7 @@ def test_processes_per_node(command: list[str], expected: int | None) -> None:
         (["--devices", "0", "--backend", "xpu"], "no command to run"),
         (["--devices", "0", "--backend", "xpu", "--json", "--", "true"], "add --dry-run"),
         (["--devices", "0.1", "--backend", "xpu", "--", "true"], "COMPOSITE mode"),
+        (["--devices", "1" * 5000, "--backend", "xpu", "--", "true"], "an index of 5000 digits"),
     ],
 )
 def test_bad_requests_exit_1_with_one_line(args: list[str], fragment: str) -> None:

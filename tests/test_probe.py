@@ -241,11 +241,24 @@ def test_simulated_xpu_broken_driver_gives_a_note_not_a_traceback(monkeypatch: p
     assert any("xpu device enumeration failed" in n and "DEVICE_LOST" in n for n in facts.notes)
 
 
+def _forget_other_touches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hide what earlier tests in this process imported or cached (transformers, accelerate)."""
+    import sys
+
+    for name in (
+        "transformers.integrations.sdpa_attention",
+        "transformers.utils.import_utils",
+        "accelerate.utils.imports",
+    ):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
 def test_runtime_initialized_counts_xpukits_own_enumeration(monkeypatch: pytest.MonkeyPatch) -> None:
     from xpukit import probe
 
     _simulate_xpu(monkeypatch, [A770_DUMP], free_ok=True)
     monkeypatch.setattr(probe, "_DEVICES_READ", set())
+    _forget_other_touches(monkeypatch)
     assert probe.runtime_initialized() is False
     detect(devices=False)
     assert probe.runtime_initialized() is False  # reading the build touches nothing
@@ -262,10 +275,10 @@ def test_runtime_initialized_counts_transformers_xpu_check(monkeypatch: pytest.M
 
     _simulate_xpu(monkeypatch, [A770_DUMP], free_ok=True)
     monkeypatch.setattr(probe, "_DEVICES_READ", set())
+    _forget_other_touches(monkeypatch)
     fake = types.ModuleType("transformers.utils.import_utils")
     fake.is_torch_xpu_available = functools.lru_cache(lambda check_device=False: True)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "transformers.utils.import_utils", fake)
-    monkeypatch.delitem(sys.modules, "transformers.integrations.sdpa_attention", raising=False)
     assert probe.runtime_initialized() is False
     fake.is_torch_xpu_available()  # type: ignore[attr-defined]
     assert probe.runtime_initialized() is True

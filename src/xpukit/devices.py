@@ -10,20 +10,27 @@ before anything initialises the device runtime. The rules come from platform.md 
   in list order, so ``2,0`` does reorder there.
 - Level Zero silently skips entries it cannot use (an index past the last device, ``X.Y`` outside
   COMPOSITE mode); CUDA drops an invalid entry and every entry after it. Both are refused here.
+- Under ``ZE_ENABLE_PCI_ID_DEVICE_ORDER=1`` Level Zero numbers devices in PCI order, so an Intel
+  integrated GPU (always at ``00:02.0``) is device 0 next to discrete cards, while torch's own count
+  leaves it out; such machines are recognised from sysfs (:func:`xpukit.probe.intel_display_devices`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
 import re
+import reprlib
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Literal
 
 from xpukit import _environ, probe
 from xpukit.errors import DeviceSelectionError, RuntimeAlreadyInitializedError
-from xpukit.facts import MachineFacts
+from xpukit.facts import MachineFacts, classify_xpu
 
 __all__ = ["HIERARCHIES", "SELECTABLE_BACKENDS", "DeviceSelection", "select_devices"]
 
@@ -39,6 +46,7 @@ _ORDER: dict[SelectableBackend, tuple[str, str]] = {
 }
 _HIERARCHY = "ZE_FLAT_DEVICE_HIERARCHY"
 _MAX_INDEX = 127  # torch's DeviceIndex is an int8: no process can address more devices than this
+_IGPU_SLOT = ":00:02.0"  # the PCI device/function where Intel integrated GPUs always sit (bus 0)
 
 _INDEX = re.compile(r"[0-9]+", re.ASCII)
 _RANGE = re.compile(r"([0-9]+)-([0-9]+)", re.ASCII)
@@ -77,6 +85,11 @@ class DeviceSelection:
         device_count: how many devices the indices were checked against; ``None`` when the count
             could not be known without initialising a runtime (then only the syntax was checked).
         notes: what was assumed or could not be checked, in words.
+        warnings: what may make the program run somewhere other than the user expects (e.g. index 0
+            being an integrated GPU); ``xpukit launch`` prints them on stderr.
+        integrated: the ordinals of integrated GPUs that this machine lists next to discrete ones.
+            Torch leaves an integrated GPU out whenever a discrete one is visible, which
+            ``visible_count`` takes into account.
     """
 
     backend: SelectableBackend
@@ -87,6 +100,8 @@ class DeviceSelection:
     hierarchy: str | None = None
     device_count: int | None = None
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    integrated: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Frozen means frozen: never share (or expose for mutation) the caller's dict.
@@ -106,13 +121,20 @@ class DeviceSelection:
     def visible_count(self) -> int | None:
         """How many devices the program will see, or ``None`` when that depends on the machine.
 
-        In COMPOSITE mode the tiles of one card form one device, so cards are counted.
+        In COMPOSITE mode the tiles of one card form one device, so cards are counted. Torch leaves
+        an integrated GPU out while a discrete one is visible, so it counts only when alone.
         """
+        integrated = {str(i) for i in self.integrated}
         if self.selects_all:
-            return self.device_count
+            if self.device_count is None or self.device_count <= len(integrated):
+                return self.device_count
+            return self.device_count - len(integrated)  # torch shows the discrete devices only
+        cards = [d.partition(".")[0] for d in self.devices]
+        if integrated and any(card not in integrated for card in cards):
+            cards = [card for card in cards if card not in integrated]
         if self.backend == "xpu" and self.hierarchy == "COMPOSITE":
-            return len({d.partition(".")[0] for d in self.devices})
-        return len(self.devices)
+            return len(set(cards))
+        return len(cards)
 
     @property
     def torch_devices(self) -> tuple[str, ...] | None:
@@ -218,6 +240,8 @@ class DeviceSelection:
             "visible_count": self.visible_count,
             "shell_prefix": self.shell_prefix(),
             "notes": list(self.notes),
+            "warnings": list(self.warnings),
+            "integrated": list(self.integrated),
         }
 
 
@@ -240,7 +264,8 @@ def select_devices(
             ``ZE_FLAT_DEVICE_HIERARCHY``. Default: the value already in the environment, if any.
         facts: the machine's facts (e.g. ``xpukit.detect()`` or a profile) to check indices against.
             Without them the count is detected only when ``backend`` is not named, and only in ways
-            that do not initialise a runtime.
+            that do not initialise a runtime; and this machine's PCI bus (sysfs) is read to recognise
+            an Intel integrated GPU next to discrete ones (see ``DeviceSelection.warnings``).
 
     Returns:
         A frozen :class:`DeviceSelection`.
@@ -248,7 +273,8 @@ def select_devices(
     Raises:
         DeviceSelectionError: the spec is empty or malformed; an index is negative, repeated or out
             of range; an Intel list is not increasing (the mask cannot reorder); a tile is asked
-            outside COMPOSITE mode; or no backend was named and no XPU or CUDA device was found.
+            outside COMPOSITE mode; ``facts`` is not a ``MachineFacts``; or no backend was named and
+            no XPU or CUDA device was found.
 
     Example:
         >>> sel = select_devices("0,2", backend="xpu")
@@ -257,6 +283,11 @@ def select_devices(
     """
     entries, selects_all = _parse(spec)
     where = f"select_devices({_show(spec)})"
+    if facts is not None and not isinstance(facts, MachineFacts):
+        raise DeviceSelectionError(
+            f"{where}: facts must be a MachineFacts (`xpukit.detect()`, or a profile such as "
+            f"`xpukit.profiles.machine_profile('arc-b580', 2)`), or None; got {type(facts).__name__}."
+        )
     named = _backend(backend, where)
     wanted_hierarchy = _hierarchy(hierarchy, where)
     count: int | None = None
@@ -272,13 +303,15 @@ def select_devices(
         count, how = _count_from_facts(chosen, facts, wanted_hierarchy)
     else:
         chosen, count, how = _detect(wanted_hierarchy, where)
-    notes = [how]
+    notes: list[str] = []
+    warnings: list[str] = []
+    integrated: tuple[int, ...] = ()
 
     if chosen == "cuda":
         if wanted_hierarchy:
             raise DeviceSelectionError(
-                f"{where}: hierarchy={hierarchy!r} applies to Intel GPUs only (ZE_FLAT_DEVICE_HIERARCHY); "
-                "drop it for CUDA."
+                f"{where}: hierarchy={_show(hierarchy)} applies to Intel GPUs only "
+                "(ZE_FLAT_DEVICE_HIERARCHY); drop it for CUDA."
             )
         _check_cuda(entries, where)
         effective = None
@@ -290,6 +323,13 @@ def select_devices(
                 "Data Center GPU Max in the driver's default FLAT mode: every stack is its own "
                 "device (a Max 1550 counts as 2)"
             )
+        # Facts may describe another machine; only without them is this machine's PCI bus relevant.
+        mix = _intel_mix() if facts is None else None
+        if mix is not None:
+            integrated = mix.integrated
+            if named is None:  # counted on this machine: the count must be Level Zero's, not torch's
+                count, how = _count_with_integrated(mix, count, how, effective)
+            warnings += _integrated_warnings(mix, entries)
     if count is not None:
         _check_range(entries, count, chosen, how, where)
 
@@ -298,9 +338,10 @@ def select_devices(
         env[_MASK[chosen]] = ",".join(e.text for e in entries)
     order_name, order_value = _ORDER[chosen]
     env[order_name] = order_value
-    # A tile only means something in COMPOSITE mode: write the mode down even when it was inherited,
-    # so that the selection does not depend on what happens to be exported.
-    if effective and (wanted_hierarchy or any(e.kind == "tile" for e in entries)):
+    # Write the hierarchy down even when it was inherited: it was checked in that hierarchy, and
+    # the same mask names other devices in another (`0,1` is two cards in COMPOSITE, two stacks of
+    # card 0 in FLAT), so the line must not depend on what the shell it runs in exports.
+    if effective:
         env[_HIERARCHY] = effective
     return DeviceSelection(
         backend=chosen,
@@ -310,7 +351,9 @@ def select_devices(
         unset=(_MASK[chosen],) if selects_all else (),
         hierarchy=effective,
         device_count=count,
-        notes=tuple(notes),
+        notes=(how, *notes),
+        warnings=tuple(warnings),
+        integrated=integrated,
     )
 
 
@@ -327,9 +370,36 @@ def _inherited_hierarchy(facts: MachineFacts | None, notes: list[str]) -> str | 
 # --- parsing ---------------------------------------------------------------------------------------
 
 
-def _show(spec: object) -> str:
-    text = repr(spec)
+class _ShortRepr(reprlib.Repr):
+    """``repr`` for messages: bounded in length, and safe for ints past ``str()``'s digit limit."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if abs(x) > 10**30:
+            return f"<an int of {_digits(x)} digits>"
+        return super().repr_int(x, level)
+
+
+_SHORT = _ShortRepr()
+_SHORT.maxstring = 50
+_SHORT.maxother = 50
+
+
+def _show(value: object) -> str:
+    """A short, always printable ``repr`` of a user's value (huge ints become "an int of N digits")."""
+    text = _SHORT.repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _digits(value: int) -> int:
+    """The number of decimal digits of ``value``, without ``str()`` (limited to 4300 digits)."""
+    value = abs(value)
+    n = int((value.bit_length() - 1) * math.log10(2)) + 1 if value else 1
+    # The float estimate can be off by one either way for very large values.
+    while n > 1 and value < 10 ** (n - 1):
+        n -= 1
+    while value >= 10**n:
+        n += 1
+    return n
 
 
 def _parse(spec: object) -> tuple[list[_Entry], bool]:
@@ -354,22 +424,35 @@ def _parse(spec: object) -> tuple[list[_Entry], bool]:
     entries: list[_Entry] = []
     for token in tokens:
         entries.extend(_parse_token(token, where))
+        if len(entries) > _MAX_INDEX + 1:  # some are repeated; stop before a huge list is built
+            raise DeviceSelectionError(
+                f"{where}: names more than {_MAX_INDEX + 1} devices, more than torch can address; "
+                "name each device once."
+            )
     return entries, False
 
 
 def _parse_token(token: object, where: str) -> list[_Entry]:
     if isinstance(token, bool) or not isinstance(token, (int, str)):
-        raise DeviceSelectionError(f"{where}: list items must be ints or strings, got {token!r}.")
-    text = str(token).strip()
-    if (isinstance(token, int) and token < 0) or re.fullmatch(r"-[0-9]+", text, re.ASCII):
-        raise DeviceSelectionError(f"{where}: negative device index {text}; indices start at 0.")
+        raise DeviceSelectionError(f"{where}: list items must be ints or strings, got {_show(token)}.")
+    if isinstance(token, int):
+        # Compare before str(): an int past 4300 digits cannot be turned into a string.
+        if token < 0:
+            raise DeviceSelectionError(f"{where}: negative device index {_show(token)}; indices start at 0.")
+        if token > _MAX_INDEX:
+            raise DeviceSelectionError(f"{where}: device index {_show(token)} is past {_past_max()}.")
+        token = str(int(token))  # int(): an int subclass (IntEnum…) may print as its name
+    text = token.strip()
+    if re.fullmatch(r"-[0-9]+", text, re.ASCII):
+        raise DeviceSelectionError(f"{where}: negative device index {_show_index(text)}; indices start at 0.")
     if _INDEX.fullmatch(text):
-        return [_Entry(str(_index(text, where)), "index", card=int(text))]
+        index = _index(text, where)
+        return [_Entry(str(index), "index", card=index)]
     if m := _RANGE.fullmatch(text):
         lo, hi = _index(m[1], where), _index(m[2], where)
         if hi < lo:
             raise DeviceSelectionError(
-                f"{where}: range {text!r} goes down; write it as '{hi}-{lo}' (ranges go up)."
+                f"{where}: range {_show(text)} goes down; write it as '{hi}-{lo}' (ranges go up)."
             )
         return [_Entry(str(i), "index", card=i) for i in range(lo, hi + 1)]
     if m := _TILE.fullmatch(text):
@@ -379,7 +462,7 @@ def _parse_token(token: object, where: str) -> list[_Entry]:
         return [_Entry(text, "uuid")]
     if text.lower() == "all":
         raise DeviceSelectionError(f"{where}: 'all' cannot be combined with other devices.")
-    reason = "an empty entry (two commas, or a comma at an end)" if not text else repr(text)
+    reason = "an empty entry (two commas, or a comma at an end)" if not text else _show(text)
     raise DeviceSelectionError(
         f"{where}: cannot read {reason}. Valid entries: an index '2', a range '0-3', a tile '0.1' "
         "(Intel, COMPOSITE mode), a GPU UUID 'GPU-…' or MIG id 'MIG-…' (CUDA), or 'all' alone."
@@ -387,26 +470,35 @@ def _parse_token(token: object, where: str) -> list[_Entry]:
 
 
 def _index(text: str, where: str) -> int:
-    value = int(text)
-    if value > _MAX_INDEX:
-        raise DeviceSelectionError(
-            f"{where}: device index {value} is past {_MAX_INDEX}, the highest index torch can address."
-        )
-    return value
+    """An ASCII digit string as an index ≤ ``_MAX_INDEX``; too many digits are refused before int()."""
+    digits = text.lstrip("0") or "0"  # leading zeros count towards int()'s 4300-digit limit too
+    if len(digits) > len(str(_MAX_INDEX)) or int(digits) > _MAX_INDEX:
+        raise DeviceSelectionError(f"{where}: device index {_show_index(digits)} is past {_past_max()}.")
+    return int(digits)
+
+
+def _show_index(digits: str) -> str:
+    """A digit string for a message: itself when short, else how long it is."""
+    sign, digits = ("-", digits[1:]) if digits.startswith("-") else ("", digits)
+    return sign + digits if len(digits) <= 20 else f"{sign}<an index of {len(digits)} digits>"
+
+
+def _past_max() -> str:
+    return f"{_MAX_INDEX}, the highest index torch can address"
 
 
 def _backend(backend: str | None, where: str) -> SelectableBackend | None:
     if backend is None:
         return None
-    name = backend.strip().lower() if isinstance(backend, str) else backend
-    if name == "xpu" or name == "cuda":
-        return name  # type: ignore[return-value]  # narrowed by the comparison
+    name = backend.strip().lower() if isinstance(backend, str) else ""
+    if name in SELECTABLE_BACKENDS:
+        return "xpu" if name == "xpu" else "cuda"
     why = {
         "mps": "Apple GPUs are one device, with no variable to choose among them",
         "cpu": "the CPU needs no device selection",
-    }.get(str(name), "it is not a backend with a device-visibility variable")
+    }.get(name, "it is not a backend with a device-visibility variable")
     raise DeviceSelectionError(
-        f"{where}: backend={backend!r} cannot be selected ({why}). Valid backends: 'xpu', 'cuda'."
+        f"{where}: backend={_show(backend)} cannot be selected ({why}). Valid backends: 'xpu', 'cuda'."
     )
 
 
@@ -416,7 +508,7 @@ def _hierarchy(hierarchy: str | None, where: str) -> str | None:
     value = hierarchy.strip().upper() if isinstance(hierarchy, str) else None
     if value not in HIERARCHIES:
         raise DeviceSelectionError(
-            f"{where}: hierarchy={hierarchy!r} is not a Level Zero hierarchy. Valid: FLAT, COMPOSITE, "
+            f"{where}: hierarchy={_show(hierarchy)} is not a Level Zero hierarchy. Valid: FLAT, COMPOSITE, "
             "COMBINED (any case)."
         )
     return value
@@ -580,7 +672,7 @@ def _count_without_init(backend: SelectableBackend, hierarchy: str | None) -> tu
     if counter is None:
         return None, f"this torch has no way to count {backend} devices without initialising them"
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _kept(module, "_cached_zes_device_infos"):
             warnings.simplefilter("ignore")  # "Can't initialize NVML" is an answer, not a warning
             count = int(counter(*args))
     except (OSError, AttributeError, RuntimeError, ImportError):
@@ -588,6 +680,119 @@ def _count_without_init(backend: SelectableBackend, hierarchy: str | None) -> tu
     if count < 0:
         return None, f"{how} could not count {backend} devices"
     return count, how
+
+
+@contextlib.contextmanager
+def _kept(module: ModuleType, name: str) -> Iterator[None]:
+    """Put ``module.<name>`` (a list) back as it was: the same object, with the same items.
+
+    torch 2.13's ``_raw_device_count_zes`` refills ``torch.xpu._cached_zes_device_infos`` (in place,
+    then as a new list when it drops integrated GPUs) with the devices of the mask it is given. Its
+    telemetry calls (``temperature``, ``power_draw``…) map ``xpu:N`` through that list, so the
+    unmasked list of a count taken here must not stay behind in a process running under a mask.
+    """
+    missing = object()
+    saved = getattr(module, name, missing)
+    items = list(saved) if isinstance(saved, list) else None
+    try:
+        yield
+    finally:
+        if saved is missing:
+            if hasattr(module, name):
+                delattr(module, name)
+        else:
+            if isinstance(saved, list) and items is not None:
+                saved[:] = items
+            setattr(module, name, saved)
+
+
+# --- an Intel integrated GPU next to discrete ones -------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _IntelMix:
+    """This machine's Intel GPUs as sysfs lists them (PCI order), when iGPU and dGPUs are mixed."""
+
+    gpus: tuple[tuple[str, str], ...]  # (PCI address, "8086:<id>"), sorted by address
+    integrated: tuple[int, ...]  # their ordinals: positions in PCI order
+    multi_stack: bool  # a Data Center GPU Max among them (one device per stack in FLAT mode)
+
+
+def _intel_mix() -> _IntelMix | None:
+    """An Intel integrated GPU next to discrete ones on this machine's PCI bus, else None.
+
+    With ``ZE_ENABLE_PCI_ID_DEVICE_ORDER=1`` Level Zero numbers its devices in PCI order, so the
+    integrated GPU (at bus 0, ``00:02.0``) comes before every discrete card; torch, and the Sysman
+    count it uses, leave it out whenever a discrete GPU is present (platform.md §1.1-1.2).
+    """
+    gpus = tuple(sorted(probe.intel_display_devices()))
+    # Positions are ordinals as long as every device before the iGPU is single-stack; nothing
+    # but the iGPU sits on bus 0 before 00:02.0, so in practice the iGPU is 0.
+    integrated = tuple(i for i, (address, _) in enumerate(gpus) if address.endswith(_IGPU_SLOT))
+    if not integrated or len(integrated) == len(gpus):
+        return None
+    multi_stack = any(classify_xpu("", _pci_device_id(pci_id)) == "max" for _, pci_id in gpus)
+    return _IntelMix(gpus=gpus, integrated=integrated, multi_stack=multi_stack)
+
+
+def _pci_device_id(pci_id: str) -> int | None:
+    try:
+        return int(pci_id.rpartition(":")[2], 16)
+    except ValueError:
+        return None
+
+
+def _count_with_integrated(
+    mix: _IntelMix, torch_count: int | None, how: str, hierarchy: str | None
+) -> tuple[int | None, str]:
+    """The number of Level Zero ordinals on a mixed machine, and how it was found."""
+    listing = ", ".join(
+        f"{i}: {address} ({'integrated' if i in mix.integrated else 'discrete'})"
+        for i, (address, _) in enumerate(mix.gpus)
+    )
+    n_integrated = len(mix.integrated)
+    found = (
+        f"Intel GPUs on this machine's PCI bus, in the PCI order that ZE_ENABLE_PCI_ID_DEVICE_ORDER=1 "
+        f"gives them: {listing} (assuming Level Zero lists the integrated one too). Torch leaves "
+        "integrated GPUs out while a discrete one is present"
+    )
+    if torch_count is not None:
+        total = torch_count + n_integrated
+        return total, (
+            f"{found}; {how} (discrete only), plus {n_integrated} integrated: indices were checked "
+            f"against {total}"
+        )
+    if mix.multi_stack and hierarchy != "COMPOSITE":
+        return None, (
+            f"{found}; a Data Center GPU Max counts one device per stack in FLAT mode and torch could "
+            "not count them without initialising: indices were checked for syntax only"
+        )
+    total = len(mix.gpus)
+    return total, f"{found}; indices were checked against the {total} Intel GPUs that sysfs lists"
+
+
+def _integrated_warnings(mix: _IntelMix, entries: list[_Entry]) -> list[str]:
+    """A warning for each selected ordinal that is an integrated GPU on this machine."""
+    discrete = [i for i in range(len(mix.gpus)) if i not in mix.integrated]
+    # With a multi-stack card, positions after it are no longer ordinals: name only the first.
+    listing = "" if mix.multi_stack else f" Discrete cards: {','.join(map(str, discrete))}."
+    cards = {e.card for e in entries if e.kind != "uuid"}
+    with_discrete = any(card not in mix.integrated for card in cards)
+    out = []
+    for ordinal in sorted(cards & set(mix.integrated)):
+        address, pci_id = mix.gpus[ordinal]
+        effect = (
+            "next to a discrete card, torch leaves it out (it drops integrated GPUs whenever a discrete "
+            "one is visible), so the program will not see it"
+            if with_discrete
+            else "the program will run on the integrated GPU alone"
+        )
+        out.append(
+            f"device {ordinal} is the integrated GPU at {address} ({pci_id}), not a discrete card: "
+            f"Level Zero numbers Intel GPUs in PCI order under ZE_ENABLE_PCI_ID_DEVICE_ORDER=1, so the "
+            f"first discrete card is {discrete[0]}; {effect}.{listing}"
+        )
+    return out
 
 
 def _no_device_message(facts: MachineFacts) -> str:

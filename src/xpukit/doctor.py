@@ -19,6 +19,7 @@ from typing import Any, Literal
 from xpukit import __version__
 from xpukit._compat import installed_version, version_at_least
 from xpukit.facts import MachineFacts
+from xpukit.probe import intel_display_devices
 
 __all__ = [
     "PACKAGES",
@@ -111,7 +112,7 @@ def gather_host() -> HostFacts:
     nodes = sorted(dri.glob("renderD*")) if dri.exists() else []
     from xpukit.hub import hub_status, kernels_support
 
-    gpus = _intel_display_devices()
+    gpus = intel_display_devices()
     kernels = kernels_support()
     hub = hub_status()  # bounded (XPUKIT_HUB_TIMEOUT, default 2 s); no network when offline
     return HostFacts(
@@ -128,21 +129,6 @@ def gather_host() -> HostFacts:
         hub_reachable=None if hub.offline else hub.reachable,
         hub_reason=hub.reason,
     )
-
-
-def _intel_display_devices() -> list[tuple[str, str]]:
-    """(PCI address, ``8086:device``) of every Intel display controller."""
-    found = []
-    for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
-        try:
-            vendor = (dev / "vendor").read_text().strip()
-            klass = (dev / "class").read_text().strip()
-            device = (dev / "device").read_text().strip()
-        except OSError:
-            continue
-        if vendor == "0x8086" and klass.startswith("0x03"):  # PCI class 03: display controller
-            found.append((dev.name, f"8086:{device.removeprefix('0x')}"))
-    return found
 
 
 def _in_render_group() -> bool:

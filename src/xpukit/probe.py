@@ -34,7 +34,7 @@ from xpukit.facts import BACKENDS, Backend, DeviceFacts, MachineFacts, classify_
 if TYPE_CHECKING:
     import types
 
-__all__ = ["cpu_facts", "detect", "runtime_initialized", "xpu_device_facts"]
+__all__ = ["cpu_facts", "detect", "intel_display_devices", "runtime_initialized", "xpu_device_facts"]
 
 
 def detect(*, devices: bool = True) -> MachineFacts:
@@ -126,6 +126,28 @@ def runtime_initialized() -> bool:
             if info is not None and info().currsize > 0:
                 return True
     return False
+
+
+def intel_display_devices() -> list[tuple[str, str]]:
+    """Every Intel display controller on the PCI bus, in PCI order; touches no GPU runtime.
+
+    Read from sysfs (Linux); other systems give an empty list.
+
+    Returns:
+        ``[(PCI address, "8086:<device id>"), ...]``, e.g. ``[("0000:00:02.0", "8086:7d55")]``,
+        sorted by address, which is PCI domain/bus/device/function order.
+    """
+    found = []
+    for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
+        try:
+            vendor = (dev / "vendor").read_text().strip()
+            klass = (dev / "class").read_text().strip()
+            device = (dev / "device").read_text().strip()
+        except OSError:
+            continue
+        if vendor == "0x8086" and klass.startswith("0x03"):  # PCI class 03: display controller
+            found.append((dev.name, f"8086:{device.removeprefix('0x')}"))
+    return found
 
 
 def _compiled_backends(torch: types.ModuleType) -> tuple[Backend, ...]:

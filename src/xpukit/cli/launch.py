@@ -108,8 +108,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def warnings_for(selection: DeviceSelection, command: Sequence[str], base: Mapping[str, str]) -> list[str]:
-    """What in the parent environment or the command may work against the selection."""
-    out = []
+    """What may work against the selection: its own warnings, the parent environment, the command.
+
+    Notes (what was assumed or only checked for syntax) are logged at INFO level (``xpukit -v``);
+    the selection's warnings (e.g. an index that is an integrated GPU) always reach stderr.
+    """
+    out = list(selection.warnings)
     for name, (exported, used) in selection.conflicts(base).items():
         now = f"uses {name}={used}" if used is not None else f"removes {name}"
         out.append(

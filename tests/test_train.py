@@ -159,6 +159,79 @@ def test_device_missing_from_facts_is_refused() -> None:
         _training_device(OnCuda(), machine_profile("h100"), use_cpu=False)
 
 
+@pytest.mark.parametrize(
+    ("profile", "dtype", "bf16", "fp16"),
+    [
+        ("arc-a770", "float16", False, False),  # 4-bit computes fp16 (bnb < 0.50); no fp64: fp32
+        ("h100", "float16", False, True),  # dtype="float16" on an H100: fp16, not bf16 autocast
+        ("meteor-lake", "float16", False, True),  # fp64 present: fp16 + GradScaler
+        ("apple-m2", "float16", False, False),  # no fp64 on MPS
+        ("h100", "float32", False, False),
+        ("cpu-bf16", "float32", False, False),
+        ("t4", "bfloat16", True, False),  # asked for at load: emulated there, but what the model computes in
+        ("max-1550", "torch.bfloat16", True, False),
+    ],
+)
+def test_precision_follows_the_load_dtype(profile: str, dtype: str, bf16: bool, fp16: bool) -> None:
+    kw = training_kwargs(device_profile(profile), context=TrainingContext(compute_dtype=dtype))
+    assert (kw["bf16"], kw["fp16"]) == (bf16, fp16)
+
+
+def test_load_dtype_comes_from_the_plan_and_user_keywords_still_win() -> None:
+    from xpukit.train import _context
+
+    arc = device_profile("arc-a770")
+    model = SimpleNamespace(xpukit_plan=SimpleNamespace(device=arc, dtype="float16"))
+    context = _context(model, None)
+    assert context.compute_dtype == "float16"
+    kw = training_kwargs(arc, context=context)
+    assert kw["bf16"] is False and kw["fp16"] is False  # not the bf16 the Arc A770 would get unloaded
+    h100 = TrainingContext(compute_dtype="float16")
+    assert training_kwargs(device_profile("h100"), context=h100, bf16=True)["fp16"] is False
+    with pytest.raises(InvalidRequestError, match=r"xpukit picks float32"):
+        training_kwargs(arc, context=context, fp16=True)  # still no GradScaler without fp64
+    assert _context(SimpleNamespace(), None).compute_dtype is None  # not loaded by xpukit
+
+
+def test_real_training_args_follow_the_plans_dtype(tmp_path: Path) -> None:
+    # An AMX CPU would train in bf16; a model loaded there in float32 must not get bf16 autocast.
+    model = SimpleNamespace(xpukit_plan=SimpleNamespace(device=device_profile("cpu-bf16"), dtype="float32"))
+    args = training_args(model, output_dir=str(tmp_path))
+    assert args.bf16 is False and args.fp16 is False and args.use_cpu is True
+
+
+@pytest.mark.parametrize("backend_profile", ["max-1550", "h100"])
+def test_a_card_other_than_0_is_refused_in_a_single_process(
+    backend_profile: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    second = replace(device_profile(backend_profile), index=1)
+    fix = r"xpukit launch --devices 1 -- python train\.py"
+    with pytest.raises(InvalidRequestError, match=rf"on {second.backend}:1.*{fix}"):
+        training_kwargs(second, context=TrainingContext(world_size=1))
+    # Distributed: each rank has its own card, so another index is fine.
+    assert "ddp_backend" in training_kwargs(
+        second, context=TrainingContext(world_size=2, torch_version="2.13.0")
+    )
+    # Through training_args: the plan's device, and the parameters' device, both count.
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    planned = SimpleNamespace(xpukit_plan=SimpleNamespace(device=second, dtype="bfloat16"))
+    with pytest.raises(InvalidRequestError, match=fix):
+        training_args(planned, output_dir="out")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+
+    class OnCard1:
+        def parameters(self) -> Any:
+            import torch
+
+            yield SimpleNamespace(device=torch.device(second.backend, 1))
+
+    machine = machine_profile(backend_profile, 2)
+    with pytest.raises(InvalidRequestError, match=fix):
+        training_args(OnCard1(), facts=machine, output_dir="out")
+    # Device 0 of the same machine is accepted by the rule.
+    assert training_kwargs(machine.devices[0], context=TrainingContext())["report_to"] == "none"
+
+
 # ---------------------------------------------------------------------------------------------
 # Real TrainingArguments on this CPU
 # ---------------------------------------------------------------------------------------------
@@ -251,6 +324,61 @@ def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path) -> None:
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.2, losses
+
+
+def test_repacked_4bit_weights_of_a_users_peft_model_are_restored(
+    tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """cpu-findings §4: the user's own get_peft_model, then generate() on a 4-bit CPU model, repacks
+    the weights into a layout without backward; training_args must give the layout back."""
+    import logging
+
+    import bitsandbytes as bnb
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from xpukit.tiny import corpus_lines
+
+    quant = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=True,
+    )
+    base = AutoModelForCausalLM.from_pretrained(
+        tiny_model, quantization_config=quant, dtype=torch.bfloat16, device_map="cpu"
+    )
+    layers = [m for m in base.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    if not all(getattr(m, "support_avx512bf16_for_cpu", False) for m in layers):
+        pytest.skip("bitsandbytes repacks only on CPUs with avx512_bf16; this one has none")
+    config = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear")
+    model = get_peft_model(base, config)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    batch = dict(tok(corpus_lines()[:4], return_tensors="pt", padding=True, max_length=24, truncation=True))
+    batch["labels"] = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model.eval()
+    model.generate(input_ids=batch["input_ids"][:1, :4], max_new_tokens=2, do_sample=False)
+
+    def repacked() -> int:
+        return sum(bool(getattr(m.weight.quant_state, "packing_format_for_cpu", False)) for m in layers)
+
+    assert repacked() == len(layers) > 0, "generate() should have repacked the 4-bit layers"
+
+    with caplog.at_level(logging.WARNING, logger="xpukit.train"):
+        training_args(model, output_dir=str(tmp_path))
+    assert repacked() == 0
+    assert not any(m.support_avx512bf16_for_cpu for m in layers)  # evaluation cannot repack again
+    assert any(
+        "repacked by bitsandbytes" in r.getMessage() and "apply_lora" in r.getMessage()
+        for r in caplog.records
+    )
+
+    model.train()
+    model(**batch).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if "lora_B" in n}
+    zero = [n for n, g in grads.items() if g is None or not g.abs().sum() > 0]
+    assert len(grads) == len(layers) and not zero, f"zero LoRA gradients: {zero}"
 
 
 @pytest.mark.gpu

@@ -139,6 +139,29 @@ def training_precision(device: DeviceFacts) -> TrainingPrecision:
     )
 
 
+def training_precision_for_dtype(device: DeviceFacts, dtype: DtypeName) -> TrainingPrecision:
+    """Mixed-precision flags for a model that computes in ``dtype`` on ``device``.
+
+    bfloat16 → bf16; float16 → fp16 with GradScaler where the device has fp64, else fp32 (the
+    scaler needs fp64); float32 → neither.
+    """
+    loaded = f"the model was loaded to compute in {dtype}"
+    if dtype == "bfloat16":
+        native = "" if device.native_bf16 else f" ({device.name} only emulates bf16: slow)"
+        return TrainingPrecision(bf16=True, fp16=False, reason=f"bf16: {loaded}{native}")
+    if dtype == "float16":
+        if device.fp64:
+            return TrainingPrecision(bf16=False, fp16=True, reason=f"fp16 with GradScaler: {loaded}")
+        return TrainingPrecision(
+            bf16=False,
+            fp16=False,
+            reason=f"fp32: {loaded}, but fp16 training needs GradScaler, which needs fp64, and "
+            f'{device.name} has none ("Required aspect fp64 is not supported"); the trainable (LoRA) '
+            "weights are fp32 and train without autocast",
+        )
+    return TrainingPrecision(bf16=False, fp16=False, reason=f"fp32: {loaded}")
+
+
 def _where(device: DeviceFacts) -> str:
     if device.backend == "cuda" and device.compute_capability:
         major, minor = device.compute_capability

@@ -5,7 +5,15 @@ profiles); :func:`training_args` finds the facts (from the model, its ``xpukit_p
 and builds the ``transformers.TrainingArguments``. Rules (cpu-findings §5, platform.md §4):
 
 * Precision from :func:`xpukit.precision.training_precision`: bf16 where native, fp16 (with
-  ``GradScaler``) only where the device has fp64, else fp32.
+  ``GradScaler``) only where the device has fp64, else fp32. A model loaded by
+  :func:`xpukit.load_for_xpu` trains in the dtype its plan computes in (``model.xpukit_plan.dtype``):
+  that is what :func:`xpukit.lora.apply_lora` prepared the weights for (fp32 LoRA weights for an fp16
+  ``GradScaler``), and what the user asked for with ``dtype=``.
+* A single process trains on device 0 (``TrainingArguments`` sets ``xpu:0``/``cuda:0``): a model on
+  another card is refused with the fix (``xpukit launch --devices N``, which makes that card device 0).
+* A trainable model whose 4-bit weights bitsandbytes repacked for CPU inference (a ``generate()`` on
+  an avx512_bf16 CPU, cpu-findings §4) gets its trainable layout back, with a warning: that layout
+  has no backward and would give zero LoRA gradients.
 * ``use_cpu=True`` on the CPU: ``TrainingArguments(bf16=True)`` raises there without it.
 * ``ddp_backend`` only in a distributed run (``WORLD_SIZE`` > 1): xccl on XPU (torch ≥ 2.8), nccl
   on CUDA, gloo on CPU/MPS. Set in a single process it crashes ("Default process group has not been
@@ -25,6 +33,7 @@ Constructing ``TrainingArguments`` initialises the XPU runtime (its ``__post_ini
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,9 +41,15 @@ from packaging.version import InvalidVersion, Version
 
 from xpukit import _environ
 from xpukit._compat import installed_version, version_at_least
+from xpukit.bnb_cpu import restore_trainable_4bit_layout
 from xpukit.errors import InvalidRequestError
 from xpukit.facts import DeviceFacts, MachineFacts
-from xpukit.precision import training_precision
+from xpukit.precision import (
+    TrainingPrecision,
+    normalize_dtype,
+    training_precision,
+    training_precision_for_dtype,
+)
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -57,6 +72,8 @@ class TrainingContext:
         quantized: the model's weights are 4/8-bit (bitsandbytes).
         gradient_checkpointing: the model already has gradient checkpointing on.
         bitsandbytes_version: the installed bitsandbytes version, if any.
+        compute_dtype: the dtype the model was loaded to compute in (``model.xpukit_plan.dtype``);
+            when set, the mixed precision follows it instead of the device's best.
     """
 
     world_size: int = 1
@@ -64,6 +81,7 @@ class TrainingContext:
     quantized: bool = False
     gradient_checkpointing: bool = False
     bitsandbytes_version: str | None = None
+    compute_dtype: str | None = None
 
 
 def training_kwargs(
@@ -81,7 +99,8 @@ def training_kwargs(
 
     Raises:
         InvalidRequestError: a user combination that would fail on this device (bf16 together with
-            fp16, bf16 with ``use_cpu=False`` on a CPU, fp16 with GradScaler on a device without fp64).
+            fp16, bf16 with ``use_cpu=False`` on a CPU, fp16 with GradScaler on a device without fp64),
+            or a device other than index 0 in a single process.
 
     Example::
 
@@ -90,8 +109,10 @@ def training_kwargs(
         True
     """
     ctx = context or TrainingContext()
+    if not user.get("use_cpu"):
+        _refuse_other_card(device, ctx.world_size)
     out, reasons = _decide(device, ctx)
-    _refuse_impossible(device, user)
+    _refuse_impossible(device, user, _precision(device, ctx.compute_dtype).name)
     # One mixed precision named by the user replaces xpukit's, rather than joining it.
     for mine, other in (("bf16", "fp16"), ("fp16", "bf16")):
         if user.get(mine) and other not in user:
@@ -107,8 +128,29 @@ def training_kwargs(
     return out
 
 
+def _refuse_other_card(device: DeviceFacts, world_size: int) -> None:
+    """A single process trains on device 0 whatever card the model is on (platform.md §4)."""
+    if world_size > 1 or device.backend not in ("xpu", "cuda") or device.index == 0:
+        return
+    raise InvalidRequestError(
+        f"training_args: the model is on {device.torch_device}, but a single (non-distributed) process "
+        f"trains on {device.backend}:0: TrainingArguments always sets {device.backend}:0 as its device, "
+        f"so the batches would go to another card than the model. Fix: run the script on that card "
+        f"alone, `xpukit launch --devices {device.index} -- python train.py`; inside it the card is "
+        f"then {device.backend}:0, so load the model there (load_for_xpu picks it)."
+    )
+
+
+def _precision(device: DeviceFacts, compute_dtype: str | None) -> TrainingPrecision:
+    """The device's best precision, or the one the model's load dtype implies."""
+    dtype = normalize_dtype(compute_dtype) if compute_dtype is not None else None
+    if dtype is None:
+        return training_precision(device)
+    return training_precision_for_dtype(device, dtype)
+
+
 def _decide(device: DeviceFacts, ctx: TrainingContext) -> tuple[dict[str, Any], list[str]]:
-    precision = training_precision(device)
+    precision = _precision(device, ctx.compute_dtype)
     out: dict[str, Any] = {"bf16": precision.bf16, "fp16": precision.fp16, "report_to": "none"}
     reasons = [f"{precision.name}: {precision.reason}"]
     if device.backend == "cpu":
@@ -157,11 +199,11 @@ def _optimizer(device: DeviceFacts, ctx: TrainingContext) -> tuple[str, str]:
     return "adamw_torch", f"optim=adamw_torch: {why}"
 
 
-def _refuse_impossible(device: DeviceFacts, user: dict[str, Any]) -> None:
+def _refuse_impossible(device: DeviceFacts, user: dict[str, Any], pick: str) -> None:
     if user.get("bf16") and user.get("fp16"):
         raise InvalidRequestError(
             "training_args(bf16=True, fp16=True): at most one mixed precision can be on. "
-            f"Fix: drop one; on {device.name} xpukit would pick {training_precision(device).name}."
+            f"Fix: drop one; on {device.name} xpukit would pick {pick}."
         )
     if user.get("bf16") and device.backend == "cpu" and user.get("use_cpu") is False:
         raise InvalidRequestError(
@@ -172,8 +214,7 @@ def _refuse_impossible(device: DeviceFacts, user: dict[str, Any]) -> None:
         raise InvalidRequestError(
             f"training_args(fp16=True) on {device.name}: fp16 training needs GradScaler, which needs "
             'fp64, and this GPU has none ("Required aspect fp64 is not supported" on the first '
-            "step). Fix: drop fp16=True (xpukit picks "
-            f"{training_precision(device).name}), or use bf16=True."
+            f"step). Fix: drop fp16=True (xpukit picks {pick}), or use bf16=True."
         )
     if user.get("bf16") and not device.native_bf16 and device.backend != "cpu":
         logger.warning(
@@ -202,7 +243,12 @@ def training_args(
 
     The device comes from ``model.xpukit_plan.device`` when the model was loaded by
     :func:`xpukit.load_for_xpu`, else from where the model's parameters are, else from ``facts``
-    (or :func:`xpukit.detect`). ``use_cpu=True`` among ``kwargs`` trains on the CPU.
+    (or :func:`xpukit.detect`). ``use_cpu=True`` among ``kwargs`` trains on the CPU. The mixed
+    precision follows ``model.xpukit_plan.dtype`` when there is a plan.
+
+    A trainable model whose 4-bit weights bitsandbytes repacked for CPU inference (a ``generate()``
+    before training, on an avx512_bf16 CPU) is restored in place, with a logged warning, and the
+    repacking is turned off on it (:func:`xpukit.bnb_cpu.restore_trainable_4bit_layout`).
 
     Args:
         model: the model to train (a ``PreTrainedModel`` or ``PeftModel``), optional.
@@ -213,7 +259,9 @@ def training_args(
         The ``TrainingArguments``. Building it initialises the XPU runtime (see the module docstring).
 
     Raises:
-        InvalidRequestError: a keyword combination that cannot work on this device.
+        InvalidRequestError: a keyword combination that cannot work on this device, or a model on a
+            device other than index 0 in a single process.
+        DeviceUnavailableError: repacked 4-bit weights that could not be restored.
 
     Example::
 
@@ -223,15 +271,57 @@ def training_args(
     from transformers import TrainingArguments
 
     device = _training_device(model, facts, use_cpu=bool(kwargs.get("use_cpu")))
-    bnb = installed_version("bitsandbytes")
-    context = TrainingContext(
+    keywords = training_kwargs(device, context=_context(model, facts), **kwargs)
+    _restore_repacked_4bit(model)
+    return TrainingArguments(**keywords)
+
+
+def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingContext:
+    plan_dtype = getattr(getattr(model, "xpukit_plan", None), "dtype", None)
+    return TrainingContext(
         world_size=_world_size(),
         torch_version=_torch_version(facts),
         quantized=_is_quantized(model),
         gradient_checkpointing=_has_gradient_checkpointing(model),
-        bitsandbytes_version=bnb,
+        bitsandbytes_version=installed_version("bitsandbytes"),
+        compute_dtype=plan_dtype if isinstance(plan_dtype, str) else None,
     )
-    return TrainingArguments(**training_kwargs(device, context=context, **kwargs))
+
+
+def _restore_repacked_4bit(model: Any) -> None:
+    """Give a trainable model's CPU-repacked 4-bit weights their trainable layout back (cpu-findings §4).
+
+    Restoring rather than refusing: the user's model (often their own ``get_peft_model`` after a
+    ``generate()``) trains correctly afterwards with no reload, by the same tested inverse
+    :func:`xpukit.lora.apply_lora` uses; the repacking is also turned off, so a ``Trainer``
+    evaluation between steps cannot break the gradients again. A frozen (inference) model is left
+    alone: it keeps bitsandbytes' faster repacked kernel.
+    """
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None or not hasattr(model, "named_modules"):
+        return  # no 4-bit layer exists without bitsandbytes imported
+    if not any(p.requires_grad for p in model.parameters()):
+        return
+    repacked = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, bnb.nn.Linear4bit)
+        and getattr(getattr(module.weight, "quant_state", None), "packing_format_for_cpu", False)
+    ]
+    notes = restore_trainable_4bit_layout(model)
+    if repacked:
+        logger.warning(
+            "training_args: %d 4-bit layers (e.g. %s) had been repacked by bitsandbytes for CPU "
+            "inference (a generate() or eval forward ran on the 4-bit model). That layout has no "
+            "backward: LoRA layers before it (q/k/v, gate/up) would get exactly zero gradients. "
+            "Restored with xpukit.bnb_cpu.restore_trainable_4bit_layout and turned the repacking off "
+            "on this model. To skip this, add LoRA with load_for_xpu(..., lora=...) or "
+            "xpukit.lora.apply_lora, which do it before training.",
+            len(repacked),
+            repacked[0],
+        )
+    for note in notes:
+        logger.info("training_args: %s", note)
 
 
 def _training_device(model: Any, facts: MachineFacts | DeviceFacts | None, *, use_cpu: bool) -> DeviceFacts:
@@ -287,7 +377,7 @@ def _is_quantized(model: Any) -> bool:
 
 
 def _has_gradient_checkpointing(model: Any) -> bool:
-    if model is None:
+    if model is None or not hasattr(model, "modules"):
         return False
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 

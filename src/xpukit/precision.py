@@ -27,6 +27,7 @@ __all__ = [
     "inference_dtype",
     "normalize_dtype",
     "training_precision",
+    "training_precision_for_dtype",
 ]
 
 DtypeName = Literal["bfloat16", "float16", "float32"]

@@ -40,6 +40,7 @@ EXTRAS: dict[str, Extra] = {
     "peft": Extra(package="peft", module="peft", extra="lora"),
     "kernels": Extra(package="kernels", module="kernels", extra="kernels", minimum="0.11"),
     "liger-kernel": Extra(package="liger-kernel", module="liger_kernel", extra="liger"),
+    "matplotlib": Extra(package="matplotlib", module="matplotlib", extra="plot"),
 }
 
 

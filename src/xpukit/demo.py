@@ -343,8 +343,7 @@ def _check_request(
         )
     if plot is None:
         return None
-    if not is_installed("matplotlib"):
-        raise MissingExtraError("xpukit demo --plot", "matplotlib", "plot")
+    require("matplotlib", "xpukit demo --plot")
     path = Path(plot).expanduser()
     if path.suffix.lower() not in _PLOT_SUFFIXES:
         raise InvalidRequestError(
@@ -558,8 +557,7 @@ def plot_losses(losses: tuple[tuple[int, float], ...], path: str | os.PathLike[s
     Raises:
         MissingExtraError: matplotlib is not installed (extra ``plot``).
     """
-    if not is_installed("matplotlib"):
-        raise MissingExtraError("plot_losses", "matplotlib", "plot")
+    require("matplotlib", "plot_losses")
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     steps = [s for s, _ in losses]

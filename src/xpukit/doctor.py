@@ -45,6 +45,7 @@ PACKAGES = (
     "bitsandbytes",
     "kernels",
     "liger-kernel",
+    "matplotlib",
     "triton",
     "pytorch-triton-xpu",
     "pyzes",

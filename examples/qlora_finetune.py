@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 
-from transformers import AutoTokenizer, DataCollatorForLanguageModeling, Trainer
-
 from xpukit import load_for_xpu, training_args
 from xpukit.tiny import corpus_lines, demo_model_dir
 
@@ -31,6 +29,11 @@ def main() -> None:
     lr = options.lr or (2e-4 if options.model else 1e-2)
 
     model = load_for_xpu(model_id, quantize="4bit", lora=True)
+    # Imported only now: `transformers.Trainer` imports peft and bitsandbytes, and on CPUs with
+    # avx512_bf16 importing bitsandbytes asks the Hub with no timeout. load_for_xpu has imported
+    # them already, under a bounded Hub check, so these imports cannot wait on the network.
+    from transformers import AutoTokenizer, DataCollatorForLanguageModeling, Trainer
+
     model.print_trainable_parameters()
     tokenizer = AutoTokenizer.from_pretrained(model_id)
     if tokenizer.pad_token is None:

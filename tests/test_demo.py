@@ -112,15 +112,21 @@ def test_demo_trains_every_lora_layer(demo_run: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:bitsandbytes..gemv_4bit:UserWarning")  # the trap's only symptom
-def test_first_step_gradient_check_catches_the_repacking_trap(demo_model: Path, tmp_path: Path) -> None:
+def test_first_step_gradient_check_catches_the_repacking_trap(
+    demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The demo's step-1 check must be able to fail: re-enable bitsandbytes' CPU repacking (which
-    xpukit turns off when it attaches LoRA), generate, train one step: the layers whose gradient
-    only arrives through the repacked base weights (q/k/v, gate/up) must be reported as zero."""
+    xpukit turns off when it attaches LoRA), switch off training_args' own repair, generate, train
+    one step: the layers whose gradient only arrives through the repacked base weights (q/k/v,
+    gate/up) must be reported as zero."""
     pytest.importorskip("peft")
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import AutoTokenizer
 
+    from xpukit import train
     from xpukit.demo import _generate, _train
+
+    monkeypatch.setattr(train, "_restore_repacked_4bit", lambda model: None)  # both guards off
     from xpukit.load import load_for_xpu
     from xpukit.tiny import corpus_lines
 

@@ -77,7 +77,58 @@ def test_status_is_cached_per_endpoint(monkeypatch, answering_server):
     assert len(calls) == 2
 
 
+def test_a_failure_is_kept_a_minute_a_success_longer(monkeypatch):
+    now = [1000.0]
+    answers = [False, True, False]
+    calls: list[bool] = []
+
+    def probe(endpoint: str, timeout: float) -> hub.HubStatus:
+        calls.append(answers[len(calls)])
+        return hub.HubStatus(endpoint=endpoint, offline=False, reachable=calls[-1], reason="stub")
+
+    monkeypatch.setattr(hub, "hub_offline", lambda: False)
+    monkeypatch.setattr(hub, "_probe", probe)
+    monkeypatch.setattr(hub, "_STATUS_CACHE", {})
+    monkeypatch.setattr(hub.time, "monotonic", lambda: now[0])
+    assert not hub.hub_status().usable  # a slow first check fails...
+    now[0] += hub.FAILURE_TTL_S - 1
+    assert not hub.hub_status().usable and len(calls) == 1  # ...and is believed for a while...
+    now[0] += 2
+    assert hub.hub_status().usable and len(calls) == 2  # ...but not for good
+    now[0] += hub.FAILURE_TTL_S * 10
+    assert hub.hub_status().usable and len(calls) == 2  # a success is kept longer
+    now[0] += hub.SUCCESS_TTL_S
+    assert not hub.hub_status().usable and len(calls) == 3
+
+
+def test_unusable_hub_messages_say_how_to_check_again(monkeypatch):
+    from xpukit.attention import KernelRef, obtainable
+
+    monkeypatch.setattr(hub, "hub_offline", lambda: False)
+    monkeypatch.setattr(
+        "xpukit.attention.kernels_support",
+        lambda: hub.KernelsSupport(
+            installed="1", required=None, transformers="5", accepted=True, reason="ok"
+        ),
+    )
+    monkeypatch.setattr(
+        "xpukit.attention.hub_status",
+        lambda: hub.HubStatus(endpoint="x", offline=False, reachable=False, reason="no answer"),
+    )
+    ok, why = obtainable([KernelRef(repo="acme/none", version=1)])
+    assert not ok and "hub_status(refresh=True)" in why and "HF_HUB_OFFLINE" in why
+
+
 def test_timeouts_are_validated(monkeypatch):
+    for raw in ("inf", "nan", "-1", "0"):
+        monkeypatch.setenv("XPUKIT_HUB_TIMEOUT", raw)
+        with pytest.raises(InvalidRequestError, match="XPUKIT_HUB_TIMEOUT"):
+            hub.hub_timeout()
+    monkeypatch.setenv("XPUKIT_HUB_TIMEOUT", "1e12")
+    assert hub.hub_timeout() == hub.MAX_HUB_TIMEOUT
+    monkeypatch.setenv("XPUKIT_HUB_FETCH_TIMEOUT", "1e300")
+    assert hub.fetch_timeout() == hub.MAX_FETCH_TIMEOUT
+    monkeypatch.delenv("XPUKIT_HUB_FETCH_TIMEOUT")
     monkeypatch.setenv("XPUKIT_HUB_TIMEOUT", "0.25")
     assert hub.hub_timeout() == 0.25
     monkeypatch.setenv("XPUKIT_HUB_TIMEOUT", "soon")

@@ -140,6 +140,49 @@ def test_bad_input_fails_before_any_weight(tiny_model, no_weights, kwargs, fix):
         load_for_xpu(tiny_model, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("lora", "match"),
+    [
+        ({"target_modules": ["query", "value"]}, r"match no module.*q_proj"),
+        ({"target_modules": r".*\.nothing_here"}, "match no module"),
+        ({"layers_pattern": "layers"}, "LoraConfig rejected"),
+    ],
+)
+def test_bad_lora_settings_fail_before_any_weight(tiny_model, no_weights, lora, match):
+    pytest.importorskip("peft")
+    with pytest.raises(InvalidRequestError, match=match):
+        plan_load(tiny_model, lora=lora)
+
+
+def test_lora_safety_net_drops_the_loaded_model(tiny_model, monkeypatch):
+    """A model that differs from its facts fails after loading; the error must not keep it alive."""
+    import gc
+    import weakref
+
+    from transformers import AutoModelForCausalLM
+
+    from xpukit import load
+    from xpukit.lora import resolve_lora
+
+    pytest.importorskip("peft")
+    loaded: list[weakref.ref] = []
+    real = AutoModelForCausalLM.from_pretrained.__func__
+
+    def recording(cls, *args, **kwargs):
+        model = real(cls, *args, **kwargs)
+        loaded.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recording))
+    bad = resolve_lora({"target_modules": ["no_such_layer"]}, quantized=False)
+    plan = replace(plan_load(tiny_model), lora=bad)  # skips the planner's check on purpose
+    with pytest.raises(InvalidRequestError, match="match no module") as err:
+        load.carry_out(plan)
+    gc.collect()
+    assert loaded and loaded[0]() is None, "the exception's traceback still holds the loaded model"
+    assert err.value is not None
+
+
 def test_bad_paths_fail_before_any_weight(tmp_path, no_weights):
     with pytest.raises(InvalidRequestError, match="does not exist"):
         load_for_xpu(tmp_path / "nope")
@@ -196,7 +239,7 @@ from xpukit.reference_models import reference_config
 from xpukit.plan import plan_load
 
 out = {}
-plan = plan_load(reference_config("qwen3-8b"), facts="arc-b580", kernels="auto", attn="auto")
+plan = plan_load(reference_config("qwen3-0.6b"), facts="arc-b580", kernels="auto", attn="auto")
 out["attn"] = plan.attn_implementation
 out["use_kernels"] = plan.use_kernels
 out["why"] = dict(plan.decision("attn_implementation").rejected)
@@ -208,8 +251,17 @@ except InvalidRequestError as exc:
 model = load_for_xpu(sys.argv[1], kernels="auto", attn="auto")
 out["loaded"] = model.xpukit_plan.attn_implementation
 out["bitsandbytes_imported"] = "bitsandbytes" in sys.modules
-if len(sys.argv) > 2:  # import bitsandbytes reaches the Hub on avx512_bf16 CPUs; the guard keeps it off
-    quantized = load_for_xpu(sys.argv[1], quantize="4bit")
+# peft imports bitsandbytes, whose import reaches the Hub on avx512_bf16 CPUs: LoRA, like 4-bit, must
+# run under the guard (it once ran after it and hung here).
+# A plan whose LoRA request was not checked by plan_load (which imports peft under its own guard):
+# the load itself must import peft under the guard.
+from dataclasses import replace
+from xpukit.lora import resolve_lora
+unchecked = replace(plan_load(sys.argv[1]), lora=resolve_lora(True, quantized=False))
+out["lora"] = type(load_for_xpu(unchecked)).__name__
+out["lora_again"] = type(load_for_xpu(sys.argv[1], lora=True)).__name__
+if len(sys.argv) > 2:
+    quantized = load_for_xpu(sys.argv[1], quantize="4bit", lora=True)
     out["quantized"] = quantized.xpukit_plan.quantization
 print(json.dumps(out))
 """
@@ -236,6 +288,7 @@ def test_silent_hub_endpoint_costs_seconds_not_forever(tiny_model, silent_endpoi
     assert "no answer" in out["why"]["kernels-community/flash-attn2"]
     assert "cannot be used" in out["hub_id"] and "no answer" in out["hub_id"]
     assert out["loaded"] == "sdpa" and out["bitsandbytes_imported"] is False
+    assert out["lora"] == out["lora_again"] == "PeftModelForCausalLM"
     if len(args) > 4:
         assert out["quantized"] == "4bit"
 

@@ -472,3 +472,40 @@ def test_qlora_on_gpu_with_liger_where_installed(tiny_model: Path) -> None:
     batch = {k: v.to(device.torch_device) for k, v in _batch(tiny_model).items()}
     grads = _lora_b_grads(model, batch)
     assert grads and all(g.abs().sum() > 0 for g in grads.values())
+
+
+def test_plain_nf4_repacking_is_restored_exactly(tiny_model: Path) -> None:
+    """Without double quantisation bitsandbytes' own inverse leaves absmax in the repacked layout;
+    bnb_cpu puts it back. The packed weights must come back bit for bit, absmax to bf16 rounding."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from xpukit.bnb_cpu import restore_trainable_4bit_layout
+
+    plain = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=torch.bfloat16,
+        bnb_4bit_use_double_quant=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_model, quantization_config=plain, dtype=torch.bfloat16, device_map="cpu"
+    )
+    layers = _bnb_layers(model)
+    if not all(getattr(m, "support_avx512bf16_for_cpu", False) for m in layers):
+        pytest.skip("bitsandbytes repacks only on CPUs with avx512_bf16; this one has none")
+    before = {
+        id(m): (m.weight.data.clone(), m.weight.quant_state.absmax.clone(), m.weight.quant_state.shape)
+        for m in layers
+    }
+    model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+    assert _packed(model) == len(layers) > 0
+    notes = restore_trainable_4bit_layout(model)
+    assert _packed(model) == 0 and any(f"restored {len(layers)}" in n for n in notes)
+    for m in layers:
+        data, absmax, shape = before[id(m)]
+        state = m.weight.quant_state
+        assert torch.equal(m.weight.data, data), "packed 4-bit codes differ after the restore"
+        assert state.absmax.shape == absmax.shape and state.absmax.dtype == absmax.dtype
+        torch.testing.assert_close(state.absmax, absmax, rtol=2**-8, atol=0)
+        assert tuple(state.shape) == tuple(shape) and not state.nested

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xpukit.errors import InvalidRequestError
-from xpukit.model_facts import SIZE_KEYS, model_facts
+from xpukit.model_facts import SIZE_KEYS, model_facts, quantized_bits
 from xpukit.model_source import local_model_dir
 from xpukit.reference_models import REFERENCE_CONFIGS, reference_config
 
@@ -71,11 +71,34 @@ def test_estimate_matches_a_loaded_tiny_model(tiny_models, arch):
     assert facts.num_parameters == sum(p.numel() for p in model.parameters())
 
 
-def test_pre_quantized_checkpoint_is_noted():
+def test_pre_quantized_checkpoint_is_sized_quantized(qwen06):
     config = reference_config("qwen3-0.6b")
     config.quantization_config = {"quant_method": "awq", "bits": 4}
     facts = model_facts(config)
-    assert facts.pre_quantized == "awq" and "upper bound" in facts.notes[0]
+    assert facts.pre_quantized == "awq" and facts.pre_quantized_bits == 4
+    assert "4-bit" in facts.notes[0]
+    # Every dtype gives the quantized size: the checkpoint loads quantized whatever is asked.
+    assert facts.weights("bfloat16") == qwen06.weights("bfloat16", "4bit")
+    assert facts.weights("float32") == qwen06.weights_at_bits("float32", 4) < qwen06.weights("float32")
+    config.quantization_config = {"quant_method": "mystery"}
+    unknown = model_facts(config)
+    assert unknown.pre_quantized_bits is None and "upper bound" in unknown.notes[0]
+    assert unknown.weights("bfloat16") == qwen06.weights("bfloat16")
+
+
+def test_quantized_bits_reads_each_kind_of_config():
+    assert quantized_bits({"load_in_4bit": True}) == 4
+    assert quantized_bits({"load_in_8bit": True}) == 8
+    assert quantized_bits({"bits": 3}) == 3
+    assert quantized_bits({"weights": "int2"}) == 2
+    assert quantized_bits({"bits": True}) is None and quantized_bits({"quant_type": "x"}) is None
+
+
+def test_linear_layers_and_module_names_are_recorded(qwen06):
+    assert {"q_proj", "down_proj", "lm_head"} <= set(qwen06.linear_layers)
+    assert "model.layers.0.self_attn.q_proj" in qwen06.module_names
+    assert qwen06.quantizable_numel > 0
+    assert qwen06.weights_at_bits("bfloat16", 4) == qwen06.weights("bfloat16", "4bit")
 
 
 def test_local_model_dir(tmp_path, tiny_model):

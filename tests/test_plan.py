@@ -80,7 +80,6 @@ TABLE = [
     ("arc-a770", "qwen3-8b", "auto", "xpu:0", "bfloat16", "single", "4bit"),
     ("arc-b580", "qwen3-8b", "auto", "xpu:0", "bfloat16", "single", "4bit"),
     ("arc-b580", "qwen3-0.6b", "auto", "xpu:0", "bfloat16", "single", None),
-    ("lunar-lake", "qwen3-8b", None, "xpu:0", "bfloat16", "offload", None),
     ("lunar-lake", "qwen3-8b", "4bit", "xpu:0", "bfloat16", "single", "4bit"),
     ("meteor-lake", "qwen3-0.6b", None, "xpu:0", "float16", "single", None),
     ("t4", "qwen3-0.6b", None, "cuda:0", "float16", "single", None),
@@ -176,8 +175,10 @@ def test_given_max_memory_and_device_map(shapes):
         plan_load(shapes[QWEN3_8B], facts="max-1550", max_memory={0: "1GiB"})
     plan = plan_load(shapes["qwen3-0.6b"], facts="max-1550", device_map="xpu:1")
     assert plan.device_map == "xpu:1" and plan.device.index == 1
-    with pytest.raises(InvalidRequestError, match="no such device"):
+    with pytest.raises(DeviceSelectionError, match="only 2 xpu device"):
         plan_load(shapes["qwen3-0.6b"], facts="max-1550", device_map={"": "xpu:5"})
+    with pytest.raises(InvalidRequestError, match="no such device"):
+        plan_load(shapes["qwen3-0.6b"], facts="max-1550", device_map={"model": "xpu:5", "lm_head": 0})
 
 
 def test_headroom_rule_and_override(shapes):
@@ -401,10 +402,32 @@ def test_plan_is_explained_serialised_and_frozen(shapes):
     assert plan.from_pretrained_kwargs()["dtype"] is torch.bfloat16
 
 
-def test_offline_plan_makes_no_network_call(shapes, monkeypatch):
-    monkeypatch.setattr(hub, "_probe", _no_network)
-    plan = plan_load(shapes[QWEN3_8B], facts="arc-b580", attn="flash_attention_2", kernels=True)
+def test_plan_makes_no_network_call_even_online(shapes, monkeypatch, tmp_path):
+    """Without HF_HUB_OFFLINE every connection attempt fails loudly; a plan that needs the Hub's
+    status finds it unreachable through the bounded probe (whose thread hits the patched connect),
+    and a plan that needs nothing from the Hub never tries at all."""
+    import socket
+
+    attempts: list[object] = []
+
+    def refuse(self, address):
+        attempts.append(address)
+        raise OSError("network disabled by the test")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(hub, "_STATUS_CACHE", {})
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))  # empty: kernels would need the Hub
+    assert not hub.hub_offline()
+    plan_load(shapes["qwen3-0.6b"], facts="arc-b580", attn="sdpa", kernels=False)
+    assert attempts == []  # nothing Hub-backed on the table: not even a probe
+    plan = plan_load(shapes["qwen3-0.6b"], facts="arc-b580", attn="flash_attention_2", kernels=True)
     assert plan.attn_implementation == "sdpa" and plan.use_kernels is False
+    assert "network disabled" in plan.decision("attn_implementation").reason
+    assert len(attempts) == 1  # one probe, its failure cached for the second choice
 
 
 def test_hub_id_not_cached_offline_is_refused():
@@ -484,3 +507,187 @@ def test_cli_plan_errors_exit_1(capsys):
     assert "DEVICE=SIZE" in capsys.readouterr().err
     assert main(["plan", "qwen3-8b", "--assume", "rtx-9090"]) == 1
     assert "arc-b580" in capsys.readouterr().err
+
+
+# --- shared memory, pre-quantized checkpoints, given maps, families, inputs -------------------------
+
+
+def test_integrated_gpu_and_host_are_one_pool(shapes):
+    from dataclasses import replace
+
+    from xpukit.profiles import machine_profile
+
+    laptop = machine_profile("lunar-lake")
+    assert laptop.cpu.total_memory == 16 * GiB and "shared" in laptop.cpu.name
+    assert machine_profile("apple-m2").cpu == machine_profile("meteor-lake").cpu == laptop.cpu
+    assert machine_profile("arc-b580").cpu.total_memory == 24 * GiB
+    # 16 GB shared: the iGPU's 9.6 GiB leave the host nothing more to offload to.
+    with pytest.raises(PlanError, match="shares it") as err:
+        plan_load(shapes[QWEN3_8B], facts="lunar-lake")
+    assert "quantize='4bit'" in str(err.value)
+    # A detected 32 GB laptop with 28 GiB free: the host budget is what the iGPU does not use.
+    host_facts = replace(laptop.cpu, total_memory=32 * GiB, free_memory=28 * GiB)
+    machine = replace(laptop, cpu=host_facts, source="hand-made")
+    plan = plan_load(shapes["llama-3.1-8b"], facts=machine, headroom="1GiB")
+    host = plan.memory.budgets[-1]
+    igpu = plan.memory.budgets[0]
+    assert plan.memory.placement == "offload" and host.device == "cpu"
+    assert host.usable == 28 * GiB - igpu.usable and plan.max_memory["cpu"] == host.usable
+    assert "shared" in host.rule
+    # A discrete card's host is separate memory: all of it counts.
+    b580 = plan_load(shapes[QWEN3_8B], facts="arc-b580")
+    assert b580.max_memory["cpu"] == 24 * GiB
+
+
+def _prequantized(shape, quantization_config):
+    config = reference_config(shape)
+    config.quantization_config = quantization_config
+    return config
+
+
+def test_pre_quantized_checkpoints_are_sized_quantized(shapes, bnb):
+    bnb("0.50.2")
+    unquantized = plan_load(shapes[QWEN3_8B], facts="arc-b580", quantize="4bit").model_facts
+    bnb4 = {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4"}
+    plan = plan_load(_prequantized(QWEN3_8B, bnb4), facts="arc-b580")
+    assert plan.memory.placement == "single" and plan.device_map == "xpu:0"
+    assert plan.memory.weights == unquantized.weights("bfloat16", "4bit")
+    assert plan.quantization is None  # the checkpoint's own config does the quantizing
+    assert "already quantized" in plan.decision("quantization").reason
+    assert not any("quantize=" in w for w in plan.warnings)
+    auto = plan_load(_prequantized(QWEN3_8B, bnb4), facts="arc-b580", quantize="auto")
+    assert auto.quantization is None and "nothing to do" in auto.decision("quantization").reason
+    with pytest.raises(InvalidRequestError, match="already quantized"):
+        plan_load(_prequantized(QWEN3_8B, bnb4), facts="arc-b580", quantize="4bit")
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    eight = plan_load(_prequantized(QWEN3_8B, {**gptq, "bits": 8}), facts="h100")
+    assert plan_load(_prequantized(QWEN3_8B, gptq), facts="h100").memory.weights < eight.memory.weights
+    assert eight.memory.weights < unquantized.weights("bfloat16")
+    # Too big even quantized: never offloaded, never told to quantize again.
+    with pytest.raises(PlanError, match="already quantized") as err:
+        plan_load(_prequantized("llama-3.1-70b", gptq), facts="arc-b580")
+    assert "quantize=" not in str(err.value)
+
+
+def test_dict_device_map_on_one_device_sets_the_device(shapes):
+    plan = plan_load(shapes["qwen3-0.6b"], facts="meteor-lake", device_map={"": "cpu"})
+    assert plan.device.backend == "cpu" and plan.dtype == "float32"  # the laptop CPU has no bf16
+    assert plan.attn_implementation == "sdpa" and plan.use_kernels is False
+    on_one = plan_load(shapes["qwen3-0.6b"], facts="max-1550", device_map={"model": 1, "lm_head": "xpu:1"})
+    assert on_one.device.torch_device == "xpu:1"
+    with pytest.raises(InvalidRequestError, match=r"disagree|puts every module"):
+        plan_load(shapes["qwen3-0.6b"], facts="max-1550", device="xpu:0", device_map={"": "xpu:1"})
+
+
+def test_modules_off_the_accelerator_refuse_hub_kernels(shapes):
+    mixed = {"model.embed_tokens": "cpu", "model.layers": 0, "model.norm": 0, "lm_head": 0}
+    plan = plan_load(shapes["qwen3-0.6b"], facts="arc-b580", device_map=mixed)
+    assert plan.attn_implementation == "sdpa" and plan.use_kernels is False
+    assert (
+        "device_map puts modules on cpu"
+        in dict(plan.decision("attn_implementation").rejected)["kernels-community/flash-attn2"]
+    )
+    with pytest.raises(InvalidRequestError, match="device_map puts modules on cpu"):
+        plan_load(shapes["qwen3-0.6b"], facts="arc-b580", device_map=mixed, attn="flash_attention_2")
+    with pytest.raises(InvalidRequestError, match="device_map puts modules on cpu"):
+        plan_load(shapes["qwen3-0.6b"], facts="arc-b580", device_map=mixed, kernels=True)
+
+
+def test_quantize_auto_honours_a_given_map_or_budget(shapes, bnb):
+    bnb("0.50.2")
+    plan = plan_load(shapes[QWEN3_8B], facts="arc-b580", device_map="xpu:0", quantize="auto")
+    assert plan.quantization == "4bit" and "given device_map" in plan.decision("quantization").reason
+    small = plan_load(shapes["qwen3-0.6b"], facts="arc-b580", device_map="xpu:0", quantize="auto")
+    assert small.quantization is None and "not needed" in small.decision("quantization").reason
+    budget = plan_load(shapes[QWEN3_8B], facts="arc-b580", max_memory={0: "10GiB"}, quantize="auto")
+    assert budget.quantization == "4bit" and budget.max_memory == {0: 10 * GiB}
+    # A given device that is too small: planned as asked, with a warning that names the fix.
+    tight = plan_load(shapes[QWEN3_8B], facts="arc-b580", device_map="xpu:0")
+    assert tight.quantization is None
+    assert any("may run out of memory" in w and "quantize='4bit'" in w for w in tight.warnings)
+
+
+@pytest.mark.parametrize(
+    ("profile", "auto_takes_it"),
+    [
+        ("max-1100", True),
+        ("arc-b580", True),
+        ("lunar-lake", True),
+        ("arc-a770", False),
+        ("meteor-lake", False),
+    ],
+)
+def test_flash_attn2_auto_only_on_the_families_it_targets(
+    shapes, monkeypatch, tmp_path, profile, auto_takes_it
+):
+    if not hub.kernels_support().accepted:
+        pytest.skip("needs a kernels release this transformers accepts")
+    from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_VERSIONS
+
+    repo = "kernels-community/flash-attn2"
+    fake_kernel(tmp_path, repo, FLASH_ATTN_KERNEL_VERSIONS[repo])
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
+    dtype = "float16" if profile == "meteor-lake" else "auto"
+    auto = plan_load(shapes["qwen3-0.6b"], facts=profile, dtype=dtype)
+    assert (auto.attn_implementation == repo) is auto_takes_it
+    if auto_takes_it:
+        return
+    assert "pytorch#167057" in dict(auto.decision("attn_implementation").rejected)[repo]
+    asked = plan_load(shapes["qwen3-0.6b"], facts=profile, dtype=dtype, attn="flash_attention_2")
+    assert asked.attn_implementation == repo
+    assert any("target" in w and profile.split("-")[0] in w for w in asked.warnings)
+
+
+def test_user_bnb_config_with_bf16_compute_on_arc_a_warns(shapes, bnb):
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    mine = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16)
+    bnb("0.49.0")
+    plan = plan_load(shapes[QWEN3_8B], facts="arc-a770", quantize=mine)
+    assert plan.from_pretrained_kwargs()["quantization_config"] is mine  # used as given
+    assert any("bitsandbytes>=0.50" in w for w in plan.warnings)
+    fp16 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float16)
+    assert not any("0.50" in w for w in plan_load(shapes[QWEN3_8B], facts="arc-a770", quantize=fp16).warnings)
+    bnb("0.50.2")
+    assert not any("0.50" in w for w in plan_load(shapes[QWEN3_8B], facts="arc-a770", quantize=mine).warnings)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"kernels": ["x"]}, "KernelConfig"),
+        ({"max_memory": {0: float("inf")}}, "finite"),
+        ({"headroom": float("inf")}, "finite"),
+        ({"headroom": "9999999TiB"}, "1 PiB"),
+        ({"model_class": "AutoModelForCausalLMM"}, "AutoModelForCausalLM'"),
+        ({"model_class": 42}, "from_pretrained"),
+    ],
+)
+def test_bad_input_is_an_invalid_request(shapes, kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        plan_load(shapes["qwen3-0.6b"], facts="arc-b580", **kwargs)
+
+
+def test_other_quantization_configs_pass_through(shapes):
+    from transformers import GPTQConfig, QuantoConfig
+
+    quanto = QuantoConfig(weights="int4")
+    plan = plan_load(shapes[QWEN3_8B], facts="arc-b580", quantization_config=quanto)
+    assert plan.quantization == "quanto" and plan.from_pretrained_kwargs()["quantization_config"] is quanto
+    facts = plan.model_facts
+    assert plan.memory.weights == facts.weights_at_bits("bfloat16", 4) < facts.weights("bfloat16")
+    assert plan.memory.placement == "single" and "4-bit" in plan.memory.weights_key
+    assert "QuantoConfig" in json.dumps(plan.to_dict())
+    gptq = plan_load(shapes[QWEN3_8B], facts="h100", quantize=GPTQConfig(bits=8))
+    assert gptq.memory.weights == facts.weights_at_bits("bfloat16", 8)
+
+    class Custom:  # a config that states no bit width: sized unquantized, and the plan says so
+        quant_method = "custom"
+
+        def to_dict(self):
+            return {"quant_method": "custom"}
+
+    odd = plan_load(shapes["qwen3-0.6b"], facts="h100", quantize=Custom())
+    assert odd.memory.weights == odd.model_facts.weights("bfloat16")
+    assert any("unquantized" in w for w in odd.warnings)

@@ -8,6 +8,11 @@ Rules (design.md "Decision rules", cpu-findings.md §2–3, platform.md §4):
   release this transformers accepts, and the kernel obtainable: in the local cache, or the Hub
   reachable and not offline. ``attn="auto"`` takes it when all of that holds; an explicit request
   that cannot be had falls back to SDPA with the reason recorded.
+* On Intel GPUs ``attn="auto"`` considers it only on the families its XPU builds target (Data
+  Center Max, Arc B-series, Lunar Lake, Panther Lake); elsewhere (Arc A, Meteor Lake, Flex…) only
+  an explicit request takes it, with a warning on the plan.
+* Never when some modules run on the CPU, disk or MPS (offload, or a given device_map): auto picks
+  SDPA, an explicit request is refused.
 * FlashAttention-3/4 exist for NVIDIA Hopper/Blackwell only (their Hub builds ship CUDA binaries):
   refused elsewhere with the reason.
 
@@ -22,7 +27,7 @@ from dataclasses import dataclass
 
 from xpukit.errors import InvalidRequestError
 from xpukit.facts import DeviceFacts
-from xpukit.hub import hub_status, kernel_cached, kernels_support
+from xpukit.hub import RECHECK_HINT, hub_status, kernel_cached, kernels_support
 from xpukit.loadplan import Decision
 from xpukit.model_facts import ModelFacts
 
@@ -127,7 +132,10 @@ def obtainable(refs: list[KernelRef]) -> tuple[bool, str]:
             f"{names} not in the local cache and HF_HUB_OFFLINE is set. Fix: load once while online "
             "(the kernels library caches what it fetches), or unset HF_HUB_OFFLINE"
         )
-    return False, f"{names} not in the local cache and the Hub cannot be used: {status.reason}"
+    return (
+        False,
+        f"{names} not in the local cache and the Hub cannot be used: {status.reason} ({RECHECK_HINT})",
+    )
 
 
 def _kernel_ref(text: str) -> KernelRef:
@@ -148,8 +156,14 @@ def _kernel_version(repo: str) -> int:
     return int(FLASH_ATTN_KERNEL_VERSIONS.get(repo, 1))
 
 
-def choose_attention(attn: str, device: DeviceFacts, dtype: str, model: ModelFacts) -> AttentionChoice:
-    """Decide ``attn_implementation`` (see the module docstring for the rules)."""
+def choose_attention(
+    attn: str, device: DeviceFacts, dtype: str, model: ModelFacts, *, host_modules: str | None = None
+) -> AttentionChoice:
+    """Decide ``attn_implementation`` (see the module docstring for the rules).
+
+    ``host_modules`` says why some modules run off the accelerator (CPU offload, a device_map with
+    ``cpu``/``disk``/``mps``): a Hub or flash kernel has no build for them.
+    """
     default = "sdpa" if model.supports_sdpa else "eager"
     default_reason = (
         "SDPA: torch's fused attention, fast on every device (GQA native on XPU from torch 2.8)"
@@ -186,8 +200,50 @@ def choose_attention(attn: str, device: DeviceFacts, dtype: str, model: ModelFac
             value="flex_attention",
         )
     explicit = attn != "auto"
+    if host_modules is not None:
+        why = f"{host_modules}, where flash-attention kernels have no build"
+        if explicit and host_modules.startswith("the given device_map"):
+            raise InvalidRequestError(
+                f"attn={attn!r}: {why}. Fix: attn='sdpa', or a device_map without cpu/disk/mps."
+            )
+        elif explicit:
+            return AttentionChoice(
+                decision=Decision(
+                    name="attn_implementation",
+                    value=default,
+                    reason=f"{attn} was asked but cannot be had: {why}. Falling back to {default}",
+                    rejected=((attn, why),),
+                    source="fallback",
+                ),
+                value=default,
+                warning=f"attn={attn!r} cannot be had ({why}); using {default} instead",
+            )
+        return AttentionChoice(
+            decision=Decision(
+                name="attn_implementation",
+                value=default,
+                reason=default_reason,
+                rejected=(("kernels-community/flash-attn2", why),),
+            ),
+            value=default,
+        )
+    family_note = _intel_family_problem(device)
+    if family_note is not None and not explicit:
+        return AttentionChoice(
+            decision=Decision(
+                name="attn_implementation",
+                value=default,
+                reason=default_reason,
+                rejected=(("kernels-community/flash-attn2", family_note),),
+            ),
+            value=default,
+        )
     problem, value, kernel, how = _flash_path(attn if explicit else "flash_attention_2", device, dtype, model)
     if problem is None:
+        warning = None
+        if family_note is not None and explicit:
+            warning = f"attn={attn!r} on {device.name}: {family_note}; it may fail or be slow here"
+            how = f"{how}; {family_note}"
         decision = Decision(
             name="attn_implementation",
             value=value,
@@ -195,7 +251,7 @@ def choose_attention(attn: str, device: DeviceFacts, dtype: str, model: ModelFac
             rejected=() if explicit else (("sdpa", "flash-attention-2 can be had here and is faster"),),
             source="user" if explicit else "auto",
         )
-        return AttentionChoice(decision=decision, value=value, kernel=kernel)
+        return AttentionChoice(decision=decision, value=value, kernel=kernel, warning=warning)
     if explicit and problem.startswith("!"):  # cannot work on this device at all: refuse
         raise InvalidRequestError(problem[1:])
     problem = problem.lstrip("!")
@@ -217,6 +273,21 @@ def choose_attention(attn: str, device: DeviceFacts, dtype: str, model: ModelFac
             rejected=(("kernels-community/flash-attn2", problem.split(" Fix: ")[0]),),
         ),
         value=default,
+    )
+
+
+# Intel families the Hub flash-attn2 XPU kernels target: Data Center Max (Ponte Vecchio) and Xe2
+# (Battlemage, Lunar Lake) — pytorch#167057 "we support Intel Ponte Vecchio and Battlemage";
+# Dao-AILab/flash-attention#1528 lists Max, B580 and 140V. Panther Lake is Xe3, the successor.
+FLASH_XPU_FAMILIES = ("max", "arc-b", "lunar-lake", "panther-lake")
+
+
+def _intel_family_problem(device: DeviceFacts) -> str | None:
+    if device.backend != "xpu" or device.family in FLASH_XPU_FAMILIES:
+        return None
+    return (
+        f"the Intel flash-attn2 kernels target {', '.join(FLASH_XPU_FAMILIES)} GPUs, not "
+        f"{device.family} (pytorch#167057, Dao-AILab/flash-attention#1528)"
     )
 
 

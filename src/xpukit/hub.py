@@ -8,8 +8,8 @@ Hub-backed choice:
 
 * ``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` set → offline, no network at all.
 * otherwise one ``HEAD`` of ``HF_ENDPOINT`` (default https://huggingface.co) in a daemon thread
-  that is waited on for ``XPUKIT_HUB_TIMEOUT`` seconds (default 2), DNS included. The answer is
-  cached per process and endpoint.
+  that is waited on for ``XPUKIT_HUB_TIMEOUT`` seconds (default 2, at most 60), DNS included. The
+  answer is cached per process and endpoint: a failure for 60 s, a success for an hour.
 
 A kernel can be had when ``kernels`` is installed at a version this transformers accepts and the
 kernel is in the local cache or the Hub is reachable. Fetches at load time run under
@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import sys
 import threading
 import time
@@ -41,6 +42,7 @@ __all__ = [
     "DEFAULT_ENDPOINT",
     "DEFAULT_FETCH_TIMEOUT",
     "DEFAULT_TIMEOUT",
+    "RECHECK_HINT",
     "HubStatus",
     "KernelsSupport",
     "hub_endpoint",
@@ -77,7 +79,19 @@ class HubStatus:
         return not self.offline and self.reachable
 
 
-_STATUS_CACHE: dict[str, HubStatus] = {}
+# A failed check is kept for a minute only: one slow first answer (DNS + TLS can take > 2 s) must not
+# make the whole process offline. A success is kept longer; a load that then cannot reach the Hub
+# still runs each fetch under a time bound.
+FAILURE_TTL_S = 60.0
+SUCCESS_TTL_S = 3600.0
+MAX_HUB_TIMEOUT = 60.0
+MAX_FETCH_TIMEOUT = 3600.0
+RECHECK_HINT = (
+    "xpukit checks again after a minute, or at once with xpukit.hub.hub_status(refresh=True); set "
+    "HF_HUB_OFFLINE=1 to work from the local cache without checking"
+)
+
+_STATUS_CACHE: dict[str, tuple[HubStatus, float]] = {}
 _STATUS_LOCK = threading.Lock()
 
 
@@ -99,7 +113,7 @@ def hub_endpoint() -> str:
     return str(endpoint).rstrip("/")
 
 
-def _seconds(variable: str, default: float) -> float:
+def _seconds(variable: str, default: float, maximum: float) -> float:
     raw = _environ.get(variable)
     if raw is None or not raw.strip():
         return default
@@ -107,38 +121,46 @@ def _seconds(variable: str, default: float) -> float:
         value = float(raw)
     except ValueError:
         value = -1.0
-    if value <= 0:
+    if not math.isfinite(value) or value <= 0:
         raise InvalidRequestError(
-            f"{variable}={raw!r} is not a positive number of seconds (e.g. {default:g})."
+            f"{variable}={raw!r} is not a positive number of seconds (e.g. {default:g}; at most {maximum:g})."
         )
+    if value > maximum:
+        logger.warning("%s=%s is capped at %g seconds", variable, raw, maximum)
+        return maximum
     return value
 
 
 def hub_timeout() -> float:
-    """Seconds the reachability check may take (``XPUKIT_HUB_TIMEOUT``, default 2)."""
-    return _seconds("XPUKIT_HUB_TIMEOUT", DEFAULT_TIMEOUT)
+    """Seconds the reachability check may take (``XPUKIT_HUB_TIMEOUT``, default 2, at most 60)."""
+    return _seconds("XPUKIT_HUB_TIMEOUT", DEFAULT_TIMEOUT, MAX_HUB_TIMEOUT)
 
 
 def fetch_timeout() -> float:
-    """Seconds one Hub kernel fetch may take at load (``XPUKIT_HUB_FETCH_TIMEOUT``, default 300)."""
-    return _seconds("XPUKIT_HUB_FETCH_TIMEOUT", DEFAULT_FETCH_TIMEOUT)
+    """Seconds one Hub kernel fetch may take (``XPUKIT_HUB_FETCH_TIMEOUT``, default 300, at most 3600)."""
+    return _seconds("XPUKIT_HUB_FETCH_TIMEOUT", DEFAULT_FETCH_TIMEOUT, MAX_FETCH_TIMEOUT)
 
 
 def hub_status(*, refresh: bool = False) -> HubStatus:
     """Whether the Hub is offline, reachable or not — decided within ``XPUKIT_HUB_TIMEOUT`` seconds.
 
     Offline mode answers at once with no network. Otherwise the result of one bounded ``HEAD`` of
-    the endpoint is cached per process (``refresh=True`` checks again).
+    the endpoint is cached per process and endpoint: a failure for :data:`FAILURE_TTL_S` seconds, a
+    success for :data:`SUCCESS_TTL_S` (``refresh=True`` checks again now).
     """
     endpoint = hub_endpoint()
     if hub_offline():
         return HubStatus(endpoint=endpoint, offline=True, reachable=False, reason="HF_HUB_OFFLINE is set")
+    now = time.monotonic()
     with _STATUS_LOCK:
-        if not refresh and endpoint in _STATUS_CACHE:
-            return _STATUS_CACHE[endpoint]
+        cached = _STATUS_CACHE.get(endpoint)
+        if not refresh and cached is not None:
+            status, at = cached
+            if now - at < (SUCCESS_TTL_S if status.reachable else FAILURE_TTL_S):
+                return status
     status = _probe(endpoint, hub_timeout())
     with _STATUS_LOCK:
-        _STATUS_CACHE[endpoint] = status
+        _STATUS_CACHE[endpoint] = (status, time.monotonic())
     logger.info("Hub %s: %s (%.2f s)", endpoint, status.reason, status.elapsed_s)
     return status
 

@@ -8,6 +8,8 @@
   reachable (:func:`xpukit.attention.obtainable`). Never with LoRA: ``model.train()`` makes
   transformers re-kernelize for training mode, fetching kernels outside xpukit's time bound.
 * An explicit request that cannot be had falls back to off, with the reason recorded.
+* Never when some modules run on the CPU, disk or MPS (offload or a given device_map): auto leaves
+  it off, an explicit request is refused.
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ class KernelsChoice:
 
 def parse_kernels(value: object) -> tuple[str, Any]:
     """``kernels=`` → ``(mode, config)`` with mode ``auto``/``on``/``off``. Raises on nonsense."""
-    if value is None or value == "auto":
+    text = value.strip().lower() if isinstance(value, str) else None
+    if value is None or text == "auto":
         return "auto", None
-    if value is True or value in {"on", "true", "yes", "1"}:
+    if value is True or text in {"on", "true", "yes", "1"}:
         return "on", None
-    if value is False or value in {"off", "false", "no", "0"}:
+    if value is False or text in {"off", "false", "no", "0"}:
         return "off", None
     if isinstance(value, dict) or type(value).__name__ == "KernelConfig":
         return "on", value
@@ -55,13 +58,37 @@ def parse_kernels(value: object) -> tuple[str, Any]:
     )
 
 
-def choose_kernels(value: object, device: DeviceFacts, model: ModelFacts, *, lora: bool) -> KernelsChoice:
-    """Decide ``use_kernels`` (see the module docstring for the rules)."""
+def choose_kernels(
+    value: object, device: DeviceFacts, model: ModelFacts, *, lora: bool, host_modules: str | None = None
+) -> KernelsChoice:
+    """Decide ``use_kernels`` (see the module docstring for the rules).
+
+    ``host_modules`` says why some modules run on the CPU, disk or MPS, where Hub kernels have no build.
+    """
     mode, config = parse_kernels(value)
     where = device_type(device)
     if mode == "off":
         return KernelsChoice(
             decision=Decision(name="use_kernels", value=False, reason="asked", source="user"), use=False
+        )
+    if host_modules is not None:
+        why = f"{host_modules}, where Hub layer kernels have no build"
+        if mode == "on" and host_modules.startswith("the given device_map"):
+            raise InvalidRequestError(f"kernels={value!r}: {why}. Fix: kernels=False (or 'auto').")
+        if mode == "on":
+            return KernelsChoice(
+                decision=Decision(
+                    name="use_kernels",
+                    value=False,
+                    reason=f"kernels were asked but cannot be had: {why}. Loading without them",
+                    rejected=((True, why),),
+                    source="fallback",
+                ),
+                use=False,
+                warning=f"use_kernels cannot be had ({why}); loading without Hub kernels",
+            )
+        return KernelsChoice(
+            decision=Decision(name="use_kernels", value=False, reason=f"off: {why}"), use=False
         )
     if where not in KERNEL_CONFIG_DEVICES:
         why = (

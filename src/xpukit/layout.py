@@ -17,7 +17,7 @@ from typing import Any
 from xpukit.errors import InvalidRequestError, PlanError
 from xpukit.facts import DeviceFacts, MachineFacts
 from xpukit.loadplan import Decision, MemoryEstimate
-from xpukit.model_facts import ModelFacts
+from xpukit.model_facts import ModelFacts, quantized_bits
 from xpukit.placement import (
     DeviceBudget,
     Headroom,
@@ -27,8 +27,10 @@ from xpukit.placement import (
     format_bytes,
     headroom_for,
     offload,
+    shares_host_memory,
     usable_memory,
 )
+from xpukit.precision import normalize_dtype
 from xpukit.quantization import QuantRequest, bnb_kwargs, bnb_problem, require_bnb
 
 __all__ = ["Layout", "plan_layout"]
@@ -69,8 +71,14 @@ def plan_layout(
     kind = quant.kind
     dtype_decision = _check_bnb(kind, quant, main, dtype_decision, enforce_extras, warnings)
     dtype = str(dtype_decision.value)
+    # A non-bitsandbytes config (quanto, torchao, GPTQ…) goes to from_pretrained unchanged; it is
+    # sized by the bit width it states, else unquantized (an upper bound), which the plan says.
+    other_bits = quantized_bits(quant.user_config) if kind == "other" else None
+    can_suggest_4bit = kind != "other" and facts.pre_quantized is None and main.backend != "mps"
 
     def weights(q: str | None) -> int:
+        if q is None and other_bits is not None:
+            return facts.weights_at_bits(dtype, other_bits)
         return facts.weights(dtype, q)
 
     def head(q: str | None) -> Headroom:
@@ -89,34 +97,98 @@ def plan_layout(
         if fixed
         else "none asked"
     )
+    if facts.pre_quantized is not None:
+        bits = f", {facts.pre_quantized_bits}-bit" if facts.pre_quantized_bits else ""
+        quant_reason = (
+            f"the checkpoint is already quantized ({facts.pre_quantized}{bits}): loaded as it is"
+            + ("; quantize='auto' has nothing to do" if kind == "auto" else "")
+        )
+        kind = None
     quant_rejected: tuple[tuple[Any, str], ...] = ()
-    placement: Placement | None
+    placement: Placement
     if device_map not in (None, "auto") and device_map not in _STRATEGIES:
-        placement = _given_map(device_map, machine, weights(fixed), head(fixed))
-    elif max_memory is not None:
-        placement = _given_budgets(facts, device_map, max_memory, weights(fixed), head(fixed))
-    else:
-        placement = fit(weights(fixed), head(fixed), candidates)
+        placement, fits = _given_map(device_map, machine, weights(fixed), head(fixed))
         if kind == "auto":
-            if placement is not None:
+            if fits:
+                quant_reason = "quantize='auto': not needed, the model fits the given device_map"
+            else:
+                p4, fits4 = _given_map(device_map, machine, weights("4bit"), head("4bit"))
+                problem = _auto_4bit_problem(main, dtype) or _bnb_map_problem(device_map)
+                if fits4 and problem is None:
+                    placement, fits, fixed = p4, True, "4bit"
+                    quant_reason = (
+                        f"quantize='auto': {format_bytes(weights(None))} in {dtype} does not fit the given "
+                        f"device_map, 4-bit {format_bytes(weights('4bit'))} does"
+                    )
+                else:
+                    why = problem or f"even 4-bit ({format_bytes(weights('4bit'))}) does not fit"
+                    quant_reason = f"quantize='auto': {why}"
+                    quant_rejected = (("4bit", why),)
+        if not fits:
+            hint = ""
+            if (
+                fixed is None
+                and can_suggest_4bit
+                and _given_map(device_map, machine, weights("4bit"), head("4bit"))[1]
+            ):
+                hint = f"; quantize='4bit' ({format_bytes(weights('4bit'))} of weights) would fit"
+            warnings.append(
+                f"device_map={device_map!r}: {placement.reason}: the load may run out of memory{hint}"
+            )
+    elif max_memory is not None:
+        total = sum(v for k, v in max_memory.items() if k != "disk")
+        if kind == "auto":
+            if weights(None) <= total or "disk" in max_memory:
+                quant_reason = "quantize='auto': not needed, the weights fit the given max_memory"
+            else:
+                problem = _auto_4bit_problem(main, dtype)
+                if problem is None and weights("4bit") <= total:
+                    fixed = "4bit"
+                    quant_reason = (
+                        f"quantize='auto': {format_bytes(weights(None))} in {dtype} exceed the given "
+                        f"max_memory ({format_bytes(total)}), 4-bit {format_bytes(weights('4bit'))} does not"
+                    )
+                else:
+                    why = problem or f"even 4-bit ({format_bytes(weights('4bit'))}) exceeds it"
+                    quant_reason = f"quantize='auto': {why}"
+                    quant_rejected = (("4bit", why),)
+        placement = _given_budgets(
+            facts, device_map, max_memory, weights(fixed), head(fixed), can_suggest_4bit
+        )
+    else:
+        fitted = fit(weights(fixed), head(fixed), candidates)
+        if kind == "auto":
+            if fitted is not None:
                 quant_reason = "quantize='auto': not needed, the model fits as it is"
             else:
                 problem = _auto_4bit_problem(main, dtype)
-                p4 = fit(weights("4bit"), head("4bit"), candidates)
-                if p4 is not None and problem is None:
-                    placement, fixed = p4, "4bit"
+                fit4 = fit(weights("4bit"), head("4bit"), candidates)
+                if fit4 is not None and problem is None:
+                    fitted, fixed = fit4, "4bit"
                     quant_reason = (
                         f"quantize='auto': {format_bytes(weights(None))} in {dtype} does not fit, 4-bit "
                         f"{format_bytes(weights('4bit'))} does"
                     )
                 else:
                     why = problem or f"even 4-bit ({format_bytes(weights('4bit'))}) does not fit"
-                    would = "would pick 4-bit, which fits, but " if p4 is not None else ""
+                    would = "would pick 4-bit, which fits, but " if fit4 is not None else ""
                     quant_reason = f"quantize='auto': {would}{why}"
                     quant_rejected = (("4bit", why),)
-        if placement is None:
+        if fitted is not None:
+            placement = fitted
+        else:
             placement = _no_fit(
-                facts, main, candidates, machine, weights, head, fixed, quant, offload, warnings
+                facts,
+                main,
+                candidates,
+                machine,
+                weights,
+                head,
+                fixed,
+                quant,
+                offload,
+                warnings,
+                can_suggest_4bit,
             )
         if device_map in _STRATEGIES and placement.kind != "single":
             placement = Placement(
@@ -127,13 +199,32 @@ def plan_layout(
                 reason=placement.reason + f"; accelerate strategy {device_map!r} as asked",
             )
     qconfig: dict[str, Any] | None = None
+    quantization = fixed
+    weights_key = f"{fixed}/{dtype}" if fixed else dtype
     if fixed:
         qconfig = quant.user_config.to_dict() if quant.user_config is not None else bnb_kwargs(fixed, dtype)
         if quant.user_config is not None:
             quant_reason = "asked: the given BitsAndBytesConfig, used as is"
+    elif kind == "other":
+        method = quant.method or type(quant.user_config).__name__
+        quantization, qconfig = method, _config_dict(quant.user_config)
+        name = type(quant.user_config).__name__
+        if other_bits is not None:
+            weights_key = f"{method} {other_bits}-bit/{dtype}"
+            quant_reason = (
+                f"asked: the given {name}, passed to from_pretrained unchanged; sized with the "
+                f"linear weights at {other_bits} bits (scales not counted)"
+            )
+        else:
+            weights_key = f"{dtype} (unquantized upper bound)"
+            quant_reason = f"asked: the given {name}, passed to from_pretrained unchanged"
+            warnings.append(
+                f"{name} states no bit width xpukit can read: the memory plan counts the weights "
+                f"unquantized ({format_bytes(weights(None))}), an upper bound"
+            )
     memory = MemoryEstimate(
         weights=weights(fixed),
-        weights_key=f"{fixed}/{dtype}" if fixed else dtype,
+        weights_key=weights_key,
         headroom=head(fixed).bytes,
         headroom_rule=head(fixed).rule,
         budgets=placement.budgets,
@@ -144,10 +235,10 @@ def plan_layout(
     decisions = [
         Decision(
             name="quantization",
-            value=fixed,
+            value=quantization,
             reason=quant_reason,
             rejected=quant_rejected,
-            source="user" if kind in {"4bit", "8bit"} else "auto",
+            source="user" if kind in {"4bit", "8bit", "other"} else "auto",
         ),
         Decision(
             name="device_map",
@@ -174,7 +265,7 @@ def plan_layout(
     ]
     return Layout(
         dtype=dtype_decision,
-        quantization=fixed,
+        quantization=quantization,
         quantization_config=qconfig,
         device_map=placement.device_map,
         max_memory=placement.max_memory,
@@ -195,8 +286,18 @@ def _check_bnb(
     if kind not in {"4bit", "8bit"}:
         return dtype_decision
     dtype = str(dtype_decision.value)
-    problem, fix = bnb_problem(main, kind, dtype)
-    if fix and quant.user_config is None:
+    compute = dtype
+    if quant.user_config is not None:
+        # A user's config computes in its own dtype (transformers' default is float32).
+        compute = normalize_dtype(getattr(quant.user_config, "bnb_4bit_compute_dtype", None)) or "float32"
+    problem, fix = bnb_problem(main, kind, compute)
+    if fix and quant.user_config is not None:
+        warnings.append(
+            f"the given BitsAndBytesConfig computes 4-bit in bfloat16 on {main.name}: {problem}. Fix: "
+            "pip install 'bitsandbytes>=0.50', or bnb_4bit_compute_dtype=torch.float16"
+        )
+        return dtype_decision
+    if fix:
         if dtype_decision.source == "user":
             raise InvalidRequestError(
                 f"dtype='bfloat16' with quantize='4bit' on {main.name}: {problem}. Fix: pip install "
@@ -236,12 +337,22 @@ def _no_fit(
     quant: QuantRequest,
     allow_offload: bool,
     warnings: list[str],
+    can_suggest_4bit: bool,
 ) -> Placement:
     w, h = weights(fixed), head(fixed)
     budgets = tuple(usable_memory(d) for d in candidates)
     fixes: list[str] = []
+    four_fits = (
+        can_suggest_4bit and fixed is None and fit(weights("4bit"), head("4bit"), candidates) is not None
+    )
     if main.backend != "cpu":
-        if fixed is not None and not quant.user_offload:
+        if facts.pre_quantized is not None:
+            fixes.append(
+                f"the checkpoint is already quantized ({facts.pre_quantized}); xpukit does not offload "
+                "quantized weights to the CPU (bitsandbytes keeps offloaded modules in fp32, other "
+                "methods need their own CPU kernels). Pass your own device_map to try anyway"
+            )
+        elif fixed is not None and not quant.user_offload:
             why = (
                 "bitsandbytes keeps CPU-offloaded modules unquantized in fp32 (large and slow); "
                 "xpukit does not "
@@ -253,17 +364,20 @@ def _no_fit(
             placement = offload(w, h, candidates, machine.cpu)
             if placement is not None:
                 hint = ""
-                if fixed is None and main.backend != "mps" and fit(weights("4bit"), head("4bit"), candidates):
+                if four_fits:
                     four = format_bytes(weights("4bit"))
                     hint = f". quantize='4bit' ({four} of weights) would fit without offload"
                 warnings.append(f"CPU offload: {placement.reason}{hint}")
                 return placement
-            fixes.append("even with CPU offload it does not fit in CPU memory")
+            fixes.append(
+                "even with CPU offload it does not fit in CPU memory"
+                + (f" ({main.torch_device} shares it)" if shares_host_memory(main) else "")
+            )
         else:
             placement = offload(w, h, candidates, machine.cpu)
             if placement is not None:
                 fixes.append("offload=True (CPU offload, slow) would fit")
-    if fixed is None and main.backend != "mps" and fit(weights("4bit"), head("4bit"), candidates) is not None:
+    if four_fits:
         fixes.insert(0, f"quantize='4bit' ({format_bytes(weights('4bit'))} of weights) fits")
     where = ", ".join(b.device for b in budgets)
     raise PlanError(
@@ -279,24 +393,57 @@ def _no_fit(
     )
 
 
-def _given_map(device_map: Any, machine: MachineFacts, weights: int, head: Headroom) -> Placement:
-    """A device_map the user gave (a device or a dict): validated against the facts, used as is."""
+def _given_map(
+    device_map: Any, machine: MachineFacts, weights: int, head: Headroom
+) -> tuple[Placement, bool]:
+    """A device_map the user gave (a device or a dict): validated against the facts, used as is.
+
+    Returns the placement and whether weights + headroom fit the devices it names.
+    """
+    need = weights + head.bytes
     if isinstance(device_map, dict):
+        devices: dict[str, DeviceFacts] = {}
         for key, value in device_map.items():
-            _check_map_device(value, machine, f"device_map[{key!r}]")
-        return Placement(
-            kind="given", device_map=dict(device_map), max_memory=None, budgets=(), reason="as given"
+            device = _check_map_device(value, machine, f"device_map[{key!r}]")
+            devices[device.torch_device] = device
+        budgets = tuple(usable_memory(d) for d in devices.values())
+        capacity = sum(b.usable for b in budgets)
+        fits = need <= capacity
+        reason = (
+            f"as given; weights + headroom {format_bytes(need)} "
+            + ("fit" if fits else "DO NOT fit")
+            + f" {', '.join(devices)} ({format_bytes(capacity)} usable)"
         )
+        return Placement(
+            kind="given", device_map=dict(device_map), max_memory=None, budgets=budgets, reason=reason
+        ), fits
     text = str(device_map).strip().lower()
     device = _check_map_device(text, machine, "device_map")
     budget = usable_memory(device)
-    fits = weights + head.bytes <= budget.usable
+    fits = need <= budget.usable
     reason = (
-        f"as given; weights + headroom {format_bytes(weights + head.bytes)} "
+        f"as given; weights + headroom {format_bytes(need)} "
         + ("fit" if fits else "DO NOT fit")
         + f" {device.torch_device} ({format_bytes(budget.usable)} usable)"
     )
-    return Placement(kind="given", device_map=text, max_memory=None, budgets=(budget,), reason=reason)
+    return Placement(kind="given", device_map=text, max_memory=None, budgets=(budget,), reason=reason), fits
+
+
+def _bnb_map_problem(device_map: Any) -> str | None:
+    # transformers refuses a bitsandbytes model with modules mapped to the CPU or disk unless
+    # llm_int8_enable_fp32_cpu_offload is set, and then keeps those modules in fp32.
+    values = {str(v).strip().lower() for v in device_map.values()} if isinstance(device_map, dict) else set()
+    if len(values) > 1 and values & {"cpu", "disk"}:
+        return "the given device_map puts modules on the CPU/disk, which bitsandbytes keeps in fp32"
+    return None
+
+
+def _config_dict(config: Any) -> dict[str, Any]:
+    to_dict = getattr(config, "to_dict", None)
+    try:
+        return dict(to_dict()) if callable(to_dict) else {"config": repr(config)}
+    except Exception:  # a foreign to_dict that fails must not break planning
+        return {"config": repr(config)}
 
 
 def _check_map_device(value: Any, machine: MachineFacts, what: str) -> DeviceFacts:
@@ -318,7 +465,12 @@ def _check_map_device(value: Any, machine: MachineFacts, what: str) -> DeviceFac
 
 
 def _given_budgets(
-    facts: ModelFacts, device_map: Any, max_memory: dict[int | str, int], weights: int, head: Headroom
+    facts: ModelFacts,
+    device_map: Any,
+    max_memory: dict[int | str, int],
+    weights: int,
+    head: Headroom,
+    can_suggest_4bit: bool,
 ) -> Placement:
     total = sum(v for k, v in max_memory.items() if k != "disk")
     budgets = tuple(
@@ -332,7 +484,8 @@ def _given_budgets(
             f"{facts.name}: {format_bytes(weights)} of weights exceed the max_memory given "
             f"({format_bytes(total)} in all: "
             + ", ".join(f"{k}={format_bytes(v)}" for k, v in max_memory.items())
-            + "). Fix: raise max_memory, add 'cpu', or quantize='4bit'."
+            + "). Fix: raise max_memory or add 'cpu'"
+            + (", or quantize='4bit'." if can_suggest_4bit else ".")
         )
     return Placement(
         kind="given",

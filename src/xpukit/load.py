@@ -10,7 +10,8 @@ Acting, in order:
    fetched first, each under ``XPUKIT_HUB_FETCH_TIMEOUT``; transformers then finds them already
    loaded. One that cannot be had is replaced (SDPA, kernels off), logged once, and recorded with
    its cause.
-4. ``from_pretrained`` with the plan's kwargs; then LoRA, when planned.
+4. ``from_pretrained`` with the plan's kwargs; then LoRA, when planned — still inside the offline
+   guard, because importing peft imports bitsandbytes.
 5. The plan as carried out is attached as ``model.xpukit_plan``.
 """
 
@@ -94,7 +95,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None) -> Any:
             "model's directory or Hub id to load_for_xpu()."
         )
     check_runtime(plan)
-    if plan.quantization is not None:
+    if plan.quantization in {"4bit", "8bit"}:
         require_bnb(plan.quantization)  # MissingExtraError naming the fix, before any weight is read
     import transformers
 
@@ -111,24 +112,35 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None) -> Any:
         kwargs["config"] = copy.deepcopy(plan.config)
     events: list[LoadEvent] = []
     changes: dict[str, Any] = {}
+    # Everything that may import bitsandbytes (from_pretrained with 4-bit, peft for LoRA) runs inside
+    # the guard: on avx512_bf16 CPUs `import bitsandbytes` makes a Hub call with no timeout.
     with offline_guard(_needs_offline_guard(plan)):
         if plan.attention_kernel is not None:
             _fetch_attention_kernel(plan, kwargs, events, changes)
         if plan.use_kernels:
             _fetch_layer_kernels(plan, kwargs, events, changes)
         model = cls.from_pretrained(plan.model, **kwargs)
-    events.append(LoadEvent(kind="applied", what="placement", planned=plan.device_map, actual=_where(model)))
-    if plan.lora is not None:
-        from xpukit.lora import apply_lora
-
-        model, notes = apply_lora(
-            model,
-            plan.lora,
-            compute_dtype=plan.dtype,
-            quantized=plan.quantization is not None,
-            device=plan.device,
+        events.append(
+            LoadEvent(kind="applied", what="placement", planned=plan.device_map, actual=_where(model))
         )
-        events += [LoadEvent(kind="applied", what="lora", actual=note) for note in notes]
+        if plan.lora is not None:
+            from xpukit.lora import apply_lora, lora_problem
+
+            # plan_load checked the request against the model's facts; this safety net catches a
+            # model that differs from them. The loaded model is dropped before raising, so the
+            # traceback does not keep every weight alive.
+            problem = lora_problem(model, plan.lora)
+            if problem is not None:
+                del model
+                raise InvalidRequestError(problem)
+            model, notes = apply_lora(
+                model,
+                plan.lora,
+                compute_dtype=plan.dtype,
+                quantized=plan.quantization is not None,
+                device=plan.device,
+            )
+            events += [LoadEvent(kind="applied", what="lora", actual=note) for note in notes]
     model.xpukit_plan = plan.with_events(tuple(events), **changes)
     return model
 

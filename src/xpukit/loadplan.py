@@ -124,7 +124,8 @@ class LoadPlan:
         machine: the facts the plan was made for (detected, or a profile).
         device: the main device.
         dtype: ``bfloat16`` / ``float16`` / ``float32`` (also the 4-bit compute dtype).
-        quantization: ``4bit``, ``8bit`` or ``None``.
+        quantization: ``4bit``, ``8bit`` (bitsandbytes), the ``quant_method`` of another given
+            quantization config (``quanto``, ``torchao``…, passed through unchanged), or ``None``.
         quantization_config: the ``BitsAndBytesConfig`` keyword arguments (dtype as a name), or the
             user's config as a dict.
         attn_implementation: what ``from_pretrained`` gets (``sdpa``, ``eager``, a Hub kernel repo…).
@@ -265,7 +266,12 @@ class LoadPlan:
         if self.max_memory is not None:
             out["max_memory"] = _jsonable(self.max_memory)
         if self.quantization is not None:
-            out["quantization_config"] = {"BitsAndBytesConfig": _jsonable(self.quantization_config)}
+            kind = (
+                type(self.user_quantization_config).__name__
+                if self.user_quantization_config is not None
+                else "BitsAndBytesConfig"
+            )
+            out["quantization_config"] = {kind: _jsonable(self.quantization_config)}
         if self.use_kernels:
             out["use_kernels"] = True
             if self.kernel_config is not None:

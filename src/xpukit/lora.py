@@ -4,14 +4,16 @@
 reads at most an ``adapter_config.json``); :func:`apply_lora` carries it out on a loaded model and
 returns notes of what really ran, which the loader records in the model's plan.
 
-Training a quantised model is lean by default (docs/training.md has the numbers). peft's
-``prepare_model_for_kbit_training`` upcasts every weight that is not 4-bit (embeddings, ``lm_head``,
-norms) to fp32; on an H200 with a Qwen3-8B-shaped model that cost 13.97 GB peak and 2 684 tok/s,
-against 10.88 GB and 4 226 tok/s with those weights left in bf16, at the same loss. xpukit therefore
-does its own preparation: freeze the base weights, gradient checkpointing (non-reentrant, which also
-makes the input embeddings require grad), and no blanket upcast. Only what a precision needs is
-changed: with fp16 compute the trainable weights must be fp32, because ``GradScaler`` refuses to
-unscale fp16 gradients; with fp32 compute the half-precision weights become fp32.
+Training a quantised model is lean by default. peft's ``prepare_model_for_kbit_training`` upcasts
+every weight that is not 4-bit (embeddings, ``lm_head``, norms) to fp32. Measured on an H200 with a
+Qwen3-8B-shaped model (docs/training.md, docs/benchmarks.md: one LoRA step of 4 × 512 tokens, nf4 +
+double quant, bf16 compute), peft's recipe peaked at 15.39 GB at 3 711 tok/s, against 11.05 GB at
+4 088 tok/s with those weights left in bf16, at the same loss; adding liger-kernel lowered the peak
+to 7.84 GB but ran slower, at 2 954 tok/s. xpukit therefore does its own preparation: freeze the base
+weights, gradient checkpointing (non-reentrant, which also makes the input embeddings require grad),
+and no blanket upcast. Only what a precision needs is changed: with fp16 compute the trainable
+weights must be fp32, because ``GradScaler`` refuses to unscale fp16 gradients; with fp32 compute
+the half-precision weights become fp32.
 
 On CPUs with avx512_bf16, bitsandbytes repacks a 4-bit weight into a CPU-only layout on the first
 eval-mode forward (``generate`` does one). That layout is served by ``gemv_4bit``, which has no
@@ -40,12 +42,16 @@ from xpukit.precision import normalize_dtype
 if TYPE_CHECKING:
     import torch
 
+    from xpukit.model_facts import ModelFacts
+
 __all__ = [
     "DEFAULT_LORA",
     "LORA_CONFIG_KEYS",
     "LoraRequest",
     "apply_lora",
+    "check_lora_request",
     "linear_module_names",
+    "lora_problem",
     "resolve_lora",
 ]
 
@@ -332,7 +338,11 @@ def _new_adapters(
     from peft import get_peft_model
 
     config = _build_config(request)
-    _check_targets(model, config)  # before any change to the model
+    problem = _targets_problem(
+        config, [n for n, _ in model.named_modules() if n], linear_module_names(model), type(model).__name__
+    )
+    if problem is not None:  # before any change to the model
+        raise InvalidRequestError(problem)
     notes: list[str] = []
     notes += restore_trainable_4bit_layout(model)
     for param in model.parameters():
@@ -376,12 +386,55 @@ def _new_adapters(
 
 
 def _build_config(request: LoraRequest) -> Any:
+    config, problem = _config_or_problem(request)
+    if problem is not None:
+        raise InvalidRequestError(problem)
+    return config
+
+
+def _config_or_problem(request: LoraRequest) -> tuple[Any, str | None]:
+    # A message rather than an exception: callers holding a loaded model drop it before raising.
     from peft import LoraConfig
 
     try:
-        return LoraConfig(**request.config)
+        return LoraConfig(**request.config), None
     except (TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"lora=: peft.LoraConfig rejected {request.config}: {exc}") from exc
+        return None, f"lora=: peft.LoraConfig rejected {request.config}: {exc}"
+
+
+def check_lora_request(request: LoraRequest | None, facts: ModelFacts) -> None:
+    """Refuse a LoRA request that peft would refuse for this model — before any weight is read.
+
+    Builds the ``peft.LoraConfig`` (imports peft, which imports bitsandbytes: call it under
+    :func:`xpukit.hub.offline_guard` when the Hub cannot be used) and matches its ``target_modules``
+    against the module names recorded in the model's facts (built on the meta device).
+
+    Raises:
+        InvalidRequestError: ``LoraConfig`` rejects the settings, or the targets match no module (the
+            message lists the model's linear layers).
+    """
+    if request is None or request.kind != "new":
+        return
+    config, problem = _config_or_problem(request)
+    if problem is None and facts.module_names:
+        problem = _targets_problem(config, facts.module_names, list(facts.linear_layers), facts.architecture)
+    if problem is not None:
+        raise InvalidRequestError(problem)
+
+
+def lora_problem(model: Any, request: LoraRequest) -> str | None:
+    """Why ``request`` cannot be applied to the loaded ``model`` (``None`` when it can); raises nothing.
+
+    The loader's safety net after ``from_pretrained``: it returns a message, so the caller can drop
+    the model before raising (a traceback would otherwise keep every weight alive).
+    """
+    if request.kind != "new":
+        return None
+    config, problem = _config_or_problem(request)
+    if problem is not None:
+        return problem
+    names = [n for n, _ in model.named_modules() if n]
+    return _targets_problem(config, names, linear_module_names(model), type(model).__name__)
 
 
 def linear_module_names(model: Any) -> list[str]:
@@ -399,19 +452,21 @@ def linear_module_names(model: Any) -> list[str]:
     return sorted(names)
 
 
-def _check_targets(model: Any, config: Any) -> None:
-    """Refuse targets that match no module, listing the model's linear layers (peft's own error
-    names neither the model's layers nor the fix)."""
+def _targets_problem(
+    config: Any, module_names: Any, linear_names: list[str], architecture: str
+) -> str | None:
+    """Why the targets match no module, listing the model's linear layers (peft's own error names
+    neither the model's layers nor the fix); ``None`` when they match."""
     from peft.tuners.tuners_utils import check_target_module_exists
 
     targets = config.target_modules
     if targets is None or targets == _ALL_LINEAR or getattr(config, "target_parameters", None):
-        return  # peft resolves these per architecture
-    if any(check_target_module_exists(config, name) for name, _ in model.named_modules() if name):
-        return
-    raise InvalidRequestError(
+        return None  # peft resolves these per architecture
+    if any(check_target_module_exists(config, name) for name in module_names):
+        return None
+    return (
         f"lora target_modules={_targets_text(targets)!r} match no module of this "
-        f"{type(model).__name__}. Its linear layers are: {', '.join(linear_module_names(model))}. "
+        f"{architecture}. Its linear layers are: {', '.join(linear_names)}. "
         'Name some of those, or use target_modules="all-linear".'
     )
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SIZE_KEYS", "ModelFacts", "auto_class_for", "model_facts"]
+__all__ = ["SIZE_KEYS", "ModelFacts", "auto_class_for", "model_facts", "quantized_bits"]
 
 # Every (dtype, quantization) pair the planner may ask for; sizes are computed for all of them.
 SIZE_KEYS = (
@@ -69,6 +70,14 @@ class ModelFacts:
         no_split_modules: module classes ``device_map="auto"`` must keep on one device.
         kernel_layers: layer/function names the model registers for Hub kernels (``use_kernels``).
         pre_quantized: the quantization method of a pre-quantized checkpoint, else ``None``.
+        pre_quantized_bits: bits per quantized weight of a pre-quantized checkpoint, when its
+            ``quantization_config`` says (``load_in_4bit`` → 4, GPTQ/AWQ ``bits``); its sizes under
+            every dtype are then the quantized sizes.
+        quantizable_numel: elements of the weights a weight-only quantizer replaces (the linear
+            layers bitsandbytes would convert); sizes at other bit widths derive from it.
+        linear_layers: distinct names (last path part) of the linear layers, what LoRA
+            ``target_modules`` can name.
+        module_names: every module's full name, for matching LoRA targets before loading.
         config_dtype: the dtype the checkpoint declares, when it does.
         sizing: how the sizes were computed (stated in plans).
     """
@@ -87,6 +96,10 @@ class ModelFacts:
     no_split_modules: tuple[str, ...] = ()
     kernel_layers: tuple[str, ...] = ()
     pre_quantized: str | None = None
+    pre_quantized_bits: int | None = None
+    quantizable_numel: int = 0
+    linear_layers: tuple[str, ...] = ()
+    module_names: tuple[str, ...] = field(default=(), repr=False)
     config_dtype: str | None = None
     sizing: str = "transformers compute_module_sizes on the meta device"
     notes: tuple[str, ...] = field(default=())
@@ -103,6 +116,15 @@ class ModelFacts:
             raise InvalidRequestError(
                 f"No size for dtype={dtype!r}, quantization={quantization!r}."
             ) from None
+
+    def weights_at_bits(self, dtype: str, bits: float) -> int:
+        """Bytes of weights with the quantizable weights at ``bits`` each and the rest in ``dtype``.
+
+        An estimate for weight-only quantizers other than bitsandbytes (GPTQ, AWQ, quanto, torchao):
+        their scales and zero points (about 3 % at group size 128) are not counted.
+        """
+        rest = self.weights(dtype, "4bit") - self.quantizable_numel * 0.5
+        return int(rest + self.quantizable_numel * bits / 8)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -121,6 +143,9 @@ class ModelFacts:
             "no_split_modules": list(self.no_split_modules),
             "kernel_layers": list(self.kernel_layers),
             "pre_quantized": self.pre_quantized,
+            "pre_quantized_bits": self.pre_quantized_bits,
+            "quantizable_numel": self.quantizable_numel,
+            "linear_layers": list(self.linear_layers),
             "config_dtype": self.config_dtype,
             "sizing": self.sizing,
             "notes": list(self.notes),
@@ -164,20 +189,35 @@ def model_facts(
 
 def _read_facts(config: PreTrainedConfig, *, name: str | None, trust_remote_code: bool) -> ModelFacts:
     auto_name, model = _build_meta_model(config, trust_remote_code=trust_remote_code)
-    weight_bytes = _weight_sizes(model, config)
+    weight_bytes, quantizable = _weight_sizes(model, config)
     text = config.get_text_config()
     quant = getattr(config, "quantization_config", None)
     pre_quantized = None
+    pre_bits = None
     notes: list[str] = []
     if quant is not None:
         method = (
             quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
         )
         pre_quantized = str(getattr(method, "value", method) or "unknown")
-        notes.append(
-            f"pre-quantized checkpoint ({pre_quantized}): sizes are for unquantized weights (an upper bound)"
-        )
+        pre_bits = quantized_bits(quant)
+        if pre_bits is not None:
+            # The checkpoint loads quantized whatever dtype is asked: every size is the quantized one.
+            numel = quantizable
+            for dtype in ("bfloat16", "float16", "float32"):
+                rest = weight_bytes[f"4bit/{dtype}"] - numel * 0.5
+                weight_bytes[dtype] = int(rest + numel * pre_bits / 8)
+            notes.append(
+                f"pre-quantized checkpoint ({pre_quantized}, {pre_bits}-bit): sized with its linear "
+                f"weights at {pre_bits} bits (scales and zero points not counted)"
+            )
+        else:
+            notes.append(
+                f"pre-quantized checkpoint ({pre_quantized}, bit width not stated): sizes are for "
+                "unquantized weights (an upper bound)"
+            )
     config_dtype = getattr(config, "dtype", None)
+    module_names = tuple(name for name, _ in model.named_modules() if name)
     return ModelFacts(
         name=name or str(getattr(config, "_name_or_path", "") or "<config>"),
         model_type=str(getattr(config, "model_type", "") or "unknown"),
@@ -193,9 +233,48 @@ def _read_facts(config: PreTrainedConfig, *, name: str | None, trust_remote_code
         no_split_modules=tuple(sorted(getattr(model, "_no_split_modules", None) or ())),
         kernel_layers=_kernel_layers(model),
         pre_quantized=pre_quantized,
+        pre_quantized_bits=pre_bits,
+        quantizable_numel=quantizable,
+        linear_layers=_linear_layers(model),
+        module_names=module_names,
         config_dtype=str(config_dtype).removeprefix("torch.") if config_dtype is not None else None,
         notes=tuple(notes),
     )
+
+
+def quantized_bits(quant: Any) -> int | None:
+    """Bits per weight a quantization config states (dict or object), else ``None``.
+
+    bitsandbytes: ``load_in_4bit`` / ``load_in_8bit``; GPTQ, AWQ, AutoRound, HQQ…: ``bits``;
+    quanto: ``weights`` ``"int8"``/``"int4"``/``"int2"``/``"float8"``.
+    """
+
+    def get(key: str) -> Any:
+        return quant.get(key) if isinstance(quant, dict) else getattr(quant, key, None)
+
+    if get("load_in_4bit"):
+        return 4
+    if get("load_in_8bit"):
+        return 8
+    bits = get("bits")
+    if isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= 16:
+        return bits
+    weights = get("weights")
+    if isinstance(weights, str):
+        match = re.fullmatch(r"(?:int|float)(\d+)", weights.strip().lower())
+        if match and 1 <= int(match[1]) <= 16:
+            return int(match[1])
+    return None
+
+
+def _linear_layers(model: PreTrainedModel) -> tuple[str, ...]:
+    import torch
+
+    names = set()
+    for name, module in model.named_modules():
+        if name and (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            names.add(name.rsplit(".", 1)[-1])
+    return tuple(sorted(names))
 
 
 def auto_class_for(config: PreTrainedConfig) -> str:
@@ -254,7 +333,7 @@ class _TensorRecorder:
         return float(tensor.element_size())
 
 
-def _weight_sizes(model: PreTrainedModel, config: PreTrainedConfig) -> dict[str, int]:
+def _weight_sizes(model: PreTrainedModel, config: PreTrainedConfig) -> tuple[dict[str, int], int]:
     from transformers.integrations.accelerate import compute_module_sizes
 
     recorder = _TensorRecorder()
@@ -294,7 +373,9 @@ def _weight_sizes(model: PreTrainedModel, config: PreTrainedConfig) -> dict[str,
         logger.warning(
             "Size estimate differs from transformers' own: %d != %d bytes", sizes["bfloat16"], as_built
         )
-    return sizes
+    names4 = quantized["4bit"][0]
+    quantizable = sum(numel for name, numel, _, _ in recorder.tensors if name in names4)
+    return sizes, quantizable
 
 
 def _bnb_quantized_weights(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
-from xpukit.hub import hub_offline, hub_status
+from xpukit.hub import RECHECK_HINT, hub_offline, hub_status
 from xpukit.reference_models import REFERENCE_CONFIGS
 
 if TYPE_CHECKING:
@@ -125,12 +125,12 @@ def read_config(
         config, unused = AutoConfig.from_pretrained(text, return_unused_kwargs=True, **config_kwargs)
     except (OSError, ValueError) as exc:
         if local_only:
+            recheck = "" if hub_offline() else f" ({RECHECK_HINT})"
             raise InvalidRequestError(
                 f"{text!r} is not a local directory, and its config is not in the local Hub cache "
                 "while the Hub "
                 f"cannot be used ({why}). Fix: download it while online (`hf download {text}`), or "
-                "pass a local "
-                "directory."
+                f"pass a local directory{recheck}."
             ) from exc
         raise InvalidRequestError(f"Could not read the config of {text!r} from the Hub: {exc}") from exc
     return config, text, text, _consumed(kwargs, unused)

@@ -16,6 +16,7 @@ Rules (docs/planning.md gives the reasons and sources):
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +38,13 @@ __all__ = [
     "headroom_for",
     "offload",
     "parse_size",
+    "shares_host_memory",
     "usable_memory",
 ]
 
 MiB = 2**20
 GiB = 2**30
+MAX_SIZE = 2**50  # 1 PiB: anything larger is a mistake (and inf would overflow int())
 
 USABLE_FRACTION_DISCRETE = 0.90
 USABLE_FRACTION_INTEGRATED = 0.60
@@ -80,7 +83,12 @@ def parse_size(value: object, what: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise InvalidRequestError(f"{what}={value!r} is not a size; use bytes or a string like '10GiB'.")
-    if isinstance(value, (int, float)) and value >= 0:
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value < 0 or value > MAX_SIZE:
+            raise InvalidRequestError(
+                f"{what}={value!r} is not a size; use a finite number of bytes (at most 1 PiB) or a "
+                "string like '10GiB'."
+            )
         return int(value)
     match = _SIZE.match(str(value))
     if not match:
@@ -88,7 +96,12 @@ def parse_size(value: object, what: str = "size") -> int:
             f"{what}={value!r} is not a size; use bytes or a string like '10GiB' or '500MB'."
         )
     number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "b").lower()])
+    size = float(number) * _UNITS[(unit or "b").lower()]
+    if size > MAX_SIZE:
+        raise InvalidRequestError(
+            f"{what}={value!r} is more than 1 PiB; use a real memory size such as '10GiB'."
+        )
+    return int(size)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -221,22 +234,39 @@ def fit(weights: int, headroom: Headroom, devices: tuple[DeviceFacts, ...]) -> P
     return None
 
 
+def shares_host_memory(device: DeviceFacts) -> bool:
+    """An integrated GPU or Apple silicon: the accelerator's memory is the host's memory."""
+    return device.integrated or device.backend == "mps"
+
+
 def offload(
     weights: int, headroom: Headroom, devices: tuple[DeviceFacts, ...], cpu: DeviceFacts
 ) -> Placement | None:
-    """Fill the accelerators and put the rest in CPU memory; ``None`` when even that cannot hold it."""
+    """Fill the accelerators and put the rest in CPU memory; ``None`` when even that cannot hold it.
+
+    On an integrated GPU or MPS the two are one pool: the host may hold only what its usable memory
+    has left after the accelerators' share, so the same bytes are never counted twice.
+    """
     accel = _share_headroom(tuple(usable_memory(d) for d in devices), headroom.bytes)
     host = usable_memory(cpu)
+    host_usable, host_rule = host.usable, host.rule
+    if shares_host_memory(devices[0]):
+        taken = sum(b.usable for b in accel)
+        host_usable = max(host.usable - taken, 0)
+        host_rule = (
+            f"{host.rule}, minus the {format_bytes(taken)} {devices[0].torch_device} uses from the same "
+            "memory (shared)"
+        )
     on_accel = sum(b.weights_budget or 0 for b in accel)
-    if weights > on_accel + host.usable:
+    if weights > on_accel + host_usable:
         return None
     host = DeviceBudget(
         device="cpu",
         name=host.name,
         total=host.total,
-        usable=host.usable,
-        rule=host.rule,
-        weights_budget=host.usable,
+        usable=host_usable,
+        rule=host_rule,
+        weights_budget=host_usable,
     )
     max_memory: dict[int | str, int] = {
         _key(d): b.weights_budget or 0 for d, b in zip(devices, accel, strict=True)

@@ -8,8 +8,10 @@ a Hub-backed choice is on the table — one bounded reachability check (:mod:`xp
 
 from __future__ import annotations
 
+import difflib
 import logging
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +73,10 @@ def plan_load(
         kernels: ``"auto"``, ``True``, ``False``, or a ``KernelConfig`` (or its mapping dict).
         device_map: ``"auto"`` (xpukit decides), an accelerate strategy, a device, or a dict.
         max_memory: per-device weight budgets (``{0: "10GiB", "cpu": "30GiB"}``).
-        quantize: ``None``, ``"4bit"``, ``"8bit"``, ``"auto"`` or a ``BitsAndBytesConfig``.
-        lora: ``None``, ``True``, a ``LoraConfig``, a dict of its arguments, or an adapter path.
+        quantize: ``None``, ``"4bit"``, ``"8bit"``, ``"auto"``, a ``BitsAndBytesConfig``, or another
+            transformers quantization config (``QuantoConfig``, ``GPTQConfig``…), passed through.
+        lora: ``None``, ``True``, a ``LoraConfig``, a dict of its arguments, or an adapter path; new
+            adapters are checked against the model's modules here (this imports peft).
         offload: allow CPU offload when the model fits nowhere else (else :class:`PlanError`).
         headroom: memory kept free beside the weights (bytes or ``"2GiB"``); default: the rule in
             docs/planning.md.
@@ -87,7 +91,7 @@ def plan_load(
     Raises:
         InvalidRequestError: a bad or conflicting argument, path or model id.
         DeviceUnavailableError: the device cannot be used with this torch build or machine.
-        MissingExtraError: a requested extra (bitsandbytes) is missing on this machine.
+        MissingExtraError: a requested extra (bitsandbytes, peft) is missing on this machine.
         PlanError: the model fits nowhere (the message shows the numbers).
 
     Example:
@@ -120,12 +124,15 @@ def plan_load(
         raise InvalidRequestError(
             f"device_map={device_map!r} must be 'auto', a device, an accelerate strategy or a dict."
         )
+    class_name = _check_model_class(model_class)
     _resolve_lora(lora, quantized=quant.kind in {"4bit", "8bit"})  # validate before reading anything
     config, source, name, consumed = read_config(model, kwargs)
     machine, facts_given = _machine(facts)
+    if isinstance(device_map, dict):
+        device_text = _device_of_map(device_map, device_text, machine)
     main, candidates, device_decision = _resolve_device(device_text, machine)
     mfacts = model_facts(config, name=name, trust_remote_code=bool(kwargs.get("trust_remote_code", False)))
-    if mfacts.pre_quantized and quant.kind is not None:
+    if mfacts.pre_quantized and quant.kind not in {None, "auto"}:
         raise InvalidRequestError(
             f"quantize={quantize!r}: {name} is already quantized ({mfacts.pre_quantized}); it cannot be "
             "quantized again. Fix: quantize=None."
@@ -148,9 +155,13 @@ def plan_load(
         warnings=warnings,
     )
     dtype_name = str(layout.dtype.value)
-    attention = choose_attention(attn, main, dtype_name, mfacts)
+    host_modules = _host_modules(device_map, layout.max_memory, main)
+    attention = choose_attention(attn, main, dtype_name, mfacts, host_modules=host_modules)
     lora_request = _resolve_lora(lora, quantized=layout.quantization is not None)
-    kernel_choice = choose_kernels(kernels, main, mfacts, lora=lora_request is not None)
+    _check_lora(lora_request, mfacts, enforce=not facts_given, warnings=warnings)
+    kernel_choice = choose_kernels(
+        kernels, main, mfacts, lora=lora_request is not None, host_modules=host_modules
+    )
     for warning in (attention.warning, kernel_choice.warning):
         if warning:
             warnings.append(warning)
@@ -177,7 +188,7 @@ def plan_load(
         decisions=tuple(decisions),
         warnings=tuple(warnings),
         passthrough=kwargs,
-        model_class=_class_name(model_class) or mfacts.auto_class,
+        model_class=class_name or mfacts.auto_class,
         user_quantization_config=quant.user_config,
         kernel_config=kernel_choice.config if kernel_choice.use else None,
         config=config,
@@ -279,10 +290,91 @@ def _device_text(device: Any) -> str | None:
     return text
 
 
-def _class_name(model_class: Any) -> str | None:
+def _check_model_class(model_class: Any) -> str | None:
+    """The class name; a string must name a transformers class (checked before anything is read)."""
     if model_class is None:
         return None
-    return model_class if isinstance(model_class, str) else getattr(model_class, "__name__", str(model_class))
+    if not isinstance(model_class, str):
+        if not isinstance(model_class, type) or not callable(getattr(model_class, "from_pretrained", None)):
+            raise InvalidRequestError(
+                f"model_class={model_class!r} has no from_pretrained. Pass a transformers model class "
+                "(AutoModelForCausalLM, Qwen3ForCausalLM…) or its name."
+            )
+        return model_class.__name__
+    import transformers
+
+    try:
+        cls = getattr(transformers, model_class)
+    except (AttributeError, ImportError, RuntimeError):
+        cls = None
+    if cls is None or not callable(getattr(cls, "from_pretrained", None)):
+        candidates = [n for n in dir(transformers) if n.startswith(("AutoModel", model_class[:4]))]
+        close = difflib.get_close_matches(model_class, candidates, n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise InvalidRequestError(
+            f"model_class={model_class!r} is not a transformers model class.{hint} Valid: an Auto class "
+            "such as 'AutoModelForCausalLM', 'AutoModelForSeq2SeqLM', 'AutoModelForImageTextToText', or "
+            "a model class such as 'Qwen3ForCausalLM'."
+        )
+    return model_class
+
+
+def _device_of_map(device_map: dict[Any, Any], device_text: str | None, machine: MachineFacts) -> str | None:
+    """The device a dict device_map puts every module on (dtype, attention, kernels follow it)."""
+    targets = set()
+    for value in device_map.values():
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = f"{machine.accelerator}:{value}"
+        text = str(value).strip().lower()
+        targets.add("cpu" if text == "disk" else text)
+    if len(targets) != 1:
+        return device_text
+    (only,) = targets
+    if not _DEVICE.match(only):
+        return device_text  # plan_layout names the bad value
+    if only in {"xpu", "cuda"}:
+        only += ":0"
+    if device_text is not None and device_text not in {only, only.split(":")[0]}:
+        raise InvalidRequestError(
+            f"device={device_text!r} but device_map puts every module on {only!r}. Fix: pass one of them."
+        )
+    return only
+
+
+def _host_modules(device_map: Any, max_memory: dict[int | str, int] | None, main: DeviceFacts) -> str | None:
+    """Why some modules run on the CPU, disk or MPS while the main device is an accelerator, else None.
+
+    Hub attention and layer kernels run on xpu/cuda only; a module placed elsewhere would call them
+    with tensors they have no build for.
+    """
+    if main.backend in {"cpu", "mps"}:
+        return None
+    if isinstance(device_map, dict):
+        elsewhere = sorted({str(v).strip().lower() for v in device_map.values()} & {"cpu", "disk", "mps"})
+        if elsewhere:
+            return f"the given device_map puts modules on {', '.join(elsewhere)}"
+    if max_memory and any(k in {"cpu", "disk"} for k in max_memory):
+        return "the plan offloads weights to CPU memory"
+    return None
+
+
+def _check_lora(request: Any, facts: Any, *, enforce: bool, warnings: list[str]) -> None:
+    """Check the LoRA settings and targets against the model's facts, before any weight is read."""
+    if request is None or request.kind != "new":
+        return
+    from xpukit._compat import is_installed, require
+    from xpukit.hub import hub_offline, hub_status, offline_guard
+    from xpukit.lora import check_lora_request
+
+    if not is_installed("peft"):
+        if enforce:
+            require("peft", "lora=True")  # MissingExtraError naming the extra
+        warnings.append("peft is not installed here: the LoRA settings were not checked against the model")
+        return
+    # peft imports bitsandbytes, whose import reaches the Hub with no timeout on avx512_bf16 CPUs.
+    guard = "peft" not in sys.modules and (hub_offline() or not hub_status().usable)
+    with offline_guard(guard):
+        check_lora_request(request, facts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -169,6 +169,19 @@ PROFILES: dict[str, DeviceFacts] = {
         native_bf16=True,
         source="cpu-findings.md machine: avx512_bf16 and AMX present, 24 GiB",
     ),
+    "laptop-16g": DeviceFacts(
+        backend="cpu",
+        index=0,
+        name="laptop CPU with 16 GB shared with its integrated GPU (no avx512_bf16)",
+        family="cpu",
+        total_memory=16 * GiB,
+        # Free memory on a laptop depends on what else runs: left unknown, so the shared-memory
+        # fraction applies, the same pool the integrated GPU draws from.
+        free_memory=None,
+        native_bf16=False,
+        source="the host of the lunar-lake, meteor-lake and apple-m2 profiles: 16 GB of memory that "
+        "the CPU and the integrated GPU share (Lunar Lake and Meteor Lake CPUs have no avx512_bf16)",
+    ),
     "cpu": DeviceFacts(
         backend="cpu",
         index=0,
@@ -217,8 +230,17 @@ def parse_assume(spec: str) -> tuple[str, int]:
 STACKS = {"max-1550": 2}
 
 
-def machine_profile(name: str, count: int = 1, *, cpu: str = "cpu-bf16") -> MachineFacts:
+# The host of each profile whose GPU shares the machine's memory: the same 16 GB, not a server's
+# 24 GiB beside it (platform.md §2: integrated GPUs and Apple silicon have one memory pool).
+HOSTS = {"lunar-lake": "laptop-16g", "meteor-lake": "laptop-16g", "apple-m2": "laptop-16g"}
+DEFAULT_HOST = "cpu-bf16"
+
+
+def machine_profile(name: str, count: int = 1, *, cpu: str | None = None) -> MachineFacts:
     """Facts of a machine with ``count`` cards of one profile (and a CPU profile as host).
+
+    ``cpu`` names the host's profile; by default the laptop host (``laptop-16g``) for the
+    integrated GPUs and Apple silicon, whose memory it shares, else ``cpu-bf16``.
 
     ``count`` counts cards: ``machine_profile("max-1550")`` is one card, i.e. two ~64 GB devices
     in FLAT mode, and ``"max-1550x2"`` is two cards, four devices. A CPU profile gives a CPU-only
@@ -238,7 +260,7 @@ def machine_profile(name: str, count: int = 1, *, cpu: str = "cpu-bf16") -> Mach
         compiled=(device.backend,),
         accelerator=device.backend,
         devices=devices,
-        cpu=device_profile(cpu),
+        cpu=device_profile(cpu or HOSTS.get(name, DEFAULT_HOST)),
         xccl_available=True if device.backend == "xpu" else None,
         source=f"profile:{name}x{count // STACKS.get(name, 1)}"
         if count > STACKS.get(name, 1)

@@ -6,6 +6,8 @@
 * bitsandbytes ≥ 0.48 (native XPU backend); on Arc A-series, bf16 4-bit compute needs ≥ 0.50
   (bitsandbytes#1942, platform.md §5) — otherwise the compute dtype becomes fp16 and the plan says so.
 * No MPS backend exists: refused.
+* Any other transformers quantization config (``QuantoConfig``, ``TorchAoConfig``, ``GPTQConfig``…)
+  is passed to ``from_pretrained`` unchanged.
 * Compute dtype: any float dtype works with bitsandbytes (fp32 is its own default compute dtype,
   just slower); xpukit only ever hands it one of bfloat16 / float16 / float32.
 
@@ -40,8 +42,15 @@ _NAMES = {"4bit": "4bit", "nf4": "4bit", "int4": "4bit", "8bit": "8bit", "int8":
 class QuantRequest:
     """A parsed ``quantize=`` argument."""
 
-    kind: str | None  # None | "4bit" | "8bit" | "auto"
-    user_config: Any = None  # a BitsAndBytesConfig given by the user, used as is
+    kind: str | None  # None | "4bit" | "8bit" | "auto" | "other" (a non-bitsandbytes config)
+    user_config: Any = None  # a quantization config given by the user, used as is
+
+    @property
+    def method(self) -> str | None:
+        """The config's ``quant_method`` (``quanto``, ``torchao``, ``gptq``…), when a config was given."""
+        method = getattr(self.user_config, "quant_method", None)
+        value = getattr(method, "value", method)
+        return str(value) if value is not None else None
 
     @property
     def user_offload(self) -> bool:
@@ -77,10 +86,15 @@ def parse_quantize(value: object) -> QuantRequest:
             "quantize=BitsAndBytesConfig(...) loads neither 4-bit nor 8-bit; set load_in_4bit=True or "
             "load_in_8bit=True, or pass quantize=None."
         )
+    if getattr(value, "quant_method", None) is not None and callable(getattr(value, "to_dict", None)):
+        # Another transformers quantization config (QuantoConfig, TorchAoConfig, GPTQConfig,
+        # AutoRoundConfig…): passed to from_pretrained unchanged (platform.md §4 lists several as
+        # working on Intel GPUs); its own library checks it at load.
+        return QuantRequest(kind="other", user_config=value)
     raise InvalidRequestError(
         f"quantize={value!r} ({type(value).__name__}) is not understood. Valid: None, '4bit', "
-        "'8bit', 'auto' or a "
-        "transformers.BitsAndBytesConfig."
+        "'8bit', 'auto', a transformers.BitsAndBytesConfig, or another transformers quantization "
+        "config (QuantoConfig, TorchAoConfig, GPTQConfig…), passed to from_pretrained unchanged."
     )
 
 

@@ -75,21 +75,7 @@ def choose_kernels(
         why = f"{host_modules}, where Hub layer kernels have no build"
         if mode == "on" and host_modules.startswith("the given device_map"):
             raise InvalidRequestError(f"kernels={value!r}: {why}. Fix: kernels=False (or 'auto').")
-        if mode == "on":
-            return KernelsChoice(
-                decision=Decision(
-                    name="use_kernels",
-                    value=False,
-                    reason=f"kernels were asked but cannot be had: {why}. Loading without them",
-                    rejected=((True, why),),
-                    source="fallback",
-                ),
-                use=False,
-                warning=f"use_kernels cannot be had ({why}); loading without Hub kernels",
-            )
-        return KernelsChoice(
-            decision=Decision(name="use_kernels", value=False, reason=f"off: {why}"), use=False
-        )
+        return _not_had(mode, why)
     if where not in KERNEL_CONFIG_DEVICES:
         why = (
             f"transformers' KernelConfig accepts {', '.join(KERNEL_CONFIG_DEVICES)} only; on "
@@ -131,6 +117,11 @@ def choose_kernels(
             use=True,
             config=config,
         )
+    return _not_had(mode, why)
+
+
+def _not_had(mode: str, why: str) -> KernelsChoice:
+    """Kernels off because they cannot be had: a recorded fallback (with a warning) when asked for."""
     if mode == "on":
         return KernelsChoice(
             decision=Decision(

@@ -18,25 +18,32 @@ before anything initialises the device runtime. The rules come from platform.md 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import re
-import reprlib
 import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
 from xpukit import _environ, probe
+from xpukit._device_spec import (
+    HIERARCHIES,
+    MAX_INDEX,
+    SELECTABLE_BACKENDS,
+    Entry,
+    SelectableBackend,
+    check_cuda,
+    check_range,
+    check_xpu,
+    parse_backend,
+    parse_hierarchy,
+    parse_spec,
+    show,
+)
 from xpukit.errors import DeviceSelectionError, RuntimeAlreadyInitializedError
 from xpukit.facts import MachineFacts, classify_xpu
 
 __all__ = ["HIERARCHIES", "SELECTABLE_BACKENDS", "DeviceSelection", "select_devices"]
-
-SelectableBackend = Literal["xpu", "cuda"]
-SELECTABLE_BACKENDS: tuple[SelectableBackend, ...] = ("xpu", "cuda")
-HIERARCHIES = ("FLAT", "COMPOSITE", "COMBINED")
 
 # The variable that narrows the visible devices, and the one that fixes their order, per backend.
 _MASK: dict[SelectableBackend, str] = {"xpu": "ZE_AFFINITY_MASK", "cuda": "CUDA_VISIBLE_DEVICES"}
@@ -45,25 +52,7 @@ _ORDER: dict[SelectableBackend, tuple[str, str]] = {
     "cuda": ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
 }
 _HIERARCHY = "ZE_FLAT_DEVICE_HIERARCHY"
-_MAX_INDEX = 127  # torch's DeviceIndex is an int8: no process can address more devices than this
 _IGPU_SLOT = ":00:02.0"  # the PCI device/function where Intel integrated GPUs always sit (bus 0)
-
-_INDEX = re.compile(r"[0-9]+", re.ASCII)
-_RANGE = re.compile(r"([0-9]+)-([0-9]+)", re.ASCII)
-_TILE = re.compile(r"([0-9]+)\.([0-9]+)", re.ASCII)
-_HEX = r"[0-9a-fA-F]+(?:-[0-9a-fA-F]+)*-?"
-_GPU_UUID = re.compile(rf"GPU-{_HEX}", re.ASCII)  # a unique prefix is enough for CUDA
-_MIG_ID = re.compile(rf"MIG-(?:GPU-{_HEX}/[0-9]+/[0-9]+|{_HEX})", re.ASCII)
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    """One selected device: an ordinal, a tile ``card.tile``, or a CUDA UUID / MIG id."""
-
-    text: str
-    kind: Literal["index", "tile", "uuid"]
-    card: int = -1
-    tile: int = -1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -281,15 +270,15 @@ def select_devices(
         >>> sel.shell_prefix()
         'ZE_AFFINITY_MASK=0,2 ZE_ENABLE_PCI_ID_DEVICE_ORDER=1'
     """
-    entries, selects_all = _parse(spec)
-    where = f"select_devices({_show(spec)})"
+    entries, selects_all = parse_spec(spec)
+    where = f"select_devices({show(spec)})"
     if facts is not None and not isinstance(facts, MachineFacts):
         raise DeviceSelectionError(
             f"{where}: facts must be a MachineFacts (`xpukit.detect()`, or a profile such as "
             f"`xpukit.profiles.machine_profile('arc-b580', 2)`), or None; got {type(facts).__name__}."
         )
-    named = _backend(backend, where)
-    wanted_hierarchy = _hierarchy(hierarchy, where)
+    named = parse_backend(backend, where)
+    wanted_hierarchy = parse_hierarchy(hierarchy, where)
     count: int | None = None
     if named is not None:
         chosen: SelectableBackend = named
@@ -310,14 +299,14 @@ def select_devices(
     if chosen == "cuda":
         if wanted_hierarchy:
             raise DeviceSelectionError(
-                f"{where}: hierarchy={_show(hierarchy)} applies to Intel GPUs only "
+                f"{where}: hierarchy={show(hierarchy)} applies to Intel GPUs only "
                 "(ZE_FLAT_DEVICE_HIERARCHY); drop it for CUDA."
             )
-        _check_cuda(entries, where)
+        check_cuda(entries, where)
         effective = None
     else:
         effective = wanted_hierarchy or _inherited_hierarchy(facts, notes)
-        _check_xpu(entries, effective, where)
+        check_xpu(entries, effective, where)
         if effective is None and facts and any(d.family == "max" for d in facts.devices_of("xpu")):
             notes.append(
                 "Data Center GPU Max in the driver's default FLAT mode: every stack is its own "
@@ -331,7 +320,7 @@ def select_devices(
                 count, how = _count_with_integrated(mix, count, how, effective)
             warnings += _integrated_warnings(mix, entries)
     if count is not None:
-        _check_range(entries, count, chosen, how, where)
+        check_range(entries, count, chosen, how, where)
 
     env: dict[str, str] = {}
     if not selects_all:
@@ -365,238 +354,6 @@ def _inherited_hierarchy(facts: MachineFacts | None, notes: list[str]) -> str | 
     # The driver compares the exact upper-case names; anything else leaves its default in place.
     notes.append(f"{_HIERARCHY}={value!r} is not a value the driver knows: treated as its default")
     return None
-
-
-# --- parsing ---------------------------------------------------------------------------------------
-
-
-class _ShortRepr(reprlib.Repr):
-    """``repr`` for messages: bounded in length, and safe for ints past ``str()``'s digit limit."""
-
-    def repr_int(self, x: int, level: int) -> str:
-        if abs(x) > 10**30:
-            return f"<an int of {_digits(x)} digits>"
-        return super().repr_int(x, level)
-
-
-_SHORT = _ShortRepr()
-_SHORT.maxstring = 50
-_SHORT.maxother = 50
-
-
-def _show(value: object) -> str:
-    """A short, always printable ``repr`` of a user's value (huge ints become "an int of N digits")."""
-    text = _SHORT.repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _digits(value: int) -> int:
-    """The number of decimal digits of ``value``, without ``str()`` (limited to 4300 digits)."""
-    value = abs(value)
-    n = int((value.bit_length() - 1) * math.log10(2)) + 1 if value else 1
-    # The float estimate can be off by one either way for very large values.
-    while n > 1 and value < 10 ** (n - 1):
-        n -= 1
-    while value >= 10**n:
-        n += 1
-    return n
-
-
-def _parse(spec: object) -> tuple[list[_Entry], bool]:
-    where = f"select_devices({_show(spec)})"
-    if isinstance(spec, bool) or not isinstance(spec, (str, int, list, tuple)):
-        raise DeviceSelectionError(
-            f"{where}: a device spec is a string such as '0,2', '0-3' or 'all', an int, or a list "
-            f"of ints; got {type(spec).__name__}."
-        )
-    if isinstance(spec, str):
-        tokens: list[object] = list(spec.split(","))
-        if spec.strip().lower() == "all":
-            return [], True
-    elif isinstance(spec, int):
-        tokens = [spec]
-    else:
-        tokens = list(spec)
-        if any(isinstance(t, str) and "," in t for t in tokens):
-            raise DeviceSelectionError(f"{where}: write one device per list item, not comma lists.")
-    if not tokens or tokens == [""] or (isinstance(spec, str) and not spec.strip()):
-        raise DeviceSelectionError(f"{where}: the spec is empty. Name devices ('0', '0,2', '0-3') or 'all'.")
-    entries: list[_Entry] = []
-    for token in tokens:
-        entries.extend(_parse_token(token, where))
-        if len(entries) > _MAX_INDEX + 1:  # some are repeated; stop before a huge list is built
-            raise DeviceSelectionError(
-                f"{where}: names more than {_MAX_INDEX + 1} devices, more than torch can address; "
-                "name each device once."
-            )
-    return entries, False
-
-
-def _parse_token(token: object, where: str) -> list[_Entry]:
-    if isinstance(token, bool) or not isinstance(token, (int, str)):
-        raise DeviceSelectionError(f"{where}: list items must be ints or strings, got {_show(token)}.")
-    if isinstance(token, int):
-        # Compare before str(): an int past 4300 digits cannot be turned into a string.
-        if token < 0:
-            raise DeviceSelectionError(f"{where}: negative device index {_show(token)}; indices start at 0.")
-        if token > _MAX_INDEX:
-            raise DeviceSelectionError(f"{where}: device index {_show(token)} is past {_past_max()}.")
-        token = str(int(token))  # int(): an int subclass (IntEnum…) may print as its name
-    text = token.strip()
-    if re.fullmatch(r"-[0-9]+", text, re.ASCII):
-        raise DeviceSelectionError(f"{where}: negative device index {_show_index(text)}; indices start at 0.")
-    if _INDEX.fullmatch(text):
-        index = _index(text, where)
-        return [_Entry(str(index), "index", card=index)]
-    if m := _RANGE.fullmatch(text):
-        lo, hi = _index(m[1], where), _index(m[2], where)
-        if hi < lo:
-            raise DeviceSelectionError(
-                f"{where}: range {_show(text)} goes down; write it as '{hi}-{lo}' (ranges go up)."
-            )
-        return [_Entry(str(i), "index", card=i) for i in range(lo, hi + 1)]
-    if m := _TILE.fullmatch(text):
-        card, tile = _index(m[1], where), _index(m[2], where)
-        return [_Entry(f"{card}.{tile}", "tile", card=card, tile=tile)]
-    if _GPU_UUID.fullmatch(text) or _MIG_ID.fullmatch(text):
-        return [_Entry(text, "uuid")]
-    if text.lower() == "all":
-        raise DeviceSelectionError(f"{where}: 'all' cannot be combined with other devices.")
-    reason = "an empty entry (two commas, or a comma at an end)" if not text else _show(text)
-    raise DeviceSelectionError(
-        f"{where}: cannot read {reason}. Valid entries: an index '2', a range '0-3', a tile '0.1' "
-        "(Intel, COMPOSITE mode), a GPU UUID 'GPU-…' or MIG id 'MIG-…' (CUDA), or 'all' alone."
-    )
-
-
-def _index(text: str, where: str) -> int:
-    """An ASCII digit string as an index ≤ ``_MAX_INDEX``; too many digits are refused before int()."""
-    digits = text.lstrip("0") or "0"  # leading zeros count towards int()'s 4300-digit limit too
-    if len(digits) > len(str(_MAX_INDEX)) or int(digits) > _MAX_INDEX:
-        raise DeviceSelectionError(f"{where}: device index {_show_index(digits)} is past {_past_max()}.")
-    return int(digits)
-
-
-def _show_index(digits: str) -> str:
-    """A digit string for a message: itself when short, else how long it is."""
-    sign, digits = ("-", digits[1:]) if digits.startswith("-") else ("", digits)
-    return sign + digits if len(digits) <= 20 else f"{sign}<an index of {len(digits)} digits>"
-
-
-def _past_max() -> str:
-    return f"{_MAX_INDEX}, the highest index torch can address"
-
-
-def _backend(backend: str | None, where: str) -> SelectableBackend | None:
-    if backend is None:
-        return None
-    name = backend.strip().lower() if isinstance(backend, str) else ""
-    if name in SELECTABLE_BACKENDS:
-        return "xpu" if name == "xpu" else "cuda"
-    why = {
-        "mps": "Apple GPUs are one device, with no variable to choose among them",
-        "cpu": "the CPU needs no device selection",
-    }.get(name, "it is not a backend with a device-visibility variable")
-    raise DeviceSelectionError(
-        f"{where}: backend={_show(backend)} cannot be selected ({why}). Valid backends: 'xpu', 'cuda'."
-    )
-
-
-def _hierarchy(hierarchy: str | None, where: str) -> str | None:
-    if hierarchy is None:
-        return None
-    value = hierarchy.strip().upper() if isinstance(hierarchy, str) else None
-    if value not in HIERARCHIES:
-        raise DeviceSelectionError(
-            f"{where}: hierarchy={_show(hierarchy)} is not a Level Zero hierarchy. Valid: FLAT, COMPOSITE, "
-            "COMBINED (any case)."
-        )
-    return value
-
-
-# --- checks ----------------------------------------------------------------------------------------
-
-
-def _check_xpu(entries: list[_Entry], hierarchy: str | None, where: str) -> None:
-    for e in entries:
-        if e.kind == "uuid":
-            raise DeviceSelectionError(
-                f"{where}: {e.text!r} is a CUDA identifier; ZE_AFFINITY_MASK takes device ordinals only "
-                "('0,2'), or tiles ('0.1') in COMPOSITE mode."
-            )
-        if e.kind == "tile" and hierarchy != "COMPOSITE":
-            mode = f"{hierarchy} mode" if hierarchy else "the driver's default mode (FLAT on current drivers)"
-            raise DeviceSelectionError(
-                f"{where}: tile {e.text!r} (card {e.card}, tile {e.tile}) only means something in "
-                f"COMPOSITE mode; in {mode} the driver silently skips it. Either ask for "
-                "hierarchy='COMPOSITE' (`--hierarchy composite`), or name the tile by its FLAT index: "
-                "in FLAT mode every tile is its own device, numbered card by card (two cards of two "
-                "tiles: card 0 → 0,1; card 1 → 2,3)."
-            )
-    _check_unique(entries, where)
-    # A whole card sorts before its own tiles; the uniqueness check already refused that overlap.
-    keys = [(e.card, e.tile) for e in entries]
-    if keys != sorted(keys):
-        ordered = [e.text for _, e in sorted(zip(keys, entries, strict=True), key=lambda p: p[0])]
-        if all(e.kind == "index" for e in entries):
-            seen = " and ".join(f"device {t} as xpu:{i}" for i, t in enumerate(ordered))
-        else:
-            seen = "them in the order " + ",".join(ordered)
-        raise DeviceSelectionError(
-            f"{where}: ZE_AFFINITY_MASK cannot reorder devices: asked for "
-            f"{','.join(e.text for e in entries)}, but the program would still see {seen} (Level "
-            f"Zero keeps its own order). Write them in increasing order ('{','.join(ordered)}'). For "
-            "another rank → device mapping keep them all visible and pick `xpu:<index>` in the "
-            "program; processes that never communicate can each be launched with one device "
-            f"(`xpukit launch --devices {entries[0].text} -- ...`)."
-        )
-
-
-def _check_unique(entries: list[_Entry], where: str) -> None:
-    seen: set[str] = set()
-    whole_cards = {e.card for e in entries if e.kind == "index"}
-    for e in entries:
-        if e.text in seen:
-            raise DeviceSelectionError(f"{where}: device {e.text!r} is listed twice; name each device once.")
-        seen.add(e.text)
-        if e.kind == "tile" and e.card in whole_cards:
-            raise DeviceSelectionError(
-                f"{where}: tile {e.text!r} is already selected by card '{e.card}', which holds all its "
-                "tiles; name each device once."
-            )
-
-
-def _check_cuda(entries: list[_Entry], where: str) -> None:
-    if any(e.kind == "tile" for e in entries):
-        raise DeviceSelectionError(
-            f"{where}: CUDA has no 'card.tile' form; name a MIG instance by its MIG id (`nvidia-smi -L`)."
-        )
-    kinds = {e.kind for e in entries}
-    if len(kinds) > 1:
-        raise DeviceSelectionError(
-            f"{where}: mixes indices with UUIDs/MIG ids; use one form (CUDA's handling of mixed lists "
-            "is not documented)."
-        )
-    _check_unique(entries, where)
-
-
-def _check_range(
-    entries: list[_Entry], count: int, backend: SelectableBackend, source: str, where: str
-) -> None:
-    bad = [e.text for e in entries if e.kind != "uuid" and e.card >= count]
-    if not bad:
-        return
-    valid = "none" if count == 0 else ("0" if count == 1 else f"0-{count - 1}")
-    effect = (
-        "Level Zero would silently skip it and run on fewer devices"
-        if backend == "xpu"
-        else "CUDA would hide it and every device listed after it"
-    )
-    raise DeviceSelectionError(
-        f"{where}: device {', '.join(bad)} is out of range: {source}. {effect}. Valid indices: "
-        f"{valid}, or 'all'. To build the variables for another machine, name the backend and give "
-        "no facts: then only the syntax is checked."
-    )
 
 
 # --- device counts ---------------------------------------------------------------------------------
@@ -668,7 +425,7 @@ def _count_without_init(backend: SelectableBackend, hierarchy: str | None) -> tu
         if hierarchy and (hierarchy == "COMPOSITE") != inherited:
             return None, f"Level Zero Sysman counts in the exported hierarchy, not {hierarchy}"
         counter, how = getattr(module, "_raw_device_count_zes", None), "Level Zero Sysman (pyzes)"
-        args = (list(range(_MAX_INDEX + 1)),)  # "every index visible": ignore an exported mask
+        args = (list(range(MAX_INDEX + 1)),)  # "every index visible": ignore an exported mask
     if counter is None:
         return None, f"this torch has no way to count {backend} devices without initialising them"
     try:
@@ -771,7 +528,7 @@ def _count_with_integrated(
     return total, f"{found}; indices were checked against the {total} Intel GPUs that sysfs lists"
 
 
-def _integrated_warnings(mix: _IntelMix, entries: list[_Entry]) -> list[str]:
+def _integrated_warnings(mix: _IntelMix, entries: list[Entry]) -> list[str]:
     """A warning for each selected ordinal that is an integrated GPU on this machine."""
     discrete = [i for i in range(len(mix.gpus)) if i not in mix.integrated]
     # With a multi-stack card, positions after it are no longer ordinals: name only the first.

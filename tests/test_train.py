@@ -276,8 +276,6 @@ def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path) -> None:
         AutoModelForCausalLM,
         AutoTokenizer,
         BitsAndBytesConfig,
-        DataCollatorForLanguageModeling,
-        Trainer,
     )
 
     from xpukit.lora import apply_lora, resolve_lora
@@ -313,14 +311,7 @@ def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path) -> None:
     assert args.use_cpu and args.gradient_checkpointing  # the model has it on: the args say so
     assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert args.optim == "adamw_torch"  # no paged optimizers on CPU
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=data,
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-    )
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses = _train_losses(model, args, tok, data)
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.2, losses
@@ -389,8 +380,6 @@ def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path) -> None:
         AutoModelForCausalLM,
         AutoTokenizer,
         BitsAndBytesConfig,
-        DataCollatorForLanguageModeling,
-        Trainer,
     )
 
     from xpukit.lora import apply_lora, resolve_lora
@@ -417,6 +406,15 @@ def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path) -> None:
     assert args.optim == "paged_adamw_8bit" and args.device.type == device.backend
     tok = AutoTokenizer.from_pretrained(tiny_model)
     data = [tok(line, truncation=True, max_length=32) for line in corpus_lines()]
+    losses = _train_losses(model, args, tok, data)
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+def _train_losses(model: Any, args: Any, tok: Any, data: list[Any]) -> list[float]:
+    """Run a Trainer over `data` and return the logged losses."""
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
     trainer = Trainer(
         model=model,
         args=args,
@@ -424,6 +422,4 @@ def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path) -> None:
         data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
     )
     trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]

@@ -171,33 +171,21 @@ def choose_attention(
         else f"{model.architecture} has no SDPA implementation, so eager is required"
     )
     if attn == "eager":
-        return AttentionChoice(
-            decision=Decision(name="attn_implementation", value="eager", reason="asked", source="user"),
-            value="eager",
-        )
+        return _asked("eager")
     if attn == "sdpa":
         if not model.supports_sdpa:
             raise InvalidRequestError(
                 f"attn='sdpa': {model.architecture} has no SDPA implementation. Fix: attn='eager' or 'auto'."
             )
-        return AttentionChoice(
-            decision=Decision(name="attn_implementation", value="sdpa", reason="asked", source="user"),
-            value="sdpa",
-        )
+        return _asked("sdpa")
     if attn == "flex_attention":
         if not model.supports_flex_attn:
             raise InvalidRequestError(
                 f"attn='flex_attention': {model.architecture} does not support it. Fix: attn='sdpa'."
             )
-        return AttentionChoice(
-            decision=Decision(
-                name="attn_implementation",
-                value="flex_attention",
-                reason="asked; note the first generate compiles with torch.compile (52 s once on "
-                "a 2-core CPU)",
-                source="user",
-            ),
-            value="flex_attention",
+        return _asked(
+            "flex_attention",
+            "asked; note the first generate compiles with torch.compile (52 s once on a 2-core CPU)",
         )
     explicit = attn != "auto"
     if host_modules is not None:
@@ -362,3 +350,11 @@ def _flash_path(
     if not ok:
         return why, "", None, ""
     return None, text, kernel, f"Hub kernel {kernel} for {device.backend}: {why}"
+
+
+def _asked(value: str, reason: str = "asked") -> AttentionChoice:
+    """The user's explicit choice, taken as given."""
+    return AttentionChoice(
+        decision=Decision(name="attn_implementation", value=value, reason=reason, source="user"),
+        value=value,
+    )

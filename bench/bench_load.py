@@ -4,7 +4,7 @@ Each repetition loads the same model both ways, alternating which goes first, so
 allocator, CPU frequency) hits both alike. The ratio of medians is the cost of planning (config read,
 meta-device sizing, device facts) on top of the load. Target: ratio <= 1.05. Tiny models load in a
 few tens of milliseconds, so this is the worst case; the fixed planning cost vanishes next to a real
-model's load. Repeated loads reuse the model facts of the same config (xpukit.model_facts caches the
+model's load. Repeated loads reuse the model facts of the same config (xpukit.planning.model_facts caches the
 last few), as repeated loads in a notebook do; ``--uncached`` measures a first load every time.
 Prints one JSON line per architecture.
 
@@ -32,7 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def main() -> None:
-    from xpukit.tiny import ARCHITECTURES, build_tiny_model
+    from xpukit.demo.tiny import ARCHITECTURES, build_tiny_model
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -51,9 +51,9 @@ def main() -> None:
 
     import transformers
 
-    from xpukit import model_facts
-    from xpukit.load import load_for_xpu
-    from xpukit.plan import plan_load
+    from xpukit.loading.load import load_for_xpu
+    from xpukit.planning import model_facts
+    from xpukit.planning.plan import plan_load
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -7,7 +7,7 @@ Prints one JSON line per variant.
 
 Variants:
     peft-kbit         nf4 + ``peft.prepare_model_for_kbit_training`` (non-4-bit weights upcast to fp32)
-    xpukit-lean       nf4 + ``xpukit.lora.apply_lora`` without liger (non-4-bit weights stay bf16)
+    xpukit-lean       nf4 + ``xpukit.loading.lora.apply_lora`` without liger (non-4-bit weights stay bf16)
     xpukit-lean-liger the same with liger-kernel where installed and the device runs Triton
     bf16-lora         bf16 weights + ``apply_lora`` without liger
 
@@ -163,7 +163,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from xpukit.lora import DEFAULT_LORA, apply_lora, resolve_lora
+    from xpukit.loading.lora import apply_lora
+    from xpukit.planning.lora_request import DEFAULT_LORA, resolve_lora
 
     variant = args.variant_child
     device = pick_device(args.device)
@@ -244,7 +245,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def device_facts(device: str) -> Any:
-    from xpukit.probe import cpu_facts, detect
+    from xpukit.machine.probe import cpu_facts, detect
 
     if device == "cpu":
         return cpu_facts()

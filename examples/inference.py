@@ -17,7 +17,7 @@ import torch
 from transformers import AutoTokenizer, pipeline
 
 from xpukit import load_for_xpu, plan_load
-from xpukit.tiny import demo_model_dir
+from xpukit.demo.tiny import demo_model_dir
 
 
 def main() -> None:

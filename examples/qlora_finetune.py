@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from xpukit import load_for_xpu, training_args
-from xpukit.tiny import corpus_lines, demo_model_dir
+from xpukit.demo.tiny import corpus_lines, demo_model_dir
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ neither torch nor transformers: the fixtures do, when a test asks for them.
 
 Fixtures (session-scoped, built on first use and shared by every test):
 
-- ``tiny_models``: a read-only mapping ``{arch: Path}`` over :data:`xpukit.tiny.ARCHITECTURES`; each
+- ``tiny_models``: a read-only mapping ``{arch: Path}`` over :data:`xpukit.demo.tiny.ARCHITECTURES`; each
   model is built the first time its name is looked up, so a test that needs only one pays for one.
 - ``tiny_model``: ``tiny_models["qwen3"]``.
 - ``tiny_model_factory``: ``factory(arch, *, seed=0, **config_overrides) -> Path`` for variants.
@@ -90,7 +90,7 @@ class _TinyModelFactory:
         self._built: dict[str, Path] = {}
 
     def __call__(self, arch: str, *, seed: int = 0, **config_overrides: Any) -> Path:
-        from xpukit.tiny import build_tiny_model
+        from xpukit.demo.tiny import build_tiny_model
 
         key = json.dumps([arch, seed, config_overrides], sort_keys=True, default=str)
         if key not in self._built:
@@ -107,7 +107,7 @@ class _TinyModels(Mapping[str, Path]):
 
     @staticmethod
     def _names() -> tuple[str, ...]:
-        from xpukit.tiny import ARCHITECTURES
+        from xpukit.demo.tiny import ARCHITECTURES
 
         return tuple(ARCHITECTURES)
 
@@ -147,7 +147,7 @@ def tiny_model(tiny_models: Mapping[str, Path]) -> Path:
 @pytest.fixture(scope="session")
 def demo_model() -> Path:
     """The ``xpukit demo`` default model, built once into the session's scratch cache."""
-    from xpukit.tiny import demo_model_dir
+    from xpukit.demo.tiny import demo_model_dir
 
     return demo_model_dir()
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from xpukit.cli.main import main
-from xpukit.demo import DemoResult, run_demo
+from xpukit.demo.run import DemoResult, run_demo
+from xpukit.demo.tiny import DEMO_PROMPTS
 from xpukit.errors import InvalidRequestError, MissingExtraError
-from xpukit.tiny import DEMO_PROMPTS
 
 STEPS = 20
 # Each decoder layer of the demo model has seven linear layers, all targeted by lora=True
@@ -123,14 +123,16 @@ def test_first_step_gradient_check_catches_the_repacking_trap(
     bnb = pytest.importorskip("bitsandbytes")
     from transformers import AutoTokenizer
 
-    from xpukit import train
-    from xpukit.demo import _generate, _train
+    from xpukit.demo.run import _generate
+    from xpukit.demo.training_run import train as _train
+    from xpukit.training import arguments as train
 
     monkeypatch.setattr(train, "_restore_repacked_4bit", lambda model: None)  # both guards off
-    from xpukit.load import load_for_xpu
-    from xpukit.tiny import corpus_lines
+    from xpukit.demo.tiny import corpus_lines
+    from xpukit.loading.load import load_for_xpu
 
-    model = load_for_xpu(demo_model, device="cpu", quantize="4bit", lora=True)
+    # bf16 pinned: the trap needs bf16 compute, which the plan picks only on CPUs with native bf16.
+    model = load_for_xpu(demo_model, device="cpu", dtype="bfloat16", quantize="4bit", lora=True)
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     for layer in layers:
         layer.support_avx512bf16_for_cpu = True  # undo xpukit's guard
@@ -213,7 +215,7 @@ def test_cli_reports_bad_steps_as_one_line(capsys: pytest.CaptureFixture[str]) -
 
 def test_demo_modules_import_no_torch() -> None:
     code = (
-        "import sys, xpukit.demo, xpukit.cli.demo\n"
+        "import sys, xpukit.demo.run, xpukit.cli.demo\n"
         "sys.exit(bool({'torch', 'transformers', 'peft', 'bitsandbytes'} & set(sys.modules)))"
     )
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
@@ -222,7 +224,7 @@ def test_demo_modules_import_no_torch() -> None:
 def test_quantization_falls_back_when_bitsandbytes_is_missing(
     monkeypatch: pytest.MonkeyPatch, demo_model: Path
 ) -> None:
-    import xpukit.demo as demo
+    import xpukit.demo.run as demo
 
     real = demo.is_installed
     monkeypatch.setattr(demo, "is_installed", lambda name: name != "bitsandbytes" and real(name))

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from xpukit import probe
-from xpukit.devices import DeviceSelection, select_devices
 from xpukit.errors import DeviceSelectionError, RuntimeAlreadyInitializedError, XpukitError
-from xpukit.facts import MachineFacts
-from xpukit.probe import intel_display_devices as real_sysfs_scan  # before any test replaces it
-from xpukit.profiles import machine_profile
+from xpukit.machine import probe
+from xpukit.machine.facts import MachineFacts
+from xpukit.machine.probe import intel_display_devices as real_sysfs_scan  # before any test replaces it
+from xpukit.machine.profiles import machine_profile
+from xpukit.select.devices import DeviceSelection, select_devices
 
 SELECTION_VARS = (
     "ZE_AFFINITY_MASK",
@@ -701,7 +701,7 @@ def test_detection_counts_real_devices_without_initialising() -> None:
     if not (torch.xpu._is_compiled() or torch.version.cuda):
         pytest.skip("needs a torch build with XPU or CUDA")
     code = (
-        "import torch, xpukit.devices as d; s = d.select_devices('0'); "
+        "import torch, xpukit.select.devices as d; s = d.select_devices('0'); "
         "print(s.backend, s.device_count, torch.cuda.is_initialized(), torch.xpu.is_initialized(), "
         "getattr(torch, s.backend).device_count())"
     )

@@ -16,7 +16,7 @@ import json, os, sys
 import torch.distributed as dist
 from transformers import AutoTokenizer, DataCollatorForLanguageModeling, Trainer
 from xpukit import load_for_xpu, training_args
-from xpukit.tiny import corpus_lines
+from xpukit.demo.tiny import corpus_lines
 
 path, out = sys.argv[1], sys.argv[2]
 model = load_for_xpu(path, lora=True)

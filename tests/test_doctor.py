@@ -9,9 +9,11 @@ from dataclasses import replace
 
 import pytest
 
-from xpukit.doctor import SCHEMA_VERSION, DoctorReport, HostFacts, diagnose, run_doctor
-from xpukit.facts import MachineFacts
-from xpukit.profiles import machine_profile
+from xpukit.doctor.checks import diagnose
+from xpukit.doctor.host import HostFacts
+from xpukit.doctor.report import SCHEMA_VERSION, DoctorReport, run_doctor
+from xpukit.machine.facts import MachineFacts
+from xpukit.machine.profiles import machine_profile
 
 HEALTHY_PKGS = {"torch": "2.13.0", "transformers": "5.22.2", "bitsandbytes": "0.50.2"}
 
@@ -248,7 +250,7 @@ def test_unreachable_hub_suggests_offline_mode() -> None:
 
 
 def test_real_host_reports_kernels_and_hub_without_network() -> None:
-    from xpukit.doctor import gather_host
+    from xpukit.doctor.host import gather_host
 
     h = gather_host()  # conftest sets HF_HUB_OFFLINE=1: no network is attempted
     assert h.hub_offline is True and h.hub_reachable is None

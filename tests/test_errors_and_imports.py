@@ -67,7 +67,7 @@ def test_require_returns_the_installed_version() -> None:
 def test_import_xpukit_imports_nothing_heavy() -> None:
     code = (
         "import sys, json, xpukit, xpukit.cli.main; "
-        "import xpukit.doctor, xpukit.profiles, xpukit.precision; "
+        "import xpukit.doctor.checks, xpukit.machine.profiles, xpukit.machine.precision; "
         f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

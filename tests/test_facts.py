@@ -7,9 +7,9 @@ import json
 import pytest
 
 from xpukit.errors import InvalidRequestError
-from xpukit.facts import MachineFacts, classify_xpu
-from xpukit.precision import inference_dtype, normalize_dtype, training_precision
-from xpukit.profiles import PROFILES, device_profile, machine_profile, parse_assume, profile_names
+from xpukit.machine.facts import MachineFacts, classify_xpu
+from xpukit.machine.precision import inference_dtype, normalize_dtype, training_precision
+from xpukit.machine.profiles import PROFILES, device_profile, machine_profile, parse_assume, profile_names
 
 
 @pytest.mark.parametrize(

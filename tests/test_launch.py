@@ -249,7 +249,7 @@ def test_an_exported_hierarchy_is_written_into_the_line() -> None:
 def test_integrated_gpu_ordinal_is_warned_about_on_stderr(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from xpukit import probe
+    from xpukit.machine import probe
 
     for name in SELECTION_VARS:
         monkeypatch.delenv(name, raising=False)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from xpukit.errors import DeviceUnavailableError, InvalidRequestError, XpukitError
-from xpukit.load import load_for_xpu
-from xpukit.plan import plan_load
+from xpukit.loading.load import load_for_xpu
+from xpukit.planning.plan import plan_load
 
 ARCHS = ["qwen3", "llama", "mistral", "gemma", "phi3", "gpt2"]
 
@@ -86,7 +86,7 @@ def test_hub_attention_kernel_that_cannot_be_had_falls_back(tiny_model, monkeypa
     monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
     plan = plan_load(tiny_model, attn="acme/attn-kernel")
     assert plan.attn_implementation == "acme/attn-kernel" and plan.attention_kernel == "acme/attn-kernel"
-    with caplog.at_level(logging.WARNING, logger="xpukit.load"):
+    with caplog.at_level(logging.WARNING, logger="xpukit.loading.load"):
         model = load_for_xpu(plan)
     carried = model.xpukit_plan
     assert model.config._attn_implementation == "sdpa" == carried.attn_implementation
@@ -94,19 +94,19 @@ def test_hub_attention_kernel_that_cannot_be_had_falls_back(tiny_model, monkeypa
     assert fallback.what == "attn_implementation" and fallback.planned == "acme/attn-kernel"
     assert "acme/attn-kernel" in fallback.cause
     assert carried.decision("attn_implementation").source == "fallback"
-    assert len([r for r in caplog.records if r.name == "xpukit.load"]) == 1
+    assert len([r for r in caplog.records if r.name == "xpukit.loading.load"]) == 1
     assert "fallback attn_implementation" in carried.explain()
 
 
 def test_layer_kernels_that_cannot_be_had_fall_back(tiny_model, monkeypatch, caplog):
-    import xpukit.load as load
+    import xpukit.loading.load as load
 
     def fail(plan):
         raise FileNotFoundError("kernels-community/rmsnorm: no build for this device")
 
     monkeypatch.setattr(load, "preload_layer_kernels", fail)
     plan = replace(plan_load(tiny_model), use_kernels=True)
-    with caplog.at_level(logging.WARNING, logger="xpukit.load"):
+    with caplog.at_level(logging.WARNING, logger="xpukit.loading.load"):
         model = load.carry_out(plan)
     carried = model.xpukit_plan
     assert carried.use_kernels is False and not getattr(model, "use_kernels", False)
@@ -161,8 +161,8 @@ def test_lora_safety_net_drops_the_loaded_model(tiny_model, monkeypatch):
 
     from transformers import AutoModelForCausalLM
 
-    from xpukit import load
-    from xpukit.lora import resolve_lora
+    from xpukit.loading import load
+    from xpukit.planning.lora_request import resolve_lora
 
     pytest.importorskip("peft")
     loaded: list[weakref.ref] = []
@@ -199,7 +199,7 @@ def test_device_this_build_cannot_use(tiny_model, no_weights):
 
 
 def test_a_bare_config_has_nothing_to_load(no_weights):
-    from xpukit.reference_models import reference_config
+    from xpukit.planning.reference_models import reference_config
 
     with pytest.raises(InvalidRequestError, match="no weights"):
         load_for_xpu(reference_config("qwen3-0.6b"), facts="cpu")
@@ -234,9 +234,9 @@ def test_lora_is_applied_and_recorded(tiny_model):
 CHILD = r"""
 import json, sys
 from xpukit.errors import InvalidRequestError
-from xpukit.load import load_for_xpu
-from xpukit.reference_models import reference_config
-from xpukit.plan import plan_load
+from xpukit.loading.load import load_for_xpu
+from xpukit.planning.reference_models import reference_config
+from xpukit.planning.plan import plan_load
 
 out = {}
 plan = plan_load(reference_config("qwen3-0.6b"), facts="arc-b580", kernels="auto", attn="auto")
@@ -256,7 +256,7 @@ out["bitsandbytes_imported"] = "bitsandbytes" in sys.modules
 # A plan whose LoRA request was not checked by plan_load (which imports peft under its own guard):
 # the load itself must import peft under the guard.
 from dataclasses import replace
-from xpukit.lora import resolve_lora
+from xpukit.planning.lora_request import resolve_lora
 unchecked = replace(plan_load(sys.argv[1]), lora=resolve_lora(True, quantized=False))
 out["lora"] = type(load_for_xpu(unchecked)).__name__
 out["lora_again"] = type(load_for_xpu(sys.argv[1], lora=True)).__name__

@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from xpukit.errors import InvalidRequestError, MissingExtraError
-from xpukit.liger import decide_liger
-from xpukit.lora import DEFAULT_LORA, LoraRequest, apply_lora, resolve_lora
-from xpukit.profiles import device_profile
+from xpukit.loading.liger import decide_liger
+from xpukit.loading.lora import apply_lora
+from xpukit.machine.profiles import device_profile
+from xpukit.planning.lora_request import DEFAULT_LORA, LoraRequest, resolve_lora
 
 # ---------------------------------------------------------------------------------------------
 # resolve_lora: pure
@@ -87,7 +88,8 @@ def test_lora_path_ok(tmp_path: Path) -> None:
 
 def test_resolve_imports_nothing_heavy() -> None:
     code = (
-        "import sys; from xpukit.lora import resolve_lora; import xpukit.train, xpukit.liger;"
+        "import sys; from xpukit.planning.lora_request import resolve_lora;"
+        "import xpukit.training.arguments, xpukit.loading.liger;"
         "resolve_lora(True, quantized=True); resolve_lora({'r': 4}, quantized=False);"
         "heavy = {'torch', 'transformers', 'peft', 'bitsandbytes'} & set(sys.modules); print(sorted(heavy))"
     )
@@ -134,7 +136,7 @@ def _fake_liger(monkeypatch: pytest.MonkeyPatch, apply: Any) -> None:
     """Stand in for liger-kernel (not installed here) with ``apply`` as its instance entry point."""
     import types
 
-    import xpukit.liger as liger
+    import xpukit.loading.liger as liger
 
     package = types.ModuleType("liger_kernel")
     transformers_module = types.ModuleType("liger_kernel.transformers")
@@ -152,7 +154,7 @@ def test_liger_patches_the_instance_only(monkeypatch: pytest.MonkeyPatch, tiny_m
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3 import modeling_qwen3
 
-    from xpukit.liger import apply_liger
+    from xpukit.loading.liger import apply_liger
 
     calls: list[dict[str, Any]] = []
 
@@ -176,7 +178,7 @@ def test_liger_patches_the_instance_only(monkeypatch: pytest.MonkeyPatch, tiny_m
 def test_liger_failure_is_a_recorded_fallback(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from xpukit.liger import apply_liger
+    from xpukit.loading.liger import apply_liger
 
     def apply(*, model: Any, **kwargs: Any) -> None:
         raise RuntimeError("Triton compilation failed")
@@ -208,7 +210,7 @@ def _load_4bit(path: Path) -> Any:
 
 
 def _cpu() -> Any:
-    from xpukit.probe import cpu_facts
+    from xpukit.machine.probe import cpu_facts
 
     return cpu_facts()
 
@@ -224,7 +226,7 @@ def _apply(
 def _batch(path: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from xpukit.tiny import corpus_lines
+    from xpukit.demo.tiny import corpus_lines
 
     tok = AutoTokenizer.from_pretrained(path)
     enc = tok(corpus_lines()[:4], return_tensors="pt", padding=True, truncation=True, max_length=24)
@@ -443,7 +445,7 @@ def test_qlora_on_gpu_with_liger_where_installed(tiny_model: Path) -> None:
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from xpukit._compat import is_installed
-    from xpukit.probe import detect
+    from xpukit.machine.probe import detect
 
     facts = detect()
     if facts.accelerator not in ("cuda", "xpu"):
@@ -480,7 +482,7 @@ def test_plain_nf4_repacking_is_restored_exactly(tiny_model: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from xpukit.bnb_cpu import restore_trainable_4bit_layout
+    from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
 
     plain = BitsAndBytesConfig(
         load_in_4bit=True,

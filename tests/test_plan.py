@@ -18,9 +18,9 @@ from xpukit.errors import (
     PlanError,
     XpukitError,
 )
-from xpukit.placement import GiB
-from xpukit.plan import plan_load
-from xpukit.reference_models import reference_config
+from xpukit.planning.placement import GiB
+from xpukit.planning.plan import plan_load
+from xpukit.planning.reference_models import reference_config
 
 QWEN3_8B = "qwen3-8b"
 
@@ -49,7 +49,7 @@ def bnb(monkeypatch):
 
     def set_version(version: str | None) -> None:
         import xpukit._compat as compat
-        import xpukit.quantization as quantization
+        import xpukit.planning.quantization as quantization
 
         for module in (compat, quantization):
             real_version = module.installed_version
@@ -260,7 +260,7 @@ def test_flash_attn2_without_kernels_falls_back(shapes, monkeypatch):
         accepted=False,
         reason='the `kernels` package is not installed (pip install "xpukit[kernels]")',
     )
-    monkeypatch.setattr("xpukit.attention.kernels_support", lambda: missing)
+    monkeypatch.setattr("xpukit.planning.attention.kernels_support", lambda: missing)
     plan = plan_load(shapes["qwen3-0.6b"], facts="h100", attn="flash_attention_2")
     assert plan.attn_implementation == "sdpa"
     assert "xpukit[kernels]" in plan.decision("attn_implementation").reason
@@ -461,10 +461,10 @@ def test_errors_are_xpukit_errors(shapes):
 @pytest.mark.slow
 def test_planning_for_a_profile_imports_no_bitsandbytes_and_initialises_nothing():
     code = (
-        "import sys, xpukit.plan as p\n"
+        "import sys, xpukit.planning.plan as p\n"
         "assert 'torch' not in sys.modules\n"
-        "from xpukit.reference_models import reference_config\n"
-        "import xpukit.probe as probe\n"
+        "from xpukit.planning.reference_models import reference_config\n"
+        "import xpukit.machine.probe as probe\n"
         "probe.detect = lambda **k: (_ for _ in ()).throw(AssertionError('detect called'))\n"
         "plan = p.plan_load(reference_config('qwen3-8b'), facts='arc-b580', quantize='4bit')\n"
         "import torch\n"
@@ -515,7 +515,7 @@ def test_cli_plan_errors_exit_1(capsys):
 def test_integrated_gpu_and_host_are_one_pool(shapes):
     from dataclasses import replace
 
-    from xpukit.profiles import machine_profile
+    from xpukit.machine.profiles import machine_profile
 
     laptop = machine_profile("lunar-lake")
     assert laptop.cpu.total_memory == 16 * GiB and "shared" in laptop.cpu.name

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from xpukit.probe import cpu_facts, detect, xpu_device_facts
+from xpukit.machine.probe import cpu_facts, detect, xpu_device_facts
 
 MiB = 2**20
 
@@ -254,7 +254,7 @@ def _forget_other_touches(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_runtime_initialized_counts_xpukits_own_enumeration(monkeypatch: pytest.MonkeyPatch) -> None:
-    from xpukit import probe
+    from xpukit.machine import probe
 
     _simulate_xpu(monkeypatch, [A770_DUMP], free_ok=True)
     monkeypatch.setattr(probe, "_DEVICES_READ", set())
@@ -271,7 +271,7 @@ def test_runtime_initialized_counts_transformers_xpu_check(monkeypatch: pytest.M
     import sys
     import types
 
-    from xpukit import probe
+    from xpukit.machine import probe
 
     _simulate_xpu(monkeypatch, [A770_DUMP], free_ok=True)
     monkeypatch.setattr(probe, "_DEVICES_READ", set())

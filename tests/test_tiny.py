@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from xpukit import tiny
+from xpukit.demo import tiny
+from xpukit.demo.tiny import ARCHITECTURES, DEMO_CONFIG, build_tiny_model, corpus_lines, demo_model_dir
 from xpukit.errors import InvalidRequestError
-from xpukit.tiny import ARCHITECTURES, DEMO_CONFIG, build_tiny_model, corpus_lines, demo_model_dir
 
 # Longer than the Gemma model's 16-token sliding window, so its windowed mask really cuts something.
 PROMPT = "The keeper lights the lamp at dusk and the ships come home safe, and the baker wakes"

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from xpukit.errors import InvalidRequestError
-from xpukit.profiles import device_profile, machine_profile
-from xpukit.train import TrainingContext, training_args, training_kwargs
+from xpukit.machine.profiles import device_profile, machine_profile
+from xpukit.training.arguments import TrainingContext, training_args, training_kwargs
 
 # ---------------------------------------------------------------------------------------------
 # training_kwargs: pure, over recorded device profiles
@@ -136,7 +136,7 @@ def test_impossible_combinations_are_refused_with_the_fix() -> None:
 
 
 def test_device_from_the_models_plan() -> None:
-    from xpukit.train import _training_device
+    from xpukit.training.arguments import _training_device
 
     plan_device = device_profile("max-1550")
     model = SimpleNamespace(xpukit_plan=SimpleNamespace(device=plan_device, dtype="bfloat16"))
@@ -148,7 +148,7 @@ def test_device_from_the_models_plan() -> None:
 def test_device_missing_from_facts_is_refused() -> None:
     import torch
 
-    from xpukit.train import _training_device
+    from xpukit.training.arguments import _training_device
 
     class OnCuda(torch.nn.Module):
         def parameters(self, recurse: bool = True) -> Any:
@@ -178,7 +178,7 @@ def test_precision_follows_the_load_dtype(profile: str, dtype: str, bf16: bool, 
 
 
 def test_load_dtype_comes_from_the_plan_and_user_keywords_still_win() -> None:
-    from xpukit.train import _context
+    from xpukit.training.arguments import _context
 
     arc = device_profile("arc-a770")
     model = SimpleNamespace(xpukit_plan=SimpleNamespace(device=arc, dtype="float16"))
@@ -238,8 +238,8 @@ def test_a_card_other_than_0_is_refused_in_a_single_process(
 
 
 def test_real_training_args_on_this_machine(tmp_path: Path) -> None:
-    from xpukit.precision import training_precision
-    from xpukit.probe import detect
+    from xpukit.machine.precision import training_precision
+    from xpukit.machine.probe import detect
 
     facts = detect()
     device = facts.devices[0] if facts.devices else facts.cpu  # here: the CPU
@@ -278,9 +278,10 @@ def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path) -> None:
         BitsAndBytesConfig,
     )
 
-    from xpukit.lora import apply_lora, resolve_lora
-    from xpukit.probe import cpu_facts
-    from xpukit.tiny import corpus_lines
+    from xpukit.demo.tiny import corpus_lines
+    from xpukit.loading.lora import apply_lora
+    from xpukit.machine.probe import cpu_facts
+    from xpukit.planning.lora_request import resolve_lora
 
     bnb = BitsAndBytesConfig(
         load_in_4bit=True,
@@ -329,7 +330,7 @@ def test_repacked_4bit_weights_of_a_users_peft_model_are_restored(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-    from xpukit.tiny import corpus_lines
+    from xpukit.demo.tiny import corpus_lines
 
     quant = BitsAndBytesConfig(
         load_in_4bit=True,
@@ -356,7 +357,7 @@ def test_repacked_4bit_weights_of_a_users_peft_model_are_restored(
 
     assert repacked() == len(layers) > 0, "generate() should have repacked the 4-bit layers"
 
-    with caplog.at_level(logging.WARNING, logger="xpukit.train"):
+    with caplog.at_level(logging.WARNING, logger="xpukit.training.arguments"):
         training_args(model, output_dir=str(tmp_path))
     assert repacked() == 0
     assert not any(m.support_avx512bf16_for_cpu for m in layers)  # evaluation cannot repack again
@@ -382,10 +383,11 @@ def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path) -> None:
         BitsAndBytesConfig,
     )
 
-    from xpukit.lora import apply_lora, resolve_lora
-    from xpukit.precision import training_precision
-    from xpukit.probe import detect
-    from xpukit.tiny import corpus_lines
+    from xpukit.demo.tiny import corpus_lines
+    from xpukit.loading.lora import apply_lora
+    from xpukit.machine.precision import training_precision
+    from xpukit.machine.probe import detect
+    from xpukit.planning.lora_request import resolve_lora
 
     facts = detect()
     device = facts.devices[0]

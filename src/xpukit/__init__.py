@@ -21,27 +21,27 @@ from xpukit.errors import (
 )
 
 if TYPE_CHECKING:
-    from xpukit.devices import DeviceSelection, select_devices
-    from xpukit.facts import DeviceFacts, MachineFacts
-    from xpukit.load import load_for_xpu
-    from xpukit.loadplan import Decision, LoadEvent, LoadPlan
-    from xpukit.plan import plan_load
-    from xpukit.probe import detect
-    from xpukit.train import training_args
+    from xpukit.loading.load import load_for_xpu
+    from xpukit.machine.facts import DeviceFacts, MachineFacts
+    from xpukit.machine.probe import detect
+    from xpukit.planning.loadplan import Decision, LoadEvent, LoadPlan
+    from xpukit.planning.plan import plan_load
+    from xpukit.select.devices import DeviceSelection, select_devices
+    from xpukit.training.arguments import training_args
 
 # Public name -> the module that defines it, imported on first attribute access.
 _LAZY = {
-    "Decision": "xpukit.loadplan",
-    "DeviceFacts": "xpukit.facts",
-    "DeviceSelection": "xpukit.devices",
-    "LoadEvent": "xpukit.loadplan",
-    "LoadPlan": "xpukit.loadplan",
-    "MachineFacts": "xpukit.facts",
-    "detect": "xpukit.probe",
-    "load_for_xpu": "xpukit.load",
-    "plan_load": "xpukit.plan",
-    "select_devices": "xpukit.devices",
-    "training_args": "xpukit.train",
+    "Decision": "xpukit.planning.loadplan",
+    "DeviceFacts": "xpukit.machine.facts",
+    "DeviceSelection": "xpukit.select.devices",
+    "LoadEvent": "xpukit.planning.loadplan",
+    "LoadPlan": "xpukit.planning.loadplan",
+    "MachineFacts": "xpukit.machine.facts",
+    "detect": "xpukit.machine.probe",
+    "load_for_xpu": "xpukit.loading.load",
+    "plan_load": "xpukit.planning.plan",
+    "select_devices": "xpukit.select.devices",
+    "training_args": "xpukit.training.arguments",
 }
 
 

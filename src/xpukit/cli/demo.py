@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from xpukit.demo import DEFAULT_BATCH_SIZE, DEFAULT_STEPS  # light: xpukit.demo imports torch lazily
+from xpukit.demo.run import DEFAULT_BATCH_SIZE, DEFAULT_STEPS  # light: xpukit.demo.run imports torch lazily
 
 
 def add_parser(sub: Any) -> None:
@@ -64,7 +64,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; exit 0 when it finished."""
-    from xpukit.demo import run_demo
+    from xpukit.demo.run import run_demo
 
     result = run_demo(
         model=args.model,

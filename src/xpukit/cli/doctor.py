@@ -28,13 +28,13 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; exit 1 when it found a blocking problem."""
-    from xpukit.doctor import run_doctor
+    from xpukit.doctor.report import run_doctor
 
     report = run_doctor()
     if args.selftest:
         from dataclasses import replace
 
-        from xpukit.selftest import results_to_dict, run_selftest
+        from xpukit.doctor.selftest import results_to_dict, run_selftest
 
         results = run_selftest(report.machine)
         checks = results_to_dict(results)

@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
-from xpukit.devices import DeviceSelection, select_devices
 from xpukit.errors import InvalidRequestError
+from xpukit.select.devices import DeviceSelection, select_devices
 
 __all__ = ["add_parser", "run", "run_command"]
 

@@ -20,7 +20,7 @@ SUBCOMMANDS = ("doctor", "plan", "launch", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser (also used to generate docs/cli.md)."""
+    """The full argument parser, every subcommand included."""
     parser = argparse.ArgumentParser(
         prog="xpukit",
         description="Load, fine-tune and launch Hugging Face Transformers correctly on Intel GPUs "

@@ -40,7 +40,7 @@ def add_parser(sub: Any) -> None:
         "--assume",
         metavar="PROFILE[xN]",
         help="plan for recorded hardware instead of this machine, e.g. arc-b580, max-1550x2 "
-        "(`python -c 'import xpukit.profiles as p; print(p.profile_names())'` lists them)",
+        "(`python -c 'import xpukit.machine.profiles as p; print(p.profile_names())'` lists them)",
     )
     parser.add_argument(
         "--max-memory", metavar="SPEC", help="weights budget per device, e.g. 0=10GiB,1=10GiB,cpu=30GiB"
@@ -53,13 +53,13 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan (or its JSON); a bad request or a plan that fits nowhere exits 1."""
-    from xpukit.model_source import local_model_dir
-    from xpukit.plan import plan_load
-    from xpukit.reference_models import REFERENCE_CONFIGS, reference_config
+    from xpukit.planning.model_source import local_model_dir
+    from xpukit.planning.plan import plan_load
+    from xpukit.planning.reference_models import REFERENCE_CONFIGS, reference_config
 
     if not getattr(args, "verbose", False):
         # The plan's warnings are part of what is printed; do not log them a second time.
-        logging.getLogger("xpukit.plan").setLevel(logging.ERROR)
+        logging.getLogger("xpukit.planning.plan").setLevel(logging.ERROR)
     model: Any = args.model
     if local_model_dir(args.model) is None and args.model.lower() in REFERENCE_CONFIGS:
         model = reference_config(args.model)

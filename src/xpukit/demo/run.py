@@ -1,0 +1,413 @@
+"""``xpukit demo``: the main job, end to end, on an embedded tiny model (or a real one).
+
+Plan → QLoRA load → generate → fine-tune → generate, with the numbers a user wants to see: device,
+dtype, quantisation, trainable parameters, peak memory, steps/s and the loss falling. Offline by
+default: the model is :func:`xpukit.demo.tiny.demo_model_dir` (built once, then cached) and the text is
+the bundled corpus (:func:`xpukit.demo.tiny.corpus_lines`).
+
+The order matters on CPUs with avx512_bf16: a ``generate()`` on a 4-bit model before training would
+let bitsandbytes repack the weights into a layout without a backward, and most LoRA gradients would
+silently be zero while the loss still falls. :func:`xpukit.load_for_xpu` turns that repacking off
+when it attaches LoRA, so generating first is safe; the demo checks it anyway: it reports how many
+LoRA layers got a gradient at the first step (when only a working base-model backward can give one)
+and warns when some did not.
+
+Example::
+
+    from xpukit.demo.run import run_demo
+
+    result = run_demo(steps=30)            # quiet; pass stream=sys.stdout for the narrative
+    print(result.render())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from xpukit._compat import installed_version, is_installed, require
+from xpukit.demo.output import (
+    Narrator,
+    one_cpu_thread,
+    peak_memory,
+    plot_losses,
+    quiet_known_noise,
+)
+from xpukit.demo.training_run import lora_layers_updated, train
+from xpukit.errors import InvalidRequestError, MissingExtraError
+from xpukit.planning.placement import format_bytes
+
+__all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_STEPS", "DemoResult", "plot_losses", "run_demo"]
+
+logger = logging.getLogger(__name__)
+
+# 60 steps of batch 8 take the embedded model's loss from ~9.4 to ~1 (about 12 s on two CPU cores,
+# in a run of about 35 s with imports): enough for the generated text to become corpus sentences.
+DEFAULT_STEPS = 60
+DEFAULT_BATCH_SIZE = 8
+# LoRA learning rates. The tiny random model needs a high one (measured: 1e-2 falls steadily, 3e-2
+# collapses); a pretrained model wants the usual QLoRA rate.
+_LR_EMBEDDED = 1e-2
+_LR_PRETRAINED = 2e-4
+_MAX_TOKENS = 64  # per training line; the corpus lines are about 17 tokens
+_PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoResult:
+    """What a demo run did, measured.
+
+    Attributes:
+        model: the model directory or Hub id; ``embedded`` says whether it was the built-in one.
+        device / device_name: the torch device trained on and its name.
+        dtype: compute dtype chosen by the plan.
+        quantization: ``"4bit"`` or ``None``; ``quantization_note`` says why.
+        trainable_params / total_params: LoRA parameters against all (4-bit weights counted as values).
+        lora_layers: LoRA layers (one ``lora_B`` each).
+        lora_layers_with_gradient: how many got a non-zero gradient at the first step, when every
+            ``lora_B`` is still zero and gradient can only arrive through the base model (a smaller
+            number means a broken backward, such as bitsandbytes' CPU repacking; module docstring).
+        lora_layers_updated: how many training changed.
+        steps, batch_size, learning_rate: the training run.
+        train_seconds / steps_per_second: time in ``Trainer.train`` and its rate.
+        losses: ``(step, loss)`` for every step.
+        first_loss: the loss at step 1 (the model before it learned anything).
+        last_loss: the mean loss over the last few logged steps (one step alone is noisy).
+        peak_memory / memory_source: peak bytes, and what was measured (device allocator or process RSS).
+        before / after: ``(prompt, continuation)`` pairs, greedy, before and after training.
+        fallbacks: what the load could not do as planned, with the cause.
+        plot / output_dir: files kept (``None`` when not asked).
+        wall_seconds: the whole run, model build and load included.
+    """
+
+    model: str
+    embedded: bool
+    device: str
+    device_name: str
+    dtype: str
+    quantization: str | None
+    quantization_note: str
+    trainable_params: int
+    total_params: int
+    lora_layers: int
+    lora_layers_with_gradient: int
+    lora_layers_updated: int
+    steps: int
+    batch_size: int
+    learning_rate: float
+    train_seconds: float
+    steps_per_second: float
+    losses: tuple[tuple[int, float], ...]
+    first_loss: float
+    last_loss: float
+    peak_memory: int | None
+    memory_source: str
+    before: tuple[tuple[str, str], ...]
+    after: tuple[tuple[str, str], ...]
+    fallbacks: tuple[str, ...]
+    plot: str | None
+    output_dir: str | None
+    wall_seconds: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (the schema of ``xpukit demo --json``)."""
+        out = asdict(self)
+        out["losses"] = [[step, loss] for step, loss in self.losses]
+        out["before"] = [{"prompt": p, "text": t} for p, t in self.before]
+        out["after"] = [{"prompt": p, "text": t} for p, t in self.after]
+        out["fallbacks"] = list(self.fallbacks)
+        return out
+
+    def render(self) -> str:
+        """The summary table printed at the end of the demo."""
+        quant = self.quantization or "none"
+        memory = format_bytes(self.peak_memory) if self.peak_memory is not None else "unknown"
+        rows = [
+            ("model", self.model + (" (embedded tiny Qwen3-style model)" if self.embedded else "")),
+            ("device", f"{self.device} ({self.device_name})"),
+            ("dtype", self.dtype),
+            ("quantization", f"{quant}: {self.quantization_note}"),
+            (
+                "LoRA",
+                f"{self.trainable_params:,} trainable of {self.total_params:,} parameters "
+                f"({100 * self.trainable_params / max(self.total_params, 1):.2f} %)",
+            ),
+            (
+                "LoRA check",
+                f"gradients reached {self.lora_layers_with_gradient} of {self.lora_layers} layers at step 1; "
+                f"training changed {self.lora_layers_updated}",
+            ),
+            ("memory", f"{memory} peak ({self.memory_source})"),
+            (
+                "training",
+                f"{self.steps} steps in {self.train_seconds:.1f} s ({self.steps_per_second:.2f} steps/s), "
+                f"batch {self.batch_size}, lr {self.learning_rate:g}",
+            ),
+            ("loss", f"{self.first_loss:.2f} at step 1 -> {self.last_loss:.2f} at the end"),
+            ("time", f"{self.wall_seconds:.1f} s in all"),
+        ]
+        rows += [("fallback", f) for f in self.fallbacks]
+        return "\n".join(f"  {name:<13}{value}" for name, value in rows)
+
+
+def run_demo(
+    *,
+    model: str | os.PathLike[str] | None = None,
+    steps: int = DEFAULT_STEPS,
+    device: str | None = None,
+    quantize: bool = True,
+    learning_rate: float | None = None,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_new_tokens: int = 12,
+    log_every: int = 5,
+    output_dir: str | os.PathLike[str] | None = None,
+    plot: str | os.PathLike[str] | None = None,
+    seed: int = 0,
+    stream: IO[str] | None = None,
+) -> DemoResult:
+    """Plan, load (4-bit + LoRA), generate, fine-tune on the bundled text, generate again.
+
+    Args:
+        model: a model directory or Hub id; default: the embedded tiny model (built offline, cached).
+        steps: training steps.
+        device: ``"xpu"``, ``"cuda"``, ``"cpu"``…; default: what :func:`xpukit.load_for_xpu` picks.
+        quantize: load in 4-bit when bitsandbytes is installed and supports the device.
+        learning_rate: default 1e-2 for the embedded model, 2e-4 for a pretrained one.
+        batch_size: sequences per step.
+        max_new_tokens: tokens generated per prompt, greedy.
+        log_every: print the loss every this many steps.
+        output_dir: keep the trained adapter and tokenizer here; default: a temporary directory,
+            removed at the end.
+        plot: save the loss curve to this image file (needs the ``plot`` extra).
+        seed: seeds the LoRA initialisation and the data order.
+        stream: where the narrative and progress bar go; ``None`` runs quietly.
+
+    Returns:
+        The :class:`DemoResult`.
+
+    Raises:
+        InvalidRequestError: a bad argument (checked before anything is loaded).
+        MissingExtraError: peft is missing (extra ``lora``), or matplotlib for ``plot`` (extra ``plot``).
+        XpukitError: whatever :func:`xpukit.load_for_xpu` refuses for this model or device.
+    """
+    started = time.perf_counter()
+    plot_path = _check_request(steps, batch_size, learning_rate, max_new_tokens, log_every, plot)
+    require("peft", "xpukit demo (LoRA fine-tuning)")
+    say = Narrator(stream)
+    keep = output_dir is not None
+    with contextlib.ExitStack() as cleanup:
+        if output_dir is None:
+            work = Path(tempfile.mkdtemp(prefix="xpukit-demo-"))
+            cleanup.callback(shutil.rmtree, work, ignore_errors=True)
+        else:
+            work = Path(output_dir)
+        cleanup.enter_context(quiet_known_noise(embedded=model is None))
+        from xpukit.demo.tiny import DEMO_PROMPTS, corpus_lines, demo_model_dir
+
+        embedded = model is None
+        if model is None:
+            build_started = time.perf_counter()
+            source = str(demo_model_dir())
+            took = time.perf_counter() - build_started
+            how = f"built in {took:.1f} s" if took > 1 else "from the cache"
+            say(f"Embedded tiny model: {source} ({how})")
+        else:
+            source = os.fspath(model)
+        lr = learning_rate if learning_rate is not None else (_LR_EMBEDDED if embedded else _LR_PRETRAINED)
+
+        plan, quant_note = _plan(source, device=device, quantize=quantize)
+        say("", plan.explain(), "", f"Quantization: {plan.quantization or 'none'}; {quant_note}", "")
+        if embedded and plan.device.backend == "cpu":
+            cleanup.enter_context(one_cpu_thread())
+
+        import transformers
+
+        from xpukit.loading.load import load_for_xpu
+
+        transformers.set_seed(seed)  # the LoRA initialisation draws from the global RNG
+        say("Loading ...")
+        peft_model = load_for_xpu(plan)
+        loaded_plan = peft_model.xpukit_plan
+        fallbacks = tuple(f"{e.what}: {e.planned} -> {e.actual} ({e.cause})" for e in loaded_plan.fallbacks)
+        for event in loaded_plan.events:
+            say(f"  {event.what}: {event.actual}" + (f" ({event.cause})" if event.cause else ""))
+        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token  # the collator pads batches
+
+        say("", f"Before training (greedy, {max_new_tokens} new tokens):")
+        before = _generate(peft_model, tokenizer, DEMO_PROMPTS, max_new_tokens)
+        say(*(f"  {p} | {t}" for p, t in before))
+
+        say("", f"Fine-tuning the LoRA adapters on the bundled text ({len(corpus_lines())} lines):")
+        run = train(
+            peft_model,
+            tokenizer,
+            corpus_lines(),
+            steps=steps,
+            batch_size=batch_size,
+            learning_rate=lr,
+            max_tokens=_MAX_TOKENS,
+            log_every=log_every,
+            seed=seed,
+            output_dir=work,
+            stream=say.stream,
+        )
+
+        say("", "After training:")
+        after = _generate(peft_model, tokenizer, DEMO_PROMPTS, max_new_tokens)
+        say(*(f"  {p} | {t}" for p, t in after))
+
+        lora_layers, updated = lora_layers_updated(peft_model)
+        no_gradient = sorted(name for name, ok in run.first_gradients.items() if not ok)
+        if no_gradient:
+            logger.warning(
+                "%d of %d LoRA layers got no gradient at the first step, so the backward through the "
+                "base model is broken and training cannot reach them: %s",
+                len(no_gradient),
+                lora_layers,
+                ", ".join(no_gradient[:6]) + (" ..." if len(no_gradient) > 6 else ""),
+            )
+        if keep:
+            peft_model.save_pretrained(work)
+            tokenizer.save_pretrained(work)
+            say("", f"Adapter saved in {work} (load it with load_for_xpu({source!r}, lora={str(work)!r})).")
+        if plot_path is not None:
+            what = f"{loaded_plan.quantization} + LoRA" if loaded_plan.quantization else "LoRA"
+            plot_losses(
+                run.losses, plot_path, title=f"xpukit demo: {what} on {loaded_plan.device.torch_device}"
+            )
+            say(f"Loss curve saved to {plot_path}")
+
+        trainable, total = peft_model.get_nb_trainable_parameters()
+        peak, memory_source = peak_memory(loaded_plan.device.backend)
+        last = [loss for _, loss in run.losses[-max(1, min(log_every, len(run.losses))) :]]
+        return DemoResult(
+            model=source,
+            embedded=embedded,
+            device=loaded_plan.device.torch_device,
+            device_name=loaded_plan.device.name,
+            dtype=loaded_plan.dtype,
+            quantization=loaded_plan.quantization,
+            quantization_note=quant_note,
+            trainable_params=int(trainable),
+            total_params=int(total),
+            lora_layers=lora_layers,
+            lora_layers_with_gradient=sum(run.first_gradients.values()),
+            lora_layers_updated=updated,
+            steps=steps,
+            batch_size=batch_size,
+            learning_rate=lr,
+            train_seconds=run.seconds,
+            steps_per_second=steps / run.seconds if run.seconds > 0 else math.inf,
+            losses=run.losses,
+            first_loss=run.losses[0][1],
+            last_loss=sum(last) / len(last),
+            peak_memory=peak,
+            memory_source=memory_source,
+            before=before,
+            after=after,
+            fallbacks=fallbacks,
+            plot=str(plot_path) if plot_path is not None else None,
+            output_dir=str(work) if keep else None,
+            wall_seconds=time.perf_counter() - started,
+        )
+
+
+# --- steps ---------------------------------------------------------------------------------------
+
+
+def _check_request(
+    steps: int,
+    batch_size: int,
+    learning_rate: float | None,
+    max_new_tokens: int,
+    log_every: int,
+    plot: str | os.PathLike[str] | None,
+) -> Path | None:
+    """Refuse bad arguments before anything is imported or loaded."""
+    for name, value in (
+        ("steps", steps),
+        ("batch_size", batch_size),
+        ("max_new_tokens", max_new_tokens),
+        ("log_every", log_every),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidRequestError(f"xpukit demo: {name}={value!r} must be a whole number of at least 1.")
+    if learning_rate is not None and not (isinstance(learning_rate, int | float) and 0 < learning_rate < 1):
+        raise InvalidRequestError(
+            f"xpukit demo: learning_rate={learning_rate!r} must be a number between 0 and 1 "
+            "(LoRA on the embedded model: 1e-2; on a pretrained model: 1e-4 to 3e-4)."
+        )
+    if plot is None:
+        return None
+    require("matplotlib", "xpukit demo --plot")
+    path = Path(plot).expanduser()
+    if path.suffix.lower() not in _PLOT_SUFFIXES:
+        raise InvalidRequestError(
+            f"xpukit demo --plot {os.fspath(plot)!r}: unknown image type {path.suffix or '(none)'!r}; "
+            f"use one of {', '.join(_PLOT_SUFFIXES)} (e.g. --plot loss.png)."
+        )
+    if not path.parent.is_dir():
+        raise InvalidRequestError(
+            f"xpukit demo --plot {os.fspath(plot)!r}: the directory {str(path.parent)!r} does not exist."
+        )
+    return path
+
+
+def _plan(source: str, *, device: str | None, quantize: bool) -> tuple[Any, str]:
+    """The load plan, 4-bit where bitsandbytes can do it here, and a note saying why (or why not)."""
+    from xpukit.planning.plan import plan_load
+
+    if not quantize:
+        return plan_load(source, device=device, lora=True), "not asked (--no-quantize): LoRA on full weights"
+    if not is_installed("bitsandbytes"):
+        note = 'bitsandbytes is not installed (pip install "xpukit[quant]" for 4-bit): LoRA on full weights'
+        return plan_load(source, device=device, lora=True), note
+    try:
+        plan = plan_load(source, device=device, quantize="4bit", lora=True)
+    except (MissingExtraError, InvalidRequestError) as exc:
+        # bitsandbytes too old, or no backend for this device (MPS). Plan again without 4-bit: an
+        # error that has nothing to do with quantisation is raised again by this second plan.
+        plan = plan_load(source, device=device, lora=True)
+        return plan, f"4-bit not possible here ({exc}): LoRA on full weights"
+    version = installed_version("bitsandbytes")
+    return plan, f"bitsandbytes {version} nf4 with double quantisation, compute in {plan.dtype}"
+
+
+def _generate(
+    model: Any, tokenizer: Any, prompts: tuple[str, ...], max_new_tokens: int
+) -> tuple[tuple[str, str], ...]:
+    """Greedy continuations, one prompt at a time (no padding to get wrong)."""
+    import torch
+    from transformers import GenerationConfig
+
+    # A fresh config: the model's own may ask for sampling, which greedy decoding would warn about.
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model.eval()  # dropout off; gradient checkpointing only acts in training mode
+    out = []
+    for prompt in prompts:
+        encoded = tokenizer(prompt, return_tensors="pt").to(model.device)
+        with torch.inference_mode():
+            tokens = model.generate(**encoded, generation_config=config)
+        new = tokens[0, encoded["input_ids"].shape[1] :]
+        text = tokenizer.decode(new, skip_special_tokens=True).strip()
+        # An untrained model emits stray bytes; a control character (a BEL) must not reach the terminal.
+        out.append((prompt, "".join(c if c.isprintable() else "\ufffd" for c in text)))
+    return tuple(out)
+
+
+# --- output --------------------------------------------------------------------------------------

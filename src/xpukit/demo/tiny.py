@@ -1,0 +1,415 @@
+"""Tiny, randomly initialised causal language models, built offline in about a second.
+
+They stand in for real checkpoints wherever no network (or no time) is available: the test suite
+loads, quantises and fine-tunes them, and ``xpukit demo`` runs the whole job on one. Each is built
+from the architecture's real config and model classes, so ``from_pretrained``, the planner and peft
+see exactly the structure (GQA, tied embeddings, fused projections, sliding windows) that the full
+size model has, only a few hundred thousand parameters of it.
+
+The tokenizer is a byte-level BPE trained on the bundled corpus (``xpukit/demo/data/corpus.txt``) with
+`tokenizers`; it is trained once per process and saved next to every model, so
+``AutoTokenizer.from_pretrained(path)`` works without the Hub.
+
+Example::
+
+    from xpukit.demo.tiny import build_tiny_model, demo_model_dir
+
+    path = build_tiny_model("llama", "/tmp/tiny-llama")   # any of ARCHITECTURES
+    demo = demo_model_dir()                                 # built once, then reused from the cache
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from xpukit import _environ
+from xpukit.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+__all__ = [
+    "ARCHITECTURES",
+    "DEMO_ARCHITECTURE",
+    "DEMO_CONFIG",
+    "DEMO_PROMPTS",
+    "TinyArchitecture",
+    "build_tiny_model",
+    "corpus_lines",
+    "demo_model_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TinyArchitecture:
+    """How to build one tiny model: the transformers classes and the config's tiny sizes.
+
+    Token ids (bos/eos/pad) are not listed: they come from the shared tokenizer.
+    """
+
+    config_class: str  # name in the `transformers` namespace
+    model_class: str
+    config: Mapping[str, Any]
+
+
+# Ten times the usual initializer_range (0.02). With 0.02 the (tied) embeddings are so short that no
+# logit can rise much above the rest, and LoRA, which cannot touch embeddings or norms, barely moves the
+# loss of a random model (6.98 -> 6.65 in 20 steps); with 0.2 it falls to ~5.5, and the demo model's
+# to ~1.3 in 60 steps.
+_INIT_RANGE = 0.2
+
+# Sizes shared by the decoder-only families: 4 query heads over 2 KV heads (GQA), head_dim 16 so SDPA
+# takes its fast path, and a vocabulary that holds the 1000-token tokenizer with room to spare.
+_DECODER = {
+    "initializer_range": _INIT_RANGE,
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+ARCHITECTURES: Mapping[str, TinyArchitecture] = MappingProxyType(
+    {
+        "qwen3": TinyArchitecture(
+            config_class="Qwen3Config",
+            model_class="Qwen3ForCausalLM",
+            config={**_DECODER, "head_dim": 16, "tie_word_embeddings": True},
+        ),
+        "llama": TinyArchitecture(
+            config_class="LlamaConfig",
+            model_class="LlamaForCausalLM",
+            config={**_DECODER, "head_dim": 16, "tie_word_embeddings": False},
+        ),
+        "mistral": TinyArchitecture(
+            config_class="MistralConfig",
+            model_class="MistralForCausalLM",
+            config={**_DECODER, "head_dim": 16, "tie_word_embeddings": False},
+        ),
+        # Gemma 3's text model (model_type "gemma3_text", the class behind Gemma 3 1B). Gemma 2 soft-caps
+        # attention logits, which SDPA cannot do; Gemma 3 dropped that. One sliding-window layer (window
+        # 16, shorter than a test prompt) and one global layer, so both mask paths run.
+        "gemma": TinyArchitecture(
+            config_class="Gemma3TextConfig",
+            model_class="Gemma3ForCausalLM",
+            config={
+                **_DECODER,
+                "head_dim": 16,
+                "query_pre_attn_scalar": 16,
+                "sliding_window": 16,
+                "layer_types": ["sliding_attention", "full_attention"],
+                "tie_word_embeddings": True,
+            },
+        ),
+        # Phi-3 fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; head_dim is derived.
+        "phi3": TinyArchitecture(
+            config_class="Phi3Config",
+            model_class="Phi3ForCausalLM",
+            config={**_DECODER, "original_max_position_embeddings": 512, "tie_word_embeddings": False},
+        ),
+        # GPT-2: no GQA, learned positions, Conv1D projections (peft treats them specially).
+        "gpt2": TinyArchitecture(
+            config_class="GPT2Config",
+            model_class="GPT2LMHeadModel",
+            config={
+                "initializer_range": _INIT_RANGE,
+                "vocab_size": 1024,
+                "n_embd": 64,
+                "n_layer": 2,
+                "n_head": 4,
+                "n_positions": 512,
+            },
+        ),
+    }
+)
+
+# The embedded default for `xpukit demo`: Qwen3-style, larger than the test models so that a short
+# fine-tune visibly changes what it generates, still under a million parameters.
+DEMO_ARCHITECTURE = "qwen3"
+DEMO_CONFIG: Mapping[str, Any] = MappingProxyType(
+    {
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+    }
+)
+_DEMO_SEED = 0
+# Prompts whose continuations in the corpus are easy to recognise after fine-tuning.
+DEMO_PROMPTS = ("The baker", "In the morning", "When the bell rings")
+
+_TOKENIZER_VOCAB = 1000
+_EOS = "<|endoftext|>"
+_SPECIAL_TOKENS = (_EOS, "<|im_start|>", "<|im_end|>")
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Bump when the build code changes what it writes, so cached demo models are rebuilt.
+_BUILD_FORMAT = 1
+_MARKER = "xpukit-build.json"  # written last, before the directory is published: its presence = complete
+_STALE_AFTER_S = 3600.0  # leftovers of killed builds older than this are swept
+
+# Model construction draws from torch's global RNG; the lock keeps concurrent builds in one process
+# from interleaving their seeded draws.
+_BUILD_LOCK = threading.Lock()
+
+
+def corpus_lines() -> list[str]:
+    """The bundled training text, one sentence per line (blank lines dropped).
+
+    Returns:
+        About seventy short English sentences about a harbour town, with patterns a tiny model picks
+        up within a few dozen training steps.
+    """
+    text = resources.files("xpukit.demo").joinpath("data", "corpus.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def build_tiny_model(
+    arch: str, out_dir: str | os.PathLike[str], *, seed: int = 0, **config_overrides: Any
+) -> Path:
+    """Build a tiny randomly initialised model with its tokenizer and save both to ``out_dir``.
+
+    Args:
+        arch: one of :data:`ARCHITECTURES` (``"qwen3"``, ``"llama"``, ``"mistral"``, ``"gemma"``,
+            ``"phi3"``, ``"gpt2"``).
+        out_dir: directory to write (created if missing); gets ``config.json``,
+            ``generation_config.json``, ``model.safetensors`` and the tokenizer files.
+        seed: seed of the random weights; the same seed gives the same weights.
+        **config_overrides: config fields that replace the tiny defaults, e.g. ``num_hidden_layers=4``.
+
+    Returns:
+        ``out_dir`` as a :class:`~pathlib.Path`, loadable with ``AutoModelForCausalLM.from_pretrained``
+        and ``AutoTokenizer.from_pretrained`` offline.
+
+    Raises:
+        InvalidRequestError: ``arch`` is unknown, or the overrides make an invalid config.
+    """
+    spec = _architecture(arch)
+    import torch
+    import transformers
+    from huggingface_hub.errors import StrictDataclassError
+
+    tokenizer = _hf_tokenizer()
+    token_ids = {
+        "bos_token_id": tokenizer.eos_token_id,  # byte-level BPE has no separate BOS; Qwen does the same
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    kwargs = {**spec.config, **token_ids, **config_overrides}
+    if kwargs["vocab_size"] < len(tokenizer):
+        raise InvalidRequestError(
+            f"build_tiny_model({arch!r}, vocab_size={kwargs['vocab_size']}): the tokenizer has "
+            f"{len(tokenizer)} tokens, so vocab_size must be at least {len(tokenizer)}."
+        )
+    try:
+        config = getattr(transformers, spec.config_class)(**kwargs)
+    except (TypeError, ValueError, StrictDataclassError) as exc:
+        raise InvalidRequestError(
+            f"build_tiny_model({arch!r}) with overrides {config_overrides}: {spec.config_class} "
+            f"rejected them: {exc}"
+        ) from exc
+    model_class = getattr(transformers, spec.model_class)
+    # fork_rng restores the caller's RNG state afterwards: building a model must not reseed the caller.
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    model.generation_config = transformers.GenerationConfig(**token_ids)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)  # safetensors by default
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def demo_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The embedded demo model (tiny Qwen3-style), built on first use and then reused from the cache.
+
+    The directory name carries a hash of everything that shapes the model (config, seed, tokenizer
+    settings, corpus, build format), so a changed recipe gets a fresh directory. A build is written to
+    a temporary sibling and renamed into place only when complete, so an interrupted build or two
+    concurrent runs never leave a half-written model where a finished one is expected.
+
+    Args:
+        cache_dir: xpukit's cache root; default ``$XPUKIT_CACHE_DIR``, else the user cache directory
+            (``platformdirs.user_cache_dir("xpukit")``). The model lives under ``<root>/models/``.
+
+    Returns:
+        The model directory (config, safetensors weights, tokenizer).
+    """
+    root = _cache_root(cache_dir) / "models"
+    key = _demo_key()
+    final = root / f"tiny-{DEMO_ARCHITECTURE}-demo-{key}"
+    if _is_complete(final, key):
+        return final
+
+    root.mkdir(parents=True, exist_ok=True)
+    _sweep_leftovers(root)
+    started = time.perf_counter()
+    partial = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=root))
+    partial.chmod(0o755)  # mkdtemp makes it owner-only; the published model should read like any cache
+    try:
+        build_tiny_model(DEMO_ARCHITECTURE, partial, seed=_DEMO_SEED, **DEMO_CONFIG)
+        _write_marker(partial, key)
+        _publish(partial, final, key)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # still there only if another run published first
+    logger.info("built the demo model in %s (%.2f s)", final, time.perf_counter() - started)
+    return final
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def _architecture(arch: str) -> TinyArchitecture:
+    try:
+        return ARCHITECTURES[arch]
+    except (KeyError, TypeError):
+        raise InvalidRequestError(
+            f"Unknown tiny-model architecture {arch!r}; valid choices: {', '.join(ARCHITECTURES)}."
+        ) from None
+
+
+@functools.cache
+def _tokenizer_json() -> str:
+    """Train the byte-level BPE tokenizer on the corpus (once per process) and serialise it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=_TOKENIZER_VOCAB,
+        special_tokens=list(_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte stays encodable
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_lines(), trainer=trainer)
+    serialized: str = tokenizer.to_str()
+    return serialized
+
+
+def _hf_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
+        eos_token=_EOS,
+        pad_token=_EOS,
+        bos_token=None,
+        unk_token=None,
+        additional_special_tokens=list(_SPECIAL_TOKENS[1:]),
+        model_max_length=512,
+        chat_template=_CHAT_TEMPLATE,
+    )
+
+
+def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    from_env = _environ.get("XPUKIT_CACHE_DIR")
+    if from_env:
+        return Path(from_env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("xpukit"))
+
+
+def _demo_key() -> str:
+    """A short hash of everything that shapes the demo model."""
+    corpus = resources.files("xpukit.demo").joinpath("data", "corpus.txt").read_bytes()
+    recipe = {
+        "format": _BUILD_FORMAT,
+        "architecture": DEMO_ARCHITECTURE,
+        "config": {**ARCHITECTURES[DEMO_ARCHITECTURE].config, **DEMO_CONFIG},
+        "seed": _DEMO_SEED,
+        "tokenizer": [_TOKENIZER_VOCAB, _SPECIAL_TOKENS, _CHAT_TEMPLATE],
+        "corpus": hashlib.sha256(corpus).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _write_marker(directory: Path, key: str) -> None:
+    from xpukit._compat import installed_version
+
+    marker = {
+        "key": key,
+        "architecture": DEMO_ARCHITECTURE,
+        "config": dict(DEMO_CONFIG),
+        "seed": _DEMO_SEED,
+        "transformers": installed_version("transformers"),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    (directory / _MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+
+
+def _is_complete(directory: Path, key: str) -> bool:
+    """A published build: its marker names this key and the files the marker vouches for are there."""
+    try:
+        marker = json.loads((directory / _MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    files = ("config.json", "model.safetensors", "tokenizer.json")
+    return (
+        isinstance(marker, dict)
+        and marker.get("key") == key
+        and all((directory / name).is_file() for name in files)
+    )
+
+
+def _publish(partial: Path, final: Path, key: str) -> None:
+    """Rename the finished build into place; a complete build already there wins, a broken one goes."""
+    for _ in range(3):
+        try:
+            os.rename(partial, final)  # atomic; fails when `final` is a non-empty directory
+            return
+        except OSError:
+            if _is_complete(final, key):
+                return  # another run finished first; the caller removes our copy
+        # An incomplete directory blocks the name (copied by hand, or written by a non-atomic tool):
+        # move it aside rather than delete in place, so a reader never sees it half-removed.
+        aside = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.stale")
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(final, aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    raise OSError(f"could not publish the demo model at {final}; remove that directory and retry")
+
+
+def _sweep_leftovers(root: Path) -> None:
+    """Remove temporary directories of builds that were killed (old enough not to be running now)."""
+    now = time.time()
+    for entry in root.glob(".*"):
+        if not entry.name.endswith((".partial", ".stale")):
+            continue
+        with contextlib.suppress(OSError):
+            if now - entry.stat().st_mtime > _STALE_AFTER_S:
+                shutil.rmtree(entry, ignore_errors=True)

@@ -1,0 +1,106 @@
+"""``xpukit doctor``'s report: facts plus findings, rendered for a terminal or as versioned JSON."""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from xpukit import __version__
+from xpukit.doctor.checks import Finding, diagnose
+from xpukit.doctor.host import HostFacts, gather_host
+from xpukit.machine.facts import MachineFacts
+
+__all__ = ["SCHEMA_VERSION", "DoctorReport", "run_doctor"]
+
+# Bump when a key of DoctorReport.to_dict() changes meaning or disappears (adding keys is compatible).
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DoctorReport:
+    """Everything ``xpukit doctor`` prints; :meth:`to_dict` is the stable ``--json`` schema."""
+
+    machine: MachineFacts
+    host: HostFacts
+    findings: tuple[Finding, ...]
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def healthy(self) -> bool:
+        """No blocking problem was found."""
+        return not any(f.severity == "error" for f in self.findings)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON report (schema documented in docs/doctor.md)."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "xpukit": __version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "healthy": self.healthy,
+            "machine": self.machine.to_dict(),
+            "host": self.host.to_dict(),
+            "findings": [asdict(f) for f in self.findings],
+            **self.extras,
+        }
+
+    def render(self) -> str:
+        """Human-readable report, readable at a glance."""
+        m = self.machine
+        build = "+".join(m.compiled) if m.compiled else "CPU only"
+        gib = 2**30
+        lines = [
+            f"xpukit {__version__} doctor — Python {platform.python_version()}, {platform.system()}",
+            f"torch        {m.torch_version or 'not installed'} (build: {build}"
+            + (f", xpu {m.torch_xpu}" if m.torch_xpu else "")
+            + (f", cuda {m.torch_cuda}" if m.torch_cuda else "")
+            + ")",
+            f"accelerator  {m.accelerator} ({m.device_count} device{'s' if m.device_count != 1 else ''})",
+        ]
+        for d in (*m.devices, m.cpu):
+            free = f"{d.free_memory / gib:.1f} GiB free" if d.free_memory is not None else "free: unknown"
+            caps = ", ".join(
+                c for c, ok in (("bf16", d.native_bf16), ("fp16", d.fp16), ("fp64", d.fp64)) if ok
+            )
+            cc = f", cc {d.compute_capability[0]}.{d.compute_capability[1]}" if d.compute_capability else ""
+            kind = " integrated" if d.integrated and d.backend != "cpu" else ""
+            lines.append(
+                f"  {d.torch_device:<7} {d.name} [{d.family}{kind}{cc}] "
+                f"{d.total_memory / gib:.1f} GiB, {free}; native: {caps or 'none'}"
+            )
+        pkgs = ", ".join(f"{k} {v}" for k, v in self.host.packages.items() if v is not None)
+        lines.append(f"packages     {pkgs}")
+        env = ", ".join(f"{k}={v}" for k, v in m.env.items()) or "none set"
+        lines.append(f"environment  {env}")
+        hub = (
+            "offline (HF_HUB_OFFLINE)"
+            if self.host.hub_offline
+            else ("reachable" if self.host.hub_reachable else "NOT reachable") + f": {self.host.hub_reason}"
+        )
+        lines.append(f"hub          {hub}")
+        if self.host.kernels_reason:
+            lines.append(f"kernels      {self.host.kernels_reason}")
+        for key, value in self.extras.items():
+            if isinstance(value, dict) and "summary" in value:
+                lines.append(f"{key:<12} {value['summary']}")
+        lines.append("")
+        if not self.findings:
+            lines.append("OK: no known problem found.")
+        for f in self.findings:
+            mark = {"error": "ERROR", "warning": "WARN ", "info": "note "}[f.severity]
+            lines.append(f"{mark} [{f.code}] {f.message}")
+            if f.fix:
+                lines.append(f"      fix: {f.fix}")
+        lines.append("")
+        lines.append("healthy" if self.healthy else "NOT healthy: fix the errors above")
+        return "\n".join(lines)
+
+
+def run_doctor(*, machine: MachineFacts | None = None, host: HostFacts | None = None) -> DoctorReport:
+    """Gather facts (unless given) and diagnose them."""
+    from xpukit.machine.probe import detect
+
+    machine = machine if machine is not None else detect()
+    host = host if host is not None else gather_host()
+    return DoctorReport(machine=machine, host=host, findings=tuple(diagnose(machine, host)))

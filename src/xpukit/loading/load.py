@@ -1,0 +1,311 @@
+"""``load_for_xpu``: carry out a :class:`~xpukit.planning.loadplan.LoadPlan` and record what really ran.
+
+Acting, in order:
+
+1. The plan's device must exist in this torch build (transformers would raise a bare
+   ``AssertionError: Torch not compiled with XPU enabled``).
+2. While the Hub is offline or found unreachable, huggingface_hub runs in offline mode for the whole
+   load (:func:`xpukit.hub.offline_guard`), so nothing can wait on a silent endpoint.
+3. Hub kernels the plan needs (flash-attn2 for attention, layer kernels for ``use_kernels``) are
+   fetched first, each under ``XPUKIT_HUB_FETCH_TIMEOUT``; transformers then finds them already
+   loaded. One that cannot be had is replaced (SDPA, kernels off), logged once, and recorded with
+   its cause.
+4. ``from_pretrained`` with the plan's kwargs; then LoRA, when planned — still inside the offline
+   guard, because importing peft imports bitsandbytes.
+5. The plan as carried out is attached as ``model.xpukit_plan``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+from xpukit.errors import DeviceUnavailableError, InvalidRequestError
+from xpukit.hub import fetch_timeout, hub_offline, hub_status, offline_guard, run_bounded
+from xpukit.planning.device import INSTALL_FIX
+from xpukit.planning.loadplan import Decision, LoadEvent, LoadPlan
+from xpukit.planning.plan import plan_load
+from xpukit.planning.quantization import require_bnb
+
+__all__ = ["carry_out", "load_for_xpu"]
+
+logger = logging.getLogger(__name__)
+
+
+def load_for_xpu(
+    model: Any,
+    *,
+    device: Any = None,
+    dtype: Any = "auto",
+    attn: Any = "auto",
+    kernels: Any = "auto",
+    device_map: Any = "auto",
+    max_memory: dict[Any, Any] | None = None,
+    quantize: Any = None,
+    lora: Any = None,
+    offload: bool = True,
+    headroom: Any = None,
+    facts: Any = None,
+    model_class: Any = None,
+    **from_pretrained_kwargs: Any,
+) -> Any:
+    """Load a model for inference the way :func:`xpukit.plan_load` plans it, and say what ran.
+
+    Takes the same arguments as :func:`xpukit.plan_load` (or a ``LoadPlan`` as ``model``). Any other
+    keyword goes to ``from_pretrained`` unchanged.
+
+    Returns:
+        The loaded ``PreTrainedModel`` (a ``PeftModel`` when ``lora`` was given), with the plan as
+        carried out — fallbacks and their causes included — in ``model.xpukit_plan``.
+
+    Raises:
+        The errors of :func:`xpukit.plan_load`, all before any weight is read.
+
+    Example:
+        >>> model = load_for_xpu("Qwen/Qwen3-0.6B")  # doctest: +SKIP
+        >>> print(model.xpukit_plan.explain())  # doctest: +SKIP
+    """
+    if isinstance(model, LoadPlan):
+        plan = model
+    else:
+        plan = plan_load(
+            model,
+            device=device,
+            dtype=dtype,
+            attn=attn,
+            kernels=kernels,
+            device_map=device_map,
+            max_memory=max_memory,
+            quantize=quantize,
+            lora=lora,
+            offload=offload,
+            headroom=headroom,
+            facts=facts,
+            model_class=model_class,
+            **from_pretrained_kwargs,
+        )
+    return carry_out(plan, model_class=model_class)
+
+
+def carry_out(plan: LoadPlan, *, model_class: Any = None) -> Any:
+    """Load the model a plan describes; see the module docstring for the steps."""
+    if plan.model is None:
+        raise InvalidRequestError(
+            f"The plan is for a bare config ({plan.model_facts.name}) with no weights to load. Fix: pass the "
+            "model's directory or Hub id to load_for_xpu()."
+        )
+    check_runtime(plan)
+    if plan.quantization in {"4bit", "8bit"}:
+        require_bnb(plan.quantization)  # MissingExtraError naming the fix, before any weight is read
+    import transformers
+
+    cls = (
+        model_class
+        if model_class is not None and not isinstance(model_class, str)
+        else getattr(transformers, model_class or plan.model_class)
+    )
+    kwargs = plan.from_pretrained_kwargs()
+    if plan.config is not None:
+        # The config already read for the plan: from_pretrained skips re-reading it. Keywords the
+        # config consumed (overrides such as rope_scaling=) are already applied to it.
+        kwargs = {k: v for k, v in kwargs.items() if k not in plan.config_kwargs}
+        kwargs["config"] = copy.deepcopy(plan.config)
+    events: list[LoadEvent] = []
+    changes: dict[str, Any] = {}
+    # Everything that may import bitsandbytes (from_pretrained with 4-bit, peft for LoRA) runs inside
+    # the guard: on avx512_bf16 CPUs `import bitsandbytes` makes a Hub call with no timeout.
+    with offline_guard(_needs_offline_guard(plan)):
+        if plan.attention_kernel is not None:
+            _fetch_attention_kernel(plan, kwargs, events, changes)
+        if plan.use_kernels:
+            _fetch_layer_kernels(plan, kwargs, events, changes)
+        model = cls.from_pretrained(plan.model, **kwargs)
+        events.append(
+            LoadEvent(kind="applied", what="placement", planned=plan.device_map, actual=_where(model))
+        )
+        if plan.lora is not None:
+            from xpukit.loading.lora import apply_lora, lora_problem
+
+            # plan_load checked the request against the model's facts; this safety net catches a
+            # model that differs from them. The loaded model is dropped before raising, so the
+            # traceback does not keep every weight alive.
+            problem = lora_problem(model, plan.lora)
+            if problem is not None:
+                del model
+                raise InvalidRequestError(problem)
+            model, notes = apply_lora(
+                model,
+                plan.lora,
+                compute_dtype=plan.dtype,
+                quantized=plan.quantization is not None,
+                device=plan.device,
+            )
+            events += [LoadEvent(kind="applied", what="lora", actual=note) for note in notes]
+    model.xpukit_plan = plan.with_events(tuple(events), **changes)
+    return model
+
+
+def check_runtime(plan: LoadPlan) -> None:
+    """Refuse a plan whose device this torch build or machine cannot use (before any weight is read)."""
+    backend = plan.device.backend
+    if backend == "cpu":
+        return
+    import torch
+
+    compiled = {
+        "xpu": bool(getattr(torch, "xpu", None) and torch.xpu._is_compiled()),
+        "cuda": bool(torch.version.cuda or getattr(torch.version, "hip", None)),
+        "mps": bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_built()),
+    }[backend]
+    if not compiled:
+        raise DeviceUnavailableError(
+            f"The plan loads on {plan.device.torch_device}, but this torch build "
+            f"({torch.__version__}) has no "
+            f"{backend.upper()} support. Fix: {INSTALL_FIX[backend]}"
+        )
+    module = getattr(torch, backend)
+    count = module.device_count() if backend != "mps" else int(torch.backends.mps.is_available())
+    if plan.device.index >= count:
+        raise DeviceUnavailableError(
+            f"The plan loads on {plan.device.torch_device} ({plan.machine.source}), but this machine has "
+            f"{count} {backend} device(s). Plan on this machine (no facts=) or fix the device selection."
+        )
+
+
+def _needs_offline_guard(plan: LoadPlan) -> bool:
+    # Offline (or env set after huggingface_hub was imported): make the library honour it. Otherwise
+    # ask the Hub only when something in this load could use it.
+    if hub_offline():
+        return True
+    from xpukit.planning.model_source import local_model_dir
+
+    uses_hub = (
+        plan.attention_kernel is not None
+        or plan.use_kernels
+        or plan.quantization is not None  # import bitsandbytes fetches a kernel on avx512_bf16 CPUs
+        or plan.lora is not None
+        or local_model_dir(plan.model or "") is None
+    )
+    if not uses_hub:
+        return False
+    status = hub_status()
+    if not status.usable:
+        logger.info("The Hub cannot be used (%s): loading in offline mode", status.reason)
+    return not status.usable
+
+
+def _fetch_attention_kernel(
+    plan: LoadPlan, kwargs: dict[str, Any], events: list[LoadEvent], changes: dict[str, Any]
+) -> None:
+    """Load the Hub attention kernel under a time bound; transformers reuses what was loaded."""
+    from transformers import modeling_flash_attention_utils as fa
+
+    implementation = plan.attn_implementation
+    allow_all = bool(plan.passthrough.get("allow_all_kernels", False))
+    try:
+        run_bounded(
+            lambda: fa.lazy_import_flash_attention(implementation, allow_all_kernels=allow_all),
+            fetch_timeout(),
+            f"fetching {implementation}",
+        )
+    except Exception as exc:
+        if (
+            not isinstance(exc, TimeoutError)
+            and getattr(fa, "_loaded_implementation", None) == implementation
+        ):
+            fa._loaded_implementation = None  # do not leave a half-loaded kernel cached for later loads
+        fallback = "sdpa" if plan.model_facts.supports_sdpa else "eager"
+        cause = f"{type(exc).__name__}: {exc}"
+        logger.warning(
+            "Attention kernel %s could not be had (%s); using %s instead", implementation, cause, fallback
+        )
+        kwargs["attn_implementation"] = fallback
+        events.append(
+            LoadEvent(
+                kind="fallback",
+                what="attn_implementation",
+                planned=implementation,
+                actual=fallback,
+                cause=cause,
+            )
+        )
+        changes["attn_implementation"] = fallback
+        changes["attention_kernel"] = None
+        changes["decisions"] = _replace_decision(
+            changes.get("decisions", plan.decisions), "attn_implementation", fallback, implementation, cause
+        )
+
+
+def _fetch_layer_kernels(
+    plan: LoadPlan, kwargs: dict[str, Any], events: list[LoadEvent], changes: dict[str, Any]
+) -> None:
+    """Kernelize a throwaway meta-device copy under a time bound, so the layer kernels are loaded.
+
+    The kernels library memoizes loaded layers; the real ``kernelize`` inside ``from_pretrained``
+    then finds them without touching the Hub. A failure turns ``use_kernels`` off for this load.
+    """
+    try:
+        run_bounded(lambda: preload_layer_kernels(plan), fetch_timeout(), "fetching layer kernels")
+    except Exception as exc:
+        cause = f"{type(exc).__name__}: {exc}"
+        logger.warning("Hub layer kernels could not be had (%s); loading without use_kernels", cause)
+        kwargs.pop("use_kernels", None)
+        kwargs.pop("kernel_config", None)
+        events.append(LoadEvent(kind="fallback", what="use_kernels", planned=True, actual=False, cause=cause))
+        changes["use_kernels"] = False
+        changes["decisions"] = _replace_decision(
+            changes.get("decisions", plan.decisions), "use_kernels", False, True, cause
+        )
+
+
+def preload_layer_kernels(plan: LoadPlan) -> None:
+    """Run the kernels library's ``kernelize`` for the plan's device on a meta-device model."""
+    import torch
+    import transformers
+    from kernels import Mode, kernelize, use_kernel_mapping
+    from transformers.integrations.hub_kernels import register_kernel_mapping_transformers
+
+    auto = getattr(transformers, plan.model_facts.auto_class)
+    with torch.device("meta"):
+        model = auto.from_config(
+            copy.deepcopy(plan.config), dtype=getattr(torch, plan.dtype), attn_implementation="eager"
+        )
+    model.eval()
+    register_kernel_mapping_transformers()
+    device_type = "rocm" if plan.device.family == "amd" else plan.device.backend
+    config = plan._kernel_config()
+    if config is None:
+        kernelize(model, device=device_type, mode=Mode.INFERENCE, use_fallback=True)
+        return
+    model.kernel_config = config
+    config.sanitize_kernel_mapping(model)
+    config.create_compatible_mapping(model)
+    inherit = not config.use_local_kernel and config.inherit_mapping
+    with use_kernel_mapping(config.kernel_mapping, inherit_mapping=inherit):
+        kernelize(model, device=device_type, mode=Mode.INFERENCE, use_fallback=True)
+
+
+def _replace_decision(
+    decisions: tuple[Decision, ...], name: str, actual: Any, planned: Any, cause: str
+) -> tuple[Decision, ...]:
+    return tuple(
+        Decision(
+            name=name,
+            value=actual,
+            reason=f"planned {planned}, but it could not be had at load: {cause}",
+            rejected=((planned, cause),),
+            source="fallback",
+        )
+        if d.name == name
+        else d
+        for d in decisions
+    )
+
+
+def _where(model: Any) -> Any:
+    # hf_device_map exists only when a model is split over several devices (cpu-findings.md §1).
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map:
+        return {k: str(v) for k, v in device_map.items()}
+    return str(getattr(model, "device", "unknown"))

@@ -1,0 +1,215 @@
+"""LoRA adapters on a loaded model (``lora=True`` / a config for training, ``lora=PATH`` for inference).
+
+:func:`apply_lora` carries out a :class:`~xpukit.planning.lora_request.LoraRequest` (resolved from
+the user's ``lora=`` by the planner) and returns notes of what really ran, which the loader records
+in the model's plan.
+
+Training a quantised model is lean by default. peft's ``prepare_model_for_kbit_training`` upcasts
+every weight that is not 4-bit (embeddings, ``lm_head``, norms) to fp32. Measured on an H200 with a
+Qwen3-8B-shaped model (docs/training.md, docs/benchmarks.md: one LoRA step of 4 × 512 tokens, nf4 +
+double quant, bf16 compute), peft's recipe peaked at 15.39 GB at 3 711 tok/s, against 11.05 GB at
+4 088 tok/s with those weights left in bf16, at the same loss; adding liger-kernel lowered the peak
+to 7.84 GB but ran slower, at 2 954 tok/s. xpukit therefore does its own preparation: freeze the base
+weights, gradient checkpointing (non-reentrant, which also makes the input embeddings require grad),
+and no blanket upcast. Only what a precision needs is changed: with fp16 compute the trainable
+weights must be fp32, because ``GradScaler`` refuses to unscale fp16 gradients; with fp32 compute
+the half-precision weights become fp32.
+
+On CPUs with avx512_bf16, bitsandbytes repacks a 4-bit weight into a CPU-only layout on the first
+eval-mode forward (``generate`` does one). That layout is served by ``gemv_4bit``, which has no
+backward, so LoRA layers before the residual stream silently get zero gradients afterwards
+(cpu-findings §4). :func:`apply_lora` undoes such a repacking and turns it off for the model it
+prepares for training.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from xpukit._compat import require
+from xpukit.errors import InvalidRequestError
+from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
+from xpukit.machine.facts import DeviceFacts
+from xpukit.machine.precision import normalize_dtype
+from xpukit.planning.lora_request import (
+    LoraRequest,
+    build_lora_config,
+    lora_config_or_problem,
+    targets_problem,
+    targets_text,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["apply_lora", "linear_module_names", "lora_problem"]
+
+logger = logging.getLogger(__name__)
+
+
+def apply_lora(
+    model: Any, request: LoraRequest, *, compute_dtype: str, quantized: bool, device: DeviceFacts
+) -> tuple[Any, list[str]]:
+    """Carry out a :class:`LoraRequest` on a loaded model.
+
+    For ``kind="new"``: validates the targets against the model before changing anything, undoes a
+    bitsandbytes CPU repacking, freezes the base weights, applies the dtype policy (module
+    docstring), enables non-reentrant gradient checkpointing when asked, applies liger-kernel where
+    it can run, then ``peft.get_peft_model``. For ``kind="adapter"``: ``PeftModel.from_pretrained``
+    with ``is_trainable=False`` and eval mode.
+
+    Args:
+        model: a transformers ``PreTrainedModel``.
+        request: from :func:`resolve_lora`.
+        compute_dtype: the plan's compute dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
+        quantized: the model's linear layers are 4/8-bit (bitsandbytes).
+        device: the device the model is on.
+
+    Returns:
+        The ``PeftModel`` and notes of what ran (fallbacks included).
+
+    Raises:
+        MissingExtraError: peft is not installed (extra ``lora``).
+        InvalidRequestError: the LoRA config is invalid or its targets match no module of the model
+            (the message lists the model's linear layers), found before the model is changed. If
+            peft itself refuses later, the message says to reload the model.
+        DeviceUnavailableError: a repacked 4-bit weight could not be restored for training.
+    """
+    require("peft", "lora=" + ("PATH" if request.kind == "adapter" else "True"))
+    dtype = normalize_dtype(compute_dtype)
+    if dtype is None:
+        raise InvalidRequestError(
+            f"apply_lora(compute_dtype={compute_dtype!r}): expected bfloat16, float16 or float32."
+        )
+    if request.kind == "adapter":
+        return _load_adapter(model, request)
+    return _new_adapters(model, request, dtype=dtype, quantized=quantized, device=device)
+
+
+def _load_adapter(model: Any, request: LoraRequest) -> tuple[Any, list[str]]:
+    from peft import PeftModel
+
+    try:
+        peft_model = PeftModel.from_pretrained(model, request.adapter_path, is_trainable=False)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise InvalidRequestError(
+            f"lora={request.adapter_path!r}: the adapter does not fit this model: {exc}. Load the base "
+            f"model the adapter was trained on ({request.config.get('base_model_name_or_path')!r})."
+        ) from exc
+    peft_model.eval()
+    return peft_model, [f"loaded LoRA adapter {request.adapter_path} for inference (eval mode, frozen)"]
+
+
+def _new_adapters(
+    model: Any, request: LoraRequest, *, dtype: str, quantized: bool, device: DeviceFacts
+) -> tuple[Any, list[str]]:
+    import torch
+    from peft import get_peft_model
+
+    config = build_lora_config(request)
+    problem = targets_problem(
+        config, [n for n, _ in model.named_modules() if n], linear_module_names(model), type(model).__name__
+    )
+    if problem is not None:  # before any change to the model
+        raise InvalidRequestError(problem)
+    notes: list[str] = []
+    notes += restore_trainable_4bit_layout(model)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    notes.append(
+        "froze the base weights" + (" (xpukit's lean k-bit preparation: no fp32 upcast)" if quantized else "")
+    )
+    if dtype == "float32":
+        changed = _cast_half_params(model, torch.float32)
+        if changed:
+            notes.append(f"compute is float32: cast {changed} half-precision base tensors to float32")
+    else:
+        notes.append(f"non-quantised weights (embeddings, lm_head, norms) kept in {dtype}")
+    if request.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        notes.append("gradient checkpointing on (use_reentrant=False; input embeddings require grad)")
+    from xpukit.loading.liger import apply_liger
+
+    notes += apply_liger(model, device, wanted=request.liger)
+    try:
+        peft_model = get_peft_model(model, config)
+    except ValueError as exc:
+        raise InvalidRequestError(
+            f"lora=: peft could not add adapters to this {type(model).__name__}: {exc}. The model has been "
+            "prepared (frozen, checkpointing): reload it before trying another lora= setting."
+        ) from exc
+    if dtype == "float16":
+        changed = _upcast_trainable(peft_model, torch.float32)
+        notes.append(
+            "compute is float16: trainable (LoRA) weights are float32 so GradScaler can unscale their "
+            f"gradients ({changed} cast); frozen base weights stay float16"
+        )
+    trainable, total = _count_parameters(peft_model)
+    targets = targets_text(request.config.get("target_modules"))
+    notes.append(
+        f"LoRA on {targets}: {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / max(total, 1):.2f} %)"
+    )
+    logger.info("LoRA applied: %s", "; ".join(notes))
+    return peft_model, notes
+
+
+def lora_problem(model: Any, request: LoraRequest) -> str | None:
+    """Why ``request`` cannot be applied to the loaded ``model`` (``None`` when it can); raises nothing.
+
+    The loader's safety net after ``from_pretrained``: it returns a message, so the caller can drop
+    the model before raising (a traceback would otherwise keep every weight alive).
+    """
+    if request.kind != "new":
+        return None
+    config, problem = lora_config_or_problem(request)
+    if problem is not None:
+        return problem
+    names = [n for n, _ in model.named_modules() if n]
+    return targets_problem(config, names, linear_module_names(model), type(model).__name__)
+
+
+def linear_module_names(model: Any) -> list[str]:
+    """The distinct names (last path part) of a model's linear layers, e.g. ``['down_proj', ...]``.
+
+    These are what ``target_modules`` can name. bitsandbytes' 4/8-bit layers subclass
+    ``torch.nn.Linear``; GPT-2's ``Conv1D`` is counted as well.
+    """
+    import torch
+
+    names = set()
+    for name, module in model.named_modules():
+        if name and (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            names.add(name.rsplit(".", 1)[-1])
+    return sorted(names)
+
+
+def _cast_half_params(model: Any, dtype: torch.dtype) -> int:
+    import torch
+
+    changed = 0
+    for param in model.parameters():
+        if param.dtype in (torch.float16, torch.bfloat16) and type(param).__name__ != "Params4bit":
+            param.data = param.data.to(dtype)
+            changed += 1
+    return changed
+
+
+def _upcast_trainable(model: Any, dtype: torch.dtype) -> int:
+    changed = 0
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != dtype:
+            param.data = param.data.to(dtype)
+            changed += 1
+    return changed
+
+
+def _count_parameters(model: Any) -> tuple[int, int]:
+    trainable = total = 0
+    for param in model.parameters():
+        # A 4-bit weight packs two values per uint8 element.
+        n = param.numel() * (2 if type(param).__name__ == "Params4bit" else 1)
+        total += n
+        trainable += n if param.requires_grad else 0
+    return trainable, total

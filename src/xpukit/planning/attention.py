@@ -1,0 +1,360 @@
+"""Attention implementation: what to ask transformers for, and why; and whether Hub kernels can be had.
+
+Rules (design.md "Decision rules", cpu-findings.md §2–3, platform.md §4):
+
+* SDPA by default; eager only when asked or when the architecture has no SDPA.
+* flash-attention-2 from the Hub (``kernels-community/flash-attn2``) only on xpu/cuda (CUDA from
+  compute capability 8.0), fp16/bf16, for architectures that support it, with a ``kernels``
+  release this transformers accepts, and the kernel obtainable: in the local cache, or the Hub
+  reachable and not offline. ``attn="auto"`` takes it when all of that holds; an explicit request
+  that cannot be had falls back to SDPA with the reason recorded.
+* On Intel GPUs ``attn="auto"`` considers it only on the families its XPU builds target (Data
+  Center Max, Arc B-series, Lunar Lake, Panther Lake); elsewhere (Arc A, Meteor Lake, Flex…) only
+  an explicit request takes it, with a warning on the plan.
+* Never when some modules run on the CPU, disk or MPS (offload, or a given device_map): auto picks
+  SDPA, an explicit request is refused.
+* FlashAttention-3/4 exist for NVIDIA Hopper/Blackwell only (their Hub builds ship CUDA binaries):
+  refused elsewhere with the reason.
+
+:func:`obtainable` (a kernels release transformers accepts, and the kernel cached or the Hub
+reachable) is shared with :mod:`xpukit.planning.layer_kernels`, which decides ``use_kernels``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from xpukit.errors import InvalidRequestError
+from xpukit.hub import RECHECK_HINT, hub_status, kernel_cached, kernels_support
+from xpukit.machine.facts import DeviceFacts
+from xpukit.planning.loadplan import Decision
+from xpukit.planning.model_facts import ModelFacts
+
+__all__ = [
+    "AttentionChoice",
+    "KernelRef",
+    "choose_attention",
+    "device_type",
+    "normalize_attn",
+    "obtainable",
+]
+
+KERNEL_PATTERN = re.compile(r"^[^/:@]+/[^/:@]+(?:@[^/:]+)?(?::[^/:]+)?$")  # transformers' is_kernel()
+
+
+@dataclass(frozen=True, slots=True)
+class _FlashSpec:
+    repo: str
+    devices: tuple[str, ...]
+    min_cc: tuple[int, int]
+    package: str | None  # a pip package that provides it without the Hub
+
+
+FLASH = {
+    "flash_attention_2": _FlashSpec("kernels-community/flash-attn2", ("cuda", "xpu"), (8, 0), "flash_attn"),
+    "flash_attention_3": _FlashSpec(
+        "kernels-community/vllm-flash-attn3", ("cuda",), (9, 0), "flash_attn_interface"
+    ),
+    "flash_attention_4": _FlashSpec("kernels-community/flash-attn4", ("cuda",), (9, 0), None),
+}
+# Devices each known Hub attention kernel ships builds for (transformers' FLASH_ATTN_KERNEL_DEVICES);
+# unlisted kernels are assumed to run everywhere, as transformers assumes.
+KERNEL_DEVICES = {spec.repo: spec.devices for spec in FLASH.values()} | {
+    "kernels-community/flash-attn3": ("cuda",),
+    "kernels-community/aiter-flash-attn": ("rocm",),
+    "kernels-community/metal-flash-sdpa": ("mps",),
+}
+NAMED = ("auto", "sdpa", "eager", "flex_attention", *FLASH)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelRef:
+    """A Hub kernel: repository, and the version or revision to load."""
+
+    repo: str
+    version: int | None = None
+    revision: str | None = None
+
+    def cached(self) -> bool:
+        """Whether it is in the local kernel cache."""
+        return kernel_cached(self.repo, version=self.version, revision=self.revision)
+
+    def __str__(self) -> str:
+        return f"{self.repo}@{self.revision}" if self.revision else f"{self.repo} (v{self.version})"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionChoice:
+    """The attention decision and, for a Hub kernel, what to fetch."""
+
+    decision: Decision
+    value: str
+    kernel: KernelRef | None = None
+    warning: str | None = None
+
+
+def normalize_attn(value: object) -> str:
+    """Validate ``attn=`` (before anything is read). Raises InvalidRequestError for unknown names."""
+    if value is None:
+        return "auto"
+    text = str(value).strip()
+    if text in NAMED or KERNEL_PATTERN.match(text):
+        return text
+    raise InvalidRequestError(
+        f"attn={value!r} is not an attention implementation. Valid: {', '.join(NAMED)}, or a Hub kernel "
+        "'org/repo[@revision][:function]' such as 'kernels-community/flash-attn2'."
+    )
+
+
+def device_type(device: DeviceFacts) -> str:
+    """The kernels library's device type: ``rocm`` for AMD GPUs (torch's cuda), else the backend."""
+    return "rocm" if device.family == "amd" else device.backend
+
+
+def obtainable(refs: list[KernelRef]) -> tuple[bool, str]:
+    """Whether Hub kernels can be had: accepted ``kernels`` release, and cached or Hub reachable.
+
+    The cache is looked at first (disk only); the Hub is checked (bounded, cached) only when needed.
+    """
+    support = kernels_support()
+    if not support.accepted:
+        return False, support.reason
+    missing = [r for r in refs if not r.cached()]
+    if not missing:
+        return True, "in the local kernel cache"
+    status = hub_status()
+    names = ", ".join(str(r) for r in missing)
+    if status.usable:
+        return True, f"not cached yet; the Hub answers ({status.reason}), fetched at load under a time bound"
+    if status.offline:
+        return False, (
+            f"{names} not in the local cache and HF_HUB_OFFLINE is set. Fix: load once while online "
+            "(the kernels library caches what it fetches), or unset HF_HUB_OFFLINE"
+        )
+    return (
+        False,
+        f"{names} not in the local cache and the Hub cannot be used: {status.reason} ({RECHECK_HINT})",
+    )
+
+
+def _kernel_ref(text: str) -> KernelRef:
+    repo = text.split(":", 1)[0]
+    repo, _, revision = repo.partition("@")
+    if revision:
+        return KernelRef(repo=repo, revision=revision)
+    return KernelRef(repo=repo, version=_kernel_version(repo))
+
+
+def _kernel_version(repo: str) -> int:
+    # transformers pins a major version per attention kernel (FLASH_ATTN_KERNEL_VERSIONS, e.g. v4 of
+    # flash-attn2 from torch 2.10); unknown repos get 1, as in transformers.
+    try:
+        from transformers.modeling_flash_attention_utils import FLASH_ATTN_KERNEL_VERSIONS
+    except ImportError:
+        return 1
+    return int(FLASH_ATTN_KERNEL_VERSIONS.get(repo, 1))
+
+
+def choose_attention(
+    attn: str, device: DeviceFacts, dtype: str, model: ModelFacts, *, host_modules: str | None = None
+) -> AttentionChoice:
+    """Decide ``attn_implementation`` (see the module docstring for the rules).
+
+    ``host_modules`` says why some modules run off the accelerator (CPU offload, a device_map with
+    ``cpu``/``disk``/``mps``): a Hub or flash kernel has no build for them.
+    """
+    default = "sdpa" if model.supports_sdpa else "eager"
+    default_reason = (
+        "SDPA: torch's fused attention, fast on every device (GQA native on XPU from torch 2.8)"
+        if model.supports_sdpa
+        else f"{model.architecture} has no SDPA implementation, so eager is required"
+    )
+    if attn == "eager":
+        return _asked("eager")
+    if attn == "sdpa":
+        if not model.supports_sdpa:
+            raise InvalidRequestError(
+                f"attn='sdpa': {model.architecture} has no SDPA implementation. Fix: attn='eager' or 'auto'."
+            )
+        return _asked("sdpa")
+    if attn == "flex_attention":
+        if not model.supports_flex_attn:
+            raise InvalidRequestError(
+                f"attn='flex_attention': {model.architecture} does not support it. Fix: attn='sdpa'."
+            )
+        return _asked(
+            "flex_attention",
+            "asked; note the first generate compiles with torch.compile (52 s once on a 2-core CPU)",
+        )
+    explicit = attn != "auto"
+    if host_modules is not None:
+        why = f"{host_modules}, where flash-attention kernels have no build"
+        if explicit and host_modules.startswith("the given device_map"):
+            raise InvalidRequestError(
+                f"attn={attn!r}: {why}. Fix: attn='sdpa', or a device_map without cpu/disk/mps."
+            )
+        elif explicit:
+            return AttentionChoice(
+                decision=Decision(
+                    name="attn_implementation",
+                    value=default,
+                    reason=f"{attn} was asked but cannot be had: {why}. Falling back to {default}",
+                    rejected=((attn, why),),
+                    source="fallback",
+                ),
+                value=default,
+                warning=f"attn={attn!r} cannot be had ({why}); using {default} instead",
+            )
+        return AttentionChoice(
+            decision=Decision(
+                name="attn_implementation",
+                value=default,
+                reason=default_reason,
+                rejected=(("kernels-community/flash-attn2", why),),
+            ),
+            value=default,
+        )
+    family_note = _intel_family_problem(device)
+    if family_note is not None and not explicit:
+        return AttentionChoice(
+            decision=Decision(
+                name="attn_implementation",
+                value=default,
+                reason=default_reason,
+                rejected=(("kernels-community/flash-attn2", family_note),),
+            ),
+            value=default,
+        )
+    problem, value, kernel, how = _flash_path(attn if explicit else "flash_attention_2", device, dtype, model)
+    if problem is None:
+        warning = None
+        if family_note is not None and explicit:
+            warning = f"attn={attn!r} on {device.name}: {family_note}; it may fail or be slow here"
+            how = f"{how}; {family_note}"
+        decision = Decision(
+            name="attn_implementation",
+            value=value,
+            reason=how,
+            rejected=() if explicit else (("sdpa", "flash-attention-2 can be had here and is faster"),),
+            source="user" if explicit else "auto",
+        )
+        return AttentionChoice(decision=decision, value=value, kernel=kernel, warning=warning)
+    if explicit and problem.startswith("!"):  # cannot work on this device at all: refuse
+        raise InvalidRequestError(problem[1:])
+    problem = problem.lstrip("!")
+    if explicit:
+        warning = f"attn={attn!r} cannot be had ({problem}); using {default} instead"
+        decision = Decision(
+            name="attn_implementation",
+            value=default,
+            reason=f"{attn} was asked but cannot be had: {problem}. Falling back to {default}",
+            rejected=((attn, problem),),
+            source="fallback",
+        )
+        return AttentionChoice(decision=decision, value=default, warning=warning)
+    return AttentionChoice(
+        decision=Decision(
+            name="attn_implementation",
+            value=default,
+            reason=default_reason,
+            rejected=(("kernels-community/flash-attn2", problem.split(" Fix: ")[0]),),
+        ),
+        value=default,
+    )
+
+
+# Intel families the Hub flash-attn2 XPU kernels target: Data Center Max (Ponte Vecchio) and Xe2
+# (Battlemage, Lunar Lake) — pytorch#167057 "we support Intel Ponte Vecchio and Battlemage";
+# Dao-AILab/flash-attention#1528 lists Max, B580 and 140V. Panther Lake is Xe3, the successor.
+FLASH_XPU_FAMILIES = ("max", "arc-b", "lunar-lake", "panther-lake")
+
+
+def _intel_family_problem(device: DeviceFacts) -> str | None:
+    if device.backend != "xpu" or device.family in FLASH_XPU_FAMILIES:
+        return None
+    return (
+        f"the Intel flash-attn2 kernels target {', '.join(FLASH_XPU_FAMILIES)} GPUs, not "
+        f"{device.family} (pytorch#167057, Dao-AILab/flash-attention#1528)"
+    )
+
+
+def _flash_path(
+    attn: str, device: DeviceFacts, dtype: str, model: ModelFacts
+) -> tuple[str | None, str, KernelRef | None, str]:
+    """``(problem, value, kernel, reason)``; a problem starting with ``!`` refuses an explicit request."""
+    spec = FLASH.get(attn)
+    dtype_ok = dtype in {"bfloat16", "float16"}
+    if spec is not None:
+        where = device_type(device)
+        if spec.min_cc == (9, 0) and device.backend != "cuda":
+            return (
+                f"!attn={attn!r} on {device.backend}: FlashAttention-{attn[-1]} exists for NVIDIA "
+                "Hopper/Blackwell "
+                f"only (the Hub build {spec.repo} ships CUDA binaries). Fix: attn='flash_attention_2' "
+                "(Hub kernel, xpu/cuda) or attn='sdpa'.",
+                "",
+                None,
+                "",
+            )
+        repo = "kernels-community/aiter-flash-attn" if where == "rocm" else spec.repo
+        if where not in spec.devices and where != "rocm":
+            return (
+                f"!attn={attn!r} on {device.backend}: {repo} has builds for "
+                f"{'/'.join(spec.devices)} only. Fix: attn='sdpa'.",
+                "",
+                None,
+                "",
+            )
+        cc = device.compute_capability
+        if device.backend == "cuda" and where == "cuda" and cc is not None and cc < spec.min_cc:
+            need = f"{spec.min_cc[0]}.{spec.min_cc[1]}"
+            return (
+                f"!attn={attn!r}: {device.name} has compute capability {cc[0]}.{cc[1]}, the kernel "
+                f"needs {need}+. Fix: attn='sdpa'.",
+                "",
+                None,
+                "",
+            )
+    else:
+        repo = _kernel_ref(attn).repo
+        devices = KERNEL_DEVICES.get(repo)
+        if devices is not None and device_type(device) not in devices:
+            return (
+                f"!attn={attn!r} on {device.backend}: {repo} has builds for {'/'.join(devices)} "
+                "only. Fix: attn='sdpa'.",
+                "",
+                None,
+                "",
+            )
+    if not model.supports_flash_attn:
+        return (f"!{model.architecture} does not support flash attention. Fix: attn='sdpa'.", "", None, "")
+    if not dtype_ok:
+        return (
+            f"!flash attention computes in fp16/bf16, the plan's dtype is {dtype}. Fix: "
+            "dtype='bfloat16' (or 'float16').",
+            "",
+            None,
+            "",
+        )
+    if spec is not None and device.backend == "cuda" and spec.package:
+        from xpukit._compat import is_installed
+
+        if is_installed(spec.package):
+            return None, attn, None, f"the {spec.package} package is installed: {attn} without the Hub"
+    text = spec.repo if spec is not None else attn
+    if spec is not None and device_type(device) == "rocm":
+        text = "kernels-community/aiter-flash-attn"
+    kernel = _kernel_ref(text)
+    ok, why = obtainable([kernel])
+    if not ok:
+        return why, "", None, ""
+    return None, text, kernel, f"Hub kernel {kernel} for {device.backend}: {why}"
+
+
+def _asked(value: str, reason: str = "asked") -> AttentionChoice:
+    """The user's explicit choice, taken as given."""
+    return AttentionChoice(
+        decision=Decision(name="attn_implementation", value=value, reason=reason, source="user"),
+        value=value,
+    )

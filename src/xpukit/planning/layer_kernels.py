@@ -1,0 +1,183 @@
+"""Hub layer kernels (transformers' ``use_kernels`` / ``KernelConfig``): on or off, and why.
+
+* Only on device types ``KernelConfig`` accepts (cuda, rocm, xpu, npu, neuron, tpu): on cpu/mps
+  ``use_kernels=True`` replaces nothing, silently (cpu-findings.md §3), so ``"auto"`` leaves it off
+  and an explicit request there is refused.
+* ``"auto"`` turns it on when the model registers kernel layers and every kernel transformers'
+  default mapping names for them on this device (inference mode) can be had — cached, or the Hub
+  reachable (:func:`xpukit.planning.attention.obtainable`). Never with LoRA: ``model.train()`` makes
+  transformers re-kernelize for training mode, fetching kernels outside xpukit's time bound.
+* An explicit request that cannot be had falls back to off, with the reason recorded.
+* Never when some modules run on the CPU, disk or MPS (offload or a given device_map): auto leaves
+  it off, an explicit request is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from xpukit.errors import InvalidRequestError
+from xpukit.hub import kernels_support
+from xpukit.machine.facts import DeviceFacts
+from xpukit.planning.attention import KernelRef, device_type, obtainable
+from xpukit.planning.loadplan import Decision
+from xpukit.planning.model_facts import ModelFacts
+
+__all__ = ["KERNEL_CONFIG_DEVICES", "KernelsChoice", "choose_kernels", "parse_kernels"]
+
+# Device types KernelConfig accepts (transformers KERNELS_SUPPORTED_DEVICE_TYPES): no cpu, no mps.
+KERNEL_CONFIG_DEVICES = ("cuda", "rocm", "xpu", "npu", "neuron", "tpu")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class KernelsChoice:
+    """The ``use_kernels`` decision and the user's kernel mapping, if any."""
+
+    decision: Decision
+    use: bool
+    config: Any = None
+    warning: str | None = None
+
+
+def parse_kernels(value: object) -> tuple[str, Any]:
+    """``kernels=`` → ``(mode, config)`` with mode ``auto``/``on``/``off``. Raises on nonsense."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if value is None or text == "auto":
+        return "auto", None
+    if value is True or text in {"on", "true", "yes", "1"}:
+        return "on", None
+    if value is False or text in {"off", "false", "no", "0"}:
+        return "off", None
+    if isinstance(value, dict) or type(value).__name__ == "KernelConfig":
+        return "on", value
+    raise InvalidRequestError(
+        f"kernels={value!r} is not understood. Valid: 'auto', True, False, a "
+        "transformers.KernelConfig, or its "
+        "mapping dict {'RMSNorm': 'kernels-community/rmsnorm:RMSNorm', ...}."
+    )
+
+
+def choose_kernels(
+    value: object, device: DeviceFacts, model: ModelFacts, *, lora: bool, host_modules: str | None = None
+) -> KernelsChoice:
+    """Decide ``use_kernels`` (see the module docstring for the rules).
+
+    ``host_modules`` says why some modules run on the CPU, disk or MPS, where Hub kernels have no build.
+    """
+    mode, config = parse_kernels(value)
+    where = device_type(device)
+    if mode == "off":
+        return KernelsChoice(
+            decision=Decision(name="use_kernels", value=False, reason="asked", source="user"), use=False
+        )
+    if host_modules is not None:
+        why = f"{host_modules}, where Hub layer kernels have no build"
+        if mode == "on" and host_modules.startswith("the given device_map"):
+            raise InvalidRequestError(f"kernels={value!r}: {why}. Fix: kernels=False (or 'auto').")
+        return _not_had(mode, why)
+    if where not in KERNEL_CONFIG_DEVICES:
+        why = (
+            f"transformers' KernelConfig accepts {', '.join(KERNEL_CONFIG_DEVICES)} only; on "
+            f"{device.backend} "
+            "use_kernels=True replaces nothing, silently"
+        )
+        if mode == "on":
+            raise InvalidRequestError(
+                f"kernels={value!r} on {device.backend}: {why}. Fix: kernels=False (or 'auto')."
+            )
+        return KernelsChoice(
+            decision=Decision(name="use_kernels", value=False, reason=f"off: {why}"), use=False
+        )
+    if mode == "auto" and lora:
+        why = (
+            "a LoRA model is trained, and model.train() makes transformers re-kernelize for training mode, "
+            "fetching kernels outside xpukit's time bound"
+        )
+        return KernelsChoice(
+            decision=Decision(name="use_kernels", value=False, reason=f"off: {why}", rejected=((True, why),)),
+            use=False,
+        )
+    if mode == "auto" and not model.kernel_layers:
+        why = f"{model.architecture} registers no layers for Hub kernels"
+        return KernelsChoice(
+            decision=Decision(name="use_kernels", value=False, reason=f"off: {why}"), use=False
+        )
+    refs = _mapping_refs(model.kernel_layers, where) if config is None else _user_refs(config, where)
+    ok, why = obtainable(refs) if refs else (kernels_support().accepted, kernels_support().reason)
+    if ok:
+        what = ", ".join(sorted({r.repo for r in refs})) or "the mapped layers"
+        return KernelsChoice(
+            decision=Decision(
+                name="use_kernels",
+                value=True,
+                reason=f"Hub kernels for {what} on {device.backend}: {why}",
+                source="user" if mode == "on" else "auto",
+            ),
+            use=True,
+            config=config,
+        )
+    return _not_had(mode, why)
+
+
+def _not_had(mode: str, why: str) -> KernelsChoice:
+    """Kernels off because they cannot be had: a recorded fallback (with a warning) when asked for."""
+    if mode == "on":
+        return KernelsChoice(
+            decision=Decision(
+                name="use_kernels",
+                value=False,
+                reason=f"kernels were asked but cannot be had: {why}. Loading without them",
+                rejected=((True, why),),
+                source="fallback",
+            ),
+            use=False,
+            warning=f"use_kernels cannot be had ({why}); loading without Hub kernels",
+        )
+    return KernelsChoice(
+        decision=Decision(name="use_kernels", value=False, reason=f"off: {why}", rejected=((True, why),)),
+        use=False,
+    )
+
+
+def _mapping_refs(layers: tuple[str, ...], device_type: str) -> list[KernelRef]:
+    """The Hub kernels transformers' default mapping would load for these layers (inference mode)."""
+    if not layers or not kernels_support().accepted:
+        return []
+    from kernels import Mode
+    from transformers.integrations.hub_kernels import get_kernel_mapping_transformers
+
+    mapping = get_kernel_mapping_transformers()
+    refs: dict[tuple[str, Any, Any], KernelRef] = {}
+    for layer in layers:
+        per_device = mapping.get(layer, {})
+        entry = per_device.get(device_type)
+        if entry is None:
+            continue
+        modes = entry.items() if isinstance(entry, dict) else [(Mode.INFERENCE, entry)]
+        repos = [r for m, r in modes if not isinstance(m, Mode) or Mode.INFERENCE in m or m == Mode.FALLBACK]
+        for repo in repos:
+            repo_id = getattr(repo, "_repo_id", None) or getattr(repo, "repo_id", None)
+            if repo_id:
+                version = getattr(repo, "_version", None)
+                revision = getattr(repo, "_revision", None)
+                refs[(repo_id, version, revision)] = KernelRef(
+                    repo=repo_id, version=version, revision=revision
+                )
+    return list(refs.values())
+
+
+def _user_refs(config: Any, device_type: str) -> list[KernelRef]:
+    """Repositories named in a user's KernelConfig / mapping dict (any cached version counts)."""
+    mapping = config if isinstance(config, dict) else getattr(config, "kernel_mapping", {}) or {}
+    if getattr(config, "use_local_kernel", False):
+        return []
+    refs = []
+    for value in mapping.values():
+        if isinstance(value, dict):
+            value = value.get(device_type)
+        if isinstance(value, tuple):
+            value = value[0]
+        if isinstance(value, str) and "/" in value:
+            refs.append(KernelRef(repo=value.split(":", 1)[0].partition("@")[0]))
+    return refs

@@ -1,0 +1,380 @@
+"""The plan a load follows: one :class:`Decision` per choice, the memory estimate, and what ran.
+
+A :class:`LoadPlan` is frozen. :func:`xpukit.plan_load` makes it; :func:`xpukit.load_for_xpu`
+carries it out and attaches a copy with the :class:`LoadEvent` s of the load (fallbacks and their
+causes) as ``model.xpukit_plan``.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Literal
+
+from xpukit.planning.placement import DeviceBudget, format_bytes
+
+if TYPE_CHECKING:
+    from xpukit.machine.facts import DeviceFacts, MachineFacts
+    from xpukit.planning.model_facts import ModelFacts
+
+__all__ = ["Decision", "LoadEvent", "LoadPlan", "MemoryEstimate"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Decision:
+    """One choice of the plan.
+
+    Attributes:
+        name: what was decided (``device``, ``dtype``, ``attn_implementation``…).
+        value: the value chosen (JSON-able).
+        reason: why.
+        rejected: alternatives that were not taken, each with why not.
+        source: ``auto`` (xpukit chose), ``user`` (an argument), or ``fallback`` (what was asked could
+            not be had; the reason says why).
+    """
+
+    name: str
+    value: Any
+    reason: str
+    rejected: tuple[tuple[Any, str], ...] = ()
+    source: Literal["auto", "user", "fallback"] = "auto"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return {
+            "name": self.name,
+            "value": _jsonable(self.value),
+            "reason": self.reason,
+            "rejected": [{"value": _jsonable(v), "why": why} for v, why in self.rejected],
+            "source": self.source,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoadEvent:
+    """Something that happened while carrying out a plan.
+
+    Attributes:
+        kind: ``fallback`` (a planned choice could not be had), ``applied`` (a step that ran), or
+            ``note``.
+        what: the choice or step (``attn_implementation``, ``use_kernels``, ``lora``…).
+        planned: what the plan said.
+        actual: what was done instead (or what ran).
+        cause: why.
+    """
+
+    kind: Literal["fallback", "applied", "note"]
+    what: str
+    planned: Any = None
+    actual: Any = None
+    cause: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return {
+            "kind": self.kind,
+            "what": self.what,
+            "planned": _jsonable(self.planned),
+            "actual": _jsonable(self.actual),
+            "cause": self.cause,
+        }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryEstimate:
+    """Weights at the chosen dtype (or quantization) and headroom, against each device's memory."""
+
+    weights: int
+    weights_key: str  # e.g. "bfloat16" or "4bit/bfloat16"
+    headroom: int
+    headroom_rule: str
+    budgets: tuple[DeviceBudget, ...]
+    placement: str  # "single" | "split" | "offload" | "given"
+    verdict: str
+    sizing: str
+
+    @property
+    def needed(self) -> int:
+        """Weights plus headroom."""
+        return self.weights + self.headroom
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return {
+            "weights": self.weights,
+            "weights_key": self.weights_key,
+            "headroom": self.headroom,
+            "headroom_rule": self.headroom_rule,
+            "needed": self.needed,
+            "budgets": [b.to_dict() for b in self.budgets],
+            "placement": self.placement,
+            "verdict": self.verdict,
+            "sizing": self.sizing,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadPlan:
+    """Everything a load will do, with the reasons; made by :func:`xpukit.plan_load`.
+
+    Attributes:
+        model: what to load (Hub id or local path; ``None`` for a bare config with no weights).
+        model_facts: what was read from the config.
+        machine: the facts the plan was made for (detected, or a profile).
+        device: the main device.
+        dtype: ``bfloat16`` / ``float16`` / ``float32`` (also the 4-bit compute dtype).
+        quantization: ``4bit``, ``8bit`` (bitsandbytes), the ``quant_method`` of another given
+            quantization config (``quanto``, ``torchao``…, passed through unchanged), or ``None``.
+        quantization_config: the ``BitsAndBytesConfig`` keyword arguments (dtype as a name), or the
+            user's config as a dict.
+        attn_implementation: what ``from_pretrained`` gets (``sdpa``, ``eager``, a Hub kernel repo…).
+        attention_kernel: the Hub kernel the attention needs (``org/repo``), fetched under a time
+            bound at load; ``None`` when none.
+        use_kernels: whether ``from_pretrained(use_kernels=True)`` is passed.
+        device_map / max_memory: what ``from_pretrained`` gets.
+        memory: the size estimate against each device.
+        lora: the LoRA request (:class:`xpukit.planning.lora_request.LoraRequest`) or ``None``.
+        decisions: every choice with its reason and rejected alternatives.
+        warnings: things the user should know (offload, emulated dtype, fallbacks).
+        passthrough: other ``from_pretrained`` keyword arguments, passed unchanged.
+        events: what happened at load (empty until carried out).
+        carried_out: whether this plan is the one a load carried out.
+    """
+
+    model: str | None
+    model_facts: ModelFacts
+    machine: MachineFacts
+    device: DeviceFacts
+    dtype: str
+    quantization: str | None
+    quantization_config: dict[str, Any] | None
+    attn_implementation: str
+    attention_kernel: str | None
+    use_kernels: bool
+    device_map: str | dict[str, Any]
+    max_memory: dict[int | str, int] | None
+    memory: MemoryEstimate
+    lora: Any
+    decisions: tuple[Decision, ...]
+    warnings: tuple[str, ...] = ()
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    model_class: str = ""
+    events: tuple[LoadEvent, ...] = ()
+    carried_out: bool = False
+    # Objects the user handed over, used as given (not compared, not serialised).
+    user_quantization_config: Any = field(default=None, compare=False, repr=False)
+    kernel_config: Any = field(default=None, compare=False, repr=False)
+    config: Any = field(default=None, compare=False, repr=False)
+    config_kwargs: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    config_given: bool = field(default=False, compare=False, repr=False)  # the user handed over a config
+
+    @property
+    def fallbacks(self) -> tuple[LoadEvent, ...]:
+        """The load events that replaced a planned choice, each with its cause."""
+        return tuple(e for e in self.events if e.kind == "fallback")
+
+    def decision(self, name: str) -> Decision:
+        """The decision called ``name``."""
+        for d in self.decisions:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def with_events(self, events: tuple[LoadEvent, ...], **changes: Any) -> LoadPlan:
+        """A copy recording what a load did (``carried_out=True``)."""
+        return replace(self, events=self.events + events, carried_out=True, **changes)
+
+    def from_pretrained_kwargs(self) -> dict[str, Any]:
+        """The exact keyword arguments for ``from_pretrained`` (imports torch/transformers to build them)."""
+        import torch
+
+        kwargs: dict[str, Any] = {
+            "dtype": getattr(torch, self.dtype),
+            "device_map": dict(self.device_map) if isinstance(self.device_map, dict) else self.device_map,
+            "attn_implementation": self.attn_implementation,
+        }
+        if self.max_memory is not None:
+            kwargs["max_memory"] = dict(self.max_memory)
+        if self.quantization is not None:
+            kwargs["quantization_config"] = self._bnb_config()
+        if self.use_kernels:
+            kwargs["use_kernels"] = True
+            if self.kernel_config is not None:
+                kwargs["kernel_config"] = self._kernel_config()
+        kwargs.update(self.passthrough)
+        if self.config_given and self.config is not None:
+            kwargs["config"] = self.config
+        return kwargs
+
+    def _bnb_config(self) -> Any:
+        if self.user_quantization_config is not None:
+            return self.user_quantization_config
+        import torch
+        from transformers import BitsAndBytesConfig
+
+        values = dict(self.quantization_config or {})
+        if "bnb_4bit_compute_dtype" in values:
+            values["bnb_4bit_compute_dtype"] = getattr(torch, values["bnb_4bit_compute_dtype"])
+        return BitsAndBytesConfig(**values)
+
+    def _kernel_config(self) -> Any:
+        if isinstance(self.kernel_config, dict):
+            from transformers import KernelConfig
+
+            return KernelConfig(self.kernel_config)
+        return self.kernel_config
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of the whole plan (the schema of ``xpukit plan --json``)."""
+        lora = self.lora
+        return {
+            "model": self.model,
+            "model_facts": self.model_facts.to_dict(),
+            "machine": {
+                "source": self.machine.source,
+                "torch_version": self.machine.torch_version,
+                "devices": [d.to_dict() for d in self.machine.devices],
+                "cpu": self.machine.cpu.to_dict(),
+            },
+            "device": self.device.to_dict(),
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            "quantization_config": _jsonable(self.quantization_config),
+            "attn_implementation": self.attn_implementation,
+            "attention_kernel": self.attention_kernel,
+            "use_kernels": self.use_kernels,
+            "device_map": _jsonable(self.device_map),
+            "max_memory": _jsonable(self.max_memory),
+            "memory": self.memory.to_dict(),
+            "lora": None if lora is None else {"describe": lora.describe(), **_jsonable(_fields(lora))},
+            "decisions": [d.to_dict() for d in self.decisions],
+            "warnings": list(self.warnings),
+            "from_pretrained_kwargs": self._kwargs_summary(),
+            "model_class": self.model_class,
+            "events": [e.to_dict() for e in self.events],
+            "carried_out": self.carried_out,
+        }
+
+    def _kwargs_summary(self) -> dict[str, Any]:
+        # The kwargs without importing torch: dtypes as "torch.bfloat16", configs as dicts.
+        out: dict[str, Any] = {
+            "dtype": f"torch.{self.dtype}",
+            "device_map": _jsonable(self.device_map),
+            "attn_implementation": self.attn_implementation,
+        }
+        if self.max_memory is not None:
+            out["max_memory"] = _jsonable(self.max_memory)
+        if self.quantization is not None:
+            kind = (
+                type(self.user_quantization_config).__name__
+                if self.user_quantization_config is not None
+                else "BitsAndBytesConfig"
+            )
+            out["quantization_config"] = {kind: _jsonable(self.quantization_config)}
+        if self.use_kernels:
+            out["use_kernels"] = True
+            if self.kernel_config is not None:
+                out["kernel_config"] = _jsonable(self.kernel_config)
+        out.update({k: _jsonable(v) for k, v in self.passthrough.items() if k != "config"})
+        if self.config_given and self.config is not None:
+            out["config"] = f"<the given {type(self.config).__name__}>"
+        return out
+
+    def explain(self, width: int = 100) -> str:
+        """A readable table: every choice, why, what was rejected, the memory, the kwargs, what ran."""
+        facts = self.model_facts
+        params = (
+            f"{facts.num_parameters / 1e9:.2f} B"
+            if facts.num_parameters >= 1e8
+            else f"{facts.num_parameters:,}"
+        )
+        lines = [
+            f"Plan for {self.model or facts.name}: {facts.architecture}, {params} parameters",
+            f"Machine: {self.machine.source}; main device {self.device.torch_device} ({self.device.name})",
+            "",
+        ]
+        name_w = max(len(d.name) for d in self.decisions) + 2
+        value_w = min(max(len(_short(d.value)) for d in self.decisions) + 2, 34)
+        lines.append(f"  {'choice':<{name_w}}{'value':<{value_w}}why")
+        indent = 2 + name_w + value_w
+        for d in self.decisions:
+            value = _short(d.value)
+            tag = {"user": " (asked)", "fallback": " (fallback)"}.get(d.source, "")
+            wrapped = textwrap.wrap(d.reason + tag, max(width - indent, 30)) or [""]
+            head = f"  {d.name:<{name_w}}{value:<{value_w}}"
+            if len(value) >= value_w:
+                lines.append(f"  {d.name:<{name_w}}{value}")
+                head = " " * indent
+            lines.append(head + wrapped[0])
+            lines += [" " * indent + w for w in wrapped[1:]]
+        lines += ["", "Memory"]
+        m = self.memory
+        lines.append(f"  weights    {format_bytes(m.weights):>11}  {m.weights_key}; {m.sizing}")
+        lines.append(f"  headroom   {format_bytes(m.headroom):>11}  {m.headroom_rule}")
+        for b in m.budgets:
+            budget = f"; max_memory {format_bytes(b.weights_budget)}" if b.weights_budget is not None else ""
+            lines.append(f"  {b.device:<10} {format_bytes(b.usable):>11}  usable: {b.rule}{budget}")
+        lines += textwrap.wrap(f"verdict: {m.verdict}", width, initial_indent="  ", subsequent_indent="    ")
+        rejected = [(d.name, v, why) for d in self.decisions for v, why in d.rejected]
+        if rejected:
+            lines += ["", "Rejected alternatives"]
+            for name, value, why in rejected:
+                lines += textwrap.wrap(
+                    f"{name} = {_short(value)}: {why}", width, initial_indent="  ", subsequent_indent="    "
+                )
+        if self.warnings:
+            lines += ["", "Warnings"]
+            for w in self.warnings:
+                lines += textwrap.wrap(w, width, initial_indent="  ! ", subsequent_indent="    ")
+        target = repr(self.model) if self.model else f"<no weights: config {facts.name}>"
+        lines += [
+            "",
+            f"{self.model_class or facts.auto_class}.from_pretrained({target}, **kwargs) with kwargs:",
+        ]
+        for key, value in self._kwargs_summary().items():
+            lines.append(f"  {key} = {json.dumps(value) if not isinstance(value, str) else value}")
+        if self.events:
+            lines += ["", "What happened at load"]
+            for e in self.events:
+                text = (
+                    f"{e.kind} {e.what}: {_short(e.planned)} -> {_short(e.actual)}"
+                    if e.planned
+                    else f"{e.kind} {e.what}: {_short(e.actual)}"
+                )
+                lines += textwrap.wrap(
+                    f"{text} ({e.cause})" if e.cause else text,
+                    width,
+                    initial_indent="  ",
+                    subsequent_indent="    ",
+                )
+        return "\n".join(lines)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, dict):
+        return json.dumps(_jsonable(value))
+    return str(value)
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    names = getattr(obj, "__dataclass_fields__", None)
+    if names:
+        return {n: getattr(obj, n) for n in names}
+    return {}
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        try:
+            return _jsonable(to_dict())
+        except Exception:  # a foreign to_dict that fails must not break reporting
+            return repr(value)
+    return str(value)

@@ -1,0 +1,303 @@
+"""What ``lora=`` asks for: :func:`resolve_lora` → a frozen :class:`LoraRequest` (pure).
+
+It reads at most an ``adapter_config.json`` and never a model; :func:`check_lora_request` builds the
+``peft.LoraConfig`` and matches its targets against the model's facts, so a LoRA request peft would
+refuse is refused before any weight is read. Applying a request is
+:func:`xpukit.loading.lora.apply_lora`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from xpukit.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from xpukit.planning.model_facts import ModelFacts
+
+__all__ = [
+    "DEFAULT_LORA",
+    "LORA_CONFIG_KEYS",
+    "LoraRequest",
+    "build_lora_config",
+    "check_lora_request",
+    "lora_config_or_problem",
+    "resolve_lora",
+    "targets_problem",
+    "targets_text",
+]
+
+# lora=True. r=16 with alpha=32 (scale alpha/r = 2) is the common QLoRA-era default: enough capacity
+# for instruction or domain tuning on every linear layer, about 0.5 % of an 8B model's parameters.
+# Dropout 0.05 is what the QLoRA paper used for models up to 13B. "all-linear" targets every linear
+# layer but the output head, on any architecture (peft's per-model default list misses new ones).
+DEFAULT_LORA: dict[str, Any] = {
+    "r": 16,
+    "lora_alpha": 32,
+    "lora_dropout": 0.05,
+    "target_modules": "all-linear",
+    "bias": "none",
+    "task_type": "CAUSAL_LM",
+}
+
+# The keyword arguments of peft's LoraConfig (peft 0.17–0.21). Checked without importing peft, so
+# a typo is refused at once; a key only newer peft knows can still be passed in a LoraConfig object.
+LORA_CONFIG_KEYS: frozenset[str] = frozenset(
+    {
+        "task_type", "base_model_name_or_path", "revision", "inference_mode", "r", "target_modules",
+        "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out", "bias", "use_rslora",
+        "modules_to_save", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
+        "alpha_pattern", "megatron_config", "megatron_core", "trainable_token_indices", "loftq_config",
+        "eva_config", "corda_config", "lora_ga_config", "use_dora", "velora_config",
+        "alora_invocation_tokens", "use_qalora", "qalora_group_size", "monteclora_config",
+        "layer_replication", "runtime_config", "lora_bias", "target_parameters", "use_bdlora",
+        "arrow_config", "kasa_config", "ensure_weight_tying",
+    }
+)  # fmt: skip
+# Keys of a lora= dict that steer xpukit rather than peft.
+_XPUKIT_KEYS = frozenset({"gradient_checkpointing", "liger"})
+# LoraConfig fields that describe the object, not the adapter.
+_NOT_KWARGS = frozenset({"peft_type", "auto_mapping", "peft_version"})
+_ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoraRequest:
+    """What ``lora=`` asked for, resolved and validated.
+
+    Attributes:
+        kind: ``"new"`` (fresh trainable adapters) or ``"adapter"`` (a trained adapter for inference).
+        config: keyword arguments for ``peft.LoraConfig`` (for ``"adapter"``: the saved config, for
+            display only).
+        adapter_path: the adapter directory when ``kind == "adapter"``.
+        gradient_checkpointing: enable non-reentrant gradient checkpointing when applying.
+        reason: why these settings.
+        liger: use liger-kernel's fused kernels: ``None`` decides by device and installation,
+            ``False`` never (``lora={"liger": False}``), ``True`` insists (a note says when it cannot).
+    """
+
+    kind: Literal["new", "adapter"]
+    config: dict[str, Any]
+    adapter_path: str | None
+    gradient_checkpointing: bool
+    reason: str
+    liger: bool | None = None
+
+    def describe(self) -> str:
+        """One line for the plan's explain table."""
+        c = self.config
+        if self.kind == "adapter":
+            saved = f"r={c.get('r')}, targets {targets_text(c.get('target_modules'))}" if c else "saved"
+            return f"LoRA adapter {self.adapter_path} ({saved}), inference only"
+        gc = "on" if self.gradient_checkpointing else "off"
+        return (
+            f"new LoRA r={c.get('r')} alpha={c.get('lora_alpha')} dropout={c.get('lora_dropout')} "
+            f"{targets_text(c.get('target_modules'))}, checkpointing {gc}"
+        )
+
+
+def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
+    """Validate ``lora=`` and resolve it to a :class:`LoraRequest` (no model, no peft import).
+
+    Args:
+        lora: ``None``/``False`` (no LoRA); ``True`` (new adapters with :data:`DEFAULT_LORA`); a dict
+            of ``LoraConfig`` keywords laid over those defaults (plus xpukit's own
+            ``gradient_checkpointing`` and ``liger`` keys); a ``peft.LoraConfig``; or the path of a
+            trained adapter directory (loaded for inference).
+        quantized: the base model is loaded in 4/8-bit (gradient checkpointing then defaults on).
+
+    Returns:
+        The request, or ``None`` when no LoRA is wanted.
+
+    Raises:
+        InvalidRequestError: an unknown key, a wrong type, or an adapter directory without
+            ``adapter_config.json``.
+
+    Example::
+
+        >>> resolve_lora(True, quantized=True).describe()
+        'new LoRA r=16 alpha=32 dropout=0.05 all-linear, checkpointing on'
+    """
+    if lora is None or lora is False:
+        return None
+    if lora is True:
+        return _new(dict(DEFAULT_LORA), quantized, None, None, "lora=True: xpukit's defaults")
+    if isinstance(lora, dict):
+        return _from_dict(lora, quantized)
+    if isinstance(lora, str | os.PathLike):
+        return _from_path(Path(os.fspath(lora)))
+    if type(lora).__name__ == "LoraConfig" and dataclasses.is_dataclass(lora):
+        config = _config_kwargs(lora)
+        _check_numbers(config)
+        return _new(config, quantized, None, None, "your LoraConfig, as given")
+    raise InvalidRequestError(
+        f"lora={lora!r} ({type(lora).__name__}) is not understood. Valid: None/False, True, a dict of "
+        "LoraConfig keywords, a peft.LoraConfig, or the path of a trained adapter directory."
+    )
+
+
+def _new(
+    config: dict[str, Any], quantized: bool, gc: bool | None, liger: bool | None, origin: str
+) -> LoraRequest:
+    gradient_checkpointing = quantized if gc is None else gc
+    why_gc = (
+        "given" if gc is not None else "on for quantised training" if quantized else "off (not quantised)"
+    )
+    return LoraRequest(
+        kind="new",
+        config=config,
+        adapter_path=None,
+        gradient_checkpointing=gradient_checkpointing,
+        liger=liger,
+        reason=f"{origin}; gradient checkpointing {why_gc}",
+    )
+
+
+def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
+    bad = [k for k in lora if not isinstance(k, str) or (k not in LORA_CONFIG_KEYS | _XPUKIT_KEYS)]
+    if bad:
+        hints = []
+        for key in bad:
+            close = difflib.get_close_matches(str(key), sorted(LORA_CONFIG_KEYS | _XPUKIT_KEYS), n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise InvalidRequestError(
+            f"lora= dict has unknown keys: {', '.join(hints)}. Valid keys are peft.LoraConfig's "
+            f"({', '.join(sorted(LORA_CONFIG_KEYS))}) and xpukit's gradient_checkpointing and liger. "
+            "A key only a newer peft knows can be passed as a peft.LoraConfig object instead."
+        )
+    options = dict(lora)
+    gc = options.pop("gradient_checkpointing", None)
+    liger = options.pop("liger", None)
+    for name, value in (("gradient_checkpointing", gc), ("liger", liger)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidRequestError(f"lora={{'{name}': {value!r}}}: must be True or False.")
+    _check_numbers(options)
+    given = ", ".join(sorted(options)) or "nothing"
+    return _new(
+        {**DEFAULT_LORA, **options}, quantized, gc, liger, f"xpukit's defaults with {given} from lora="
+    )
+
+
+def _check_numbers(options: dict[str, Any]) -> None:
+    """The numeric settings peft only checks while it changes the model (too late to refuse cleanly)."""
+    r, alpha, dropout = options.get("r", 1), options.get("lora_alpha", 1), options.get("lora_dropout", 0.0)
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        raise InvalidRequestError(
+            f"lora={{'r': {r!r}}}: the rank must be a positive integer (e.g. 8, 16, 64)."
+        )
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
+        raise InvalidRequestError(
+            f"lora={{'lora_alpha': {alpha!r}}}: must be a positive number (commonly r or 2*r)."
+        )
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
+        raise InvalidRequestError(f"lora={{'lora_dropout': {dropout!r}}}: must be in [0, 1).")
+
+
+def _from_path(path: Path) -> LoraRequest:
+    config_file = path / "adapter_config.json"
+    if not path.is_dir():
+        raise InvalidRequestError(
+            f"lora={str(path)!r}: no such directory. A trained adapter is a directory written by "
+            "PeftModel.save_pretrained (adapter_config.json + adapter_model.safetensors); download a Hub "
+            "adapter first with huggingface_hub.snapshot_download."
+        )
+    if not config_file.is_file():
+        present = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
+        raise InvalidRequestError(
+            f"lora={str(path)!r}: adapter_config.json is missing (found: {present}). Point lora= at the "
+            "directory PeftModel.save_pretrained wrote, or use lora=True for new adapters."
+        )
+    try:
+        saved = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(f"lora={str(path)!r}: adapter_config.json is unreadable: {exc}") from exc
+    if not isinstance(saved, dict):
+        raise InvalidRequestError(f"lora={str(path)!r}: adapter_config.json does not hold a JSON object.")
+    return LoraRequest(
+        kind="adapter",
+        config=saved,
+        adapter_path=str(path),
+        gradient_checkpointing=False,
+        reason="a trained adapter directory: loaded for inference (eval mode, not trainable)",
+    )
+
+
+def _config_kwargs(config: object) -> dict[str, Any]:
+    """A LoraConfig's keyword arguments (sets become sorted lists; enums their values)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        if not f.init or f.name in _NOT_KWARGS:
+            continue
+        value = getattr(config, f.name)
+        if isinstance(value, set | frozenset):
+            value = sorted(value)
+        elif hasattr(value, "value") and type(value).__module__.startswith("peft"):
+            value = value.value  # TaskType enum -> "CAUSAL_LM"
+        out[f.name] = value
+    return out
+
+
+def targets_text(targets: object) -> str:
+    if isinstance(targets, list | tuple | set):
+        return ",".join(sorted(map(str, targets)))
+    return str(targets)
+
+
+def build_lora_config(request: LoraRequest) -> Any:
+    config, problem = lora_config_or_problem(request)
+    if problem is not None:
+        raise InvalidRequestError(problem)
+    return config
+
+
+def lora_config_or_problem(request: LoraRequest) -> tuple[Any, str | None]:
+    # A message rather than an exception: callers holding a loaded model drop it before raising.
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig(**request.config), None
+    except (TypeError, ValueError) as exc:
+        return None, f"lora=: peft.LoraConfig rejected {request.config}: {exc}"
+
+
+def check_lora_request(request: LoraRequest | None, facts: ModelFacts) -> None:
+    """Refuse a LoRA request that peft would refuse for this model — before any weight is read.
+
+    Builds the ``peft.LoraConfig`` (imports peft, which imports bitsandbytes: call it under
+    :func:`xpukit.hub.offline_guard` when the Hub cannot be used) and matches its ``target_modules``
+    against the module names recorded in the model's facts (built on the meta device).
+
+    Raises:
+        InvalidRequestError: ``LoraConfig`` rejects the settings, or the targets match no module (the
+            message lists the model's linear layers).
+    """
+    if request is None or request.kind != "new":
+        return
+    config, problem = lora_config_or_problem(request)
+    if problem is None and facts.module_names:
+        problem = targets_problem(config, facts.module_names, list(facts.linear_layers), facts.architecture)
+    if problem is not None:
+        raise InvalidRequestError(problem)
+
+
+def targets_problem(config: Any, module_names: Any, linear_names: list[str], architecture: str) -> str | None:
+    """Why the targets match no module, listing the model's linear layers (peft's own error names
+    neither the model's layers nor the fix); ``None`` when they match."""
+    from peft.tuners.tuners_utils import check_target_module_exists
+
+    targets = config.target_modules
+    if targets is None or targets == _ALL_LINEAR or getattr(config, "target_parameters", None):
+        return None  # peft resolves these per architecture
+    if any(check_target_module_exists(config, name) for name in module_names):
+        return None
+    return (
+        f"lora target_modules={targets_text(targets)!r} match no module of this "
+        f"{architecture}. Its linear layers are: {', '.join(linear_names)}. "
+        'Name some of those, or use target_modules="all-linear".'
+    )

@@ -1,0 +1,450 @@
+"""Facts about a model, read from its config alone: architecture, attention support and weight sizes.
+
+Sizes come from the model built on the ``meta`` device (no memory, no weights) and measured with
+transformers' own ``compute_module_sizes`` — the function ``device_map="auto"`` uses — so tied
+weights, buffers and the modules bitsandbytes leaves unquantised are counted exactly as transformers
+counts them when it places the model (cpu-findings.md §8: Qwen3-0.6B bf16 1136.88 MiB, nf4
+506.88 MiB). For 4-bit/8-bit sizes the bitsandbytes quantizer's rules are applied without importing
+bitsandbytes, which costs seconds and can reach the Hub at import (cpu-findings.md §4).
+
+Real-size shapes to plan with, offline, are in :mod:`xpukit.planning.reference_models`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from xpukit.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SIZE_KEYS", "ModelFacts", "auto_class_for", "model_facts", "quantized_bits"]
+
+# Every (dtype, quantization) pair the planner may ask for; sizes are computed for all of them.
+SIZE_KEYS = (
+    "bfloat16",
+    "float16",
+    "float32",
+    "4bit/bfloat16",
+    "4bit/float16",
+    "4bit/float32",
+    "8bit/bfloat16",
+    "8bit/float16",
+    "8bit/float32",
+)
+
+# Auto classes tried in order; the first whose mapping knows the config builds the model.
+_AUTO_CLASSES = (
+    ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING"),
+    ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING"),
+    ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING"),
+    ("AutoModel", "MODEL_MAPPING"),
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelFacts:
+    """What the planner needs to know about a model, read from its config (never its weights).
+
+    Attributes:
+        name: the Hub id, local path or config name the facts were read from.
+        model_type: the config's ``model_type`` (``qwen3``, ``llama``…).
+        architecture: the model class that will be built (``Qwen3ForCausalLM``).
+        auto_class: the transformers Auto class that loads it (``AutoModelForCausalLM``).
+        num_parameters: parameters, tied ones counted once.
+        weight_bytes: bytes of weights (parameters and buffers) per :data:`SIZE_KEYS` entry.
+        kv_bytes_per_token: KV-cache bytes per token at 16-bit (``None`` when the config lacks the
+            attention shape).
+        max_positions: the context length the config allows, when it says.
+        supports_sdpa: the architecture implements SDPA attention.
+        supports_flash_attn: the architecture implements flash-attention (packages or Hub kernels).
+        supports_flex_attn: the architecture implements flex attention.
+        no_split_modules: module classes ``device_map="auto"`` must keep on one device.
+        kernel_layers: layer/function names the model registers for Hub kernels (``use_kernels``).
+        pre_quantized: the quantization method of a pre-quantized checkpoint, else ``None``.
+        pre_quantized_bits: bits per quantized weight of a pre-quantized checkpoint, when its
+            ``quantization_config`` says (``load_in_4bit`` → 4, GPTQ/AWQ ``bits``); its sizes under
+            every dtype are then the quantized sizes.
+        quantizable_numel: elements of the weights a weight-only quantizer replaces (the linear
+            layers bitsandbytes would convert); sizes at other bit widths derive from it.
+        linear_layers: distinct names (last path part) of the linear layers, what LoRA
+            ``target_modules`` can name.
+        module_names: every module's full name, for matching LoRA targets before loading.
+        config_dtype: the dtype the checkpoint declares, when it does.
+        sizing: how the sizes were computed (stated in plans).
+    """
+
+    name: str
+    model_type: str
+    architecture: str
+    auto_class: str
+    num_parameters: int
+    weight_bytes: dict[str, int]
+    kv_bytes_per_token: int | None = None
+    max_positions: int | None = None
+    supports_sdpa: bool = True
+    supports_flash_attn: bool = False
+    supports_flex_attn: bool = False
+    no_split_modules: tuple[str, ...] = ()
+    kernel_layers: tuple[str, ...] = ()
+    pre_quantized: str | None = None
+    pre_quantized_bits: int | None = None
+    quantizable_numel: int = 0
+    linear_layers: tuple[str, ...] = ()
+    module_names: tuple[str, ...] = field(default=(), repr=False)
+    config_dtype: str | None = None
+    sizing: str = "transformers compute_module_sizes on the meta device"
+    notes: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight_bytes", dict(self.weight_bytes))
+
+    def weights(self, dtype: str, quantization: str | None = None) -> int:
+        """Bytes of weights when loaded in ``dtype``, optionally quantized (``4bit``/``8bit``)."""
+        key = f"{quantization}/{dtype}" if quantization else dtype
+        try:
+            return self.weight_bytes[key]
+        except KeyError:
+            raise InvalidRequestError(
+                f"No size for dtype={dtype!r}, quantization={quantization!r}."
+            ) from None
+
+    def weights_at_bits(self, dtype: str, bits: float) -> int:
+        """Bytes of weights with the quantizable weights at ``bits`` each and the rest in ``dtype``.
+
+        An estimate for weight-only quantizers other than bitsandbytes (GPTQ, AWQ, quanto, torchao):
+        their scales and zero points (about 3 % at group size 128) are not counted.
+        """
+        rest = self.weights(dtype, "4bit") - self.quantizable_numel * 0.5
+        return int(rest + self.quantizable_numel * bits / 8)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return {
+            "name": self.name,
+            "model_type": self.model_type,
+            "architecture": self.architecture,
+            "auto_class": self.auto_class,
+            "num_parameters": self.num_parameters,
+            "weight_bytes": dict(self.weight_bytes),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "max_positions": self.max_positions,
+            "supports_sdpa": self.supports_sdpa,
+            "supports_flash_attn": self.supports_flash_attn,
+            "supports_flex_attn": self.supports_flex_attn,
+            "no_split_modules": list(self.no_split_modules),
+            "kernel_layers": list(self.kernel_layers),
+            "pre_quantized": self.pre_quantized,
+            "pre_quantized_bits": self.pre_quantized_bits,
+            "quantizable_numel": self.quantizable_numel,
+            "linear_layers": list(self.linear_layers),
+            "config_dtype": self.config_dtype,
+            "sizing": self.sizing,
+            "notes": list(self.notes),
+        }
+
+
+# Facts are a pure function of the config: the last few are kept, keyed by the config's full JSON,
+# so loading the same model again in a process skips the meta-device build (about 8 ms for a tiny
+# model, 40 ms for an 8B shape).
+_CACHE: OrderedDict[str, ModelFacts] = OrderedDict()
+_CACHE_SIZE = 8
+
+
+def model_facts(
+    config: PreTrainedConfig, *, name: str | None = None, trust_remote_code: bool = False, cache: bool = True
+) -> ModelFacts:
+    """Read a model's facts from its config by building it on the meta device.
+
+    Args:
+        config: the model's config (it is not modified).
+        name: what to call the model in plans (default: the config's ``_name_or_path``).
+        trust_remote_code: passed to the Auto class for configs whose model code lives in the repo.
+        cache: reuse the facts of an identical config read before in this process.
+
+    Raises:
+        InvalidRequestError: no transformers Auto class can build this config.
+    """
+    kind = f"{type(config).__module__}.{type(config).__name__}"
+    key = f"{kind}:{trust_remote_code}:{config.to_json_string(use_diff=False)}"
+    if cache and key in _CACHE:
+        _CACHE.move_to_end(key)
+        facts = _CACHE[key]
+        wanted = name or str(getattr(config, "_name_or_path", "") or "<config>")
+        return facts if facts.name == wanted else replace(facts, name=wanted)
+    facts = _read_facts(config, name=name, trust_remote_code=trust_remote_code)
+    _CACHE[key] = facts
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return facts
+
+
+def _read_facts(config: PreTrainedConfig, *, name: str | None, trust_remote_code: bool) -> ModelFacts:
+    auto_name, model = _build_meta_model(config, trust_remote_code=trust_remote_code)
+    weight_bytes, quantizable = _weight_sizes(model, config)
+    text = config.get_text_config()
+    quant = getattr(config, "quantization_config", None)
+    pre_quantized = None
+    pre_bits = None
+    notes: list[str] = []
+    if quant is not None:
+        method = (
+            quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+        )
+        pre_quantized = str(getattr(method, "value", method) or "unknown")
+        pre_bits = quantized_bits(quant)
+        if pre_bits is not None:
+            # The checkpoint loads quantized whatever dtype is asked: every size is the quantized one.
+            numel = quantizable
+            for dtype in ("bfloat16", "float16", "float32"):
+                rest = weight_bytes[f"4bit/{dtype}"] - numel * 0.5
+                weight_bytes[dtype] = int(rest + numel * pre_bits / 8)
+            notes.append(
+                f"pre-quantized checkpoint ({pre_quantized}, {pre_bits}-bit): sized with its linear "
+                f"weights at {pre_bits} bits (scales and zero points not counted)"
+            )
+        else:
+            notes.append(
+                f"pre-quantized checkpoint ({pre_quantized}, bit width not stated): sizes are for "
+                "unquantized weights (an upper bound)"
+            )
+    config_dtype = getattr(config, "dtype", None)
+    module_names = tuple(name for name, _ in model.named_modules() if name)
+    return ModelFacts(
+        name=name or str(getattr(config, "_name_or_path", "") or "<config>"),
+        model_type=str(getattr(config, "model_type", "") or "unknown"),
+        architecture=type(model).__name__,
+        auto_class=auto_name,
+        num_parameters=sum(p.numel() for p in model.parameters()),
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=_kv_bytes_per_token(text),
+        max_positions=getattr(text, "max_position_embeddings", None),
+        supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
+        supports_flash_attn=bool(getattr(model, "_supports_flash_attn", False)),
+        supports_flex_attn=bool(getattr(model, "_supports_flex_attn", False)),
+        no_split_modules=tuple(sorted(getattr(model, "_no_split_modules", None) or ())),
+        kernel_layers=_kernel_layers(model),
+        pre_quantized=pre_quantized,
+        pre_quantized_bits=pre_bits,
+        quantizable_numel=quantizable,
+        linear_layers=_linear_layers(model),
+        module_names=module_names,
+        config_dtype=str(config_dtype).removeprefix("torch.") if config_dtype is not None else None,
+        notes=tuple(notes),
+    )
+
+
+def quantized_bits(quant: Any) -> int | None:
+    """Bits per weight a quantization config states (dict or object), else ``None``.
+
+    bitsandbytes: ``load_in_4bit`` / ``load_in_8bit``; GPTQ, AWQ, AutoRound, HQQ…: ``bits``;
+    quanto: ``weights`` ``"int8"``/``"int4"``/``"int2"``/``"float8"``.
+    """
+
+    def get(key: str) -> Any:
+        return quant.get(key) if isinstance(quant, dict) else getattr(quant, key, None)
+
+    if get("load_in_4bit"):
+        return 4
+    if get("load_in_8bit"):
+        return 8
+    bits = get("bits")
+    if isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= 16:
+        return bits
+    weights = get("weights")
+    if isinstance(weights, str):
+        match = re.fullmatch(r"(?:int|float)(\d+)", weights.strip().lower())
+        if match and 1 <= int(match[1]) <= 16:
+            return int(match[1])
+    return None
+
+
+def _linear_layers(model: PreTrainedModel) -> tuple[str, ...]:
+    import torch
+
+    names = set()
+    for name, module in model.named_modules():
+        if name and (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
+            names.add(name.rsplit(".", 1)[-1])
+    return tuple(sorted(names))
+
+
+def auto_class_for(config: PreTrainedConfig) -> str:
+    """The name of the transformers Auto class that loads ``config`` (causal LMs first)."""
+    from transformers.models.auto import modeling_auto
+
+    for auto_name, mapping_name in _AUTO_CLASSES:
+        mapping = getattr(modeling_auto, mapping_name, None)
+        if mapping is not None and type(config) in mapping:
+            return auto_name
+    auto_map = getattr(config, "auto_map", None) or {}
+    for auto_name, _ in _AUTO_CLASSES:
+        if auto_name in auto_map:
+            return auto_name
+    raise InvalidRequestError(
+        f"No transformers Auto class loads a {type(config).__name__} (model_type "
+        f"{getattr(config, 'model_type', None)!r}). xpukit loads models that "
+        f"{', '.join(a for a, _ in _AUTO_CLASSES)} can build. Fix: pass model_class=<the transformers class>."
+    )
+
+
+def _build_meta_model(config: PreTrainedConfig, *, trust_remote_code: bool) -> tuple[str, PreTrainedModel]:
+    import torch
+    import transformers
+
+    auto_name = auto_class_for(config)
+    auto = getattr(transformers, auto_name)
+    # Built on the meta device: no memory, no init cost (0.04 s for an 8B shape, against 0.16 s with
+    # accelerate's init_empty_weights), and tied weights stay tied. "eager" keeps transformers from
+    # checking (or fetching) an attention implementation the config may name.
+    with torch.device("meta"):
+        model = auto.from_config(
+            copy.deepcopy(config),
+            dtype=torch.bfloat16,
+            attn_implementation="eager",
+            trust_remote_code=trust_remote_code,
+        )
+    return auto_name, model
+
+
+class _TensorRecorder:
+    """Stands in for the quantizer in ``compute_module_sizes(model, hf_quantizer=...)``.
+
+    transformers walks the tensors it counts (parameters and buffers, tied weights once) and asks
+    ``param_element_size(model, name, tensor)`` for each; this answers with the tensor's own size and
+    records it, so one walk gives the sizes under every dtype and quantization rule.
+    """
+
+    def __init__(self) -> None:
+        self.tensors: list[tuple[str, int, int, bool]] = []  # name, numel, element size, floating
+
+    def param_element_size(self, model: Any, name: str, tensor: Any) -> float:
+        self.tensors.append(
+            (name, int(tensor.numel()), int(tensor.element_size()), bool(tensor.is_floating_point()))
+        )
+        return float(tensor.element_size())
+
+
+def _weight_sizes(model: PreTrainedModel, config: PreTrainedConfig) -> tuple[dict[str, int], int]:
+    from transformers.integrations.accelerate import compute_module_sizes
+
+    recorder = _TensorRecorder()
+    as_built = int(compute_module_sizes(model, hf_quantizer=recorder)[0][""])
+    buffers = {name for name, _ in model.named_buffers()}
+    params = [name for name, _ in model.named_parameters()]
+    fp32_for = {
+        # transformers keeps `_keep_in_fp32_modules` in fp32 under fp16, and the strict list under any
+        # 16-bit dtype (PreTrainedModel._get_dtype_plan).
+        "float16": _matching(
+            params, _patterns(model, "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict")
+        ),
+        "bfloat16": _matching(params, _patterns(model, "_keep_in_fp32_modules_strict")),
+        "float32": set(),
+    }
+    quantized = {bits: _bnb_quantized_weights(model, config, bits) for bits in ("4bit", "8bit")}
+
+    def total(dtype: str, float_bytes: int, names: set[str], qbytes: float) -> int:
+        size = 0.0
+        for name, numel, element, floating in recorder.tensors:
+            if name in names:
+                size += numel * qbytes
+            elif name in buffers or not floating:
+                size += numel * element  # buffers (rotary inv_freq…) keep their own dtype
+            elif name in fp32_for[dtype]:
+                size += numel * 4
+            else:
+                size += numel * float_bytes
+        return int(size)
+
+    sizes: dict[str, int] = {}
+    for dtype, float_bytes in (("bfloat16", 2), ("float16", 2), ("float32", 4)):
+        sizes[dtype] = total(dtype, float_bytes, set(), 0.0)
+        for bits, (names, qbytes) in quantized.items():
+            sizes[f"{bits}/{dtype}"] = total(dtype, float_bytes, names, qbytes)
+    if sizes["bfloat16"] != as_built:  # the model was built in bf16: the walk must add up the same
+        logger.warning(
+            "Size estimate differs from transformers' own: %d != %d bytes", sizes["bfloat16"], as_built
+        )
+    names4 = quantized["4bit"][0]
+    quantizable = sum(numel for name, numel, _, _ in recorder.tensors if name in names4)
+    return sizes, quantizable
+
+
+def _bnb_quantized_weights(
+    model: PreTrainedModel, config: PreTrainedConfig, bits: str
+) -> tuple[set[str], float]:
+    """Names of the weights bitsandbytes would quantize, and bytes per quantized element.
+
+    Mirrors transformers' ``replace_with_bnb_linear`` (plain ``nn.Linear`` and ``Conv1D`` modules not
+    matched by the quantizer's ``modules_to_not_convert``) and ``param_needs_quantization`` (weights,
+    not biases), using the quantizer's own skip list and element size — without importing
+    bitsandbytes (``transformers.integrations.bitsandbytes`` imports it at module load).
+    """
+    import torch
+    from transformers import BitsAndBytesConfig
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers import AutoHfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    bnb = BitsAndBytesConfig(load_in_4bit=True) if bits == "4bit" else BitsAndBytesConfig(load_in_8bit=True)
+    quantizer = AutoHfQuantizer.from_config(bnb, pre_quantized=False)
+    skip = quantizer.get_modules_to_not_convert(model, bnb.llm_int8_skip_modules, model._keep_in_fp32_modules)
+    names = set()
+    for module_name, module in model.named_modules():
+        if (type(module) is torch.nn.Linear or isinstance(module, Conv1D)) and should_convert_module(
+            module_name, skip
+        ):
+            names.add(f"{module_name}.weight")
+    # `quantized_element_size` appeared after transformers 5.17; bitsandbytes stores 4-bit weights
+    # as two values per byte and 8-bit weights as one.
+    element_size = getattr(quantizer, "quantized_element_size", 0.5 if bits == "4bit" else 1.0)
+    return names, float(element_size)
+
+
+def _patterns(model: PreTrainedModel, *attrs: str) -> set[str]:
+    out: set[str] = set()
+    for attr in attrs:
+        out |= set(getattr(model, attr, None) or ())
+    return out
+
+
+def _matching(names: list[str], patterns: set[str]) -> set[str]:
+    if not patterns:
+        return set()
+    # transformers matches these module names as substrings of parameter names.
+    return {n for n in names if any(p in n for p in patterns)}
+
+
+def _kv_bytes_per_token(text: Any) -> int | None:
+    layers = getattr(text, "num_hidden_layers", None)
+    heads = getattr(text, "num_attention_heads", None)
+    hidden = getattr(text, "hidden_size", None)
+    if not (isinstance(layers, int) and isinstance(heads, int) and heads > 0):
+        return None
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else None)
+    if not isinstance(head_dim, int):
+        return None
+    return 2 * layers * int(kv_heads) * head_dim * 2  # K and V, 2 bytes each at 16-bit
+
+
+def _kernel_layers(model: PreTrainedModel) -> tuple[str, ...]:
+    # Classes decorated with use_kernel_forward_from_hub carry `kernel_layer_name`; functions
+    # registered with use_kernel_func_from_hub live in a module's `_kernel_funcs`.
+    names: set[str] = set()
+    for module in model.modules():
+        layer = getattr(type(module), "kernel_layer_name", None)
+        if isinstance(layer, str):
+            names.add(layer)
+        funcs = getattr(module, "_kernel_funcs", None)
+        if isinstance(funcs, dict):
+            names.update(str(k) for k in funcs)
+    return tuple(sorted(names))

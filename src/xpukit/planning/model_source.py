@@ -1,0 +1,142 @@
+"""Where a model comes from: a local directory, a Hub id, or a config — and reading its config.
+
+Only ``config.json`` is read, never weights. A Hub id is read from the local cache when the Hub is
+offline (``HF_HUB_OFFLINE``) or found unreachable by the bounded check of :mod:`xpukit.hub`, so a
+silent endpoint costs seconds, not forever.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from xpukit.errors import InvalidRequestError
+from xpukit.hub import RECHECK_HINT, hub_offline, hub_status
+from xpukit.planning.reference_models import REFERENCE_CONFIGS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+__all__ = ["is_path_like", "local_model_dir", "read_config"]
+
+# from_pretrained keywords that locate files; AutoConfig consumes them but the weights need them too.
+_HUB_KWARGS = frozenset(
+    {
+        "revision",
+        "token",
+        "cache_dir",
+        "subfolder",
+        "trust_remote_code",
+        "local_files_only",
+        "force_download",
+        "proxies",
+        "code_revision",
+        "_commit_hash",
+    }
+)
+_HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+def is_path_like(model: str) -> bool:
+    """Whether a model string is meant as a filesystem path rather than a Hub id."""
+    return model.startswith(("/", "./", "../", "~")) or "\\" in model or model.count("/") > 1
+
+
+def local_model_dir(model: str | Path) -> Path | None:
+    """The directory of a local model, ``None`` for a Hub id; errors for a bad path.
+
+    Raises:
+        InvalidRequestError: a path that does not exist, is not a directory, or has no config.json.
+    """
+    text = str(model)
+    path = Path(text).expanduser()
+    if not path.exists():
+        if isinstance(model, Path) or is_path_like(text):
+            raise InvalidRequestError(
+                f"Model path {text!r} does not exist. Pass an existing model directory (with "
+                "config.json and the weights) or a Hub model id such as 'Qwen/Qwen3-0.6B'."
+            )
+        return None
+    if not path.is_dir():
+        raise InvalidRequestError(
+            f"Model path {text!r} is a file; pass the directory that holds config.json and the weights."
+        )
+    if not (path / "config.json").is_file():
+        raise InvalidRequestError(
+            f"Model directory {text!r} has no config.json, so it is not a transformers model directory. "
+            "Fix: pass the directory written by save_pretrained() (or a Hub id)."
+        )
+    return path
+
+
+def read_config(
+    model: Any, kwargs: dict[str, Any]
+) -> tuple[PreTrainedConfig, str | None, str, frozenset[str]]:
+    """The config, where the weights come from, a display name, and the kwargs the config consumed."""
+    from transformers import AutoConfig, PreTrainedConfig
+
+    given = kwargs.get("config")
+    if given is not None:
+        if not isinstance(given, PreTrainedConfig):
+            raise InvalidRequestError(f"config={given!r} must be a transformers PretrainedConfig.")
+        if (
+            isinstance(model, (str, Path))
+            and local_model_dir(model) is None
+            and not _HUB_ID.match(str(model))
+        ):
+            raise InvalidRequestError(
+                f"model={str(model)!r} is neither an existing directory nor a Hub model id."
+            )
+        # from_pretrained(model, config=config): the weights come from `model`, the config as given.
+        return given, str(model) if isinstance(model, (str, Path)) else None, str(model), frozenset()
+    if isinstance(model, PreTrainedConfig):
+        named = str(getattr(model, "_name_or_path", "") or "")
+        source = None
+        if (named and Path(named).is_dir()) or (
+            named and _HUB_ID.match(named) and named.lower() not in REFERENCE_CONFIGS
+        ):
+            source = named
+        return model, source, named or "<config>", frozenset()
+    if not isinstance(model, (str, Path)):
+        raise InvalidRequestError(
+            f"model={model!r} ({type(model).__name__}) is not a Hub id, a local directory or a "
+            "PretrainedConfig."
+        )
+    local = local_model_dir(model)
+    text = str(model)
+    config_kwargs = dict(kwargs)
+    if local is not None:
+        config, unused = AutoConfig.from_pretrained(str(local), return_unused_kwargs=True, **config_kwargs)
+        return config, str(local), text, _consumed(kwargs, unused)
+    if not _HUB_ID.match(text):
+        raise InvalidRequestError(
+            f"model={text!r} is neither an existing directory nor a Hub model id ('org/name'). Fix: pass the "
+            "directory written by save_pretrained() or a Hub id such as 'Qwen/Qwen3-0.6B'."
+        )
+    if hub_offline():
+        local_only, why = True, "HF_HUB_OFFLINE is set"
+    else:
+        status = hub_status()
+        local_only, why = not status.usable, status.reason
+    if local_only:
+        config_kwargs["local_files_only"] = True
+    try:
+        config, unused = AutoConfig.from_pretrained(text, return_unused_kwargs=True, **config_kwargs)
+    except (OSError, ValueError) as exc:
+        if local_only:
+            recheck = "" if hub_offline() else f" ({RECHECK_HINT})"
+            raise InvalidRequestError(
+                f"{text!r} is not a local directory, and its config is not in the local Hub cache "
+                "while the Hub "
+                f"cannot be used ({why}). Fix: download it while online (`hf download {text}`), or "
+                f"pass a local directory{recheck}."
+            ) from exc
+        raise InvalidRequestError(f"Could not read the config of {text!r} from the Hub: {exc}") from exc
+    return config, text, text, _consumed(kwargs, unused)
+
+
+def _consumed(kwargs: dict[str, Any], unused: dict[str, Any]) -> frozenset[str]:
+    # Config overrides (e.g. rope_scaling=...) are applied to the config; file-locating keywords are
+    # still needed for the weights.
+    return frozenset(set(kwargs) - set(unused) - _HUB_KWARGS)

@@ -1,0 +1,211 @@
+"""``plan_load``: every loading choice decided from facts, with its reason, before any weight is read.
+
+Deciding is a pure function of the request, the machine's facts and the model's facts. The only
+reads are the model's config (never its weights), the machine (only when ``facts`` is not given:
+:func:`xpukit.machine.probe.detect`), installed package versions, the local kernel cache, and — only when
+a Hub-backed choice is on the table — one bounded reachability check (:mod:`xpukit.hub`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from xpukit.errors import InvalidRequestError
+from xpukit.machine.facts import MachineFacts
+from xpukit.planning.arguments import (
+    check_lora_targets,
+    check_model_class,
+    device_of_map,
+    host_modules_reason,
+    lora_request_for,
+    normalize_dtype_arg,
+    normalize_max_memory,
+    parse_device,
+    reconcile,
+)
+from xpukit.planning.attention import choose_attention, normalize_attn
+from xpukit.planning.device import DEVICE_PATTERN, decide_dtype, machine_for, resolve_device
+from xpukit.planning.layer_kernels import choose_kernels, parse_kernels
+from xpukit.planning.layout import plan_layout
+from xpukit.planning.loadplan import Decision, LoadPlan
+from xpukit.planning.model_facts import model_facts
+from xpukit.planning.model_source import read_config
+from xpukit.planning.placement import parse_size
+from xpukit.planning.quantization import parse_quantize
+
+__all__ = ["plan_load"]
+
+logger = logging.getLogger(__name__)
+
+
+def plan_load(
+    model: Any,
+    *,
+    device: Any = None,
+    dtype: Any = "auto",
+    attn: Any = "auto",
+    kernels: Any = "auto",
+    device_map: Any = "auto",
+    max_memory: dict[Any, Any] | None = None,
+    quantize: Any = None,
+    lora: Any = None,
+    offload: bool = True,
+    headroom: Any = None,
+    facts: MachineFacts | str | None = None,
+    model_class: Any = None,
+    **from_pretrained_kwargs: Any,
+) -> LoadPlan:
+    """Plan how to load ``model`` for inference: device, dtype, placement, attention, kernels, 4-bit, LoRA.
+
+    Reads the config only (offline rules honoured), never the weights. With ``facts`` given no
+    device runtime is initialised.
+
+    Args:
+        model: a Hub id, a local model directory, or a ``PretrainedConfig``.
+        device: ``"xpu"``, ``"xpu:1"``, ``"cuda"``, ``"mps"``, ``"cpu"`` or a ``torch.device``; default:
+            the first available of xpu, cuda, mps, cpu.
+        dtype: ``"auto"`` (per device family) or ``bfloat16`` / ``float16`` / ``float32``.
+        attn: ``"auto"``, ``sdpa``, ``eager``, ``flex_attention``, ``flash_attention_2/3/4`` or a Hub
+            kernel ``org/repo``.
+        kernels: ``"auto"``, ``True``, ``False``, or a ``KernelConfig`` (or its mapping dict).
+        device_map: ``"auto"`` (xpukit decides), an accelerate strategy, a device, or a dict.
+        max_memory: per-device weight budgets (``{0: "10GiB", "cpu": "30GiB"}``).
+        quantize: ``None``, ``"4bit"``, ``"8bit"``, ``"auto"``, a ``BitsAndBytesConfig``, or another
+            transformers quantization config (``QuantoConfig``, ``GPTQConfig``…), passed through.
+        lora: ``None``, ``True``, a ``LoraConfig``, a dict of its arguments, or an adapter path; new
+            adapters are checked against the model's modules here (this imports peft).
+        offload: allow CPU offload when the model fits nowhere else (else :class:`PlanError`).
+        headroom: memory kept free beside the weights (bytes or ``"2GiB"``); default: the rule in
+            docs/planning.md.
+        facts: the machine to plan for: :class:`MachineFacts`, or a profile such as
+            ``"max-1550"`` (one card: two FLAT stacks); default: this machine (:func:`xpukit.detect`).
+        model_class: the transformers class to load with (default: the Auto class for the config).
+        **from_pretrained_kwargs: passed to ``from_pretrained`` unchanged.
+
+    Returns:
+        A frozen :class:`LoadPlan`.
+
+    Raises:
+        InvalidRequestError: a bad or conflicting argument, path or model id.
+        DeviceUnavailableError: the device cannot be used with this torch build or machine.
+        MissingExtraError: a requested extra (bitsandbytes, peft) is missing on this machine.
+        PlanError: the model fits nowhere (the message shows the numbers).
+
+    Example:
+        >>> from xpukit import plan_load
+        >>> from xpukit.planning.reference_models import reference_config
+        >>> plan = plan_load(reference_config("qwen3-8b"), facts="arc-b580", quantize="4bit")
+        >>> plan.device_map, plan.dtype
+        ('xpu:0', 'bfloat16')
+    """
+    kwargs = dict(from_pretrained_kwargs)
+    dtype, attn, quantize, kernels = reconcile(
+        kwargs, dtype=dtype, attn=attn, quantize=quantize, kernels=kernels
+    )
+    # Everything that can be checked without reading anything is checked first.
+    dtype_req = normalize_dtype_arg(dtype)
+    attn = normalize_attn(attn)
+    quant = parse_quantize(quantize)
+    parse_kernels(kernels)
+    given_headroom = parse_size(headroom, "headroom") if headroom is not None else None
+    memory_limits = normalize_max_memory(max_memory)
+    device_text = parse_device(device)
+    if isinstance(device_map, str) and DEVICE_PATTERN.match(device_map.strip().lower()):
+        mapped = device_map.strip().lower()
+        if device_text is not None and device_text != mapped:
+            raise InvalidRequestError(
+                f"device={device!r} and device_map={device_map!r} disagree. Fix: pass one of them."
+            )
+        device_text = mapped
+    elif device_map is not None and not isinstance(device_map, (str, dict)):
+        raise InvalidRequestError(
+            f"device_map={device_map!r} must be 'auto', a device, an accelerate strategy or a dict."
+        )
+    class_name = check_model_class(model_class)
+    lora_request_for(lora, quantized=quant.kind in {"4bit", "8bit"})  # validate before reading anything
+    config, source, name, consumed = read_config(model, kwargs)
+    machine, facts_given = machine_for(facts)
+    if isinstance(device_map, dict):
+        device_text = device_of_map(device_map, device_text, machine)
+    main, candidates, device_decision = resolve_device(device_text, machine)
+    mfacts = model_facts(config, name=name, trust_remote_code=bool(kwargs.get("trust_remote_code", False)))
+    if mfacts.pre_quantized and quant.kind not in {None, "auto"}:
+        raise InvalidRequestError(
+            f"quantize={quantize!r}: {name} is already quantized ({mfacts.pre_quantized}); it cannot be "
+            "quantized again. Fix: quantize=None."
+        )
+
+    warnings: list[str] = []
+    dtype_decision = decide_dtype(dtype_req, main, warnings)
+    layout = plan_layout(
+        facts=mfacts,
+        machine=machine,
+        main=main,
+        candidates=candidates,
+        dtype_decision=dtype_decision,
+        quant=quant,
+        device_map=device_map,
+        max_memory=memory_limits,
+        offload=offload,
+        headroom=given_headroom,
+        enforce_extras=not facts_given,
+        warnings=warnings,
+    )
+    dtype_name = str(layout.dtype.value)
+    host_modules = host_modules_reason(device_map, layout.max_memory, main)
+    attention = choose_attention(attn, main, dtype_name, mfacts, host_modules=host_modules)
+    lora_request = lora_request_for(lora, quantized=layout.quantization is not None)
+    check_lora_targets(lora_request, mfacts, enforce=not facts_given, warnings=warnings)
+    kernel_choice = choose_kernels(
+        kernels, main, mfacts, lora=lora_request is not None, host_modules=host_modules
+    )
+    for warning in (attention.warning, kernel_choice.warning):
+        if warning:
+            warnings.append(warning)
+    decisions = [device_decision, layout.dtype, *layout.decisions, attention.decision, kernel_choice.decision]
+    if lora_request is not None:
+        decisions.append(Decision(name="lora", value=lora_request.describe(), reason=lora_request.reason))
+    for warning in warnings:
+        logger.warning("%s", warning)
+    return LoadPlan(
+        model=source,
+        model_facts=mfacts,
+        machine=machine,
+        device=main,
+        dtype=dtype_name,
+        quantization=layout.quantization,
+        quantization_config=layout.quantization_config,
+        attn_implementation=attention.value,
+        attention_kernel=attention.kernel.repo if attention.kernel else None,
+        use_kernels=kernel_choice.use,
+        device_map=layout.device_map,
+        max_memory=layout.max_memory,
+        memory=layout.memory,
+        lora=lora_request,
+        decisions=tuple(decisions),
+        warnings=tuple(warnings),
+        passthrough=kwargs,
+        model_class=class_name or mfacts.auto_class,
+        user_quantization_config=quant.user_config,
+        kernel_config=kernel_choice.config if kernel_choice.use else None,
+        config=config,
+        config_kwargs=consumed,
+        config_given="config" in kwargs or (source is not None and not isinstance(model, (str, Path))),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# Machine and device
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------

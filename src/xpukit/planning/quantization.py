@@ -1,0 +1,153 @@
+"""bitsandbytes quantization requests: what was asked, whether this device and install can do it.
+
+* ``"4bit"`` → ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+  bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=<plan dtype>)``; ``"8bit"`` →
+  ``load_in_8bit=True``; a user ``BitsAndBytesConfig`` is used as given.
+* bitsandbytes ≥ 0.48 (native XPU backend); on Arc A-series, bf16 4-bit compute needs ≥ 0.50
+  (bitsandbytes#1942, platform.md §5) — otherwise the compute dtype becomes fp16 and the plan says so.
+* No MPS backend exists: refused.
+* Any other transformers quantization config (``QuantoConfig``, ``TorchAoConfig``, ``GPTQConfig``…)
+  is passed to ``from_pretrained`` unchanged.
+* Compute dtype: any float dtype works with bitsandbytes (fp32 is its own default compute dtype,
+  just slower); xpukit only ever hands it one of bfloat16 / float16 / float32.
+
+Nothing here imports bitsandbytes: versions come from package metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from xpukit._compat import installed_version, is_installed, version_at_least
+from xpukit.errors import InvalidRequestError, MissingExtraError
+from xpukit.machine.facts import DeviceFacts
+
+__all__ = [
+    "BNB_MIN",
+    "BNB_MIN_ARC_A_BF16",
+    "QuantRequest",
+    "bnb_kwargs",
+    "bnb_problem",
+    "parse_quantize",
+]
+
+BNB_MIN = "0.48"  # first release with the native XPU (SYCL) backend and a working CPU 4-bit path
+BNB_MIN_ARC_A_BF16 = "0.50"  # Alchemist bf16 gemv_4bit fix (bitsandbytes#1942)
+
+_NAMES = {"4bit": "4bit", "nf4": "4bit", "int4": "4bit", "8bit": "8bit", "int8": "8bit", "auto": "auto"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class QuantRequest:
+    """A parsed ``quantize=`` argument."""
+
+    kind: str | None  # None | "4bit" | "8bit" | "auto" | "other" (a non-bitsandbytes config)
+    user_config: Any = None  # a quantization config given by the user, used as is
+
+    @property
+    def method(self) -> str | None:
+        """The config's ``quant_method`` (``quanto``, ``torchao``, ``gptq``…), when a config was given."""
+        method = getattr(self.user_config, "quant_method", None)
+        value = getattr(method, "value", method)
+        return str(value) if value is not None else None
+
+    @property
+    def user_offload(self) -> bool:
+        """The user's config allows CPU offload of unquantized modules."""
+        return bool(getattr(self.user_config, "llm_int8_enable_fp32_cpu_offload", False))
+
+
+def parse_quantize(value: object) -> QuantRequest:
+    """``None`` / ``"4bit"`` / ``"8bit"`` / ``"auto"`` / a ``BitsAndBytesConfig`` → :class:`QuantRequest`.
+
+    Raises:
+        InvalidRequestError: anything else, or a BitsAndBytesConfig that loads neither 4 nor 8 bit.
+    """
+    if value is None or value is False:
+        return QuantRequest(kind=None)
+    if isinstance(value, str):
+        kind = _NAMES.get(value.strip().lower())
+        if value.strip().lower() in {"none", "off", "no"}:
+            return QuantRequest(kind=None)
+        if kind is None:
+            raise InvalidRequestError(
+                f"quantize={value!r} is not a known quantization. Valid: None, '4bit' (nf4 + double quant), "
+                "'8bit' (LLM.int8), 'auto' (4-bit only when the model does not fit otherwise), or a "
+                "transformers.BitsAndBytesConfig."
+            )
+        return QuantRequest(kind=kind)
+    if type(value).__name__ == "BitsAndBytesConfig":
+        if getattr(value, "load_in_4bit", False):
+            return QuantRequest(kind="4bit", user_config=value)
+        if getattr(value, "load_in_8bit", False):
+            return QuantRequest(kind="8bit", user_config=value)
+        raise InvalidRequestError(
+            "quantize=BitsAndBytesConfig(...) loads neither 4-bit nor 8-bit; set load_in_4bit=True or "
+            "load_in_8bit=True, or pass quantize=None."
+        )
+    if getattr(value, "quant_method", None) is not None and callable(getattr(value, "to_dict", None)):
+        # Another transformers quantization config (QuantoConfig, TorchAoConfig, GPTQConfig,
+        # AutoRoundConfig…): passed to from_pretrained unchanged (platform.md §4 lists several as
+        # working on Intel GPUs); its own library checks it at load.
+        return QuantRequest(kind="other", user_config=value)
+    raise InvalidRequestError(
+        f"quantize={value!r} ({type(value).__name__}) is not understood. Valid: None, '4bit', "
+        "'8bit', 'auto', a transformers.BitsAndBytesConfig, or another transformers quantization "
+        "config (QuantoConfig, TorchAoConfig, GPTQConfig…), passed to from_pretrained unchanged."
+    )
+
+
+def bnb_kwargs(kind: str, compute_dtype: str) -> dict[str, Any]:
+    """The ``BitsAndBytesConfig`` keyword arguments xpukit uses (JSON-able: the dtype is a name)."""
+    if kind == "4bit":
+        return {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": compute_dtype,
+        }
+    return {"load_in_8bit": True}
+
+
+def bnb_problem(device: DeviceFacts, kind: str, compute_dtype: str) -> tuple[str | None, str | None]:
+    """Why bitsandbytes cannot do ``kind`` on ``device`` here, and a dtype change that would fix it.
+
+    Returns:
+        ``(problem, compute_dtype_fix)``: ``problem`` is ``None`` when it works; ``compute_dtype_fix``
+        is ``"float16"`` when only the compute dtype stands in the way (Arc A-series, bnb < 0.50).
+
+    Raises:
+        InvalidRequestError: on MPS, where bitsandbytes has no backend at all.
+    """
+    if device.backend == "mps":
+        raise InvalidRequestError(
+            f"quantize={kind!r} on mps: bitsandbytes has no MPS backend. Fix: quantize=None (fp16 on MPS), "
+            "or run on xpu/cuda/cpu."
+        )
+    found = installed_version("bitsandbytes") if is_installed("bitsandbytes") else None
+    feature = f"quantize={kind!r}"
+    if found is None:
+        return str(MissingExtraError(feature, "bitsandbytes", "quant", requirement=f">={BNB_MIN}")), None
+    if not version_at_least(found, BNB_MIN):
+        error = MissingExtraError(feature, "bitsandbytes", "quant", found=found, requirement=f">={BNB_MIN}")
+        return str(error), None
+    if (
+        device.family == "arc-a"
+        and kind == "4bit"
+        and compute_dtype == "bfloat16"
+        and not version_at_least(found, BNB_MIN_ARC_A_BF16)
+    ):
+        return (
+            f"bitsandbytes {found} computes bf16 4-bit wrongly on Arc A-series (fixed in "
+            f"{BNB_MIN_ARC_A_BF16}, bitsandbytes#1942)",
+            "float16",
+        )
+    return None, None
+
+
+def require_bnb(kind: str) -> str:
+    """The installed bitsandbytes version, or :class:`MissingExtraError` naming the fix."""
+    from xpukit._compat import require
+
+    return require("bitsandbytes", f"quantize={kind!r}", minimum=BNB_MIN)

@@ -43,6 +43,17 @@ os.environ["XPUKIT_CACHE_DIR"] = str(_SCRATCH / "xpukit")
 # Variables that would send one cache elsewhere than HF_HOME.
 for _name in ("HF_HUB_CACHE", "HF_ASSETS_CACHE", "HF_XET_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_CACHE"):
     os.environ.pop(_name, None)
+# The CPU's features are an injected fact, never the host's: every test (and every child process it
+# starts) sees this CPU unless it asks for another through the ``cpu_kind`` fixture, so a run on an
+# AMX Xeon and a run on an AMD EPYC without AVX-512 decide the same (docs/env.md, XPUKIT_CPU_FLAGS).
+CPU_KINDS = {
+    # Sapphire Rapids: AVX-512 with bf16 and fp16 arithmetic, AMX.
+    "native-bf16": "sse4_2 avx avx2 fma f16c avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile",
+    # AMD Zen 3 / Intel before Ice Lake servers: F16C conversions only.
+    "no-bf16": "sse4_2 avx avx2 fma f16c",
+}
+DEFAULT_CPU_KIND = "no-bf16"
+os.environ["XPUKIT_CPU_FLAGS"] = CPU_KINDS[DEFAULT_CPU_KIND]
 # tokenizers warns in every child forked after it used threads; that noise would land in the stderr
 # of CLI tests that run subprocesses.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -50,6 +61,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_SCRATCH, ignore_errors=True)
+
+
+@pytest.fixture(params=sorted(CPU_KINDS))
+def cpu_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test once as on a CPU with native bf16 and once as on one without (injected facts)."""
+    monkeypatch.setenv("XPUKIT_CPU_FLAGS", CPU_KINDS[request.param])
+    return str(request.param)
 
 
 # --- GPU-only tests ------------------------------------------------------------------------------

@@ -84,7 +84,9 @@ def test_hub_attention_kernel_that_cannot_be_had_falls_back(tiny_model, monkeypa
     (root / "refs" / "v1").write_text("abc123")
     (root / "snapshots" / "abc123").mkdir(parents=True)
     monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
-    plan = plan_load(tiny_model, attn="acme/attn-kernel")
+    # dtype pinned: flash attention computes in half precision, which the plan picks on a CPU only
+    # where it is native; the fallback under test must not depend on the CPU.
+    plan = plan_load(tiny_model, attn="acme/attn-kernel", dtype="bfloat16")
     assert plan.attn_implementation == "acme/attn-kernel" and plan.attention_kernel == "acme/attn-kernel"
     with caplog.at_level(logging.WARNING, logger="xpukit.loading.load"):
         model = load_for_xpu(plan)

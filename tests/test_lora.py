@@ -274,7 +274,8 @@ def test_lean_qlora_structure(tiny_model: Path) -> None:
 
 
 def test_generate_then_train_keeps_gradients(tiny_model: Path) -> None:
-    """cpu-findings §4 TRAP: a generate() before LoRA repacks the 4-bit weights for CPU inference,
+    """docs/known-issues.md "bitsandbytes: CPU repacking of 4-bit weights" TRAP: a generate() before LoRA
+    repacks the 4-bit weights for CPU inference,
     after which q/k/v/gate/up get exactly zero LoRA gradients. apply_lora must undo it."""
     import torch
 

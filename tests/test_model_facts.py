@@ -19,13 +19,15 @@ def qwen06():
 
 def test_reference_shapes_match_published_parameter_counts():
     # Published totals: Llama-3.1-8B 8,030,261,248 parameters (meta-llama model card / params.json
-    # tables); Qwen3-0.6B 596,049,920 once its tied embedding is counted once (cpu-findings.md §8).
+    #  tables); Qwen3-0.6B 596,049,920 once its tied embedding is counted once (docs/known-issues.md "Size
+    # estimates without weights: Qwen3-0.6B").
     assert model_facts(reference_config("llama-3.1-8b")).num_parameters == 8_030_261_248
     assert model_facts(reference_config("qwen3-0.6b")).num_parameters == 596_049_920
 
 
 def test_sizes_match_transformers_quantizer_aware_sizing(qwen06):
-    # cpu-findings.md §8 measured these with AutoHfQuantizer.preprocess_model + compute_module_sizes
+    #  docs/known-issues.md "Size estimates without weights: Qwen3-0.6B" measured these with
+    # AutoHfQuantizer.preprocess_model + compute_module_sizes
     # (which imports bitsandbytes); model_facts gets the same numbers without it.
     assert round(qwen06.weight_bytes["bfloat16"] / MiB, 2) == 1136.88
     assert round(qwen06.weight_bytes["4bit/bfloat16"] / MiB, 2) == 506.88

@@ -15,7 +15,8 @@ from xpukit.machine.probe import cpu_facts, detect, xpu_device_facts
 MiB = 2**20
 
 
-def test_detect_this_machine_for_real() -> None:
+def test_detect_this_machine_for_real(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("XPUKIT_CPU_FLAGS")  # this one test reads the real host
     facts = detect()
     import torch
 
@@ -26,8 +27,9 @@ def test_detect_this_machine_for_real() -> None:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         flags = cpuinfo.read_text()
-        has_bf16 = "avx512_bf16" in flags or "amx_bf16" in flags or " bf16" in flags
-        assert facts.cpu.native_bf16 == has_bf16
+        words = set(flags.split())
+        assert facts.cpu.native_bf16 == bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+        assert facts.cpu.fp16 == bool(words & {"avx512_fp16", "amx_fp16", "fphp", "asimdhp"})
     if not torch.xpu._is_compiled() and not torch.version.cuda:
         assert facts.accelerator == "cpu"
         assert facts.devices == ()
@@ -43,6 +45,62 @@ def test_detect_without_devices_does_not_initialise() -> None:
     assert out.stdout.split() == ["False", "False", "()"]
 
 
+# Flag sets as /proc/cpuinfo lists them on real CPUs (abridged to the SIMD and matrix flags), and
+# what each computes natively.
+REAL_CPUS = {
+    "Xeon 8480+ (Sapphire Rapids)": (
+        "sse4_2 avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 "
+        "avx512_fp16 amx_bf16 amx_tile amx_int8",
+        True,
+        True,
+    ),
+    "Xeon 8380 (Ice Lake)": (
+        "sse4_2 avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_vbmi2 avx512_bitalg",
+        False,
+        False,
+    ),
+    "Core i7-8700 (Coffee Lake, AVX2)": ("sse4_2 avx f16c fma avx2", False, False),
+    "EPYC 7763 (Zen 3)": ("sse4_2 avx f16c fma avx2 sha_ni vaes vpclmulqdq", False, False),
+    "EPYC 9654 (Zen 4)": (
+        "sse4_2 avx f16c fma avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16 avx512_bitalg",
+        True,
+        False,
+    ),
+    "Graviton3 (Neoverse V1, aarch64 Features)": ("fp asimd fphp asimdhp asimddp sve bf16 i8mm", True, True),
+}
+
+
+@pytest.mark.parametrize("cpu", sorted(REAL_CPUS))
+def test_cpu_native_arithmetic_from_real_flag_sets(cpu: str) -> None:
+    from xpukit.machine.probe import cpu_facts_from_flags
+
+    flags, bf16, fp16 = REAL_CPUS[cpu]
+    facts = cpu_facts_from_flags(cpu, set(flags.split()), total_memory=2**34, free_memory=2**33)
+    assert (facts.native_bf16, facts.fp16) == (bf16, fp16)
+
+
+@pytest.mark.parametrize("cpu", sorted(REAL_CPUS))
+def test_injected_cpu_flags_replace_the_hosts(cpu: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags, bf16, fp16 = REAL_CPUS[cpu]
+    monkeypatch.setenv("XPUKIT_CPU_FLAGS", flags)
+    facts = cpu_facts()
+    assert (facts.native_bf16, facts.fp16) == (bf16, fp16)
+
+
+def test_doctor_says_an_f16c_only_cpu_computes_no_half_precision(monkeypatch: pytest.MonkeyPatch) -> None:
+    from xpukit.doctor.host import HostFacts
+    from xpukit.doctor.report import run_doctor
+
+    monkeypatch.setenv("XPUKIT_CPU_FLAGS", REAL_CPUS["EPYC 7763 (Zen 3)"][0])
+    report = run_doctor(machine=detect(devices=False), host=HostFacts())
+    (line,) = [line for line in report.render().splitlines() if "native:" in line and "cpu" in line.lower()]
+    assert "native: fp64" in line and "fp16" not in line.split("native:")[1]
+    monkeypatch.setenv("XPUKIT_CPU_FLAGS", REAL_CPUS["Xeon 8480+ (Sapphire Rapids)"][0])
+    report = run_doctor(machine=detect(devices=False), host=HostFacts())
+    (line,) = [line for line in report.render().splitlines() if "native:" in line and "cpu" in line.lower()]
+    assert "native: bf16, fp16, fp64" in line
+
+
 def test_cpu_facts_reads_memory() -> None:
     cpu = cpu_facts()
     assert cpu.backend == "cpu" and cpu.torch_device == "cpu"
@@ -50,7 +108,7 @@ def test_cpu_facts_reads_memory() -> None:
 
 
 # --- simulated runtimes --------------------------------------------------------------------------
-# Property dumps as torch.xpu.get_device_properties returns them (platform.md §2-3).
+# Property dumps as torch.xpu.get_device_properties returns them (docs/platform-notes.md §2.2 and §3.1).
 A770_DUMP = dict(
     name="Intel(R) Arc(TM) A770 Graphics",
     device_id=0x56A0,

@@ -321,7 +321,8 @@ def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path) -> None:
 def test_repacked_4bit_weights_of_a_users_peft_model_are_restored(
     tiny_model: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """cpu-findings §4: the user's own get_peft_model, then generate() on a 4-bit CPU model, repacks
+    """docs/known-issues.md "bitsandbytes: CPU repacking of 4-bit weights": the user's own get_peft_model,
+    then generate() on a 4-bit CPU model, repacks
     the weights into a layout without backward; training_args must give the layout back."""
     import logging
 

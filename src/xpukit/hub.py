@@ -2,7 +2,8 @@
 
 huggingface_hub 2.4 makes some requests with no timeout at all (``list_repo_refs`` in the kernels
 library, the publisher trust check), so against an endpoint that accepts connections and never
-answers, the flash-attn2 Hub path and ``KernelConfig`` loading hang forever (cpu-findings.md §3).
+answers, the flash-attn2 Hub path and ``KernelConfig`` loading hang forever (docs/known-issues.md
+"huggingface_hub 2.4: Hub requests without a timeout").
 Only ``HF_HUB_OFFLINE=1`` avoided it. xpukit therefore decides reachability itself, before any
 Hub-backed choice:
 
@@ -278,7 +279,8 @@ def kernels_support() -> KernelsSupport:
 
     transformers treats a kernels release outside its window as not installed and says so
     ("`kernels` is either not installed…", "LayerRepository requires `kernels` to be installed"),
-    which misleads when it is installed (cpu-findings.md §1, §3). This names the real problem.
+    which misleads when it is installed (docs/known-issues.md "transformers: the kernels version window" and
+    docs/known-issues.md "transformers: misleading error messages"). This names the real problem.
     """
     from packaging.requirements import InvalidRequirement, Requirement  # 20 ms: only when asked
 

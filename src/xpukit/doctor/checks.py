@@ -1,7 +1,8 @@
 """The doctor's checks: :func:`diagnose` turns machine and host facts into findings.
 
 A pure function of facts (:mod:`xpukit.doctor.host` reads the host), so every known-bad setup is
-tested with hand-made facts. Sources for each check: platform.md §6 and peers.md §3.
+tested with hand-made facts. Sources for each check: docs/platform-notes.md §6 and docs/platform-notes.md
+§6.4–6.5.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ __all__ = ["Finding", "Severity", "diagnose"]
 
 Severity = Literal["error", "warning", "info"]
 
-# Names people export that the runtime never reads (peers.md §3.8), and the real one.
+# Names people export that the runtime never reads (docs/platform-notes.md §6.5), and the real one.
 _MISSPELLED = {"UR_L0_USE_RELAXED_ALLOCATION_LIMITS": "UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS"}
 
 

@@ -1,4 +1,5 @@
-"""bitsandbytes' CPU repacking of 4-bit weights, and how xpukit undoes it (cpu-findings §4).
+"""bitsandbytes' CPU repacking of 4-bit weights, and how xpukit undoes it (docs/known-issues.md
+"bitsandbytes: CPU repacking of 4-bit weights").
 
 On a CPU with avx512_bf16, ``Linear4bit.forward`` repacks its weight into a CPU-only layout on the
 first eval-mode, no-grad forward (e.g. ``generate()``). That layout has no autograd kernel: LoRA

@@ -304,7 +304,8 @@ def _replace_decision(
 
 
 def _where(model: Any) -> Any:
-    # hf_device_map exists only when a model is split over several devices (cpu-findings.md §1).
+    #  hf_device_map exists only when a model is split over several devices (docs/known-issues.md
+    # "transformers: hf_device_map only for multi-device maps").
     device_map = getattr(model, "hf_device_map", None)
     if device_map:
         return {k: str(v) for k, v in device_map.items()}

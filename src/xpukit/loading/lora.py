@@ -18,7 +18,8 @@ the half-precision weights become fp32.
 On CPUs with avx512_bf16, bitsandbytes repacks a 4-bit weight into a CPU-only layout on the first
 eval-mode forward (``generate`` does one). That layout is served by ``gemv_4bit``, which has no
 backward, so LoRA layers before the residual stream silently get zero gradients afterwards
-(cpu-findings §4). :func:`apply_lora` undoes such a repacking and turns it off for the model it
+(docs/known-issues.md "bitsandbytes: CPU repacking of 4-bit weights"). :func:`apply_lora` undoes such a
+repacking and turns it off for the model it
 prepares for training.
 """
 

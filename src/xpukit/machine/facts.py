@@ -38,9 +38,10 @@ class DeviceFacts:
             that the dtype rules key on; ``intel-unknown`` when an Intel name is not recognised.
         total_memory: bytes of memory the device can use.
         free_memory: bytes free now, or ``None`` when the runtime cannot say (Lunar Lake and Panther
-            Lake iGPUs raise on ``mem_get_info``; see platform.md §2).
+            Lake iGPUs raise on ``mem_get_info``; see docs/platform-notes.md §2.4).
         native_bf16: bf16 runs in hardware (not emulated through fp32).
-        fp16: fp16 arithmetic is supported.
+        fp16: fp16 arithmetic is supported; on a CPU only where it runs natively (AVX512-FP16,
+            AMX-FP16, Arm FP16), not where F16C merely converts.
         fp64: fp64 arithmetic is supported (needed by fp16 ``GradScaler``; Arc A-series has none).
         integrated: an integrated GPU sharing system memory.
         compute_capability: CUDA ``(major, minor)``; ``None`` elsewhere.
@@ -213,13 +214,15 @@ def generic_cpu(*, native_bf16: bool = False, total_memory: int = 16 * 2**30) ->
         total_memory=total_memory,
         free_memory=total_memory,
         native_bf16=native_bf16,
+        fp16=False,
         source="assumed",
     )
 
 
 # ---------------------------------------------------------------------------------------------
-# Intel GPU families (platform.md §3). Decided from the PCI device id first, then from the name;
-# never from torch.xpu.is_bf16_supported(), which is True on every XPU (platform.md §2).
+#  Intel GPU families (docs/platform-notes.md §3.1–3.2). Decided from the PCI device id first, then from the
+# name;
+# never from torch.xpu.is_bf16_supported(), which is True on every XPU (docs/platform-notes.md §2.3).
 # ---------------------------------------------------------------------------------------------
 
 XpuFamily = Literal[
@@ -244,7 +247,8 @@ class _FamilyTraits:
     free_memory_query: bool  # whether mem_get_info is expected to work
 
 
-# native bf16 / fp64 / integrated / free-memory query, per family (platform.md §3, peers.md §3.3).
+#  native bf16 / fp64 / integrated / free-memory query, per family (docs/platform-notes.md §3.1,
+# docs/platform-notes.md §3.4).
 _TRAITS: dict[str, _FamilyTraits] = {
     "max": _FamilyTraits(True, True, False, True),
     "flex": _FamilyTraits(True, False, False, True),  # fp64 on Flex: "presumably no (not verified)"

@@ -1,7 +1,7 @@
 """Which floating-point precision a device should compute in: pure rules over :class:`DeviceFacts`.
 
 Shared by the load planner (inference dtype) and :func:`xpukit.training_args` (mixed precision),
-so both always agree. Rules (platform.md §3, design.md "Decision rules"):
+so both always agree. Rules (docs/platform-notes.md §3, docs/planning.md "Decision rules"):
 
 * XPU: bf16 on families with native bf16 (Max, Flex, Arc A/B, Lunar Lake, Arrow Lake-H, Panther
   Lake); fp16 on Meteor Lake / Arrow Lake-S, whose bf16 is only emulated. Never

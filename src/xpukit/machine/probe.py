@@ -1,6 +1,6 @@
 """Reading the machine: the only impure part of deciding.
 
-What :func:`detect` touches, in order (platform.md §1–2):
+What :func:`detect` touches, in order (docs/platform-notes.md §1–2):
 
 1. Build facts: ``torch.version.{xpu,cuda,hip}``, ``torch.xpu._is_compiled()``,
    ``torch.backends.mps.is_built()``, ``torch.{xpu,cuda}.is_initialized()``. None of these
@@ -10,7 +10,8 @@ What :func:`detect` touches, in order (platform.md §1–2):
    runtime**: on XPU with torch <= 2.12 the Level Zero driver then reads ``ZE_AFFINITY_MASK`` and
    friends once for the whole process. Settle device selection (``xpukit launch`` or
    :meth:`xpukit.DeviceSelection.apply`) before calling it.
-3. The CPU, from ``/proc/cpuinfo`` and ``/proc/meminfo`` (Linux) or ``sysctl`` (macOS).
+3. The CPU, from ``/proc/cpuinfo`` and ``/proc/meminfo`` (Linux) or ``sysctl`` (macOS); the flags can
+   be replaced with ``XPUKIT_CPU_FLAGS`` (docs/env.md).
 
 ``torch.xpu.is_bf16_supported()`` is never used as a hardware fact: it is True on every XPU.
 """
@@ -34,7 +35,15 @@ from xpukit.machine.facts import BACKENDS, Backend, DeviceFacts, MachineFacts, c
 if TYPE_CHECKING:
     import types
 
-__all__ = ["cpu_facts", "detect", "intel_display_devices", "runtime_initialized", "xpu_device_facts"]
+__all__ = [
+    "CPU_FLAGS_VARIABLE",
+    "cpu_facts",
+    "cpu_facts_from_flags",
+    "detect",
+    "intel_display_devices",
+    "runtime_initialized",
+    "xpu_device_facts",
+]
 
 
 def detect(*, devices: bool = True) -> MachineFacts:
@@ -96,7 +105,7 @@ def runtime_initialized() -> bool:
     """Whether an XPU or CUDA runtime has (probably) read its device variables in this process.
 
     Never imports torch. True when ``torch.{xpu,cuda}.is_initialized()`` says so, and also after the
-    touches that read ``ZE_*`` / ``CUDA_*`` without setting that flag (platform.md, Implications 1):
+    touches that read ``ZE_*`` / ``CUDA_*`` without setting that flag (docs/platform-notes.md §1.4):
     xpukit's own device enumeration, transformers' cached ``is_torch_xpu_available()`` /
     accelerate's ``is_xpu_available()`` having run, or transformers' SDPA integration imported —
     each counted only when this torch build has the matching backend compiled in.
@@ -317,20 +326,46 @@ def _xccl_available(torch: types.ModuleType) -> bool | None:
         return None
 
 
+# What a CPU computes natively (docs/platform-notes.md §3.5): bf16 arithmetic is
+# AVX512-BF16 / AMX-BF16 on x86 and the BF16 extension on Arm; fp16 arithmetic is AVX512-FP16 /
+# AMX-FP16 on x86 and FEAT_FP16 ("fphp"/"asimdhp") on Arm. F16C only converts between fp16 and fp32,
+# so a CPU with F16C alone computes fp16 through fp32: not native.
+CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+CPU_FP16_FLAGS = frozenset({"avx512_fp16", "amx_fp16", "fphp", "asimdhp"})
+# XPUKIT_CPU_FLAGS replaces the flags read from the machine (docs/env.md): what xpukit would decide on
+# another CPU, and what makes the test suite independent of the CPU it runs on.
+CPU_FLAGS_VARIABLE = "XPUKIT_CPU_FLAGS"
+
+
 def cpu_facts() -> DeviceFacts:
-    """The host CPU: its name, native bf16 (avx512_bf16 / amx_bf16 / Arm BF16) and memory."""
+    """The host CPU: its name, native bf16 / fp16 arithmetic and memory (``XPUKIT_CPU_FLAGS`` overrides
+    the flags read from ``/proc/cpuinfo``)."""
     name, flags = _cpu_name_and_flags()
+    override = _environ.get(CPU_FLAGS_VARIABLE)
+    if override is not None:
+        flags = set(override.replace(",", " ").split())
     total, free = _memory()
-    native = bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return cpu_facts_from_flags(name, flags, total_memory=total, free_memory=free)
+
+
+def cpu_facts_from_flags(
+    name: str, flags: set[str] | frozenset[str], *, total_memory: int, free_memory: int | None
+) -> DeviceFacts:
+    """CPU facts from its feature flags (as ``/proc/cpuinfo`` lists them); pure.
+
+    ``fp16`` is True only where the CPU computes fp16 natively (AVX512-FP16, AMX-FP16, Arm FP16),
+    not where it can only convert (F16C).
+    """
+    lowered = {f.lower() for f in flags}
     return DeviceFacts(
         backend="cpu",
         index=0,
         name=name,
         family="cpu",
-        total_memory=total,
-        free_memory=free,
-        native_bf16=native,
-        fp16=True,
+        total_memory=total_memory,
+        free_memory=free_memory,
+        native_bf16=bool(lowered & CPU_BF16_FLAGS),
+        fp16=bool(lowered & CPU_FP16_FLAGS),
         fp64=True,
     )
 

@@ -1,6 +1,6 @@
 """Recorded facts of real devices, for planning on hardware this machine does not have.
 
-Values come from property dumps and specifications cited in reference/platform.md §2–3 (the
+Values come from property dumps and specifications cited in docs/platform-notes.md §2.2 and §3.1 (the
 ``source`` of each profile names its evidence). They drive the planner's tests and
 ``xpukit plan --assume NAME[xN]``; they are facts about a device, not a claim that xpukit ran there.
 """
@@ -74,7 +74,7 @@ PROFILES: dict[str, DeviceFacts] = {
         0x0BD5,
         64 * GiB,
         source="spec: 128 GB HBM2e over 2 stacks; FLAT hierarchy (default on Xe-HPC) exposes each "
-        "stack as one ~64 GB device (platform.md §1.1)",
+        "stack as one ~64 GB device (docs/platform-notes.md §1.1)",
         notes=("one of two stacks of one card (FLAT mode)",),
     ),
     "max-1100": _xpu(
@@ -98,7 +98,7 @@ PROFILES: dict[str, DeviceFacts] = {
         "arc-b",
         0xE20B,
         12 * GiB,
-        source="spec: 12 GB GDDR6 (platform.md §3)",
+        source="spec: 12 GB GDDR6 (docs/platform-notes.md §3.1)",
     ),
     "arc-pro-b60": _xpu(
         "Intel(R) Arc(TM) Pro B60 Graphics",
@@ -167,7 +167,8 @@ PROFILES: dict[str, DeviceFacts] = {
         total_memory=24 * GiB,
         free_memory=24 * GiB,
         native_bf16=True,
-        source="cpu-findings.md machine: avx512_bf16 and AMX present, 24 GiB",
+        fp16=True,  # Sapphire Rapids has AVX512-FP16 and AMX (docs/platform-notes.md §3.5)
+        source="a 2-vCPU Sapphire Rapids machine we measured on: avx512_bf16, avx512_fp16 and AMX, 24 GiB",
     ),
     "laptop-16g": DeviceFacts(
         backend="cpu",
@@ -179,6 +180,7 @@ PROFILES: dict[str, DeviceFacts] = {
         # fraction applies, the same pool the integrated GPU draws from.
         free_memory=None,
         native_bf16=False,
+        fp16=False,
         source="the host of the lunar-lake, meteor-lake and apple-m2 profiles: 16 GB of memory that "
         "the CPU and the integrated GPU share (Lunar Lake and Meteor Lake CPUs have no avx512_bf16)",
     ),
@@ -190,7 +192,8 @@ PROFILES: dict[str, DeviceFacts] = {
         total_memory=16 * GiB,
         free_memory=16 * GiB,
         native_bf16=False,
-        source="a CPU without avx512_bf16/amx_bf16",
+        fp16=False,  # F16C converts; it does not compute fp16
+        source="a CPU without avx512_bf16/amx_bf16/avx512_fp16 (AMD Zen 3, Intel before Cooper Lake)",
     ),
 }
 
@@ -226,12 +229,12 @@ def parse_assume(spec: str) -> tuple[str, int]:
 
 
 # Cards that show up as several torch devices: a Max 1550 has two stacks, and FLAT mode (the
-# default on Xe-HPC) makes each stack one device (platform.md §1.1).
+# default on Xe-HPC) makes each stack one device (docs/platform-notes.md §1.1).
 STACKS = {"max-1550": 2}
 
 
 # The host of each profile whose GPU shares the machine's memory: the same 16 GB, not a server's
-# 24 GiB beside it (platform.md §2: integrated GPUs and Apple silicon have one memory pool).
+# 24 GiB beside it (docs/platform-notes.md §2.5: integrated GPUs and Apple silicon have one memory pool).
 HOSTS = {"lunar-lake": "laptop-16g", "meteor-lake": "laptop-16g", "apple-m2": "laptop-16g"}
 DEFAULT_HOST = "cpu-bf16"
 

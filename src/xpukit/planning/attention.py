@@ -1,6 +1,9 @@
 """Attention implementation: what to ask transformers for, and why; and whether Hub kernels can be had.
 
-Rules (design.md "Decision rules", cpu-findings.md §2–3, platform.md §4):
+Rules (docs/planning.md "Decision rules", docs/known-issues.md "transformers: flash-attention requests on
+CPU and the Hub fallback" and docs/known-issues.md "transformers: the kernels version window" and
+docs/known-issues.md "huggingface_hub 2.4: Hub requests without a timeout", docs/platform-notes.md
+§4.5–4.7):
 
 * SDPA by default; eager only when asked or when the architecture has no SDPA.
 * flash-attention-2 from the Hub (``kernels-community/flash-attn2``) only on xpu/cuda (CUDA from

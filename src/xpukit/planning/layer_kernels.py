@@ -1,7 +1,8 @@
 """Hub layer kernels (transformers' ``use_kernels`` / ``KernelConfig``): on or off, and why.
 
 * Only on device types ``KernelConfig`` accepts (cuda, rocm, xpu, npu, neuron, tpu): on cpu/mps
-  ``use_kernels=True`` replaces nothing, silently (cpu-findings.md §3), so ``"auto"`` leaves it off
+  ``use_kernels=True`` replaces nothing, silently (docs/known-issues.md "transformers: use_kernels on CPU
+  replaces nothing"), so ``"auto"`` leaves it off
   and an explicit request there is refused.
 * ``"auto"`` turns it on when the model registers kernel layers and every kernel transformers'
   default mapping names for them on this device (inference mode) can be had — cached, or the Hub

@@ -3,9 +3,11 @@
 Sizes come from the model built on the ``meta`` device (no memory, no weights) and measured with
 transformers' own ``compute_module_sizes`` — the function ``device_map="auto"`` uses — so tied
 weights, buffers and the modules bitsandbytes leaves unquantised are counted exactly as transformers
-counts them when it places the model (cpu-findings.md §8: Qwen3-0.6B bf16 1136.88 MiB, nf4
+counts them when it places the model (docs/known-issues.md "Size estimates without weights: Qwen3-0.6B":
+Qwen3-0.6B bf16 1136.88 MiB, nf4
 506.88 MiB). For 4-bit/8-bit sizes the bitsandbytes quantizer's rules are applied without importing
-bitsandbytes, which costs seconds and can reach the Hub at import (cpu-findings.md §4).
+bitsandbytes, which costs seconds and can reach the Hub at import (docs/known-issues.md "bitsandbytes:
+import reaches the Hub on avx512_bf16 CPUs").
 
 Real-size shapes to plan with, offline, are in :mod:`xpukit.planning.reference_models`.
 """

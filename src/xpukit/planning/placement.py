@@ -10,7 +10,7 @@ Rules (docs/planning.md gives the reasons and sources):
   of the weights + 256 MiB`` unless given.
 * Weights + headroom fit one device → that device. They fit the visible devices together →
   ``device_map="auto"`` with an explicit ``max_memory`` (accelerate silently drops an XPU whose
-  free memory cannot be queried, platform.md §4). Otherwise CPU offload with a warning, or a
+  free memory cannot be queried, docs/platform-notes.md §4.4). Otherwise CPU offload with a warning, or a
   :class:`~xpukit.errors.PlanError` showing the numbers when offload is not allowed.
 """
 

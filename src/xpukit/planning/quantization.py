@@ -4,7 +4,8 @@
   bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=<plan dtype>)``; ``"8bit"`` →
   ``load_in_8bit=True``; a user ``BitsAndBytesConfig`` is used as given.
 * bitsandbytes ≥ 0.48 (native XPU backend); on Arc A-series, bf16 4-bit compute needs ≥ 0.50
-  (bitsandbytes#1942, platform.md §5) — otherwise the compute dtype becomes fp16 and the plan says so.
+  (bitsandbytes#1942, docs/platform-notes.md §5.1) — otherwise the compute dtype becomes fp16 and the plan
+  says so.
 * No MPS backend exists: refused.
 * Any other transformers quantization config (``QuantoConfig``, ``TorchAoConfig``, ``GPTQConfig``…)
   is passed to ``from_pretrained`` unchanged.
@@ -88,7 +89,7 @@ def parse_quantize(value: object) -> QuantRequest:
         )
     if getattr(value, "quant_method", None) is not None and callable(getattr(value, "to_dict", None)):
         # Another transformers quantization config (QuantoConfig, TorchAoConfig, GPTQConfig,
-        # AutoRoundConfig…): passed to from_pretrained unchanged (platform.md §4 lists several as
+        # AutoRoundConfig…): passed to from_pretrained unchanged (docs/platform-notes.md §4.8 lists several as
         # working on Intel GPUs); its own library checks it at load.
         return QuantRequest(kind="other", user_config=value)
     raise InvalidRequestError(

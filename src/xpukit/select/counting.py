@@ -173,7 +173,7 @@ def intel_mix() -> IntelMix | None:
 
     With ``ZE_ENABLE_PCI_ID_DEVICE_ORDER=1`` Level Zero numbers its devices in PCI order, so the
     integrated GPU (at bus 0, ``00:02.0``) comes before every discrete card; torch, and the Sysman
-    count it uses, leave it out whenever a discrete GPU is present (platform.md §1.1-1.2).
+    count it uses, leave it out whenever a discrete GPU is present (docs/platform-notes.md §1.1–1.2).
     """
     gpus = tuple(sorted(probe.intel_display_devices()))
     # Positions are ordinals as long as every device before the iGPU is single-stack; nothing

@@ -3,7 +3,7 @@
 A selection is a validated set of environment variables (``ZE_AFFINITY_MASK`` and friends on Intel
 GPUs, ``CUDA_VISIBLE_DEVICES`` on NVIDIA). Building one touches nothing: hand its :meth:`environ`
 to a child process (what ``xpukit launch`` does), or :meth:`~DeviceSelection.apply` it in-process
-before anything initialises the device runtime. The rules come from platform.md §1:
+before anything initialises the device runtime. The rules come from docs/platform-notes.md §1:
 
 - The driver reads these variables once per process, at its first initialisation.
 - ``ZE_AFFINITY_MASK`` filters but never reorders: ``2,0`` is the same as ``0,2``. CUDA enumerates

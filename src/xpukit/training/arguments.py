@@ -2,7 +2,9 @@
 
 :func:`training_kwargs` decides the keywords from facts alone (testable with recorded device
 profiles); :func:`training_args` finds the facts (from the model, its ``xpukit_plan``, or the machine)
-and builds the ``transformers.TrainingArguments``. Rules (cpu-findings §5, platform.md §4):
+and builds the ``transformers.TrainingArguments``. Rules (docs/known-issues.md "TrainingArguments: bf16 on
+CPU raises without use_cpu" and docs/known-issues.md "TrainingArguments: ddp_backend in a single process",
+docs/platform-notes.md §4.1–4.3):
 
 * Precision from :func:`xpukit.machine.precision.training_precision`: bf16 where native, fp16 (with
   ``GradScaler``) only where the device has fp64, else fp32. A model loaded by
@@ -12,7 +14,8 @@ and builds the ``transformers.TrainingArguments``. Rules (cpu-findings §5, plat
 * A single process trains on device 0 (``TrainingArguments`` sets ``xpu:0``/``cuda:0``): a model on
   another card is refused with the fix (``xpukit launch --devices N``, which makes that card device 0).
 * A trainable model whose 4-bit weights bitsandbytes repacked for CPU inference (a ``generate()`` on
-  an avx512_bf16 CPU, cpu-findings §4) gets its trainable layout back, with a warning: that layout
+  an avx512_bf16 CPU, docs/known-issues.md "bitsandbytes: CPU repacking of 4-bit weights") gets its
+  trainable layout back, with a warning: that layout
   has no backward and would give zero LoRA gradients.
 * ``use_cpu=True`` on the CPU: ``TrainingArguments(bf16=True)`` raises there without it.
 * ``ddp_backend`` only in a distributed run (``WORLD_SIZE`` > 1): xccl on XPU (torch ≥ 2.8), nccl
@@ -26,7 +29,7 @@ and builds the ``transformers.TrainingArguments``. Rules (cpu-findings §5, plat
   fix instead of transformers' ValueError on the first step.
 
 Constructing ``TrainingArguments`` initialises the XPU runtime (its ``__post_init__`` touches
-``self.device``, platform.md §4): set device selection (``xpukit launch``) before calling
+``self.device``, docs/platform-notes.md §4.1): set device selection (``xpukit launch``) before calling
 :func:`training_args`.
 """
 
@@ -58,7 +61,8 @@ __all__ = ["TrainingContext", "training_args", "training_kwargs"]
 
 logger = logging.getLogger(__name__)
 
-# bitsandbytes releases with paged 8-bit optimizers per device (platform.md §5). Never on CPU/MPS.
+#  bitsandbytes releases with paged 8-bit optimizers per device (docs/platform-notes.md §5.1). Never on
+# CPU/MPS.
 _PAGED_OPTIM_MIN_BNB = {"cuda": "0.48", "xpu": "0.50"}
 
 
@@ -129,7 +133,7 @@ def training_kwargs(
 
 
 def _refuse_other_card(device: DeviceFacts, world_size: int) -> None:
-    """A single process trains on device 0 whatever card the model is on (platform.md §4)."""
+    """A single process trains on device 0 whatever card the model is on (docs/platform-notes.md §4.1)."""
     if world_size > 1 or device.backend not in ("xpu", "cuda") or device.index == 0:
         return
     raise InvalidRequestError(
@@ -289,7 +293,8 @@ def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingCo
 
 
 def _restore_repacked_4bit(model: Any) -> None:
-    """Give a trainable model's CPU-repacked 4-bit weights their trainable layout back (cpu-findings §4).
+    """Give a trainable model's CPU-repacked 4-bit weights their trainable layout back (docs/known-issues.md
+    "bitsandbytes: CPU repacking of 4-bit weights").
 
     Restoring rather than refusing: the user's model (often their own ``get_peft_model`` after a
     ``generate()``) trains correctly afterwards with no reload, by the same tested inverse

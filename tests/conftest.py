@@ -195,3 +195,25 @@ def silent_endpoint() -> Iterator[str]:
     for conn in held:
         conn.close()
     server.close()
+
+
+# --- training ------------------------------------------------------------------------------------
+
+
+def _train_losses(model: Any, args: Any, tok: Any, data: list[Any]) -> list[float]:
+    from transformers import DataCollatorForLanguageModeling, Trainer
+
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
+    )
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.fixture
+def train_losses() -> Callable[[Any, Any, Any, list[Any]], list[float]]:
+    """``train_losses(model, args, tokenizer, data)``: run a causal-LM ``Trainer``, return its losses."""
+    return _train_losses

@@ -7,6 +7,7 @@ run on an AMD EPYC without AVX-512 means green on an AMX Xeon and the other way 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,32 +34,18 @@ def test_training_precision_on_the_cpu(tiny_model: Path, cpu_kind: str, tmp_path
     assert args.use_cpu
 
 
-def test_qlora_trains_on_the_cpu(tiny_model: Path, cpu_kind: str, tmp_path: Path) -> None:
+def test_qlora_trains_on_the_cpu(tiny_model: Path, cpu_kind: str, tmp_path: Path, train_losses: Any) -> None:
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    from transformers import AutoTokenizer, DataCollatorForLanguageModeling, Trainer
+    from transformers import AutoTokenizer
 
     model = load_for_xpu(tiny_model, device="cpu", quantize="4bit", lora=True)
     assert model.xpukit_plan.dtype == ("bfloat16" if NATIVE[cpu_kind] else "float32")
     tok = AutoTokenizer.from_pretrained(tiny_model)
     data = [tok("the quick brown fox jumps over the lazy dog", max_length=32, truncation=True)] * 16
     args = training_args(
-        model,
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        max_steps=6,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=data,
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-    )
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        model, output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=6, learning_rate=1e-2,
+        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+    )  # fmt: skip
+    losses = train_losses(model, args, tok, data)
     assert len(losses) == 6 and losses[-1] < losses[0]

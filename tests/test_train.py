@@ -270,7 +270,7 @@ def test_user_bf16_on_a_cpu_without_use_cpu_gets_it_added(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
-def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path) -> None:
+def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path, train_losses: Any) -> None:
     import torch
     from transformers import (
         AutoModelForCausalLM,
@@ -312,7 +312,7 @@ def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path) -> None:
     assert args.use_cpu and args.gradient_checkpointing  # the model has it on: the args say so
     assert args.gradient_checkpointing_kwargs == {"use_reentrant": False}
     assert args.optim == "adamw_torch"  # no paged optimizers on CPU
-    losses = _train_losses(model, args, tok, data)
+    losses = train_losses(model, args, tok, data)
     assert len(losses) == 12 and all(math.isfinite(v) for v in losses)
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     assert last < first - 0.2, losses
@@ -375,7 +375,7 @@ def test_repacked_4bit_weights_of_a_users_peft_model_are_restored(
 
 
 @pytest.mark.gpu
-def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path) -> None:
+def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path, train_losses: Any) -> None:
     """On CUDA/XPU: bf16 (or fp16) from the device, the paged 8-bit optimizer, a few real steps."""
     import torch
     from transformers import (
@@ -409,20 +409,6 @@ def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path) -> None:
     assert args.optim == "paged_adamw_8bit" and args.device.type == device.backend
     tok = AutoTokenizer.from_pretrained(tiny_model)
     data = [tok(line, truncation=True, max_length=32) for line in corpus_lines()]
-    losses = _train_losses(model, args, tok, data)
+    losses = train_losses(model, args, tok, data)
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
-
-
-def _train_losses(model: Any, args: Any, tok: Any, data: list[Any]) -> list[float]:
-    """Run a Trainer over `data` and return the logged losses."""
-    from transformers import DataCollatorForLanguageModeling, Trainer
-
-    trainer = Trainer(
-        model=model,
-        args=args,
-        train_dataset=data,
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-    )
-    trainer.train()
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]

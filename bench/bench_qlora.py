@@ -1,24 +1,40 @@
-"""QLoRA memory and speed: peft's k-bit recipe vs xpukit's lean preparation (± liger-kernel) vs bf16 LoRA.
+"""QLoRA memory and speed: the hand-written recipe vs xpukit's one call vs each saver forced vs unsloth.
 
-One LoRA training step of ``batch × seq`` tokens (default 4 × 512) on a Qwen3-8B-shaped model with
-random weights built from a config (nothing is downloaded). Each variant runs in its own process, so
-peak memory is its own and liger-kernel's module-level patches cannot leak into the next variant.
-Prints one JSON line per variant.
+One LoRA training step (forward, backward, AdamW on the LoRA weights) of ``batch × seq`` tokens
+(default 4 × 512) on a Qwen3-8B-shaped model with random weights built from a config (nothing is
+downloaded). Each variant runs in its own process, so peak memory is its own and liger-kernel's
+module-level patches cannot leak into the next variant; the variants are interleaved and the whole
+round repeated (``--repeat``), and each row reports the median over rounds with the spread.
+Prints one JSON line per variant and round, then one summary line per variant.
 
 Variants:
-    peft-kbit         nf4 + ``peft.prepare_model_for_kbit_training`` (non-4-bit weights upcast to fp32)
-    xpukit-lean       nf4 + ``xpukit.loading.lora.apply_lora`` without liger (non-4-bit weights stay bf16)
-    xpukit-lean-liger the same with liger-kernel where installed and the device runs Triton
-    bf16-lora         bf16 weights + ``apply_lora`` without liger
+    recipe            nf4 + ``peft.prepare_model_for_kbit_training`` + ``get_peft_model`` (what
+                      tutorials write by hand; non-4-bit weights upcast to fp32, checkpointing on)
+    xpukit-auto       ``load_for_xpu(quantize="4bit", lora=True, batch_size=, seq_len=)``: the
+                      savers the training plan chose by fit
+    xpukit-none       the same with ``lora={"gradient_checkpointing": False, "liger": False}``
+    xpukit-liger      ``{"gradient_checkpointing": False, "liger": True}``
+    xpukit-gc         ``{"gradient_checkpointing": True, "liger": False}``
+    xpukit-gc-liger   ``{"gradient_checkpointing": True, "liger": True}``
+    xpukit-offload    ``{"gradient_checkpointing": "offload", "liger": False}``
+    unsloth           ``FastLanguageModel`` with ``use_gradient_checkpointing="unsloth"`` (skipped
+                      with a note when unsloth is not installed)
+    unsloth-nogc      unsloth with checkpointing off
 
-All use LoRA r=16/alpha=32 on all linear layers, non-reentrant gradient checkpointing, AdamW on the
-LoRA weights and bf16 autocast (what ``Trainer(bf16=True)`` does).
+All use LoRA r=16/alpha=32 on all linear layers (dropout as xpukit's default) and bf16 autocast
+(fp32 on a CPU without native bf16). Each xpukit row also carries the plan's activation estimate
+(``estimate_gb``) beside the measured peak above the weights, to check the estimate (±15 %).
+
+``--finetune`` instead runs a short real fine-tune on the demo model and corpus
+(:func:`xpukit.demo.tiny.corpus_lines`) for each ``--dropouts`` value: loss per step, held-out loss
+and tokens/s (the measurement behind the ``lora_dropout`` default, docs/training.md).
 
 Usage::
 
     python bench/bench_qlora.py                      # CUDA (or XPU): Qwen3-8B shape, 36 layers
     python bench/bench_qlora.py --layers 8           # the same widths, fewer layers
     python bench/bench_qlora.py --tiny               # any device, a tiny shape (CPU check: ~2 min)
+    python bench/bench_qlora.py --finetune --steps 50  # lora_dropout 0.05 vs 0 on the demo corpus
 
 Peak memory is ``torch.<device>.max_memory_allocated`` over the whole child (loading included); on
 CPU it is the child's peak RSS, which also counts the Python libraries.
@@ -27,6 +43,8 @@ CPU it is the child's peak RSS, which also counts the Python libraries.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import statistics
@@ -38,8 +56,29 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bitsandbytes reaches for the Hub at import otherwise
+# On the CPU, peak memory is the RSS high-water mark: with a fixed mmap threshold every tensor buffer
+# is its own mapping, returned to the OS when freed, so RSS follows what torch holds.
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 
-VARIANTS = ("peft-kbit", "xpukit-lean", "xpukit-lean-liger", "bf16-lora")
+VARIANTS = (
+    "recipe",
+    "xpukit-auto",
+    "xpukit-none",
+    "xpukit-liger",
+    "xpukit-gc",
+    "xpukit-gc-liger",
+    "xpukit-offload",
+    "unsloth",
+    "unsloth-nogc",
+)
+# lora= for each forced xpukit variant.
+FORCED: dict[str, dict[str, Any]] = {
+    "xpukit-none": {"gradient_checkpointing": False, "liger": False},
+    "xpukit-liger": {"gradient_checkpointing": False, "liger": True},
+    "xpukit-gc": {"gradient_checkpointing": True, "liger": False},
+    "xpukit-gc-liger": {"gradient_checkpointing": True, "liger": True},
+    "xpukit-offload": {"gradient_checkpointing": "offload", "liger": False},
+}
 
 # Qwen3-8B (config.json of Qwen/Qwen3-8B): 8.2 B parameters, untied embeddings.
 QWEN3_8B = {
@@ -78,13 +117,18 @@ def main() -> int:
     parser.add_argument("--seq", type=int, help="tokens per sequence (default 512; 128 with --tiny)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of all variants, interleaved")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument("--max-memory", help="the device budget for xpukit-auto, e.g. 8GB")
     parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
     parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
     parser.add_argument(
         "--model-cache",
         help="keep the random model in this directory and reuse it (--variants '' only builds)",
     )
+    parser.add_argument("--finetune", action="store_true", help="the lora_dropout fine-tune (docstring)")
+    parser.add_argument("--dropouts", default="0.05,0", help="--finetune: lora_dropout values")
+    parser.add_argument("--tokenizer", help="unsloth: a small local tokenizer (it always loads one)")
     parser.add_argument("--variant-child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -92,6 +136,8 @@ def main() -> int:
     if args.variant_child:
         print(json.dumps(run_variant(args)), flush=True)
         return 0
+    if args.finetune:
+        return finetune(args)
 
     variants = [v for v in args.variants.split(",") if v]
     unknown = set(variants) - set(VARIANTS)
@@ -106,28 +152,55 @@ def main() -> int:
             shape = build_model(model_dir, args)
             print(json.dumps({"bench": "qlora", "event": "built", "shape": shape,
                               "seconds": round(time.perf_counter() - started, 1)}), flush=True)  # fmt: skip
+        rows: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         failed = 0
-        for variant in variants:
-            child = [
-                sys.executable,
-                __file__,
-                *sys.argv[1:],
-                "--variant-child",
-                variant,
-                "--model-dir",
-                str(model_dir),
-            ]
-            proc = subprocess.run(child, capture_output=True, text=True)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-            if proc.returncode != 0 or not lines:
-                failed += 1
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-                print(
-                    json.dumps({"bench": "qlora", "variant": variant, "error": " | ".join(tail)}), flush=True
-                )
-            else:
-                print(lines[-1], flush=True)
+        for round_ in range(args.repeat):
+            order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
+            for variant in order:
+                row = run_child(args, variant, model_dir)
+                row["round"] = round_
+                print(json.dumps(row), flush=True)
+                if "error" in row:
+                    failed += 1
+                elif "skipped" not in row:
+                    rows[variant].append(row)
+        for variant, done in rows.items():
+            if done:
+                print(json.dumps(summary(variant, done)), flush=True)
     return 1 if failed else 0
+
+
+def run_child(args: argparse.Namespace, variant: str, model_dir: Path) -> dict[str, Any]:
+    if variant.startswith("unsloth") and importlib.util.find_spec("unsloth") is None:
+        return {"bench": "qlora", "variant": variant, "skipped": "unsloth is not installed"}
+    child = [
+        sys.executable,
+        __file__,
+        *sys.argv[1:],
+        "--variant-child",
+        variant,
+        "--model-dir",
+        str(model_dir),
+    ]
+    proc = subprocess.run(child, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return {"bench": "qlora", "variant": variant, "error": " | ".join(tail)}
+    return dict(json.loads(lines[-1]))
+
+
+def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and spread over the rounds of one variant."""
+    out: dict[str, Any] = {"bench": "qlora", "summary": variant, "rounds": len(rows)}
+    for key in ("tokens_per_s", "peak_mem_gb", "activation_gb", "loss_first"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+            out[f"{key}_range"] = [min(values), max(values)]
+    for key in ("estimate_gb", "gradient_checkpointing", "liger", "micro_batch", "device", "mem_kind"):
+        out[key] = rows[-1].get(key)
+    return out
 
 
 def pick_device(requested: str | None) -> str:
@@ -161,42 +234,18 @@ def build_model(out: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    from xpukit.loading.lora import apply_lora
-    from xpukit.planning.lora_request import DEFAULT_LORA, resolve_lora
 
     variant = args.variant_child
     device = pick_device(args.device)
     facts = device_facts(device)
-    quantized = variant != "bf16-lora"
-    load_kwargs: dict[str, Any] = {"dtype": torch.bfloat16, "device_map": facts.torch_device}
-    if quantized:
-        load_kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_compute_dtype=torch.bfloat16,
-            bnb_4bit_use_double_quant=True,
-        )
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, **load_kwargs)
-    torch.manual_seed(0)  # the same LoRA initialisation in every variant
-    notes: list[str] = []
-    if variant == "peft-kbit":
-        from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-
-        model = prepare_model_for_kbit_training(
-            model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
-        model = get_peft_model(model, LoraConfig(**DEFAULT_LORA))
-        notes.append("peft.prepare_model_for_kbit_training: non-4-bit weights upcast to float32")
+    dtype = "bfloat16" if device != "cpu" or facts.native_bf16 else "float32"
+    if variant.startswith("unsloth"):
+        model, notes, plan = load_unsloth(args, variant, dtype)
+    elif variant == "recipe":
+        model, notes, plan = load_recipe(args, facts, dtype)
     else:
-        lora = {"gradient_checkpointing": True, "liger": variant == "xpukit-lean-liger"}
-        request = resolve_lora(lora, quantized=quantized)
-        assert request is not None
-        model, notes = apply_lora(model, request, compute_dtype="bfloat16", quantized=quantized, device=facts)
-    liger = any(n.startswith("applied liger-kernel") for n in notes)
+        model, notes, plan = load_xpukit(args, variant, device, dtype)
     weights_mem = memory_allocated(device)
-
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(facts.torch_device)
@@ -204,10 +253,12 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     model.train()
     times, losses = [], []
+    reset_peak(device)
+    base = current_memory(device)
     for step in range(args.warmup + args.steps):
         synchronize(device)
         start = time.perf_counter()
-        with torch.autocast(device_type=device, dtype=torch.bfloat16):
+        with torch.autocast(device_type=device, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
@@ -218,30 +269,153 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
     peak, mem_kind = peak_memory(device)
-    n_trainable = sum(p.numel() for p in trainable)
+    training = getattr(plan, "training", None)
     return {
         "bench": "qlora",
         "variant": variant,
         "device": facts.name,
+        "dtype": dtype,
         "layers": model.config.num_hidden_layers,
         "hidden": model.config.hidden_size,
         "batch": args.batch,
         "seq": args.seq,
-        "peak_mem_gb": round(peak / 1e9, 2),
+        "peak_mem_gb": round(peak / 1e9, 3),
+        "activation_gb": round((peak - base) / 1e9, 3) if base is not None else None,
+        "estimate_gb": round(training.estimate["peak"] / 1e9, 3) if training is not None else None,
         "mem_kind": mem_kind,
-        "weights_mem_gb": round(weights_mem / 1e9, 2) if weights_mem is not None else None,
+        "weights_mem_gb": round(weights_mem / 1e9, 3) if weights_mem is not None else None,
         "tokens_per_s": round(args.batch * args.seq / step_s, 1),
         "step_s_median": round(step_s, 4),
         "steps_timed": args.steps,
         "loss_first": round(losses[0], 4),
         "loss_last": round(losses[-1], 4),
-        "trainable_params": n_trainable,
-        "gradient_checkpointing": True,
-        "liger": liger,
-        "notes": notes,
+        "trainable_params": sum(p.numel() for p in trainable),
+        "gradient_checkpointing": getattr(training, "gradient_checkpointing", None),
+        "liger": any(str(n).startswith("applied liger-kernel") for n in notes),
+        "micro_batch": getattr(training, "micro_batch", None),
+        "notes": [str(n) for n in notes],
         "versions": versions(),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def bnb_config(dtype: str) -> Any:
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_compute_dtype=getattr(torch, dtype),
+        bnb_4bit_use_double_quant=True,
+    )
+
+
+def load_recipe(args: argparse.Namespace, facts: Any, dtype: str) -> tuple[Any, list[str], Any]:
+    """The hand-written QLoRA recipe: nf4, prepare_model_for_kbit_training, get_peft_model."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM
+
+    from xpukit.planning.lora_request import DEFAULT_LORA
+
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, dtype=getattr(torch, dtype), device_map=facts.torch_device,
+        quantization_config=bnb_config(dtype),
+    )  # fmt: skip
+    model = prepare_model_for_kbit_training(
+        model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
+    )
+    torch.manual_seed(0)  # the same LoRA initialisation in every variant
+    model = get_peft_model(model, LoraConfig(**DEFAULT_LORA))
+    return model, ["peft.prepare_model_for_kbit_training: non-4-bit weights upcast to float32"], None
+
+
+def load_xpukit(
+    args: argparse.Namespace, variant: str, device: str, dtype: str
+) -> tuple[Any, list[str], Any]:
+    """xpukit's one call; the forced variants pin the savers through lora=."""
+    from xpukit import load_for_xpu
+
+    lora: Any = FORCED.get(variant, True)
+    max_memory = {0 if device != "cpu" else "cpu": args.max_memory} if args.max_memory else None
+    model = load_for_xpu(
+        args.model_dir, device=device, dtype=dtype, quantize="4bit", lora=lora, seed=0,
+        batch_size=args.batch, seq_len=args.seq, max_memory=max_memory,
+    )  # fmt: skip
+    plan = model.xpukit_plan
+    return model, [e.actual for e in plan.events if e.what == "lora"], plan
+
+
+def load_unsloth(args: argparse.Namespace, variant: str, dtype: str) -> tuple[Any, list[str], Any]:
+    """unsloth's FastLanguageModel (imported before transformers, as it requires)."""
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth-"))
+    import torch
+    import unsloth
+    from unsloth import FastLanguageModel
+
+    from xpukit.planning.lora_request import DEFAULT_LORA
+
+    model, _ = FastLanguageModel.from_pretrained(
+        args.model_dir, max_seq_length=args.seq, dtype=getattr(torch, dtype), load_in_4bit=True,
+        tokenizer_name=args.tokenizer or args.model_dir,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    gc: Any = "unsloth" if variant == "unsloth" else False
+    model = FastLanguageModel.get_peft_model(
+        model, r=DEFAULT_LORA["r"], lora_alpha=DEFAULT_LORA["lora_alpha"],
+        lora_dropout=DEFAULT_LORA["lora_dropout"], use_gradient_checkpointing=gc,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )  # fmt: skip
+    return model, [f"unsloth {getattr(unsloth, '__version__', '?')}, use_gradient_checkpointing={gc!r}"], None
+
+
+def finetune(args: argparse.Namespace) -> int:
+    """A short real fine-tune of the demo model on the demo corpus per lora_dropout value."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from xpukit import load_for_xpu
+    from xpukit.demo.tiny import corpus_lines, demo_model_dir
+
+    path = demo_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    lines = corpus_lines()
+    held_out, train_lines = lines[::10], [ln for i, ln in enumerate(lines) if i % 10]
+    steps = args.steps if args.steps != 5 else 50
+    for round_ in range(args.repeat):
+        for dropout in [float(d) for d in args.dropouts.split(",")][:: 1 if round_ % 2 == 0 else -1]:
+            model = load_for_xpu(path, device="cpu", quantize="4bit", lora={"lora_dropout": dropout}, seed=0)
+            params = [p for p in model.parameters() if p.requires_grad]
+            optimizer = torch.optim.AdamW(params, lr=1e-2)
+            generator = torch.Generator().manual_seed(round_)
+            losses, tokens, started = [], 0, time.perf_counter()
+            model.train()
+            for _ in range(steps):
+                pick = torch.randint(0, len(train_lines), (8,), generator=generator).tolist()
+                batch = tokenizer([train_lines[i] for i in pick], return_tensors="pt", padding=True)
+                labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+                loss = model(**batch, labels=labels).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                losses.append(round(float(loss), 4))
+                tokens += int(batch["attention_mask"].sum())
+            seconds = time.perf_counter() - started
+            model.eval()
+            with torch.no_grad():
+                batch = tokenizer(held_out, return_tensors="pt", padding=True)
+                labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+                held = float(model(**batch, labels=labels).loss)
+            print(json.dumps({
+                "bench": "qlora-finetune", "round": round_, "lora_dropout": dropout, "steps": steps,
+                "loss_first": losses[0], "loss_last10_mean": round(statistics.mean(losses[-10:]), 4),
+                "held_out_loss": round(held, 4), "tokens_per_s": round(tokens / seconds, 1),
+                "seconds": round(seconds, 2), "losses": losses, "versions": versions(),
+                "date": time.strftime("%Y-%m-%d"),
+            }), flush=True)  # fmt: skip
+    return 0
 
 
 def device_facts(device: str) -> Any:
@@ -265,8 +439,33 @@ def memory_allocated(device: str) -> int | None:
     return None if device == "cpu" else int(getattr(torch, device).memory_allocated())
 
 
+def reset_peak(device: str) -> None:
+    """Start a new high-water mark (on the CPU: the process's VmHWM, via /proc/self/clear_refs)."""
+    import torch
+
+    if device == "cpu":
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return
+    getattr(torch, device).reset_peak_memory_stats()
+
+
+def current_memory(device: str) -> int | None:
+    if device != "cpu":
+        return memory_allocated(device)
+    with contextlib.suppress(OSError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
 def peak_memory(device: str) -> tuple[int, str]:
     if device == "cpu":
+        with contextlib.suppress(OSError), open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024, "cpu_rss_high_water_since_reset"
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "cpu_peak_rss"
@@ -278,7 +477,7 @@ def peak_memory(device: str) -> tuple[int, str]:
 def versions() -> dict[str, str | None]:
     from xpukit._compat import installed_version
 
-    names = ("torch", "transformers", "peft", "bitsandbytes", "liger-kernel", "triton")
+    names = ("torch", "transformers", "peft", "bitsandbytes", "liger-kernel", "triton", "unsloth")
     return {name: installed_version(name) for name in names}
 
 

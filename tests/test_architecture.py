@@ -2,7 +2,8 @@
 
 Stages, lowest first (docs/index.md#architecture-facts--plan--act):
 
-0. base: ``xpukit.errors``, ``xpukit._compat``, ``xpukit._environ``, ``xpukit.hub``
+0. base: ``xpukit.errors``, ``xpukit._compat``, ``xpukit._environ``, ``xpukit.hub``,
+   ``xpukit._platform``
 1. ``xpukit.machine`` — what the machine is (facts, probe, profiles, precision)
 2. ``xpukit.select`` (device selection) and ``xpukit.planning`` (deciding) — side by side, neither
    imports the other
@@ -10,6 +11,7 @@ Stages, lowest first (docs/index.md#architecture-facts--plan--act):
 4. ``xpukit.training`` — arguments for ``Trainer``
 5. ``xpukit.demo``, ``xpukit.doctor`` — the applications
 6. ``xpukit.cli`` — the command line
+7. ``xpukit.__main__`` — ``python -m xpukit``
 
 The test reads every module's imports from its syntax tree (function-level and ``TYPE_CHECKING``
 imports included) and fails on any import that points up, or sideways between two wings.
@@ -30,6 +32,7 @@ STAGES: dict[str, int] = {
     "xpukit._compat": 0,
     "xpukit._environ": 0,
     "xpukit.hub": 0,
+    "xpukit._platform": 0,
     "xpukit.machine": 1,
     "xpukit.select": 2,
     "xpukit.planning": 2,
@@ -38,6 +41,7 @@ STAGES: dict[str, int] = {
     "xpukit.demo": 5,
     "xpukit.doctor": 5,
     "xpukit.cli": 6,
+    "xpukit.__main__": 7,
 }
 
 

@@ -171,9 +171,9 @@ def test_lora_safety_net_drops_the_loaded_model(tiny_model, monkeypatch):
     real = AutoModelForCausalLM.from_pretrained.__func__
 
     def recording(cls, *args, **kwargs):
-        model = real(cls, *args, **kwargs)
-        loaded.append(weakref.ref(model))
-        return model
+        out = real(cls, *args, **kwargs)  # (model, loading info): load_for_xpu asks for the report
+        loaded.append(weakref.ref(out[0] if isinstance(out, tuple) else out))
+        return out
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recording))
     bad = resolve_lora({"target_modules": ["no_such_layer"]}, quantized=False)

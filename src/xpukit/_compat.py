@@ -41,6 +41,7 @@ EXTRAS: dict[str, Extra] = {
     "kernels": Extra(package="kernels", module="kernels", extra="kernels", minimum="0.11"),
     "liger-kernel": Extra(package="liger-kernel", module="liger_kernel", extra="liger"),
     "matplotlib": Extra(package="matplotlib", module="matplotlib", extra="plot"),
+    "deepspeed": Extra(package="deepspeed", module="deepspeed", extra="deepspeed"),
 }
 
 

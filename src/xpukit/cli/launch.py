@@ -8,15 +8,24 @@ never initialises a device runtime (the child must be the first to read ``ZE_*``
 Multi-process runs (``torchrun``, ``accelerate launch``) inherit the same selection in every rank,
 which is what xccl/oneCCL needs: each rank keeps every selected device visible and picks
 ``xpu:<local_rank>`` itself. A per-rank mask would leave each rank one device and break collectives.
+
+``--nproc auto|N`` starts torchrun itself (``python -m torch.distributed.run``), one process per
+selected device; on XPU the job gets ``CCL_PROCESS_LAUNCHER=none`` and ``CCL_LOCAL_SIZE``, and each
+rank ``CCL_LOCAL_RANK`` from its ``LOCAL_RANK``, which torchrun sets only inside the rank: the rank
+runs ``python -m xpukit.cli.launch SCRIPT ARGS`` (:func:`rank_main`), which sets it before the
+script starts (docs/distributed.md "What xpukit launch sets").
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,21 +34,25 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
+from xpukit import _environ, _platform
 from xpukit.errors import InvalidRequestError
 from xpukit.select.devices import DeviceSelection, select_devices
 
-__all__ = ["add_parser", "run", "run_command"]
+__all__ = ["add_parser", "rank_main", "run", "run_command", "torchrun_command"]
 
 logger = logging.getLogger(__name__)
 
-# Signals passed on to the child. The launcher itself waits for the child to finish either way.
-FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Signals passed on to the child: _platform.forwarded_signals() (SIGINT/SIGTERM on POSIX, Ctrl-C and
+# Ctrl-Break as CTRL_BREAK_EVENT on Windows). The launcher waits for the child to finish either way.
 
 _EPILOG = """\
 examples:
   xpukit launch --devices 0,2 -- torchrun --nproc-per-node 2 train.py
   xpukit launch --devices all --backend xpu --dry-run -- python train.py
   xpukit launch --devices 0.0,0.1 --hierarchy composite -- python infer.py
+  xpukit launch --devices 0,1 --nproc auto -- train.py --epochs 1     # torchrun, one rank per device
+  xpukit launch --nproc 2 --backend cpu -- train.py                   # 2 CPU ranks (gloo)
+  xpukit launch --devices all --nproc 4 --nnodes 2 --rdzv-endpoint host:29400 -- train.py
 
 The variables are set for COMMAND alone; the shell that runs xpukit keeps its own.
 Exit status: COMMAND's; 128+N when it is killed by signal N; 127 when it cannot be found.
@@ -59,11 +72,23 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     parser.add_argument(
         "--devices",
-        required=True,
         metavar="SPEC",
-        help="'0,2', '0-3', 'all'; tiles '0.1' (xpu, COMPOSITE only); GPU-/MIG- ids (cuda)",
+        help="'0,2', '0-3', 'all'; tiles '0.1' (xpu, COMPOSITE only); GPU-/MIG- ids (cuda); "
+        "required unless --nproc N is given",
     )
-    parser.add_argument("--backend", metavar="B", help="xpu or cuda (default: the detected accelerator)")
+    parser.add_argument(
+        "--backend", metavar="B", help="xpu, cuda, or cpu with --nproc (default: the detected accelerator)"
+    )
+    parser.add_argument(
+        "--nproc",
+        metavar="auto|N",
+        help="start torchrun with N processes per node (auto: one per selected device); COMMAND is then "
+        "the script and its arguments (a leading `python` is dropped; `python -m mod` runs a module)",
+    )
+    parser.add_argument("--nnodes", metavar="N", help="with --nproc: torchrun --nnodes (e.g. 2 or 1:4)")
+    parser.add_argument(
+        "--rdzv-endpoint", metavar="HOST:PORT", help="with --nproc: torchrun rendezvous (c10d) endpoint"
+    )
     parser.add_argument(
         "--hierarchy",
         metavar="H",
@@ -73,6 +98,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--dry-run", action="store_true", help="print the exact shell line instead of running it"
     )
     parser.add_argument("--json", action="store_true", help="with --dry-run: print the selection as JSON")
+    parser.add_argument(
+        "--shell",
+        choices=_platform.SHELLS,
+        help="with --dry-run: write the line for this shell (default: powershell on Windows, else posix)",
+    )
     # dest "argv": the top-level parser keeps the subcommand's name in args.command.
     parser.add_argument(
         "argv", nargs=argparse.REMAINDER, metavar="-- COMMAND...", help="the command to run, after --"
@@ -89,6 +119,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--json describes the selection without running it: add --dry-run.")
     if not command and not args.dry_run:
         raise InvalidRequestError("no command to run. Usage: xpukit launch --devices 0,2 -- python train.py")
+    if args.nproc is None and (args.nnodes or args.rdzv_endpoint):
+        raise InvalidRequestError("--nnodes / --rdzv-endpoint go to torchrun: add --nproc auto|N.")
+    if args.nproc is not None:
+        return _run_torchrun(args, command)
+    if args.devices is None:
+        raise InvalidRequestError("--devices is required (or --nproc N to start torchrun).")
     selection = select_devices(args.devices, backend=args.backend, hierarchy=args.hierarchy)
     for note in selection.notes:
         logger.info("%s", note)
@@ -98,11 +134,11 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             data = selection.to_dict() | {
                 "command": command,
-                "shell": selection.command_line(command),
+                "shell": selection.command_line(command, args.shell),
             }
             print(json.dumps(data, indent=2))
         else:
-            print(selection.command_line(command))
+            print(selection.command_line(command, args.shell))
         return 0
     return run_command(command, selection.environ())
 
@@ -161,11 +197,13 @@ def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:
 
     SIGINT is not passed on when the launcher runs in the foreground of a terminal: Ctrl-C already
     reached the child (both are in the terminal's foreground process group), and a second SIGINT
-    would interrupt the child's own clean-up.
+    would interrupt the child's own clean-up. On Windows the child runs in its own process group
+    and gets Ctrl-C and Ctrl-Break as CTRL_BREAK_EVENT; there is no SIGTERM to pass on
+    (docs/windows.md "Stopping a launched command").
     """
     child: list[subprocess.Popen[bytes]] = []
     early: list[int] = []
-    terminal_delivers_sigint = _in_terminal_foreground()
+    terminal_delivers_sigint = _platform.terminal_delivers_sigint()
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and terminal_delivers_sigint:
@@ -177,10 +215,10 @@ def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:
 
     handlers = {}
     if threading.current_thread() is threading.main_thread():  # signal.signal works only there
-        handlers = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+        handlers = {sig: signal.signal(sig, forward) for sig in _platform.forwarded_signals()}
     try:
         try:
-            proc = subprocess.Popen(list(command), env=dict(env))
+            proc = subprocess.Popen(list(command), env=dict(env), **_platform.child_process_options())
         except FileNotFoundError:
             print(f"xpukit launch: error: command not found: {command[0]}", file=sys.stderr)
             return 127
@@ -199,19 +237,135 @@ def run_command(command: Sequence[str], env: Mapping[str, str]) -> int:
 
 def _send(proc: subprocess.Popen[bytes], signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):  # it has just exited: its status is what counts
-        proc.send_signal(signum)
+        proc.send_signal(_platform.signal_for_child(signum))  # CTRL_BREAK_EVENT on Windows
 
 
-def _in_terminal_foreground() -> bool:
-    """Whether this process is in the foreground process group of its terminal (POSIX)."""
-    getpgrp = getattr(os, "getpgrp", None)
-    if getpgrp is None:
-        return False
-    for stream in (sys.stdin, sys.stdout, sys.stderr):
-        try:
-            fd = stream.fileno()
-            if os.isatty(fd):
-                return bool(os.tcgetpgrp(fd) == getpgrp())
-        except (AttributeError, OSError, ValueError):
-            continue
-    return False
+# ---------------------------------------------------------------------------------------------
+# --nproc: torchrun started by xpukit (docs/distributed.md "What xpukit launch sets")
+# ---------------------------------------------------------------------------------------------
+
+_LAUNCHERS = ("torchrun", "accelerate", "mpirun", "mpiexec", "deepspeed")
+
+
+def _run_torchrun(args: argparse.Namespace, command: list[str]) -> int:
+    backend = (args.backend or "").lower() or None
+    selection = None
+    if args.devices is not None and backend != "cpu":
+        selection = select_devices(args.devices, backend=backend, hierarchy=args.hierarchy)
+        backend = selection.backend
+    nproc = _nproc(args.nproc, selection)
+    program = Path(command[0]).name if command else ""
+    if program in _LAUNCHERS or command[1:3] == ["-m", "torch.distributed.run"]:
+        raise InvalidRequestError(
+            f"--nproc starts torchrun itself, and COMMAND is already a launcher ({program}). Fix: drop "
+            f"--nproc (`xpukit launch --devices SPEC -- {program} ...` keeps working), or pass the script."
+        )
+    extra = {"CCL_PROCESS_LAUNCHER": "none", "CCL_LOCAL_SIZE": str(nproc)} if backend == "xpu" else {}
+    full = torchrun_command(
+        command, nproc=nproc, nnodes=args.nnodes, rdzv_endpoint=args.rdzv_endpoint, rank_env=backend == "xpu"
+    )
+    if selection is not None:
+        selection = dataclasses.replace(selection, env={**selection.env, **extra})
+        for line in warnings_for(selection, full, os.environ):
+            print(f"xpukit launch: warning: {line}", file=sys.stderr)
+        env, shell = selection.environ(), selection.command_line(full, args.shell)
+    else:
+        env = dict(os.environ) | extra
+        shell = " ".join([*(f"{k}={shlex.quote(v)}" for k, v in extra.items()), shlex.join(full)])
+    if args.dry_run:
+        if args.json:
+            data = (selection.to_dict() if selection is not None else {"backend": backend or "cpu"}) | {
+                "command": full,
+                "env": extra | (selection.env if selection is not None else {}),
+                "unset": list(selection.unset) if selection is not None else [],
+                "per_rank_env": {"CCL_LOCAL_RANK": "LOCAL_RANK"} if backend == "xpu" else {},
+                "nproc_per_node": nproc,
+                "shell": shell,
+            }
+            print(json.dumps(data, indent=2))
+        else:
+            print(shell)
+        return 0
+    return run_command(full, env)
+
+
+def _nproc(value: str, selection: DeviceSelection | None) -> int:
+    if value.strip().lower() == "auto":
+        count = selection.visible_count if selection is not None else None
+        if count is None:
+            raise InvalidRequestError(
+                "--nproc auto counts the selected devices, but their number is not known here"
+                + (" (a named backend is checked for syntax only)" if selection else " (no --devices)")
+                + ". Fix: --nproc N, or --devices 0,1 (a list counts itself)."
+            )
+        return count
+    if not value.strip().isdigit() or int(value) < 1:
+        raise InvalidRequestError(f"--nproc {value!r}: use auto or a positive number of processes per node.")
+    return int(value)
+
+
+def torchrun_command(
+    command: Sequence[str],
+    *,
+    nproc: int,
+    nnodes: str | None = None,
+    rdzv_endpoint: str | None = None,
+    rank_env: bool = False,
+) -> list[str]:
+    """The ``python -m torch.distributed.run`` line that runs ``command`` as ``nproc`` ranks per node.
+
+    Args:
+        command: ``train.py ARGS``, ``python train.py ARGS`` or ``python -m module ARGS``.
+        nproc: processes per node.
+        nnodes: torchrun's ``--nnodes`` (``2``, ``1:4``); one node (``--standalone``) when neither it
+            nor ``rdzv_endpoint`` is given.
+        rdzv_endpoint: the c10d rendezvous ``host:port`` of a multi-node job.
+        rank_env: run each rank through :func:`rank_main` (sets oneCCL's per-rank variables).
+
+    Returns:
+        The full argument list.
+    """
+    words = list(command)
+    if words and Path(words[0]).name.startswith("python"):
+        words = words[1:]
+    module = words[:1] == ["-m"]
+    if module:
+        words = words[1:]
+    out = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    if nnodes is not None:
+        out += ["--nnodes", nnodes]
+    if rdzv_endpoint is not None:
+        out += ["--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint]
+    if nnodes is None and rdzv_endpoint is None:
+        out.append("--standalone")  # one node, a free port picked by torchrun
+    if rank_env:
+        return [*out, "--module", "xpukit.cli.launch", *(["-m"] if module else []), *words]
+    return [*out, *(["--module"] if module else []), *words]
+
+
+def rank_main(argv: Sequence[str]) -> int:
+    """Inside one rank: set ``CCL_LOCAL_RANK`` / ``CCL_LOCAL_SIZE`` from torchrun's variables, run the script.
+
+    ``python -m xpukit.cli.launch SCRIPT ARGS`` (or ``-m MODULE ARGS``); torchrun sets ``LOCAL_RANK``
+    only in the rank's own environment, so the launcher cannot set these for each rank itself.
+    """
+    words = list(argv)
+    if not words:
+        print("usage: python -m xpukit.cli.launch SCRIPT [ARGS] | -m MODULE [ARGS]", file=sys.stderr)
+        return 2
+    os.environ["CCL_LOCAL_RANK"] = _environ.get("LOCAL_RANK") or "0"
+    local_size = _environ.get("LOCAL_WORLD_SIZE")
+    if local_size is not None:
+        os.environ["CCL_LOCAL_SIZE"] = local_size
+    if words[0] == "-m" and len(words) > 1:
+        sys.argv = words[1:]
+        runpy.run_module(words[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = words
+        sys.path[0] = str(Path(words[0]).resolve().parent)
+        runpy.run_path(words[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main(sys.argv[1:]))

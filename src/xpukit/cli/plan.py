@@ -47,6 +47,23 @@ def add_parser(sub: Any) -> None:
     )
     parser.add_argument("--headroom", help="memory kept free beside the weights, e.g. 2GiB")
     parser.add_argument("--no-offload", action="store_true", help="fail instead of offloading to CPU")
+    parser.add_argument(
+        "--rank",
+        metavar="R/W",
+        help="plan as rank R of a W-process launched job on one node (e.g. 1/2): its own device",
+    )
+    parser.add_argument("--strategy", help="auto, ddp, fsdp or deepspeed: plan the load for that strategy")
+    parser.add_argument(
+        "--fast-decode",
+        action="store_true",
+        help="plan fast_decode=True: static KV cache and compiled decoding (docs/decode.md)",
+    )
+    parser.add_argument(
+        "--train",
+        metavar="BATCHxSEQ",
+        help="plan LoRA training (lora=True) of BATCH sequences of SEQ tokens, e.g. 4x512: the memory "
+        "savers chosen by fit and the activation estimate (docs/training.md)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
 
@@ -73,10 +90,37 @@ def run(args: argparse.Namespace) -> int:
         max_memory=parse_max_memory(args.max_memory) if args.max_memory else None,
         headroom=args.headroom,
         offload=not args.no_offload,
-        facts=args.assume,
+        facts=_facts(args.assume, args.rank) if getattr(args, "rank", None) else args.assume,
+        strategy=getattr(args, "strategy", None),
+        fast_decode=bool(getattr(args, "fast_decode", False)),
+        **_train(getattr(args, "train", None)),
     )
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.explain())
     return 0
+
+
+def _train(spec: str | None) -> dict[str, Any]:
+    """``--train 4x512`` → ``{"lora": True, "batch_size": 4, "seq_len": 512}``."""
+    if spec is None:
+        return {}
+    batch, sep, seq = spec.lower().partition("x")
+    if not sep or not batch.strip().isdigit() or not seq.strip().isdigit():
+        raise InvalidRequestError(f"--train {spec!r}: use BATCHxSEQ, e.g. 4x512 (4 sequences of 512 tokens).")
+    return {"lora": True, "batch_size": int(batch), "seq_len": int(seq)}
+
+
+def _facts(assume: str | None, rank: str) -> Any:
+    """The machine (a profile or this one) as rank R of W (``--rank R/W``)."""
+    from dataclasses import replace
+
+    from xpukit.machine.launch import LaunchFacts
+    from xpukit.planning.device import machine_for
+
+    r, sep, w = rank.partition("/")
+    if not sep or not r.strip().isdigit() or not w.strip().isdigit():
+        raise InvalidRequestError(f"--rank {rank!r}: use R/W, e.g. 1/2 (rank 1 of a 2-process job).")
+    machine, _ = machine_for(assume)
+    return replace(machine, launch=LaunchFacts.assumed(int(r), int(w)))
 
 
 def parse_max_memory(spec: str) -> dict[str, str]:

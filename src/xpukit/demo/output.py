@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
+from xpukit import _platform
 from xpukit._compat import require
 from xpukit.demo.training_run import TrainingRun, lora_layers_updated, loss_callback, train  # noqa: F401
 
@@ -32,13 +32,10 @@ def peak_memory(backend: str) -> tuple[int | None, str]:
         import torch
 
         return int(getattr(torch, backend).max_memory_allocated()), f"torch.{backend}.max_memory_allocated"
-    try:
-        import resource
-    except ImportError:  # Windows
+    peak = _platform.peak_rss()  # getrusage, or the peak working set on Windows
+    if peak is None:
         return None, "not measured on this platform"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # Linux reports KiB, macOS bytes.
-    return (peak if sys.platform == "darwin" else peak * 1024), "peak resident memory of the process"
+    return peak, "peak resident memory of the process"
 
 
 def plot_losses(losses: tuple[tuple[int, float], ...], path: str | os.PathLike[str], *, title: str) -> Path:
@@ -120,9 +117,13 @@ class DropMessages(logging.Filter):
 # Messages that are no news to a demo user, by logger. bitsandbytes (on avx512_bf16 CPUs) tries to
 # fetch an optional CPU kernel from the Hub at import, and says so when it cannot, then uses its
 # bundled code, which is what it would use anyway offline.
+# deepspeed (extra `deepspeed`), imported by transformers/peft during training, announces on a machine
+# without an accelerator that it uses the CPU, through its own handler on stdout (which would also
+# break `xpukit demo --json`); the demo says which device it uses already.
 KNOWN_NOISE: dict[str, tuple[str, ...]] = {
     "bitsandbytes.backends.cpu.ops": ("Failed to load CPU gemm_4bit_forward",),
     "kernels.hf_hub": ("kernels-community/quantization-bitsandbytes",),
+    "DeepSpeed": ("Setting accelerator to CPU",),
 }
 
 

@@ -41,6 +41,7 @@ from xpukit.demo.output import (
     plot_losses,
     quiet_known_noise,
 )
+from xpukit.demo.text import readable, token_bytes
 from xpukit.demo.training_run import lora_layers_updated, train
 from xpukit.errors import InvalidRequestError, MissingExtraError
 from xpukit.planning.placement import format_bytes
@@ -390,12 +391,16 @@ def _generate(
     import torch
     from transformers import GenerationConfig
 
+    # The embedding matrix may be larger than the vocabulary (the tiny model's 1024 rows hold a
+    # 922-token tokenizer): ids past the vocabulary stand for no text, so they are never generated.
+    rows = model.get_output_embeddings().weight.shape[0]
     # A fresh config: the model's own may ask for sampling, which greedy decoding would warn about.
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=False,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        suppress_tokens=list(range(len(tokenizer), rows)) or None,
     )
     model.eval()  # dropout off; gradient checkpointing only acts in training mode
     out = []
@@ -404,9 +409,9 @@ def _generate(
         with torch.inference_mode():
             tokens = model.generate(**encoded, generation_config=config)
         new = tokens[0, encoded["input_ids"].shape[1] :]
-        text = tokenizer.decode(new, skip_special_tokens=True).strip()
-        # An untrained model emits stray bytes; a control character (a BEL) must not reach the terminal.
-        out.append((prompt, "".join(c if c.isprintable() else "\ufffd" for c in text)))
+        # An untrained model emits stray bytes (half a character, a BEL): shown as escapes that read
+        # back into the exact bytes (xpukit.demo.text), never as U+FFFD or raw control characters.
+        out.append((prompt, readable(token_bytes(tokenizer, new.tolist())).strip(" ")))
     return tuple(out)
 
 

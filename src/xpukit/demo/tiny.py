@@ -38,7 +38,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from xpukit import _environ
+from xpukit import _environ, _platform
 from xpukit.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -339,9 +339,7 @@ def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     from_env = _environ.get("XPUKIT_CACHE_DIR")
     if from_env:
         return Path(from_env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("xpukit"))
+    return _platform.cache_dir()
 
 
 def _demo_key() -> str:

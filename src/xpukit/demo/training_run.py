@@ -2,6 +2,10 @@
 
 At the first step it also records which LoRA layers got a gradient (module docstring of
 :mod:`xpukit.demo.run`: a zero there means the backward through the 4-bit base model is broken).
+
+Progress is shown one way only: in a terminal, one tqdm bar with the running loss in it; anywhere
+else (a pipe, a log file, a notebook cell), a plain ``step N/M  loss X`` line every few steps, which
+a bar would fill with carriage returns. Trainer's own bar and log printer are removed.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ def train(
         save_strategy="no",
         seed=seed,
         data_seed=seed,
-        disable_tqdm=stream is None,
+        disable_tqdm=True,  # the demo shows its own progress (module docstring)
     )
     trainer = Trainer(
         model=model,
@@ -83,16 +87,21 @@ def loss_callback(
     log_every: int,
     stream: IO[str] | None,
 ) -> Any:
-    """A progress bar (when there is a stream) that records each step's loss into ``losses`` and,
-    at the first step, which ``lora_B`` weights got a non-zero gradient into ``first_gradients``.
+    """A callback that records each step's loss into ``losses`` and, at the first step, which
+    ``lora_B`` weights got a non-zero gradient into ``first_gradients``; it shows progress on
+    ``stream`` as one bar (a terminal) or as lines (anything else), never both.
 
     Every ``lora_B`` starts at zero, so at the first step a layer's gradient can only come through
     the frozen base weights above it: a zero there means the backward through the base model is
     broken (module docstring), which later steps hide as the LoRA paths start to carry gradient.
     """
-    from transformers.trainer_callback import ProgressCallback
+    from transformers import TrainerCallback
 
-    class LossProgress(ProgressCallback):  # type: ignore[misc]
+    as_bar = stream is not None and _is_terminal(stream)
+
+    class LossProgress(TrainerCallback):  # type: ignore[misc]
+        bar: Any = None
+
         def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if first_gradients:
                 return
@@ -102,30 +111,40 @@ def loss_callback(
                     first_gradients[name] = grad is not None and bool(grad.detach().abs().max().item() > 0)
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if stream is not None:
-                super().on_train_begin(args, state, control, **kwargs)
+            if as_bar and state.is_world_process_zero:
+                from tqdm.auto import tqdm  # type: ignore[import-untyped]
+
+                self.bar = tqdm(total=state.max_steps, file=stream, desc="  training", dynamic_ncols=True)
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if self.training_bar is not None:
-                super().on_step_end(args, state, control, **kwargs)
+            if self.bar is not None:
+                self.bar.update(state.global_step - self.bar.n)
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
             if not logs or "loss" not in logs:
                 return  # the end-of-training summary dict
             losses.append((int(state.global_step), float(logs["loss"])))
             step = state.global_step
-            if self.training_bar is not None and (step % log_every == 0 or step == steps or step == 1):
-                recent = [loss for s, loss in losses if s > step - log_every]
-                self.training_bar.write(
-                    f"  step {step:>{len(str(steps))}}/{steps}  loss {sum(recent) / len(recent):.3f}",
-                    file=stream,
-                )
+            recent = [loss for s, loss in losses if s > step - log_every]
+            mean = sum(recent) / len(recent)
+            if self.bar is not None:
+                self.bar.set_postfix_str(f"loss {mean:.3f}")
+            elif stream is not None and (step % log_every == 0 or step == steps or step == 1):
+                print(f"  step {step:>{len(str(steps))}}/{steps}  loss {mean:.3f}", file=stream, flush=True)
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            if self.training_bar is not None:
-                super().on_train_end(args, state, control, **kwargs)
+            if self.bar is not None:
+                self.bar.close()
+                self.bar = None
 
     return LossProgress()
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
 
 
 def lora_layers_updated(model: Any) -> tuple[int, int]:

@@ -8,12 +8,11 @@ check) and touches no GPU runtime; the checks themselves (:mod:`xpukit.doctor.ch
 from __future__ import annotations
 
 import ctypes.util
-import grp
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
+from xpukit import _platform
 from xpukit._compat import installed_version
 from xpukit.machine.probe import intel_display_devices
 
@@ -77,9 +76,13 @@ class HostFacts:
 
 
 def gather_host() -> HostFacts:
-    """Read the host facts (sysfs, /dev/dri, groups, package metadata); touches no GPU runtime."""
-    dri = Path("/dev/dri")
-    nodes = sorted(dri.glob("renderD*")) if dri.exists() else []
+    """Read the host facts (sysfs, /dev/dri, groups, package metadata); touches no GPU runtime.
+
+    The PCI bus, render nodes and the ``render`` group are Linux facts: elsewhere (Windows, macOS)
+    they read as absent, so no check about them fires (docs/windows.md "What doctor checks").
+    """
+    dri = _platform.dri_dir()
+    nodes = sorted(dri.glob("renderD*")) if dri is not None else []
     from xpukit.hub import hub_status, kernels_support
 
     gpus = intel_display_devices()
@@ -89,7 +92,7 @@ def gather_host() -> HostFacts:
         intel_gpus=tuple(pci_id for _, pci_id in gpus),
         intel_igpu_present=any(address.endswith(":00:02.0") for address, _ in gpus),
         level_zero_loader=ctypes.util.find_library("ze_loader") is not None,
-        dri_exists=dri.exists(),
+        dri_exists=dri is not None,
         render_nodes_accessible=all(os.access(n, os.R_OK | os.W_OK) for n in nodes),
         in_render_group=in_render_group(),
         packages={name: installed_version(name) for name in PACKAGES},
@@ -102,10 +105,5 @@ def gather_host() -> HostFacts:
 
 
 def in_render_group() -> bool:
-    if os.geteuid() == 0:
-        return True
-    try:
-        render = grp.getgrnam("render").gr_gid
-    except KeyError:
-        return True  # no render group on this system: nothing to be missing from
-    return render in os.getgroups()
+    """Whether the user is root or in the ``render`` group (True where there is no such group)."""
+    return _platform.in_render_group()

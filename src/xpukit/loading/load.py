@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import copy
 import logging
+from pathlib import Path
 from typing import Any
 
-from xpukit.errors import DeviceUnavailableError, InvalidRequestError
+from xpukit.errors import DeviceUnavailableError, InvalidRequestError, XpukitError
 from xpukit.hub import fetch_timeout, hub_offline, hub_status, offline_guard, run_bounded
 from xpukit.planning.device import INSTALL_FIX
 from xpukit.planning.loadplan import Decision, LoadEvent, LoadPlan
+from xpukit.planning.model_class import unexpected_weights_problem
 from xpukit.planning.plan import plan_load
 from xpukit.planning.quantization import require_bnb
 
@@ -48,12 +50,28 @@ def load_for_xpu(
     headroom: Any = None,
     facts: Any = None,
     model_class: Any = None,
+    seed: Any = None,
+    strategy: Any = None,
+    fast_decode: bool = False,
+    warmup: bool = False,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
     **from_pretrained_kwargs: Any,
 ) -> Any:
     """Load a model for inference the way :func:`xpukit.plan_load` plans it, and say what ran.
 
     Takes the same arguments as :func:`xpukit.plan_load` (or a ``LoadPlan`` as ``model``). Any other
-    keyword goes to ``from_pretrained`` unchanged.
+    keyword goes to ``from_pretrained`` unchanged. ``seed=N`` seeds the new LoRA adapters'
+    initialisation (``transformers.set_seed(N)`` right before they are created; from_pretrained is
+    not affected), so ``load_for_xpu(..., seed=N)`` with ``training_args(..., seed=N)`` repeats a run
+    exactly (docs/training.md "Reproducible runs"). ``strategy=`` (``auto``/``ddp``/``fsdp``/``deepspeed``)
+    plans the load for that distributed strategy: ``fsdp`` loads without a device_map for sharding
+    (docs/distributed.md "What xpukit decides"); a rank of a launched job loads on its own device.
+    ``fast_decode=True`` sets a static KV cache and compiled decoding on ``model.generation_config``
+    as the plan's ``fast_decode`` decision says; ``warmup=True`` then runs one short generation at
+    load and records its time (the compile) as a ``warmup`` event (docs/decode.md). With new LoRA
+    adapters, ``batch_size=`` and ``seq_len=`` size the training step the memory savers are chosen
+    for (checkpointing, offload, liger, micro-batch; docs/training.md "Training plan by fit").
 
     Returns:
         The loaded ``PreTrainedModel`` (a ``PeftModel`` when ``lora`` was given), with the plan as
@@ -65,6 +83,14 @@ def load_for_xpu(
     Example:
         >>> model = load_for_xpu("Qwen/Qwen3-0.6B")  # doctest: +SKIP
         >>> print(model.xpukit_plan.explain())  # doctest: +SKIP
+
+        Offline, on the CPU, with a tiny local model:
+
+        >>> import tempfile
+        >>> from xpukit.demo.tiny import build_tiny_model
+        >>> tiny = load_for_xpu(build_tiny_model("qwen3", tempfile.mkdtemp()), device="cpu", lora=True)
+        >>> tiny.xpukit_plan.device.torch_device, type(tiny).__name__
+        ('cpu', 'PeftModelForCausalLM')
     """
     if isinstance(model, LoadPlan):
         plan = model
@@ -83,13 +109,23 @@ def load_for_xpu(
             headroom=headroom,
             facts=facts,
             model_class=model_class,
+            seed=seed,
+            strategy=strategy,
+            fast_decode=fast_decode,
+            batch_size=batch_size,
+            seq_len=seq_len,
             **from_pretrained_kwargs,
         )
-    return carry_out(plan, model_class=model_class)
+    return carry_out(plan, model_class=model_class, warmup=warmup)
 
 
-def carry_out(plan: LoadPlan, *, model_class: Any = None) -> Any:
+def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) -> Any:
     """Load the model a plan describes; see the module docstring for the steps."""
+    if warmup is not False and (warmup is not True or plan.decode is None):
+        raise InvalidRequestError(
+            f"warmup={warmup!r}: the warm-up compiles the decoding that fast_decode=True sets up. "
+            "Fix: load_for_xpu(..., fast_decode=True, warmup=True), or leave warmup out."
+        )
     if plan.model is None:
         raise InvalidRequestError(
             f"The plan is for a bare config ({plan.model_facts.name}) with no weights to load. Fix: pass the "
@@ -120,7 +156,33 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None) -> Any:
             _fetch_attention_kernel(plan, kwargs, events, changes)
         if plan.use_kernels:
             _fetch_layer_kernels(plan, kwargs, events, changes)
-        model = cls.from_pretrained(plan.model, **kwargs)
+        problem = None
+        kwargs.pop("output_loading_info", None)  # always asked: the load report decides below
+        try:
+            model, info = cls.from_pretrained(plan.model, output_loading_info=True, **kwargs)
+        except Exception as exc:
+            problem = weights_problem(plan, exc)
+            if problem is None:
+                raise
+        if problem is not None:  # raised outside `except`, so no traceback keeps the half-built model
+            raise InvalidRequestError(problem)
+        # Never a model with checkpoint weights left out (docs/planning.md "Model class (`model_class=`)").
+        config = plan.config if plan.config is not None else model.config
+        unexpected = info.get("unexpected_keys")
+        user_class = any(d.name == "model_class" and d.source == "user" for d in plan.decisions)
+        unused, head_note = unexpected_weights_problem(
+            str(plan.model), cls.__name__, unexpected, config,
+            base_prefix=str(getattr(model, "base_model_prefix", "") or ""), user_class=user_class,
+        )  # fmt: skip
+        if unused is not None:
+            del model  # dropped before raising, so the traceback does not keep the weights alive
+            raise InvalidRequestError(unused)
+        if head_note is not None:
+            logger.warning("%s", head_note)
+            events.append(LoadEvent(kind="note", what="weights", actual=head_note))
+        if info.get("missing_keys"):
+            new = ", ".join(sorted(info["missing_keys"]))
+            events.append(LoadEvent(kind="note", what="weights", actual=f"newly initialised: {new}"))
         events.append(
             LoadEvent(kind="applied", what="placement", planned=plan.device_map, actual=_where(model))
         )
@@ -134,14 +196,30 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None) -> Any:
             if problem is not None:
                 del model
                 raise InvalidRequestError(problem)
-            model, notes = apply_lora(
-                model,
-                plan.lora,
-                compute_dtype=plan.dtype,
-                quantized=plan.quantization is not None,
-                device=plan.device,
-            )
+            if plan.seed is not None and plan.lora.kind == "new":
+                from transformers import set_seed
+
+                set_seed(plan.seed)  # only the adapters' init draws random numbers after this
+                events.append(LoadEvent(kind="applied", what="seed", actual=f"set_seed({plan.seed})"))
+            try:
+                model, notes = apply_lora(
+                    model,
+                    plan.lora,
+                    compute_dtype=plan.dtype,
+                    quantized=plan.quantization is not None,
+                    device=plan.device,
+                )
+            except XpukitError as exc:
+                del model  # the error (and its traceback's frames) must not keep the weights alive
+                _drop_frames(exc)
+                raise
             events += [LoadEvent(kind="applied", what="lora", actual=note) for note in notes]
+    if plan.decode is not None:
+        from xpukit.loading.decode import apply_fast_decode, warm_up
+
+        events += apply_fast_decode(model, plan)
+        if warmup:
+            events += warm_up(model, plan)
     model.xpukit_plan = plan.with_events(tuple(events), **changes)
     return model
 
@@ -171,6 +249,39 @@ def check_runtime(plan: LoadPlan) -> None:
             f"The plan loads on {plan.device.torch_device} ({plan.machine.source}), but this machine has "
             f"{count} {backend} device(s). Plan on this machine (no facts=) or fix the device selection."
         )
+
+
+def _drop_frames(exc: BaseException | None) -> None:
+    """Clear the locals of every frame an error chain holds (a raising callee's ``model`` argument)."""
+    import traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+
+
+def weights_problem(plan: LoadPlan, exc: BaseException) -> str | None:
+    """The message for a weights file safetensors cannot read (truncated, corrupt), else ``None``."""
+    from safetensors import SafetensorError, safe_open
+
+    if not isinstance(exc, SafetensorError):
+        return None
+    broken = []
+    local = Path(str(plan.model))
+    for file in sorted(local.glob("*.safetensors")) if local.is_dir() else ():
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except SafetensorError as bad:
+            broken.append(f"{file.name} ({bad})")
+    what = ", ".join(broken) if broken else f"a .safetensors file ({exc})"
+    return (
+        f"Loading {plan.model!r}: {what} cannot be read: the file is truncated or corrupt (an interrupted "
+        "download or copy). Fix: download the model again (hf download <id> --force-download) or write it "
+        "again with save_pretrained(); nothing was loaded."
+    )
 
 
 def _needs_offline_guard(plan: LoadPlan) -> bool:

@@ -130,6 +130,10 @@ def _new_adapters(
     if request.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         notes.append("gradient checkpointing on (use_reentrant=False; input embeddings require grad)")
+    if request.gradient_checkpointing == "offload":
+        from xpukit.loading.offload import offload_saved_activations
+
+        notes.append(offload_saved_activations(model, device))
     from xpukit.loading.liger import apply_liger
 
     notes += apply_liger(model, device, wanted=request.liger)

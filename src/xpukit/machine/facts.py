@@ -11,6 +11,8 @@ import re
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+from xpukit.machine.launch import LaunchFacts
+
 __all__ = [
     "BACKENDS",
     "Backend",
@@ -102,6 +104,8 @@ class MachineFacts:
         xccl_available: ``torch.distributed.is_xccl_available()`` where it could be read.
         source: ``detected`` or the name of the profile.
         notes: caveats met while detecting (e.g. a warning the runtime printed).
+        launch: which rank of a launched job this process is (torchrun, accelerate, MPI); ``None``
+            when it was not started by a launcher.
     """
 
     torch_version: str | None
@@ -117,6 +121,7 @@ class MachineFacts:
     xccl_available: bool | None = None
     source: str = "detected"
     notes: tuple[str, ...] = ()
+    launch: LaunchFacts | None = None
 
     def __post_init__(self) -> None:
         # A frozen dataclass should not share a caller's mutable dict.
@@ -154,6 +159,7 @@ class MachineFacts:
             "xccl_available": self.xccl_available,
             "source": self.source,
             "notes": list(self.notes),
+            "launch": self.launch.to_dict() if self.launch is not None else None,
         }
 
     @classmethod
@@ -201,6 +207,7 @@ class MachineFacts:
             xccl_available=data.get("xccl_available"),
             source=data.get("source", "detected"),
             notes=tuple(data.get("notes", ())),
+            launch=LaunchFacts.from_dict(data["launch"]) if data.get("launch") else None,
         )
 
 

@@ -10,7 +10,8 @@ What :func:`detect` touches, in order (docs/platform-notes.md §1–2):
    runtime**: on XPU with torch <= 2.12 the Level Zero driver then reads ``ZE_AFFINITY_MASK`` and
    friends once for the whole process. Settle device selection (``xpukit launch`` or
    :meth:`xpukit.DeviceSelection.apply`) before calling it.
-3. The CPU, from ``/proc/cpuinfo`` and ``/proc/meminfo`` (Linux) or ``sysctl`` (macOS); the flags can
+3. The CPU, from ``/proc/cpuinfo`` and ``/proc/meminfo`` (Linux; through :mod:`xpukit._platform`,
+   which also reads Windows' memory) or ``sysctl`` (macOS); the flags can
    be replaced with ``XPUKIT_CPU_FLAGS`` (docs/env.md).
 
 ``torch.xpu.is_bf16_supported()`` is never used as a hardware fact: it is True on every XPU.
@@ -19,18 +20,18 @@ What :func:`detect` touches, in order (docs/platform-notes.md §1–2):
 from __future__ import annotations
 
 import contextlib
-import os
 import platform
 import re
 import subprocess
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from xpukit import _environ
+from xpukit import _environ, _platform
 from xpukit._compat import installed_version
+from xpukit.errors import XpukitError
 from xpukit.machine.facts import BACKENDS, Backend, DeviceFacts, MachineFacts, classify_xpu, xpu_family_traits
+from xpukit.machine.launch import LAUNCH_VARIABLES, LaunchFacts, parse_launch
 
 if TYPE_CHECKING:
     import types
@@ -59,7 +60,9 @@ def detect(*, devices: bool = True) -> MachineFacts:
     env = _environ.relevant()
     cpu = cpu_facts()
     if installed_version("torch") is None:
-        return MachineFacts(torch_version=None, cpu=cpu, env=env, notes=("torch is not installed",))
+        launch, note = launch_facts()
+        notes_ = ("torch is not installed", *note)
+        return MachineFacts(torch_version=None, cpu=cpu, env=env, notes=notes_, launch=launch)
     import torch
 
     compiled = _compiled_backends(torch)
@@ -76,6 +79,7 @@ def detect(*, devices: bool = True) -> MachineFacts:
                     notes.append(f"{backend} device enumeration failed: {type(exc).__name__}: {exc}")
                     found[backend] = ()
     accelerator: Backend = next((b for b in BACKENDS if found.get(b)), "cpu")
+    launch, launch_note = launch_facts()
     return MachineFacts(
         torch_version=torch.__version__,
         torch_xpu=getattr(torch.version, "xpu", None),
@@ -88,13 +92,23 @@ def detect(*, devices: bool = True) -> MachineFacts:
         env=env,
         runtime_initialized=initialized,
         xccl_available=_xccl_available(torch),
-        notes=tuple(notes),
+        notes=tuple(notes) + launch_note,
+        launch=launch,
     )
 
 
 # Backends whose devices this process has enumerated through detect(devices=True): on XPU with
 # torch <= 2.12 (or without pyzes) that initialises Level Zero without setting is_initialized().
 _DEVICES_READ: set[str] = set()
+
+
+def launch_facts() -> tuple[LaunchFacts | None, tuple[str, ...]]:
+    """This process's rank facts from the launcher's variables; malformed ones become a note."""
+    variables = {n: v for n in LAUNCH_VARIABLES if (v := _environ.get(n)) is not None}
+    try:
+        return parse_launch(variables), ()
+    except XpukitError as exc:  # detect() reports; planning with these facts plans a single process
+        return None, (str(exc),)
 
 
 def _mark_devices_read(backends: tuple[Backend, ...]) -> None:
@@ -147,7 +161,7 @@ def intel_display_devices() -> list[tuple[str, str]]:
         sorted by address, which is PCI domain/bus/device/function order.
     """
     found = []
-    for dev in sorted(Path("/sys/bus/pci/devices").glob("*")):
+    for dev in _platform.pci_device_dirs():
         try:
             vendor = (dev / "vendor").read_text().strip()
             klass = (dev / "class").read_text().strip()
@@ -371,10 +385,10 @@ def cpu_facts_from_flags(
 
 
 def _cpu_name_and_flags() -> tuple[str, set[str]]:
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
+    cpuinfo = _platform.cpuinfo_text()
+    if cpuinfo is not None:
         name, flags = platform.processor() or "CPU", set()
-        for line in cpuinfo.read_text(errors="replace").splitlines():
+        for line in cpuinfo.splitlines():
             key, _, value = line.partition(":")
             key = key.strip().lower()
             if key == "model name" and name in {"", "CPU", platform.processor()}:
@@ -382,7 +396,7 @@ def _cpu_name_and_flags() -> tuple[str, set[str]]:
             elif key in {"flags", "features"}:  # x86 "flags", aarch64 "Features"
                 flags |= set(value.split())
         return name, flags
-    if platform.system() == "Darwin":
+    if _platform.system() == "macos":
         brand = _sysctl("machdep.cpu.brand_string") or "Apple CPU"
         bf16 = _sysctl("hw.optional.arm.FEAT_BF16") == "1"
         return brand, {"bf16"} if bf16 else set()
@@ -398,18 +412,4 @@ def _sysctl(key: str) -> str | None:
 
 
 def _memory() -> tuple[int, int]:
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        values = {}
-        for line in meminfo.read_text().splitlines():
-            key, _, rest = line.partition(":")
-            parts = rest.split()
-            if parts and parts[0].isdigit():
-                values[key] = int(parts[0]) * 1024
-        total = values.get("MemTotal", 0)
-        return total, values.get("MemAvailable", total)
-    try:
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        pages = 0
-    return pages, pages
+    return _platform.physical_memory()  # /proc/meminfo, GlobalMemoryStatusEx or sysconf

@@ -15,11 +15,13 @@ from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.device import DEVICE_PATTERN
+from xpukit.planning.loadplan import Decision
 from xpukit.planning.placement import parse_size
 
 __all__ = [
     "check_lora_targets",
     "check_model_class",
+    "check_seed",
     "device_of_map",
     "host_modules_reason",
     "lora_request_for",
@@ -27,6 +29,7 @@ __all__ = [
     "normalize_max_memory",
     "parse_device",
     "reconcile",
+    "seed_decision",
 ]
 
 
@@ -213,3 +216,33 @@ def lora_request_for(lora: Any, *, quantized: bool) -> Any:
     from xpukit.planning.lora_request import resolve_lora
 
     return resolve_lora(lora, quantized=quantized)
+
+
+def check_seed(seed: Any) -> int | None:
+    """``seed=`` as an int (``None`` stays ``None``); anything else is refused before anything is read."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+        raise InvalidRequestError(
+            f"seed={seed!r} is not a seed. Valid: an int from 0 to 2**32 - 1 (numpy's range), or None "
+            "for unseeded adapter initialisation. Fix: seed=7 (the same as training_args(seed=7))."
+        )
+    return seed
+
+
+def seed_decision(seed: int | None, *, new_adapters: bool) -> Decision:
+    """The ``seed`` decision: whether the random initialisation of new LoRA adapters repeats."""
+    if seed is None:
+        return Decision(
+            name="seed",
+            value=None,
+            reason="not given: the LoRA adapters' random initialisation is unseeded, so two runs differ. "
+            'Pass seed=N (docs/training.md "Reproducible runs")',
+        )
+    reason = (
+        f"transformers.set_seed({seed}) right before the LoRA adapters are created, so their "
+        "initialisation repeats"
+        if new_adapters
+        else "given, but nothing random runs at this load (no new LoRA adapters): not applied"
+    )
+    return Decision(name="seed", value=seed, reason=reason, source="user")

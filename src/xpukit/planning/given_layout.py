@@ -20,7 +20,15 @@ from xpukit.planning.placement import (
     usable_memory,
 )
 
-__all__ = ["MAP_DEVICE", "STRATEGIES", "bnb_map_problem", "check_map_device", "given_budgets", "given_map"]
+__all__ = [
+    "MAP_DEVICE",
+    "STRATEGIES",
+    "bnb_map_problem",
+    "check_budget_keys",
+    "check_map_device",
+    "given_budgets",
+    "given_map",
+]
 
 
 STRATEGIES = ("balanced", "balanced_low_0", "sequential")
@@ -88,6 +96,28 @@ def check_map_device(value: Any, machine: MachineFacts, what: str) -> DeviceFact
             return d
     seen = ", ".join(d.torch_device for d in machine.devices) or "none"
     raise InvalidRequestError(f"{what}={value!r}: no such device here (visible accelerators: {seen}).")
+
+
+def check_budget_keys(max_memory: dict[int | str, int], machine: MachineFacts) -> None:
+    """Every ``max_memory`` key must name a device of the machine (accelerate ignores the others).
+
+    Raises:
+        InvalidRequestError: a key such as ``1`` on a one-GPU machine, or ``0`` where there is no
+            XPU/CUDA device.
+    """
+    accelerated = machine.accelerator in {"xpu", "cuda"}
+    indices = {d.index for d in machine.devices_of(machine.accelerator)} if accelerated else set()
+    has_mps = bool(machine.devices_of("mps"))
+    for key in max_memory:
+        if key in {"cpu", "disk"} or (key == "mps" and has_mps) or (isinstance(key, int) and key in indices):
+            continue
+        seen = ", ".join(d.torch_device for d in machine.devices) or "none"
+        valid = sorted(map(str, indices)) + (["'mps'"] if has_mps else []) + ["'cpu'", "'disk'"]
+        raise InvalidRequestError(
+            f"max_memory key {key!r} names no device of this machine ({machine.source}; accelerators: "
+            f"{seen}). Valid keys here: {', '.join(valid)}. Fix: drop it, or plan for the machine that has "
+            "it (facts=)."
+        )
 
 
 def given_budgets(

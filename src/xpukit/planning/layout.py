@@ -19,6 +19,7 @@ from xpukit.machine.precision import normalize_dtype
 from xpukit.planning.given_layout import (
     STRATEGIES,
     bnb_map_problem,
+    check_budget_keys,
     given_budgets,
     given_map,
 )
@@ -70,6 +71,8 @@ def plan_layout(
 ) -> Layout:
     """Decide quantization, device_map and max_memory (see the module docstring)."""
     kind = quant.kind
+    if max_memory is not None:
+        check_budget_keys(max_memory, machine)
     dtype_decision = _check_bnb(kind, quant, main, dtype_decision, enforce_extras, warnings)
     dtype = str(dtype_decision.value)
     # A non-bitsandbytes config (quanto, torchao, GPTQ…) goes to from_pretrained unchanged; it is

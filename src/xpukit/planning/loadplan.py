@@ -16,7 +16,9 @@ from xpukit.planning.placement import DeviceBudget, format_bytes
 
 if TYPE_CHECKING:
     from xpukit.machine.facts import DeviceFacts, MachineFacts
+    from xpukit.planning.decode import DecodePlan
     from xpukit.planning.model_facts import ModelFacts
+    from xpukit.planning.training_plan import TrainingPlan
 
 __all__ = ["Decision", "LoadEvent", "LoadPlan", "MemoryEstimate"]
 
@@ -140,6 +142,13 @@ class LoadPlan:
         passthrough: other ``from_pretrained`` keyword arguments, passed unchanged.
         events: what happened at load (empty until carried out).
         carried_out: whether this plan is the one a load carried out.
+        seed: the ``seed=`` for new LoRA adapters' initialisation, or ``None`` (unseeded).
+        strategy: the distributed strategy the load was planned for (``ddp``, ``fsdp``, ``deepspeed``),
+            or ``None``; :func:`xpukit.training_args` follows it.
+        decode: what ``fast_decode=True`` sets on the generation config
+            (:class:`xpukit.planning.decode.DecodePlan`), or ``None`` when not asked.
+        training: the memory savers for new LoRA adapters, chosen by fit
+            (:class:`xpukit.planning.training_plan.TrainingPlan`); ``None`` without new adapters.
     """
 
     model: str | None
@@ -152,7 +161,7 @@ class LoadPlan:
     attn_implementation: str
     attention_kernel: str | None
     use_kernels: bool
-    device_map: str | dict[str, Any]
+    device_map: str | dict[str, Any] | None
     max_memory: dict[int | str, int] | None
     memory: MemoryEstimate
     lora: Any
@@ -168,6 +177,10 @@ class LoadPlan:
     config: Any = field(default=None, compare=False, repr=False)
     config_kwargs: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     config_given: bool = field(default=False, compare=False, repr=False)  # the user handed over a config
+    seed: int | None = None  # set_seed before new LoRA adapters are created; None: unseeded
+    strategy: str | None = None  # the distributed strategy the load is for (planning/distributed.py)
+    decode: DecodePlan | None = None  # fast_decode=True: static cache / compile (planning/decode.py)
+    training: TrainingPlan | None = None  # new LoRA adapters: savers by fit (planning/training_plan.py)
 
     @property
     def fallbacks(self) -> tuple[LoadEvent, ...]:
@@ -214,8 +227,9 @@ class LoadPlan:
         from transformers import BitsAndBytesConfig
 
         values = dict(self.quantization_config or {})
-        if "bnb_4bit_compute_dtype" in values:
-            values["bnb_4bit_compute_dtype"] = getattr(torch, values["bnb_4bit_compute_dtype"])
+        for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
+            if key in values:
+                values[key] = getattr(torch, values[key])
         return BitsAndBytesConfig(**values)
 
     def _kernel_config(self) -> Any:
@@ -254,6 +268,11 @@ class LoadPlan:
             "model_class": self.model_class,
             "events": [e.to_dict() for e in self.events],
             "carried_out": self.carried_out,
+            "seed": self.seed,
+            "strategy": self.strategy,
+            "decode": self.decode.describe() if self.decode is not None else None,
+            "training": self.training.to_dict() if self.training is not None else None,
+            "launch": self.machine.launch.to_dict() if self.machine.launch is not None else None,
         }
 
     def _kwargs_summary(self) -> dict[str, Any]:
@@ -292,8 +311,10 @@ class LoadPlan:
         lines = [
             f"Plan for {self.model or facts.name}: {facts.architecture}, {params} parameters",
             f"Machine: {self.machine.source}; main device {self.device.torch_device} ({self.device.name})",
-            "",
         ]
+        if self.machine.launch is not None:
+            lines.append(_launch_line(self))
+        lines.append("")
         name_w = max(len(d.name) for d in self.decisions) + 2
         value_w = min(max(len(_short(d.value)) for d in self.decisions) + 2, 34)
         lines.append(f"  {'choice':<{name_w}}{'value':<{value_w}}why")
@@ -316,6 +337,7 @@ class LoadPlan:
             budget = f"; max_memory {format_bytes(b.weights_budget)}" if b.weights_budget is not None else ""
             lines.append(f"  {b.device:<10} {format_bytes(b.usable):>11}  usable: {b.rule}{budget}")
         lines += textwrap.wrap(f"verdict: {m.verdict}", width, initial_indent="  ", subsequent_indent="    ")
+        lines += self.training.explain_lines() if self.training is not None else []
         rejected = [(d.name, v, why) for d in self.decisions for v, why in d.rejected]
         if rejected:
             lines += ["", "Rejected alternatives"]
@@ -349,6 +371,17 @@ class LoadPlan:
                     subsequent_indent="    ",
                 )
         return "\n".join(lines)
+
+
+def _launch_line(plan: LoadPlan) -> str:
+    # Rank, world size, launcher and the process-group backend (docs/distributed.md "What xpukit decides").
+    from xpukit.planning.distributed import process_group_backend
+
+    launch = plan.machine.launch
+    assert launch is not None
+    backend, _ = process_group_backend(plan.device, plan.machine.torch_version, plan.machine.xccl_available)
+    strategy = f"; strategy {plan.strategy}" if plan.strategy else ""
+    return f"Launch: {launch.describe()}; backend {backend or 'chosen by accelerate'}{strategy}"
 
 
 def _short(value: Any) -> str:

@@ -8,6 +8,7 @@ refuse is refused before any weight is read. Applying a request is
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -35,12 +36,15 @@ __all__ = [
 
 # lora=True. r=16 with alpha=32 (scale alpha/r = 2) is the common QLoRA-era default: enough capacity
 # for instruction or domain tuning on every linear layer, about 0.5 % of an 8B model's parameters.
-# Dropout 0.05 is what the QLoRA paper used for models up to 13B. "all-linear" targets every linear
+# Dropout 0: measured on the demo fine-tune (docs/training.md "lora_dropout: why 0"), 0.05 gave no
+# better held-out loss, 20 % fewer tokens/s and a copy of every LoRA layer's input (peft's and
+# unsloth's default is 0 too). "all-linear" targets every linear
 # layer but the output head, on any architecture (peft's per-model default list misses new ones).
+# task_type is the causal-LM one; plan_load replaces it with the model class's task unless given.
 DEFAULT_LORA: dict[str, Any] = {
     "r": 16,
     "lora_alpha": 32,
-    "lora_dropout": 0.05,
+    "lora_dropout": 0.0,
     "target_modules": "all-linear",
     "bias": "none",
     "task_type": "CAUSAL_LM",
@@ -76,18 +80,26 @@ class LoraRequest:
         config: keyword arguments for ``peft.LoraConfig`` (for ``"adapter"``: the saved config, for
             display only).
         adapter_path: the adapter directory when ``kind == "adapter"``.
-        gradient_checkpointing: enable non-reentrant gradient checkpointing when applying.
+        gradient_checkpointing: non-reentrant gradient checkpointing when applying (``True``), also
+            with the saved activations offloaded to host memory (``"offload"``), or none (``False``);
+            for new adapters the training plan decides it by fit unless ``lora=`` gave it.
         reason: why these settings.
         liger: use liger-kernel's fused kernels: ``None`` decides by device and installation,
             ``False`` never (``lora={"liger": False}``), ``True`` insists (a note says when it cannot).
+        given: the ``config`` keys the user set; the others (``task_type``, ``modules_to_save``,
+            ``target_modules``) follow the model class
+            (:func:`xpukit.planning.model_class.fit_lora_to_class`).
+        gradient_checkpointing_given: ``lora=`` set ``gradient_checkpointing`` (the plan keeps it).
     """
 
     kind: Literal["new", "adapter"]
     config: dict[str, Any]
     adapter_path: str | None
-    gradient_checkpointing: bool
+    gradient_checkpointing: bool | str
     reason: str
     liger: bool | None = None
+    given: frozenset[str] = frozenset()
+    gradient_checkpointing_given: bool = False
 
     def describe(self) -> str:
         """One line for the plan's explain table."""
@@ -95,7 +107,8 @@ class LoraRequest:
         if self.kind == "adapter":
             saved = f"r={c.get('r')}, targets {targets_text(c.get('target_modules'))}" if c else "saved"
             return f"LoRA adapter {self.adapter_path} ({saved}), inference only"
-        gc = "on" if self.gradient_checkpointing else "off"
+        gc = self.gradient_checkpointing if isinstance(self.gradient_checkpointing, str) else "off"
+        gc = "on" if self.gradient_checkpointing is True else gc
         return (
             f"new LoRA r={c.get('r')} alpha={c.get('lora_alpha')} dropout={c.get('lora_dropout')} "
             f"{targets_text(c.get('target_modules'))}, checkpointing {gc}"
@@ -122,7 +135,7 @@ def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
     Example::
 
         >>> resolve_lora(True, quantized=True).describe()
-        'new LoRA r=16 alpha=32 dropout=0.05 all-linear, checkpointing on'
+        'new LoRA r=16 alpha=32 dropout=0.0 all-linear, checkpointing on'
     """
     if lora is None or lora is False:
         return None
@@ -135,7 +148,8 @@ def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
     if type(lora).__name__ == "LoraConfig" and dataclasses.is_dataclass(lora):
         config = _config_kwargs(lora)
         _check_numbers(config)
-        return _new(config, quantized, None, None, "your LoraConfig, as given")
+        given = frozenset(k for k, v in config.items() if v is not None)
+        return _new(config, quantized, None, None, "your LoraConfig, as given", given)
     raise InvalidRequestError(
         f"lora={lora!r} ({type(lora).__name__}) is not understood. Valid: None/False, True, a dict of "
         "LoraConfig keywords, a peft.LoraConfig, or the path of a trained adapter directory."
@@ -143,7 +157,12 @@ def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
 
 
 def _new(
-    config: dict[str, Any], quantized: bool, gc: bool | None, liger: bool | None, origin: str
+    config: dict[str, Any],
+    quantized: bool,
+    gc: bool | str | None,
+    liger: bool | None,
+    origin: str,
+    given: frozenset[str] = frozenset(),
 ) -> LoraRequest:
     gradient_checkpointing = quantized if gc is None else gc
     why_gc = (
@@ -156,6 +175,8 @@ def _new(
         gradient_checkpointing=gradient_checkpointing,
         liger=liger,
         reason=f"{origin}; gradient checkpointing {why_gc}",
+        given=given,
+        gradient_checkpointing_given=gc is not None,
     )
 
 
@@ -175,12 +196,19 @@ def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
     gc = options.pop("gradient_checkpointing", None)
     liger = options.pop("liger", None)
     for name, value in (("gradient_checkpointing", gc), ("liger", liger)):
-        if value is not None and not isinstance(value, bool):
-            raise InvalidRequestError(f"lora={{'{name}': {value!r}}}: must be True or False.")
+        offload = name == "gradient_checkpointing" and value == "offload"
+        if value is not None and not isinstance(value, bool) and not offload:
+            valid = "True, False or 'offload'" if name == "gradient_checkpointing" else "True or False"
+            raise InvalidRequestError(f"lora={{'{name}': {value!r}}}: must be {valid}.")
     _check_numbers(options)
     given = ", ".join(sorted(options)) or "nothing"
     return _new(
-        {**DEFAULT_LORA, **options}, quantized, gc, liger, f"xpukit's defaults with {given} from lora="
+        {**DEFAULT_LORA, **options},
+        quantized,
+        gc,
+        liger,
+        f"xpukit's defaults with {given} from lora=",
+        frozenset(options),
     )
 
 
@@ -261,7 +289,8 @@ def lora_config_or_problem(request: LoraRequest) -> tuple[Any, str | None]:
     from peft import LoraConfig
 
     try:
-        return LoraConfig(**request.config), None
+        # A copy: peft extends lists it is given (modules_to_save) in place, and the plan is frozen.
+        return LoraConfig(**copy.deepcopy(request.config)), None
     except (TypeError, ValueError) as exc:
         return None, f"lora=: peft.LoraConfig rejected {request.config}: {exc}"
 

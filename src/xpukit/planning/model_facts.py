@@ -14,7 +14,6 @@ Real-size shapes to plan with, offline, are in :mod:`xpukit.planning.reference_m
 
 from __future__ import annotations
 
-import copy
 import logging
 import re
 from collections import OrderedDict
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
+from xpukit.planning.model_class import auto_class_for, build_meta_model, class_facts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -41,14 +41,6 @@ SIZE_KEYS = (
     "8bit/bfloat16",
     "8bit/float16",
     "8bit/float32",
-)
-
-# Auto classes tried in order; the first whose mapping knows the config builds the model.
-_AUTO_CLASSES = (
-    ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING"),
-    ("AutoModelForImageTextToText", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING"),
-    ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING"),
-    ("AutoModel", "MODEL_MAPPING"),
 )
 
 
@@ -82,6 +74,10 @@ class ModelFacts:
         module_names: every module's full name, for matching LoRA targets before loading.
         config_dtype: the dtype the checkpoint declares, when it does.
         sizing: how the sizes were computed (stated in plans).
+        head_modules: the task head of a classification class (trained in full with LoRA).
+        quantization_skip: modules bitsandbytes leaves unquantized beside its defaults (the head).
+        language_model: a VLM's language model module path; ``language_linear_layers`` its linear
+            layer names (LoRA's default targets there; docs/planning.md "Model class (`model_class=`)").
     """
 
     name: str
@@ -105,6 +101,10 @@ class ModelFacts:
     config_dtype: str | None = None
     sizing: str = "transformers compute_module_sizes on the meta device"
     notes: tuple[str, ...] = field(default=())
+    head_modules: tuple[str, ...] = ()
+    quantization_skip: tuple[str, ...] = ()
+    language_model: str | None = None
+    language_linear_layers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_bytes", dict(self.weight_bytes))
@@ -151,6 +151,8 @@ class ModelFacts:
             "config_dtype": self.config_dtype,
             "sizing": self.sizing,
             "notes": list(self.notes),
+            "head_modules": list(self.head_modules),
+            "language_model": self.language_model,
         }
 
 
@@ -162,7 +164,12 @@ _CACHE_SIZE = 8
 
 
 def model_facts(
-    config: PreTrainedConfig, *, name: str | None = None, trust_remote_code: bool = False, cache: bool = True
+    config: PreTrainedConfig,
+    *,
+    name: str | None = None,
+    trust_remote_code: bool = False,
+    cache: bool = True,
+    model_class: Any = None,
 ) -> ModelFacts:
     """Read a model's facts from its config by building it on the meta device.
 
@@ -171,27 +178,33 @@ def model_facts(
         name: what to call the model in plans (default: the config's ``_name_or_path``).
         trust_remote_code: passed to the Auto class for configs whose model code lives in the repo.
         cache: reuse the facts of an identical config read before in this process.
+        model_class: the class (or name) to build; default: the one the config's ``architectures``
+            names (:func:`xpukit.planning.model_class.choose_model_class`).
 
     Raises:
         InvalidRequestError: no transformers Auto class can build this config.
     """
     kind = f"{type(config).__module__}.{type(config).__name__}"
-    key = f"{kind}:{trust_remote_code}:{config.to_json_string(use_diff=False)}"
+    built = model_class if model_class is None or isinstance(model_class, str) else id(model_class)
+    key = f"{kind}:{trust_remote_code}:{built}:{config.to_json_string(use_diff=False)}"
     if cache and key in _CACHE:
         _CACHE.move_to_end(key)
         facts = _CACHE[key]
         wanted = name or str(getattr(config, "_name_or_path", "") or "<config>")
         return facts if facts.name == wanted else replace(facts, name=wanted)
-    facts = _read_facts(config, name=name, trust_remote_code=trust_remote_code)
+    facts = _read_facts(config, name=name, trust_remote_code=trust_remote_code, model_class=model_class)
     _CACHE[key] = facts
     while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return facts
 
 
-def _read_facts(config: PreTrainedConfig, *, name: str | None, trust_remote_code: bool) -> ModelFacts:
-    auto_name, model = _build_meta_model(config, trust_remote_code=trust_remote_code)
-    weight_bytes, quantizable = _weight_sizes(model, config)
+def _read_facts(
+    config: PreTrainedConfig, *, name: str | None, trust_remote_code: bool, model_class: Any
+) -> ModelFacts:
+    auto_name, model = build_meta_model(config, model_class, trust_remote_code=trust_remote_code)
+    by_class = class_facts(model, auto_name)
+    weight_bytes, quantizable = _weight_sizes(model, config, by_class.get("quantization_skip"))
     text = config.get_text_config()
     quant = getattr(config, "quantization_config", None)
     pre_quantized = None
@@ -241,6 +254,7 @@ def _read_facts(config: PreTrainedConfig, *, name: str | None, trust_remote_code
         module_names=module_names,
         config_dtype=str(config_dtype).removeprefix("torch.") if config_dtype is not None else None,
         notes=tuple(notes),
+        **by_class,
     )
 
 
@@ -279,44 +293,6 @@ def _linear_layers(model: PreTrainedModel) -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
-def auto_class_for(config: PreTrainedConfig) -> str:
-    """The name of the transformers Auto class that loads ``config`` (causal LMs first)."""
-    from transformers.models.auto import modeling_auto
-
-    for auto_name, mapping_name in _AUTO_CLASSES:
-        mapping = getattr(modeling_auto, mapping_name, None)
-        if mapping is not None and type(config) in mapping:
-            return auto_name
-    auto_map = getattr(config, "auto_map", None) or {}
-    for auto_name, _ in _AUTO_CLASSES:
-        if auto_name in auto_map:
-            return auto_name
-    raise InvalidRequestError(
-        f"No transformers Auto class loads a {type(config).__name__} (model_type "
-        f"{getattr(config, 'model_type', None)!r}). xpukit loads models that "
-        f"{', '.join(a for a, _ in _AUTO_CLASSES)} can build. Fix: pass model_class=<the transformers class>."
-    )
-
-
-def _build_meta_model(config: PreTrainedConfig, *, trust_remote_code: bool) -> tuple[str, PreTrainedModel]:
-    import torch
-    import transformers
-
-    auto_name = auto_class_for(config)
-    auto = getattr(transformers, auto_name)
-    # Built on the meta device: no memory, no init cost (0.04 s for an 8B shape, against 0.16 s with
-    # accelerate's init_empty_weights), and tied weights stay tied. "eager" keeps transformers from
-    # checking (or fetching) an attention implementation the config may name.
-    with torch.device("meta"):
-        model = auto.from_config(
-            copy.deepcopy(config),
-            dtype=torch.bfloat16,
-            attn_implementation="eager",
-            trust_remote_code=trust_remote_code,
-        )
-    return auto_name, model
-
-
 class _TensorRecorder:
     """Stands in for the quantizer in ``compute_module_sizes(model, hf_quantizer=...)``.
 
@@ -335,7 +311,9 @@ class _TensorRecorder:
         return float(tensor.element_size())
 
 
-def _weight_sizes(model: PreTrainedModel, config: PreTrainedConfig) -> tuple[dict[str, int], int]:
+def _weight_sizes(
+    model: PreTrainedModel, config: PreTrainedConfig, skip: tuple[str, ...] | None = None
+) -> tuple[dict[str, int], int]:
     from transformers.integrations.accelerate import compute_module_sizes
 
     recorder = _TensorRecorder()
@@ -351,7 +329,7 @@ def _weight_sizes(model: PreTrainedModel, config: PreTrainedConfig) -> tuple[dic
         "bfloat16": _matching(params, _patterns(model, "_keep_in_fp32_modules_strict")),
         "float32": set(),
     }
-    quantized = {bits: _bnb_quantized_weights(model, config, bits) for bits in ("4bit", "8bit")}
+    quantized = {bits: _bnb_quantized_weights(model, config, bits, skip) for bits in ("4bit", "8bit")}
 
     def total(dtype: str, float_bytes: int, names: set[str], qbytes: float) -> int:
         size = 0.0
@@ -381,7 +359,7 @@ def _weight_sizes(model: PreTrainedModel, config: PreTrainedConfig) -> tuple[dic
 
 
 def _bnb_quantized_weights(
-    model: PreTrainedModel, config: PreTrainedConfig, bits: str
+    model: PreTrainedModel, config: PreTrainedConfig, bits: str, skip_modules: tuple[str, ...] | None = None
 ) -> tuple[set[str], float]:
     """Names of the weights bitsandbytes would quantize, and bytes per quantized element.
 
@@ -396,7 +374,8 @@ def _bnb_quantized_weights(
     from transformers.quantizers import AutoHfQuantizer
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    bnb = BitsAndBytesConfig(load_in_4bit=True) if bits == "4bit" else BitsAndBytesConfig(load_in_8bit=True)
+    extra = {"llm_int8_skip_modules": list(skip_modules)} if skip_modules else {}  # a task head: kept
+    bnb = BitsAndBytesConfig(**{f"load_in_{bits}": True}, **extra)
     quantizer = AutoHfQuantizer.from_config(bnb, pre_quantized=False)
     skip = quantizer.get_modules_to_not_convert(model, bnb.llm_int8_skip_modules, model._keep_in_fp32_modules)
     names = set()

@@ -107,8 +107,15 @@ def read_config(
     text = str(model)
     config_kwargs = dict(kwargs)
     if local is not None:
-        config, unused = AutoConfig.from_pretrained(str(local), return_unused_kwargs=True, **config_kwargs)
-        return config, str(local), text, _consumed(kwargs, unused)
+        try:
+            config, unused = AutoConfig.from_pretrained(
+                str(local), return_unused_kwargs=True, **config_kwargs
+            )
+        except (OSError, ValueError) as exc:
+            problem = local_config_problem(local, exc)
+        else:
+            return config, str(local), text, _consumed(kwargs, unused)
+        raise InvalidRequestError(problem)  # outside `except`: no chained transformers traceback
     if not _HUB_ID.match(text):
         raise InvalidRequestError(
             f"model={text!r} is neither an existing directory nor a Hub model id ('org/name'). Fix: pass the "
@@ -134,6 +141,37 @@ def read_config(
             ) from exc
         raise InvalidRequestError(f"Could not read the config of {text!r} from the Hub: {exc}") from exc
     return config, text, text, _consumed(kwargs, unused)
+
+
+def local_config_problem(local: Path, exc: Exception) -> str:
+    """Why transformers could not read the config.json of a local directory, with the fix."""
+    import json
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = local / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as bad:
+        return (
+            f"Model directory '{local}': config.json is not valid JSON ({bad}). Fix: restore the file "
+            "save_pretrained() wrote (or download the model again)."
+        )
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if model_type is None:
+        return (
+            f"Model directory '{local}': config.json has no model_type, so transformers cannot tell the "
+            f"architecture ({exc}). Fix: use the config.json save_pretrained() wrote."
+        )
+    if model_type not in CONFIG_MAPPING:
+        return (
+            f"Model directory '{local}': config.json has model_type={model_type!r}, which transformers "
+            f"{transformers.__version__} does not know. Fix: upgrade transformers (pip install -U "
+            "transformers) if the architecture is newer than this release; a model that ships its own "
+            "modelling code needs trust_remote_code=True, which xpukit never sets for you (docs/security.md)."
+        )
+    return f"Model directory '{local}': transformers could not read config.json: {exc}"
 
 
 def _consumed(kwargs: dict[str, Any], unused: dict[str, Any]) -> frozenset[str]:

@@ -17,6 +17,7 @@ from xpukit.machine.facts import MachineFacts
 from xpukit.planning.arguments import (
     check_lora_targets,
     check_model_class,
+    check_seed,
     device_of_map,
     host_modules_reason,
     lora_request_for,
@@ -24,16 +25,21 @@ from xpukit.planning.arguments import (
     normalize_max_memory,
     parse_device,
     reconcile,
+    seed_decision,
 )
 from xpukit.planning.attention import choose_attention, normalize_attn
+from xpukit.planning.decode import check_fast_decode, plan_decode
 from xpukit.planning.device import DEVICE_PATTERN, decide_dtype, machine_for, resolve_device
+from xpukit.planning.distributed import parse_strategy, place_rank, plan_distributed, shard_candidates
 from xpukit.planning.layer_kernels import choose_kernels, parse_kernels
 from xpukit.planning.layout import plan_layout
 from xpukit.planning.loadplan import Decision, LoadPlan
+from xpukit.planning.model_class import choose_model_class, fit_lora_to_class, head_skip_modules
 from xpukit.planning.model_facts import model_facts
 from xpukit.planning.model_source import read_config
 from xpukit.planning.placement import parse_size
 from xpukit.planning.quantization import parse_quantize
+from xpukit.planning.training_plan import check_step_size, training_plan_for
 
 __all__ = ["plan_load"]
 
@@ -55,6 +61,11 @@ def plan_load(
     headroom: Any = None,
     facts: MachineFacts | str | None = None,
     model_class: Any = None,
+    seed: Any = None,
+    strategy: Any = None,
+    fast_decode: bool = False,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
     **from_pretrained_kwargs: Any,
 ) -> LoadPlan:
     """Plan how to load ``model`` for inference: device, dtype, placement, attention, kernels, 4-bit, LoRA.
@@ -82,6 +93,21 @@ def plan_load(
         facts: the machine to plan for: :class:`MachineFacts`, or a profile such as
             ``"max-1550"`` (one card: two FLAT stacks); default: this machine (:func:`xpukit.detect`).
         model_class: the transformers class to load with (default: the Auto class for the config).
+        seed: an int: ``transformers.set_seed(seed)`` right before new LoRA adapters are created, so
+            their random initialisation repeats (docs/training.md "Reproducible runs"); default:
+            unseeded, which the plan's ``seed`` decision says.
+        strategy: the distributed training strategy the load is for: ``"auto"``, ``"ddp"``,
+            ``"fsdp"`` (no device_map, 4-bit stored in the compute dtype, for sharding) or
+            ``"deepspeed"``; default ``None`` (a rank of a launched job still loads on its own device,
+            docs/distributed.md "What xpukit decides").
+        fast_decode: ``True``: a static KV cache sized from the headroom and compiled decoding
+            through the model's ``generation_config`` (CUDA, XPU; on the CPU and MPS nothing changes
+            and the decision says why), as the plan's ``fast_decode`` decision says (docs/decode.md);
+            default off.
+        batch_size: with new LoRA adapters, the sequences per optimizer step to plan training for
+            (default 8); the memory savers are chosen by fit (docs/training.md "Training plan by fit").
+        seq_len: with new LoRA adapters, the tokens per sequence (default 2048, capped at the
+            model's context).
         **from_pretrained_kwargs: passed to ``from_pretrained`` unchanged.
 
     Returns:
@@ -124,13 +150,28 @@ def plan_load(
             f"device_map={device_map!r} must be 'auto', a device, an accelerate strategy or a dict."
         )
     class_name = check_model_class(model_class)
+    seed = check_seed(seed)
+    strategy = parse_strategy(strategy)
+    fast_decode = check_fast_decode(fast_decode)
+    batch_size, seq_len = check_step_size(batch_size, "batch_size"), check_step_size(seq_len, "seq_len")
     lora_request_for(lora, quantized=quant.kind in {"4bit", "8bit"})  # validate before reading anything
     config, source, name, consumed = read_config(model, kwargs)
     machine, facts_given = machine_for(facts)
     if isinstance(device_map, dict):
         device_text = device_of_map(device_map, device_text, machine)
+    rank = place_rank(device_text, device_map, machine, strategy=strategy)  # a launched job's rank
+    if rank is not None:
+        device_text = rank.device_text
     main, candidates, device_decision = resolve_device(device_text, machine)
-    mfacts = model_facts(config, name=name, trust_remote_code=bool(kwargs.get("trust_remote_code", False)))
+    if rank is not None and strategy in {"auto", "fsdp"}:
+        candidates = shard_candidates(main, machine)  # sized against the ranks' devices together
+    class_choice = choose_model_class(config, model_class if class_name else None)  # docs/planning.md
+    mfacts = model_facts(
+        config,
+        name=name,
+        trust_remote_code=bool(kwargs.get("trust_remote_code", False)),
+        model_class=class_choice.cls or class_choice.name,
+    )
     if mfacts.pre_quantized and quant.kind not in {None, "auto"}:
         raise InvalidRequestError(
             f"quantize={quantize!r}: {name} is already quantized ({mfacts.pre_quantized}); it cannot be "
@@ -154,10 +195,26 @@ def plan_load(
         warnings=warnings,
     )
     dtype_name = str(layout.dtype.value)
+    distributed = plan_distributed(
+        rank=rank,
+        strategy=strategy,
+        layout=layout,
+        model_facts=mfacts,
+        main=main,
+        machine=machine,
+        user_device_map=device_map,
+        user_quant_config=quant.user_config,
+        lora=lora is not None,
+    )
     host_modules = host_modules_reason(device_map, layout.max_memory, main)
     attention = choose_attention(attn, main, dtype_name, mfacts, host_modules=host_modules)
     lora_request = lora_request_for(lora, quantized=layout.quantization is not None)
+    lora_request = fit_lora_to_class(lora_request, class_choice, mfacts)  # task, head, VLM targets
     check_lora_targets(lora_request, mfacts, enforce=not facts_given, warnings=warnings)
+    training, lora_request = training_plan_for(
+        lora_request, config=config, max_positions=mfacts.max_positions, memory=layout.memory,
+        device=main, dtype=dtype_name, batch_size=batch_size, seq_len=seq_len,
+    )  # fmt: skip
     kernel_choice = choose_kernels(
         kernels, main, mfacts, lora=lora_request is not None, host_modules=host_modules
     )
@@ -165,8 +222,25 @@ def plan_load(
         if warning:
             warnings.append(warning)
     decisions = [device_decision, layout.dtype, *layout.decisions, attention.decision, kernel_choice.decision]
+    decisions = distributed.merged(decisions)
+    decisions.insert(0, class_choice.decision)
     if lora_request is not None:
         decisions.append(Decision(name="lora", value=lora_request.describe(), reason=lora_request.reason))
+    decisions += list(training.decisions) if training is not None else []
+    new_adapters = lora_request is not None and lora_request.kind == "new"
+    if seed is not None or new_adapters:
+        decisions.append(seed_decision(seed, new_adapters=new_adapters))
+    decode = None
+    if fast_decode:
+        decode, decode_decision = plan_decode(
+            device=main,
+            dtype=dtype_name,
+            memory=layout.memory,
+            facts=mfacts,
+            quantization=layout.quantization,
+            device_map=distributed.device_map,
+        )
+        decisions.append(decode_decision)
     for warning in warnings:
         logger.warning("%s", warning)
     return LoadPlan(
@@ -176,23 +250,27 @@ def plan_load(
         device=main,
         dtype=dtype_name,
         quantization=layout.quantization,
-        quantization_config=layout.quantization_config,
+        quantization_config=head_skip_modules(mfacts, distributed.quantization_config, quant.user_config),
         attn_implementation=attention.value,
         attention_kernel=attention.kernel.repo if attention.kernel else None,
         use_kernels=kernel_choice.use,
-        device_map=layout.device_map,
-        max_memory=layout.max_memory,
+        device_map=distributed.device_map,
+        max_memory=distributed.max_memory,
         memory=layout.memory,
         lora=lora_request,
         decisions=tuple(decisions),
         warnings=tuple(warnings),
         passthrough=kwargs,
-        model_class=class_name or mfacts.auto_class,
+        model_class=class_choice.name,
         user_quantization_config=quant.user_config,
         kernel_config=kernel_choice.config if kernel_choice.use else None,
         config=config,
         config_kwargs=consumed,
         config_given="config" in kwargs or (source is not None and not isinstance(model, (str, Path))),
+        seed=seed,
+        strategy=distributed.strategy,
+        decode=decode,
+        training=training,
     )
 
 

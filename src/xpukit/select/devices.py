@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from xpukit import _environ
+from xpukit import _environ, _platform
 from xpukit.errors import DeviceSelectionError, RuntimeAlreadyInitializedError
 from xpukit.machine import probe
 from xpukit.machine.facts import MachineFacts
@@ -146,19 +146,47 @@ class DeviceSelection:
         out.update(self.env)
         return out
 
-    def shell_prefix(self) -> str:
+    def shell_prefix(self, shell: str | None = None) -> str:
         """The selection as a shell command prefix.
 
         For example ``ZE_AFFINITY_MASK=0,2 ZE_ENABLE_PCI_ID_DEVICE_ORDER=1``. Variables to remove are
-        written with ``env -u NAME`` (an empty value would mean "no device" to CUDA).
-        """
-        parts = ["env", *(f"-u {name}" for name in self.unset)] if self.unset else []
-        parts += [f"{name}={shlex.quote(value)}" for name, value in self.env.items()]
-        return " ".join(parts)
+        written with ``env -u NAME`` (an empty value would mean "no device" to CUDA). PowerShell and
+        cmd have no per-command form: their prefix sets the variables in that shell window
+        (docs/windows.md "Shells"); ``xpukit launch`` scopes them to the one command.
 
-    def command_line(self, command: Sequence[str]) -> str:
-        """The exact shell line that runs ``command`` with this selection, properly quoted."""
-        return f"{self.shell_prefix()} {shlex.join(command)}".strip()
+        Args:
+            shell: ``"posix"``, ``"powershell"`` or ``"cmd"``; default: PowerShell on Windows, else
+                POSIX.
+
+        Returns:
+            The prefix, without the command.
+
+        Raises:
+            InvalidRequestError: an unknown shell.
+
+        Example:
+            >>> from xpukit import select_devices
+            >>> sel = select_devices("0,2", backend="xpu")
+            >>> sel.shell_prefix("posix")
+            'ZE_AFFINITY_MASK=0,2 ZE_ENABLE_PCI_ID_DEVICE_ORDER=1'
+            >>> sel.shell_prefix("powershell")
+            "$env:ZE_AFFINITY_MASK = '0,2'; $env:ZE_ENABLE_PCI_ID_DEVICE_ORDER = '1';"
+            >>> sel.shell_prefix("cmd")
+            'set "ZE_AFFINITY_MASK=0,2" && set "ZE_ENABLE_PCI_ID_DEVICE_ORDER=1" &&'
+        """
+        return _platform.env_prefix(self.env, self.unset, shell=shell)
+
+    def command_line(self, command: Sequence[str], shell: str | None = None) -> str:
+        """The exact shell line that runs ``command`` with this selection, properly quoted.
+
+        Args:
+            command: the program and its arguments.
+            shell: as for :meth:`shell_prefix`.
+
+        Returns:
+            One line to paste into that shell.
+        """
+        return f"{self.shell_prefix(shell)} {_platform.join_command(command, shell=shell)}".strip()
 
     def conflicts(self, base: Mapping[str, str] | None = None) -> dict[str, tuple[str, str | None]]:
         """Variables exported in ``base`` that this selection overrides or removes.

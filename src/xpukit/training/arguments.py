@@ -40,8 +40,6 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from packaging.version import InvalidVersion, Version
-
 from xpukit import _environ
 from xpukit._compat import installed_version, version_at_least
 from xpukit.errors import InvalidRequestError
@@ -53,6 +51,7 @@ from xpukit.machine.precision import (
     training_precision,
     training_precision_for_dtype,
 )
+from xpukit.planning.training_plan import step_keywords
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -78,6 +77,8 @@ class TrainingContext:
         bitsandbytes_version: the installed bitsandbytes version, if any.
         compute_dtype: the dtype the model was loaded to compute in (``model.xpukit_plan.dtype``);
             when set, the mixed precision follows it instead of the device's best.
+        training: the load plan's training plan (``model.xpukit_plan.training``): its micro-batch
+            and accumulation become the defaults (docs/training.md "Training plan by fit").
     """
 
     world_size: int = 1
@@ -86,6 +87,7 @@ class TrainingContext:
     gradient_checkpointing: bool = False
     bitsandbytes_version: str | None = None
     compute_dtype: str | None = None
+    training: Any = None
 
 
 def training_kwargs(
@@ -116,6 +118,9 @@ def training_kwargs(
     if not user.get("use_cpu"):
         _refuse_other_card(device, ctx.world_size)
     out, reasons = _decide(device, ctx)
+    planned, why = step_keywords(ctx.training)
+    out.update(planned)
+    reasons += why
     _refuse_impossible(device, user, _precision(device, ctx.compute_dtype).name)
     # One mixed precision named by the user replaces xpukit's, rather than joining it.
     for mine, other in (("bf16", "fp16"), ("fp16", "bf16")):
@@ -175,15 +180,9 @@ def _decide(device: DeviceFacts, ctx: TrainingContext) -> tuple[dict[str, Any], 
 
 
 def _ddp_backend(device: DeviceFacts, torch_version: str | None) -> tuple[str | None, str]:
-    if device.backend == "xpu":
-        if _at_least(torch_version, "2.8"):
-            return "xccl", "ddp_backend=xccl: XPU with torch >= 2.8"
-        return None, (
-            f"no ddp_backend set: xccl needs torch >= 2.8 (found {torch_version}); accelerate picks one"
-        )
-    if device.backend == "cuda":
-        return "nccl", "ddp_backend=nccl: CUDA"
-    return "gloo", f"ddp_backend=gloo: {device.backend}"
+    from xpukit.planning.distributed import process_group_backend
+
+    return process_group_backend(device, torch_version)
 
 
 def _optimizer(device: DeviceFacts, ctx: TrainingContext) -> tuple[str, str]:
@@ -226,22 +225,18 @@ def _refuse_impossible(device: DeviceFacts, user: dict[str, Any], pick: str) -> 
         )
 
 
-def _at_least(version: str | None, minimum: str) -> bool:
-    if version is None:
-        return False
-    try:
-        return Version(version.split("+")[0]) >= Version(minimum)
-    except InvalidVersion:
-        return False
-
-
 # =============================================================================================
 # Acting: find the facts, build the TrainingArguments
 # =============================================================================================
 
 
 def training_args(
-    model: Any = None, *, facts: MachineFacts | DeviceFacts | None = None, **kwargs: Any
+    model: Any = None,
+    *,
+    facts: MachineFacts | DeviceFacts | None = None,
+    strategy: Any = None,
+    config_class: Any = None,
+    **kwargs: Any,
 ) -> TrainingArguments:
     """``transformers.TrainingArguments`` for the model's device, with the user's keywords on top.
 
@@ -257,14 +252,20 @@ def training_args(
     Args:
         model: the model to train (a ``PreTrainedModel`` or ``PeftModel``), optional.
         facts: machine or device facts to use instead of detecting them.
+        strategy: ``"auto"``, ``"ddp"``, ``"fsdp"`` (FSDP2) or ``"deepspeed"`` (ZeRO): adds that
+            strategy's keywords (:mod:`xpukit.training.strategy`, docs/distributed.md); default none.
+        config_class: a ``TrainingArguments`` subclass to build instead (TRL's ``SFTConfig``,
+            ``DPOConfig``, ``GRPOConfig`` …): xpukit's decisions, explicit whatever its defaults, and
+            the user's keywords, its own included (:mod:`xpukit.training.config_class`).
         **kwargs: any ``TrainingArguments`` keyword (``output_dir``, batch size, ...); they win.
 
     Returns:
         The ``TrainingArguments``. Building it initialises the XPU runtime (see the module docstring).
 
     Raises:
-        InvalidRequestError: a keyword combination that cannot work on this device, or a model on a
-            device other than index 0 in a single process.
+        InvalidRequestError: a keyword combination that cannot work on this device, a model on a
+            device other than index 0 in a single process, a ``config_class`` that is not a
+            ``TrainingArguments`` subclass, or a keyword that class does not have.
         DeviceUnavailableError: repacked 4-bit weights that could not be restored.
 
     Example::
@@ -272,12 +273,20 @@ def training_args(
         args = training_args(model, output_dir="out", per_device_train_batch_size=4)
         Trainer(model=model, args=args, train_dataset=data).train()
     """
-    from transformers import TrainingArguments
+    from xpukit.training.config_class import build_config, check_config_class
 
+    cls = check_config_class(config_class)
     device = _training_device(model, facts, use_cpu=bool(kwargs.get("use_cpu")))
-    keywords = training_kwargs(device, context=_context(model, facts), **kwargs)
+    context = _context(model, facts)
+    keywords = training_kwargs(device, context=context, **kwargs)
+    if strategy is not None:
+        from xpukit.training.strategy import apply_strategy
+
+        keywords, reasons = apply_strategy(strategy, model, device, keywords, kwargs, context.world_size)
+        for reason in reasons:
+            logger.info("training_args: %s", reason)
     _restore_repacked_4bit(model)
-    return TrainingArguments(**keywords)
+    return build_config(cls, keywords, kwargs)
 
 
 def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingContext:
@@ -289,6 +298,7 @@ def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingCo
         gradient_checkpointing=_has_gradient_checkpointing(model),
         bitsandbytes_version=installed_version("bitsandbytes"),
         compute_dtype=plan_dtype if isinstance(plan_dtype, str) else None,
+        training=getattr(getattr(model, "xpukit_plan", None), "training", None),
     )
 
 

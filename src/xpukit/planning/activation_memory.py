@@ -1,0 +1,164 @@
+"""The activation memory of one LoRA training step, from a decoder's shape (pure).
+
+:func:`activation_bytes` is the formula of docs/training.md "The activation estimate", one line per
+term; tests/test_training_plan.py checks it against peaks measured on the CPU.
+:mod:`xpukit.planning.training_plan` uses it to choose the memory savers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from xpukit.planning.lora_request import LoraRequest
+
+__all__ = ["ModelShape", "activation_bytes", "lora_parameters", "model_shape"]
+
+# LoRA target groups: (names peft may give the layers, which input they read).
+_GROUPS = {
+    "attn_in": ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv"),
+    "attn_out": ("o_proj", "out_proj", "dense", "c_proj"),
+    "mlp_in": ("gate_proj", "up_proj", "gate_up_proj", "c_fc", "fc1", "w1", "w3"),
+    "mlp_out": ("down_proj", "fc2", "w2"),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelShape:
+    """The sizes of a decoder-only transformer that its activations depend on."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+def model_shape(config: Any) -> ModelShape | None:
+    """The decoder shape from a transformers config (its text config), or ``None`` when it has none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+
+    def first(*names: str) -> Any:
+        for name in names:
+            value = getattr(text, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return None
+
+    hidden = first("hidden_size", "n_embd", "d_model")
+    layers = first("num_hidden_layers", "n_layer", "num_layers")
+    heads = first("num_attention_heads", "n_head")
+    vocab = first("vocab_size")
+    if None in (hidden, layers, heads, vocab):
+        return None
+    intermediate = first("intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
+    model_type = str(getattr(text, "model_type", ""))
+    return ModelShape(
+        hidden=hidden,
+        intermediate=intermediate,
+        layers=layers,
+        heads=heads,
+        kv_heads=first("num_key_value_heads") or heads,
+        head_dim=first("head_dim") or hidden // heads,
+        vocab=vocab,
+        qk_norm=model_type.startswith(("qwen3", "gemma3", "olmo2")),
+    )
+
+
+def _targeted(targets: Any) -> dict[str, int]:
+    """LoRA layers per group; an unknown or ``all-linear`` target counts every group (an upper bound)."""
+    full = {"attn_in": 3, "attn_out": 1, "mlp_in": 2, "mlp_out": 1}
+    if not isinstance(targets, list | tuple | set | frozenset):
+        return full
+    names = {str(t).rsplit(".", 1)[-1] for t in targets}
+    known = {n for group in _GROUPS.values() for n in group}
+    if names - known:
+        return full
+    return {g: min(full[g], sum(n in names for n in members)) for g, members in _GROUPS.items()}
+
+
+def lora_parameters(shape: ModelShape, request: LoraRequest) -> int:
+    """Trainable LoRA parameters: ``r × (d_in + d_out)`` per adapted layer."""
+    r = int(request.config.get("r", 16))
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    h, i = shape.hidden, shape.intermediate
+    n = _targeted(request.config.get("target_modules"))
+    attn_in = [(h, q), (h, kv), (h, kv)][: n["attn_in"]]
+    per_layer = sum(r * (a + b) for a, b in attn_in)
+    per_layer += n["attn_out"] * r * (q + h) + n["mlp_in"] * r * (h + i) + n["mlp_out"] * r * (i + h)
+    return per_layer * shape.layers
+
+
+def activation_bytes(
+    shape: ModelShape,
+    tokens: int,
+    *,
+    compute_bytes: int,
+    lora_r: int,
+    targets: Any,
+    dropout: bool,
+    mask_bytes: int,
+    checkpointing: bool | str,
+    fused_loss: bool,
+) -> dict[str, int]:
+    """The peak activation memory of one forward + backward, in bytes (docs/training.md "The
+    activation estimate": every term there is one line here).
+
+    Args:
+        shape: the decoder's sizes.
+        tokens: micro-batch × sequence length.
+        compute_bytes: 2 for bf16/fp16 autocast (fp32 LoRA weights), 4 for fp32 compute.
+        lora_r: the LoRA rank.
+        targets: peft ``target_modules``.
+        dropout: ``lora_dropout > 0``.
+        mask_bytes: bytes per element of a dropout mask (1 where torch has the fused kernel: CUDA,
+            XPU; else the input's element size).
+        checkpointing: ``False``, ``True`` or ``"offload"``.
+        fused_loss: liger-kernel's fused linear cross-entropy replaces ``lm_head`` + loss.
+
+    Returns:
+        ``{"per_layer", "layers", "loss", "peak"}``: bytes of one layer's saved tensors, of all
+        layers' as kept (checkpointing: their inputs), of the loss, and the peak.
+    """
+    a = compute_bytes
+    h, i, v = shape.hidden, shape.intermediate, shape.vocab
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    n = _targeted(targets)
+    dims = {"attn_in": h, "attn_out": q, "mlp_in": h, "mlp_out": i}
+    per_token = 2 * 4 * h  # two RMSNorms: each keeps its input in fp32
+    per_token += 4 * (q + kv) if shape.qk_norm else 0  # q/k norms, the same
+    per_token += a * (q + 2 * kv) + a * q + 4 * shape.heads  # SDPA: q, k, v, output, logsumexp
+    per_token += 3 * a * i  # SwiGLU: gate (for SiLU), SiLU(gate) and up (for the product)
+    separate = dropout or a < 4  # a dropout or a dtype cast gives every LoRA layer its own input copy
+    for group, count in n.items():
+        if not count:
+            continue
+        d = dims[group]
+        if separate:
+            per_token += count * a * d - (a * d if group == "attn_out" and not dropout else 0)
+        elif group != "attn_out":  # o_proj's input is the SDPA output, counted above
+            per_token += a * d
+        per_token += count * mask_bytes * d if dropout else 0
+    per_token += sum(n.values()) * a * lora_r  # lora_B's input
+    per_layer = per_token * tokens
+    loss = ((2 * a + 4) * h if fused_loss else (12 + (a if a < 4 else 0)) * v) * tokens
+    final_norm = 4 * h * tokens
+    backward = a * (i + 2 * h) * tokens  # a layer's gradients in flight while it is recomputed
+    if checkpointing == "offload":
+        layers = 0  # every layer's input waits in host memory
+        peak = final_norm + max(loss, per_layer + backward)
+    elif checkpointing:
+        layers = a * h * tokens * shape.layers  # each layer keeps its input; one is recomputed at a time
+        peak = layers + final_norm + max(loss, per_layer + backward)
+    else:
+        layers = per_layer * shape.layers
+        peak = layers + final_norm + loss
+    return {"per_layer": per_layer, "layers": layers, "loss": loss, "peak": peak}

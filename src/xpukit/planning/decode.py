@@ -1,0 +1,191 @@
+"""``fast_decode=True``: a static KV cache and compiled decoding, decided from the plan's facts.
+
+Pure: the device, dtype, quantization, placement and the headroom's KV budget decide; nothing is read.
+The rules and the measurements behind them are in docs/decode.md "Rules"; transformers' own
+mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`` and
+``compile_config``) does the work, :mod:`xpukit.loading.decode` sets it on the loaded model.
+
+* The static cache holds ``max_cache_len`` tokens per sequence: the KV part of the headroom
+  (headroom minus its weight share and runtime reserve, docs/planning.md) divided by the KV bytes of
+  one token, capped by the model's context length, rounded down to a multiple of 256.
+* Compiled decoding on CUDA (``mode="reduce-overhead"``: CUDA graphs) and XPU (``mode="default"``:
+  inductor's graph trees are CUDA-only, docs/decode.md "XPU"), one device, not bitsandbytes-quantized
+  (transformers does not compile those: docs/decode.md "Quantized models").
+* CPU and MPS: nothing changes, and the decision says why (docs/decode.md "CPU measurements").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from xpukit.errors import InvalidRequestError
+from xpukit.planning.loadplan import Decision
+from xpukit.planning.placement import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
+
+if TYPE_CHECKING:
+    from xpukit.machine.facts import DeviceFacts
+    from xpukit.planning.loadplan import MemoryEstimate
+    from xpukit.planning.model_facts import ModelFacts
+
+__all__ = ["CACHE_LENGTH_STEP", "DecodePlan", "check_fast_decode", "compile_settings", "plan_decode"]
+
+CACHE_LENGTH_STEP = 256  # max_cache_len is a multiple of this (docs/decode.md "Cache length")
+# bitsandbytes' quantizers report is_compileable False in transformers 5.22 (docs/decode.md
+# "Quantized models"): generate() skips compilation for them.
+_NOT_COMPILED_QUANT = {"4bit", "8bit"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecodePlan:
+    """What ``fast_decode=True`` sets on the model's ``generation_config``.
+
+    Attributes:
+        static_cache: set ``cache_implementation="static"``.
+        max_cache_len: tokens per sequence the static cache holds (``None`` without a static cache).
+        compile: set ``compile_config`` (else ``disable_compile=True``, so nothing compiles behind
+            the plan's back).
+        compile_mode: the ``torch.compile`` mode (``reduce-overhead`` or ``default``), or ``None``.
+        kv_bytes: KV-cache bytes of ``max_cache_len`` tokens at batch 1 (0 without a static cache).
+    """
+
+    static_cache: bool
+    max_cache_len: int | None
+    compile: bool
+    compile_mode: str | None
+    kv_bytes: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        """The decision's value: what changes in the generation config."""
+        if not self.static_cache:
+            return {"static_cache": False, "compile": False}
+        return {
+            "static_cache": True,
+            "max_cache_len": self.max_cache_len,
+            "compile": self.compile_mode if self.compile else False,
+        }
+
+
+def check_fast_decode(value: Any) -> bool:
+    """``fast_decode`` is a bool; anything else is refused before anything is read.
+
+    Raises:
+        InvalidRequestError: not ``True`` / ``False``.
+    """
+    if isinstance(value, bool):
+        return value
+    raise InvalidRequestError(
+        f"fast_decode={value!r}: expected True or False (there is no 'auto': the compile warm-up "
+        "costs tens of seconds, so it is asked for). Fix: fast_decode=True."
+    )
+
+
+def compile_settings(mode: str) -> dict[str, Any]:
+    """The ``CompileConfig`` keyword arguments xpukit uses (docs/decode.md "Compile settings")."""
+    return {"fullgraph": True, "dynamic": False, "mode": mode}
+
+
+def plan_decode(
+    *,
+    device: DeviceFacts,
+    dtype: str,
+    memory: MemoryEstimate,
+    facts: ModelFacts,
+    quantization: str | None,
+    device_map: Any,
+) -> tuple[DecodePlan, Decision]:
+    """Decide the static cache length and whether decoding is compiled (``fast_decode=True``).
+
+    Args:
+        device: the plan's main device.
+        dtype: the plan's dtype (the KV cache's dtype).
+        memory: the plan's memory estimate (its headroom sizes the cache).
+        facts: the model's facts (KV bytes per token, context length).
+        quantization: the plan's quantization (``4bit``, ``8bit``, another method, or ``None``).
+        device_map: the plan's device_map (compiled decoding needs the whole model on one device).
+
+    Returns:
+        The :class:`DecodePlan` and its ``fast_decode`` :class:`Decision` (``source="user"`` when
+        everything asked for is had, ``"fallback"`` when part is not, with the reason).
+    """
+    backend = device.backend
+    if backend == "cpu":
+        return _off(
+            "asked, but nothing changes on the CPU: compiling the decoding step took 53-352 s and was "
+            'not reliably faster, nor was a static cache alone (docs/decode.md "CPU measurements")'
+        )
+    if backend == "mps":
+        return _off(
+            "asked, but nothing changes on MPS: transformers' generate() compiles only on cuda/xpu, and "
+            'a static cache was not measured on MPS (docs/decode.md "Rules")'
+        )
+    per_token = facts.kv_bytes_per_token
+    if not per_token:
+        return _off("asked, but the config lacks the attention shape, so a static cache cannot be sized")
+    per_token *= 2 if dtype == "float32" else 1
+    budget = memory.headroom - int(memory.weights * HEADROOM_WEIGHT_FRACTION) - HEADROOM_FIXED
+    tokens = max(budget, 0) // per_token
+    if facts.max_positions:
+        tokens = min(tokens, facts.max_positions)
+    length = tokens // CACHE_LENGTH_STEP * CACHE_LENGTH_STEP
+    if length == 0:
+        return _off(
+            f"asked, but the headroom leaves {format_bytes(max(budget, 0))} for the KV cache, under "
+            f"{CACHE_LENGTH_STEP} tokens ({format_bytes(per_token)} each). Fix: a larger headroom=."
+        )
+    kv_bytes = length * per_token
+    sized = (
+        f"static KV cache of {length} tokens per sequence ({format_bytes(kv_bytes)} at batch 1, "
+        f"b times that at batch b; from the headroom's KV budget {format_bytes(budget)}); every step "
+        f"attends over all of it, {kv_bytes / max(memory.weights, 1):.0%} of the weights' bytes at "
+        'batch 1 (a shorter cache: docs/decode.md "Cache length")'
+    )
+    no_compile = _why_not_compiled(backend, quantization, device_map)
+    if no_compile is not None:
+        plan = DecodePlan(
+            static_cache=True, max_cache_len=length, compile=False, compile_mode=None, kv_bytes=kv_bytes
+        )
+        rejected = (("compiled decoding", no_compile),)
+        return plan, Decision(
+            name="fast_decode",
+            value=plan.describe(),
+            reason=f"asked: {sized}; not compiled: {no_compile}",
+            rejected=rejected,
+            source="fallback",
+        )
+    mode = "reduce-overhead" if backend == "cuda" else "default"
+    graphs = (
+        "CUDA graphs (mode reduce-overhead)"
+        if backend == "cuda"
+        else 'mode default (inductor\'s graph capture is CUDA-only: docs/decode.md "XPU")'
+    )
+    plan = DecodePlan(
+        static_cache=True, max_cache_len=length, compile=True, compile_mode=mode, kv_bytes=kv_bytes
+    )
+    return plan, Decision(
+        name="fast_decode",
+        value=plan.describe(),
+        reason=f"asked: {sized}; decoding compiled by generate() (fullgraph, static shapes, {graphs})",
+        source="user",
+    )
+
+
+def _why_not_compiled(backend: str, quantization: str | None, device_map: Any) -> str | None:
+    if quantization in _NOT_COMPILED_QUANT:
+        return (
+            f"transformers' generate() does not compile bitsandbytes {quantization} models "
+            '(docs/decode.md "Quantized models")'
+        )
+    devices = set(device_map.values()) if isinstance(device_map, dict) else {device_map}
+    devices = {str(d) for d in devices}
+    if device_map is None or len(devices) > 1 or devices & {"cpu", "disk", "auto"}:  # None: FSDP sharding
+        return (
+            "the model is split over several devices or offloaded; generate() does not compile an "
+            'offloaded model and graph capture needs one device (docs/decode.md "Rules")'
+        )
+    return None
+
+
+def _off(reason: str) -> tuple[DecodePlan, Decision]:
+    plan = DecodePlan(static_cache=False, max_cache_len=None, compile=False, compile_mode=None)
+    return plan, Decision(name="fast_decode", value=plan.describe(), reason=reason, source="fallback")

@@ -1,0 +1,375 @@
+"""The training plan for new LoRA adapters: which memory savers to use, decided by fit (pure).
+
+From the model's shape (read from its config), the batch and sequence length and the LoRA settings,
+:func:`activation_bytes` estimates the activation memory of one training step under each set of
+savers. :func:`plan_training` takes the fastest set that fits the device's memory beside the weights
+and the adapters' training state, trying them in the order of docs/training.md "Training plan by
+fit": none → liger-kernel's fused linear cross-entropy → gradient checkpointing → checkpointing with
+the saved activations offloaded to host memory → a smaller micro-batch with gradient accumulation.
+The formula and its derivation are in docs/training.md "The activation estimate"; the measured
+peaks it was checked against are in tests/test_training_plan.py.
+
+An explicit choice wins: ``lora={"gradient_checkpointing": True | False | "offload"}`` and
+``lora={"liger": True | False}`` are taken as given, and only the rest is decided around them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from xpukit._compat import installed_version, is_installed
+from xpukit.errors import InvalidRequestError
+from xpukit.planning.activation_memory import ModelShape, activation_bytes, lora_parameters, model_shape
+from xpukit.planning.loadplan import Decision
+from xpukit.planning.placement import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
+
+if TYPE_CHECKING:
+    from xpukit.machine.facts import DeviceFacts
+    from xpukit.planning.loadplan import MemoryEstimate
+    from xpukit.planning.lora_request import LoraRequest
+
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_SEQ_LEN",
+    "LORA_STATE_BYTES",
+    "ModelShape",
+    "TrainingPlan",
+    "activation_bytes",
+    "check_step_size",
+    "liger_availability",
+    "model_shape",
+    "plan_training",
+    "step_keywords",
+    "training_plan_for",
+]
+
+# transformers' TrainingArguments default per_device_train_batch_size, and a context that covers most
+# instruction data; both are stated in the plan when not given.
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_SEQ_LEN = 2048
+# Per trainable (LoRA) parameter: fp32 weight + fp32 gradient + AdamW's two fp32 moments.
+LORA_STATE_BYTES = 16
+# The order savers are tried in (fastest first); each set includes the ones before it.
+GC_OPTIONS: tuple[bool | str, ...] = (False, True, "offload")
+
+# Device types on which Triton, and so liger-kernel, runs (xpukit.loading.liger.TRITON_BACKENDS).
+_TRITON_BACKENDS = ("cuda", "xpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingPlan:
+    """The memory savers chosen for training new LoRA adapters, and the estimate behind them.
+
+    Attributes:
+        batch_size / seq_len: the step planned for (``*_given``: whether the user said so).
+        micro_batch: sequences per forward; ``gradient_accumulation_steps`` make up the batch.
+        gradient_checkpointing: ``False``, ``True`` or ``"offload"``.
+        liger: apply liger-kernel's fused kernels.
+        budget: bytes the device may fill; ``fixed``: weights + LoRA state + reserve.
+        estimates: the peak activation bytes of each option tried, in order.
+        decisions: ``gradient_checkpointing``, ``liger``, ``micro_batch``.
+    """
+
+    batch_size: int
+    seq_len: int
+    batch_given: bool
+    seq_given: bool
+    micro_batch: int
+    gradient_accumulation_steps: int
+    gradient_checkpointing: bool | str
+    liger: bool
+    budget: int
+    budget_rule: str
+    fixed: int
+    fixed_rule: str
+    estimate: dict[str, int]
+    estimates: tuple[tuple[str, int], ...]
+    fits: bool
+    decisions: tuple[Decision, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        out = {f: getattr(self, f) for f in self.__dataclass_fields__ if f != "decisions"}
+        out["estimates"] = [{"option": o, "peak": b} for o, b in self.estimates]
+        return out
+
+    def explain_lines(self) -> list[str]:
+        """The "Training memory" section of :meth:`LoadPlan.explain`."""
+        said = {True: "given", False: "default"}
+        lines = [
+            "",
+            f"Training memory (batch {self.batch_size} [{said[self.batch_given]}] × seq {self.seq_len} "
+            f'[{said[self.seq_given]}]; docs/training.md "The activation estimate")',
+            f"  budget     {format_bytes(self.budget):>11}  {self.budget_rule}",
+            f"  fixed      {format_bytes(self.fixed):>11}  {self.fixed_rule}",
+            f"  for steps  {format_bytes(max(self.budget - self.fixed, 0)):>11}  budget − fixed",
+        ]
+        for option, peak in self.estimates:
+            lines.append(f"  {format_bytes(peak):>22}  activations with {option}")
+        verdict = "fits" if self.fits else "does NOT fit even at micro-batch 1"
+        lines.append(f"  chosen: {self._chosen()} ({verdict})")
+        return lines
+
+    def _chosen(self) -> str:
+        return _option_text(self.liger, self.gradient_checkpointing, self.micro_batch, self.batch_size)
+
+
+def _option_text(liger: bool, gc: bool | str, micro: int, batch: int) -> str:
+    parts = ["fused CE"] if liger else []
+    if gc:
+        parts.append("offloaded checkpointing" if gc == "offload" else "checkpointing")
+    if micro < batch:
+        parts.append(f"micro-batch {micro} × {batch // micro} accumulation")
+    return " + ".join(parts) or "no savers"
+
+
+def plan_training(
+    shape: ModelShape,
+    request: LoraRequest,
+    *,
+    compute_dtype: str,
+    backend: str,
+    weights: int,
+    budget: int,
+    budget_rule: str,
+    batch_size: int | None,
+    seq_len: int | None,
+    max_positions: int | None,
+    liger_available: tuple[bool, str],
+) -> TrainingPlan:
+    """Choose the fastest set of memory savers whose estimated peak fits (module docstring).
+
+    Args:
+        shape: from :func:`model_shape`.
+        request: the new-adapter LoRA request (its ``gradient_checkpointing``/``liger`` are the user's
+            choices when ``gradient_checkpointing_given``/``liger`` are set).
+        compute_dtype: the plan's dtype.
+        backend: the training device's backend (``cuda``, ``xpu``, ``cpu``, ``mps``).
+        weights: bytes of the loaded weights.
+        budget: bytes the device may fill (``max_memory`` for it, else its usable memory).
+        budget_rule: how ``budget`` was found.
+        batch_size / seq_len: the step to plan for (``None``: the defaults above).
+        max_positions: the model's context length (caps the default ``seq_len``).
+        liger_available: whether liger-kernel can run here, and why (not).
+
+    Returns:
+        The :class:`TrainingPlan` with its three decisions.
+    """
+    batch = batch_size or DEFAULT_BATCH_SIZE
+    seq = seq_len or min(DEFAULT_SEQ_LEN, max_positions or DEFAULT_SEQ_LEN)
+    a = 4 if compute_dtype == "float32" else 2
+    lora_params = lora_parameters(shape, request)
+    reserve = int(HEADROOM_WEIGHT_FRACTION * weights) + HEADROOM_FIXED
+    fixed = weights + LORA_STATE_BYTES * lora_params + reserve
+    room = budget - fixed
+    dropout = float(request.config.get("lora_dropout", 0) or 0) > 0
+
+    def peak(liger: bool, gc: bool | str, micro: int) -> int:
+        return activation_bytes(
+            shape,
+            micro * seq,
+            compute_bytes=a,
+            lora_r=int(request.config.get("r", 16)),
+            targets=request.config.get("target_modules"),
+            dropout=dropout,
+            mask_bytes=1 if backend in ("cuda", "xpu") else a,
+            checkpointing=gc,
+            fused_loss=liger,
+        )["peak"]
+
+    user_gc, user_liger = request.gradient_checkpointing_given, request.liger
+    liger_ok, liger_why = liger_available
+    ladder = _ladder(
+        request.gradient_checkpointing if user_gc else None, user_liger, liger_ok, offload=backend != "cpu"
+    )
+    tried: list[tuple[str, int]] = []
+    chosen: tuple[bool, bool | str, int] | None = None
+    for lg, gc in ladder:
+        p = peak(lg, gc, batch)
+        tried.append((_option_text(lg, gc, batch, batch), p))
+        if p <= room:
+            chosen = (lg, gc, batch)
+            break
+    if chosen is None:  # the leanest option at ever smaller micro-batches
+        lg, gc = min(ladder, key=lambda option: peak(option[0], option[1], batch))
+        micro = batch
+        while micro > 1 and peak(lg, gc, micro) > room:
+            micro = max(1, micro // 2)
+        tried.append((_option_text(lg, gc, micro, batch), peak(lg, gc, micro)))
+        chosen = (lg, gc, micro)
+    liger, gc, micro = chosen
+    fits = peak(liger, gc, micro) <= room
+    estimate = activation_bytes(
+        shape, micro * seq, compute_bytes=a, lora_r=int(request.config.get("r", 16)),
+        targets=request.config.get("target_modules"), dropout=dropout,
+        mask_bytes=1 if backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=liger,
+    )  # fmt: skip
+    need = f"{format_bytes(estimate['peak'])} of activations for {micro} × {seq} tokens"
+    rest = f"the {format_bytes(max(room, 0))} left beside weights and LoRA state"
+    fit_text = f"{need} fit {rest}" if fits else f"{need} exceed {rest} (the smallest the plan can go)"
+    decisions = (
+        _gc_decision(gc, user_gc, fit_text, tried),
+        _liger_decision(liger, user_liger, liger_ok, liger_why, fit_text),
+        Decision(
+            name="micro_batch",
+            value=micro,
+            reason=(
+                f"{micro} sequences per step × {batch // micro} gradient accumulation steps = batch "
+                f"{batch}: {fit_text}; training_args passes it on"
+                if micro < batch
+                else f"the whole batch of {batch} in one step: {fit_text}"
+            ),
+            rejected=tuple((m, "does not fit") for m in (batch,) if micro < batch),
+        ),
+    )
+    return TrainingPlan(
+        batch_size=batch,
+        seq_len=seq,
+        batch_given=batch_size is not None,
+        seq_given=seq_len is not None,
+        micro_batch=micro,
+        gradient_accumulation_steps=max(1, batch // micro),
+        gradient_checkpointing=gc,
+        liger=liger,
+        budget=budget,
+        budget_rule=budget_rule,
+        fixed=fixed,
+        fixed_rule=(
+            f"weights {format_bytes(weights)} + LoRA state {format_bytes(LORA_STATE_BYTES * lora_params)} "
+            f"({lora_params:,} params × {LORA_STATE_BYTES} B: weight, grad, AdamW) + reserve "
+            f"{format_bytes(reserve)} (10 % of weights + 256 MiB)"
+        ),
+        estimate=estimate,
+        estimates=tuple(tried),
+        fits=fits,
+        decisions=decisions,
+    )
+
+
+def _ladder(
+    gc: bool | str | None, liger: bool | None, liger_ok: bool, *, offload: bool
+) -> list[tuple[bool, bool | str]]:
+    """The sets of savers in the order tried (fastest first); a user's choice pins its saver."""
+    gcs: list[bool | str] = [gc] if gc is not None else [False, True] + (["offload"] if offload else [])
+    ligers = [liger] if liger is not None else ([False, True] if liger_ok else [False])
+    return [(lg, g) for g in gcs for lg in ligers]
+
+
+def _gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[str, int]]) -> Decision:
+    if given:
+        return Decision(name="gradient_checkpointing", value=gc, reason=f"lora= says so; {fit_text}",
+                        source="user")  # fmt: skip
+    if gc == "offload":
+        what = "on, saved activations offloaded to host memory (torch.autograd.graph.save_on_cpu)"
+    else:
+        what = "on (non-reentrant)" if gc else "off: the fastest"
+    rejected = tuple((option, f"needs {format_bytes(b)}") for option, b in tried[:-1])
+    return Decision(name="gradient_checkpointing", value=gc, reason=f"{what}; {fit_text}", rejected=rejected)
+
+
+def _liger_decision(liger: bool, given: bool | None, ok: bool, why: str, fit_text: str) -> Decision:
+    if given is not None:
+        reason = "lora= says so" + ("" if ok or not given else f", but {why}: loading records the fallback")
+        return Decision(name="liger", value=liger, reason=reason, source="user")
+    if not ok:
+        return Decision(name="liger", value=False, reason=why)
+    if liger:
+        return Decision(
+            name="liger", value=True, reason=f"fused linear cross-entropy needed to fit: {fit_text}"
+        )
+    return Decision(
+        name="liger",
+        value=False,
+        reason="not needed to fit: the unfused loss is faster (H200: 28 % more tokens/s without it)",
+        rejected=((True, "costs speed, and the step fits without it"),),
+    )
+
+
+def check_step_size(value: Any, name: str) -> int | None:
+    """``batch_size=`` / ``seq_len=`` as a positive int (``None`` stays ``None``), else refused."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidRequestError(
+            f"{name}={value!r}: must be a positive int (sequences per optimizer step for batch_size, "
+            f"tokens per sequence for seq_len), or None for the default ({DEFAULT_BATCH_SIZE} × "
+            f"{DEFAULT_SEQ_LEN}, capped at the model's context)."
+        )
+    return value
+
+
+def training_plan_for(
+    request: LoraRequest | None,
+    *,
+    config: Any,
+    max_positions: int | None,
+    memory: MemoryEstimate,
+    device: DeviceFacts,
+    dtype: str,
+    batch_size: int | None,
+    seq_len: int | None,
+) -> tuple[TrainingPlan | None, LoraRequest | None]:
+    """The training plan for new adapters, and the request updated to follow it.
+
+    Returns ``(None, request)`` unchanged for no LoRA, a trained adapter, or a model whose config
+    has no decoder shape (then the request's own defaults stand: checkpointing for quantised models).
+    """
+    if request is None or request.kind != "new":
+        return None, request
+    shape = model_shape(config) if config is not None else None
+    if shape is None:
+        return None, request
+    names = {device.torch_device} | ({str(device.index)} if device.backend != "cpu" else set())
+    budget = next((b for b in memory.budgets if b.device in names), None)  # max_memory keys: "0"
+    if budget is None:
+        return None, request
+    if budget.weights_budget is not None:
+        limit, rule = budget.weights_budget, f"max_memory for {budget.device}"
+    else:
+        limit, rule = budget.usable, f"{budget.device} usable: {budget.rule}"
+    plan = plan_training(
+        shape,
+        request,
+        compute_dtype=dtype,
+        backend=device.backend,
+        weights=memory.weights,
+        budget=limit,
+        budget_rule=rule,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        max_positions=max_positions,
+        liger_available=liger_availability(device.backend),
+    )
+    updated = replace(request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger)
+    return plan, updated
+
+
+def liger_availability(backend: str) -> tuple[bool, str]:
+    """Whether liger-kernel can run for this backend, from installed packages (docs/training.md
+    "liger-kernel (extra `liger`)")."""
+    if backend not in _TRITON_BACKENDS:
+        return False, f"liger-kernel's Triton kernels do not run on {backend}"
+    if not is_installed("liger_kernel"):
+        return False, 'liger-kernel is not installed (pip install "xpukit[liger]")'
+    if not is_installed("triton"):
+        return False, "liger-kernel is installed but triton is not"
+    return True, f"liger-kernel {installed_version('liger-kernel')} can run on {backend}"
+
+
+def step_keywords(plan: TrainingPlan | None) -> tuple[dict[str, Any], list[str]]:
+    """The ``TrainingArguments`` keywords that make ``Trainer`` run the step the plan was made for."""
+    if plan is None:
+        return {}, []
+    out: dict[str, Any] = {
+        "per_device_train_batch_size": plan.micro_batch,
+        "gradient_accumulation_steps": plan.gradient_accumulation_steps,
+    }
+    why = [
+        f"per_device_train_batch_size={plan.micro_batch}, gradient_accumulation_steps="
+        f"{plan.gradient_accumulation_steps}: the plan's micro-batch for batch {plan.batch_size}"
+    ]
+    if plan.gradient_checkpointing:
+        out["gradient_checkpointing"] = True
+        why.append(f"gradient_checkpointing: the plan chose {plan.gradient_checkpointing!r}")
+    return out, why

@@ -1,0 +1,210 @@
+"""fast_decode=True: the decision per device (pure), and what the load sets and runs (CPU, tiny models).
+
+Compiled decoding itself runs only on CUDA/XPU (bench/bench_decode.py measures it); here the CPU
+fallback is checked to be recorded, and the static-cache and compile settings xpukit writes are
+checked to leave greedy tokens, sampling and pipeline() working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from xpukit.errors import InvalidRequestError
+from xpukit.loading.load import carry_out, load_for_xpu
+from xpukit.planning.decode import CACHE_LENGTH_STEP, DecodePlan
+from xpukit.planning.placement import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION
+from xpukit.planning.plan import plan_load
+from xpukit.planning.reference_models import reference_config
+
+PROMPTS = [
+    "the quick brown fox",
+    "a",
+    "when the bell rings in the morning",
+    "bread",
+    "x y",
+    "fox",
+    "the",
+    "ok",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.padding_side = "left"
+    return tok
+
+
+def _greedy(model, tokenizer, batch):
+    import torch
+
+    inputs = tokenizer(PROMPTS[:batch], return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        return model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+
+
+def test_off_by_default_and_only_a_bool(tiny_model):
+    plan = plan_load(tiny_model)
+    assert plan.decode is None and "fast_decode" not in {d.name for d in plan.decisions}
+    with pytest.raises(InvalidRequestError, match="fast_decode=True"):
+        plan_load(tiny_model, fast_decode="auto")
+
+
+@pytest.mark.parametrize(("facts", "mode"), [("h200", "reduce-overhead"), ("max-1550", "default")])
+def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
+    plan = plan_load(reference_config("qwen3-8b"), facts=facts, fast_decode=True)
+    decision = plan.decision("fast_decode")
+    assert decision.source == "user" and plan.decode is not None
+    budget = plan.memory.headroom - int(plan.memory.weights * HEADROOM_WEIGHT_FRACTION) - HEADROOM_FIXED
+    per_token = plan.model_facts.kv_bytes_per_token
+    assert plan.decode.max_cache_len == budget // per_token // CACHE_LENGTH_STEP * CACHE_LENGTH_STEP == 4096
+    assert decision.value == {"static_cache": True, "max_cache_len": 4096, "compile": mode}
+    assert "4096 tokens" in decision.reason and "fast_decode" in plan.explain()
+    assert plan.to_dict()["decode"] == decision.value
+
+
+def test_cache_length_follows_the_headroom_and_the_context():
+    config = reference_config("qwen3-0.6b")
+    plan = plan_load(config, facts="h200", headroom="1GiB", fast_decode=True)
+    budget = 2**30 - int(plan.memory.weights * HEADROOM_WEIGHT_FRACTION) - HEADROOM_FIXED
+    expected = budget // plan.model_facts.kv_bytes_per_token // CACHE_LENGTH_STEP * CACHE_LENGTH_STEP
+    assert plan.decode is not None and plan.decode.max_cache_len == expected > 4096
+    config.max_position_embeddings = 1000
+    assert plan_load(config, facts="h200", headroom="1GiB", fast_decode=True).decode.max_cache_len == 768
+    small = plan_load(reference_config("qwen3-0.6b"), facts="h200", headroom="300MiB", fast_decode=True)
+    assert small.decode is not None and not small.decode.static_cache
+    assert (
+        small.decision("fast_decode").source == "fallback"
+        and "headroom" in small.decision("fast_decode").reason
+    )
+
+
+def test_not_compiled_for_bitsandbytes_or_a_split_model():
+    from xpukit.machine.profiles import machine_profile
+
+    quantized = plan_load(reference_config("qwen3-8b"), facts="arc-b580", quantize="4bit", fast_decode=True)
+    decision = quantized.decision("fast_decode")
+    assert decision.value["compile"] is False and decision.value["static_cache"] is True
+    assert decision.source == "fallback" and "bitsandbytes" in decision.reason
+    split = plan_load(reference_config("llama-3.1-70b"), facts=machine_profile("h200", 2), fast_decode=True)
+    assert split.memory.placement == "split"
+    assert split.decision("fast_decode").value["compile"] is False
+
+
+@pytest.mark.parametrize("facts", ["cpu", "apple-m2"])
+def test_cpu_and_mps_change_nothing_and_say_why(facts):
+    plan = plan_load(reference_config("qwen3-0.6b"), facts=facts, fast_decode=True)
+    decision = plan.decision("fast_decode")
+    assert decision.source == "fallback" and decision.value == {"static_cache": False, "compile": False}
+    assert ("CPU" if facts == "cpu" else "MPS") in decision.reason
+
+
+@pytest.mark.slow
+def test_cpu_load_records_the_fallback_and_keeps_tokens(tiny_model, tokenizer):
+    plain = load_for_xpu(tiny_model)
+    fast = load_for_xpu(tiny_model, fast_decode=True, warmup=True)
+    plan = fast.xpukit_plan
+    assert plan.decision("fast_decode").source == "fallback"
+    assert [e.what for e in plan.events if e.what in {"fast_decode", "warmup"}] == ["fast_decode", "warmup"]
+    assert fast.generation_config.cache_implementation is None
+    for batch in (1, 8):
+        assert _greedy(fast, tokenizer, batch).tolist() == _greedy(plain, tokenizer, batch).tolist()
+
+
+def _static_plan(tiny_model, *, compile_mode=None):
+    decode = DecodePlan(
+        static_cache=True, max_cache_len=256, compile=compile_mode is not None, compile_mode=compile_mode
+    )
+    return replace(plan_load(tiny_model, fast_decode=True), decode=decode)
+
+
+@pytest.mark.slow
+def test_static_cache_settings_keep_greedy_tokens_sampling_and_pipeline(tiny_model, tokenizer):
+    import torch
+    from transformers import pipeline
+
+    plain = load_for_xpu(tiny_model)
+    model = carry_out(_static_plan(tiny_model), warmup=True)
+    config = model.generation_config
+    assert (config.cache_implementation, config.max_cache_len, config.disable_compile) == (
+        "static",
+        256,
+        True,
+    )
+    applied = [e for e in model.xpukit_plan.events if e.what == "fast_decode"]
+    assert applied[0].actual == {
+        "cache_implementation": "static",
+        "max_cache_len": 256,
+        "disable_compile": True,
+    }
+    warm = next(e for e in model.xpukit_plan.events if e.what == "warmup")
+    assert warm.actual["compiled"] is False and warm.actual["first_call_s"] > 0
+    for batch in (1, 8):
+        assert _greedy(model, tokenizer, batch).tolist() == _greedy(plain, tokenizer, batch).tolist()
+        inputs = tokenizer(PROMPTS[:batch], return_tensors="pt", padding=True)
+        torch.manual_seed(0)
+        sampled = model.generate(**inputs, max_new_tokens=5, min_new_tokens=5, do_sample=True, top_k=20)
+        assert sampled.shape == (batch, inputs["input_ids"].shape[1] + 5)
+    generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    out = generator(PROMPTS[:8], max_new_tokens=3, do_sample=False, batch_size=8)
+    assert len(out) == 8 and out[0][0]["generated_text"].startswith(PROMPTS[0])
+
+
+@pytest.mark.slow
+def test_compile_config_is_transformers_own(tiny_model, tokenizer):
+    from transformers import CompileConfig
+
+    plain = load_for_xpu(tiny_model)
+    model = carry_out(_static_plan(tiny_model, compile_mode="reduce-overhead"))
+    config = model.generation_config.compile_config
+    assert isinstance(config, CompileConfig) and not model.generation_config.disable_compile
+    assert (config.fullgraph, config.dynamic, config.mode) == (True, False, "reduce-overhead")
+    # On the CPU generate() does not compile (its criteria name cuda/xpu): the same tokens, no compiled call.
+    assert _greedy(model, tokenizer, 8).tolist() == _greedy(plain, tokenizer, 8).tolist()
+    assert not hasattr(model, "_compiled_call")
+
+
+def test_a_compile_failure_in_the_warmup_falls_back(tiny_model, monkeypatch, caplog):
+    import torch
+
+    from xpukit.loading.decode import warm_up
+
+    model = carry_out(_static_plan(tiny_model, compile_mode="default"))
+    model.generation_config.compile_config._compile_all_devices = True  # compile here, as on a GPU
+
+    def broken(fn, **kwargs):
+        def call(*args, **kw):
+            raise RuntimeError("inductor could not build the graph")
+
+        return call
+
+    monkeypatch.setattr(torch, "compile", broken)
+    events = warm_up(model, model.xpukit_plan)
+    assert [(e.kind, e.what) for e in events] == [("fallback", "fast_decode")]
+    assert "inductor could not build" in events[0].cause and "decoding uncompiled" in caplog.text
+    assert model.generation_config.disable_compile is True
+    assert warm_up(model, model.xpukit_plan)[0].what == "warmup"  # decodes again, uncompiled
+
+
+def test_warmup_needs_fast_decode(tiny_model, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("weights read"))
+    with pytest.raises(InvalidRequestError, match="fast_decode=True, warmup=True"):
+        load_for_xpu(tiny_model, warmup=True)
+
+
+def test_plan_cli_fast_decode(capsys):
+    import json
+
+    from xpukit.cli.main import main
+
+    assert main(["plan", "qwen3-8b", "--assume", "max-1550", "--fast-decode", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["decode"] == {"static_cache": True, "max_cache_len": 4096, "compile": "default"}
+    assert main(["plan", "qwen3-8b", "--assume", "max-1550", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["decode"] is None

@@ -1,0 +1,213 @@
+"""The training plan by fit: the activation estimate against measured CPU peaks, and the decisions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from xpukit import plan_load
+from xpukit.cli.main import main as cli_main
+from xpukit.errors import InvalidRequestError
+from xpukit.machine.profiles import device_profile
+from xpukit.planning.activation_memory import ModelShape, activation_bytes
+from xpukit.planning.lora_request import resolve_lora
+from xpukit.planning.reference_models import reference_config
+from xpukit.planning.training_plan import plan_training
+from xpukit.training.arguments import TrainingContext, training_kwargs
+
+# ~6 M parameters (Qwen3 layout): at 2 × 1024 tokens the activations (~0.1–0.4 GB) dwarf the rest.
+SHAPE = {
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "intermediate_size": 768,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "tie_word_embeddings": False,
+}
+CASES = [
+    {"lora_dropout": 0.0, "gradient_checkpointing": False},
+    {"lora_dropout": 0.05, "gradient_checkpointing": False},
+    {"lora_dropout": 0.0, "gradient_checkpointing": True},
+]
+
+# The peak is the process's RSS high-water mark (VmHWM, reset through /proc/self/clear_refs) above
+# the RSS before the step, in a child whose malloc maps every buffer >= 64 KiB on its own
+# (MALLOC_MMAP_THRESHOLD_), so freed tensors leave RSS at once and RSS follows what torch holds.
+# One untimed step first, so lazily created state (LoRA gradients, autograd threads) is in the baseline.
+_CHILD = textwrap.dedent(
+    """
+    import gc, json, sys
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    from xpukit.loading.lora import apply_lora
+    from xpukit.machine.probe import cpu_facts
+    from xpukit.planning.lora_request import resolve_lora
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    torch.set_num_threads(1)
+    shape, cases, batch, seq = json.loads(sys.argv[1])
+    out = []
+    for case in cases:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=torch.float32)
+        request = resolve_lora(case, quantized=False)
+        model, _ = apply_lora(model, request, compute_dtype="float32", quantized=False, device=cpu_facts())
+        model.train()
+        ids = torch.randint(0, shape["vocab_size"], (batch, seq))
+        for step in range(2):
+            if step:
+                gc.collect()
+                base = status("VmRSS:")
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+            model(input_ids=ids, labels=ids).loss.backward()
+            for p in model.parameters():
+                p.grad = None if step == 0 else p.grad
+        out.append(status("VmHWM:") - base)
+        del model
+        gc.collect()
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc peak reset")
+def test_estimate_matches_measured_cpu_peaks() -> None:
+    batch, seq = 1, 1024
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps([SHAPE, CASES, batch, seq])],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    measured = json.loads(proc.stdout.strip().splitlines()[-1])
+    shape = ModelShape(hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2, head_dim=64, vocab=4096,
+                       qk_norm=True)  # fmt: skip
+    for case, peak in zip(CASES, measured, strict=True):
+        estimate = activation_bytes(
+            shape,
+            batch * seq,
+            compute_bytes=4,
+            lora_r=16,
+            targets="all-linear",
+            dropout=case["lora_dropout"] > 0,
+            mask_bytes=4,
+            checkpointing=case["gradient_checkpointing"],
+            fused_loss=False,
+        )["peak"]
+        assert abs(estimate / peak - 1) <= 0.15, (case, estimate, peak)
+    # The savers really save: dropout costs, checkpointing saves.
+    assert measured[1] > measured[0] > measured[2]
+
+
+def _plan(**kw: Any) -> Any:
+    kw.setdefault("lora", True)
+    return plan_load(reference_config("qwen3-8b"), quantize="4bit", batch_size=4, seq_len=512, **kw)
+
+
+def test_room_means_no_savers_and_a_budget_means_savers() -> None:
+    roomy = _plan(facts="h200")
+    assert roomy.decision("gradient_checkpointing").value is False
+    assert roomy.decision("micro_batch").value == 4
+    assert roomy.lora.gradient_checkpointing is False  # the request apply_lora gets follows the plan
+    small = _plan(facts="arc-b580")
+    assert small.decision("gradient_checkpointing").value is True
+    assert small.lora.gradient_checkpointing is True
+    rejected = [v for v, _ in small.decision("gradient_checkpointing").rejected]
+    assert rejected == ["no savers"]
+    tight = _plan(facts="h200", max_memory={0: "8GB"})
+    assert tight.decision("gradient_checkpointing").value == "offload"
+    assert tight.decision("micro_batch").value < 4
+    assert tight.training.gradient_accumulation_steps * tight.training.micro_batch == 4
+
+
+def test_user_choices_win() -> None:
+    plan = _plan(facts="arc-b580", lora={"gradient_checkpointing": False, "liger": False})
+    gc = plan.decision("gradient_checkpointing")
+    assert (gc.value, gc.source) == (False, "user")
+    assert plan.decision("liger").source == "user"
+    assert plan.decision("micro_batch").value < 4  # the rest is decided around the choice
+    assert (
+        _plan(facts="h200", lora={"gradient_checkpointing": "offload"}).lora.gradient_checkpointing
+        == "offload"
+    )
+    with pytest.raises(InvalidRequestError, match="'offload'"):
+        resolve_lora({"gradient_checkpointing": "yes"}, quantized=True)
+    with pytest.raises(InvalidRequestError, match="positive int"):
+        plan_load(reference_config("qwen3-8b"), facts="h200", lora=True, batch_size=0)
+
+
+def test_ladder_order_with_liger_and_cpu_has_no_offload() -> None:
+    shape = ModelShape(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
+                       vocab=151936, qk_norm=True)  # fmt: skip
+    request = resolve_lora(True, quantized=True)
+    assert request is not None
+
+    def plan(budget: float, backend: str = "cuda") -> Any:
+        return plan_training(
+            shape, request, compute_dtype="bfloat16", backend=backend, weights=int(6e9),
+            budget=int(budget), budget_rule="test", batch_size=4, seq_len=512, max_positions=None,
+            liger_available=(True, "installed"),
+        )  # fmt: skip
+
+    order = [o for o, _ in plan(8e9).estimates]
+    assert order[:4] == ["no savers", "fused CE", "checkpointing", "fused CE + checkpointing"]
+    assert plan(40e9).liger is False  # room: the faster unfused loss
+    assert (plan(28e9).liger, plan(28e9).gradient_checkpointing) == (True, False)
+    assert all("offload" not in o for o, _ in plan(8e9, "cpu").estimates)
+
+
+def test_explain_cli_and_training_args_follow_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = _plan(facts="h200", max_memory={0: "8GB"})
+    text = plan.explain()
+    assert "Training memory (batch 4 [given] × seq 512 [given]" in text
+    assert "activations with no savers" in text
+    assert json.loads(json.dumps(plan.to_dict()))["training"]["micro_batch"] == plan.training.micro_batch
+    keywords = training_kwargs(device_profile("h200"), context=TrainingContext(training=plan.training))
+    assert keywords["per_device_train_batch_size"] == plan.training.micro_batch
+    assert keywords["gradient_accumulation_steps"] == plan.training.gradient_accumulation_steps
+    assert keywords["gradient_checkpointing"] is True
+    mine = training_kwargs(
+        device_profile("h200"), context=TrainingContext(training=plan.training), per_device_train_batch_size=2
+    )
+    assert mine["per_device_train_batch_size"] == 2  # the user's keyword wins
+    assert (
+        cli_main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--train", "4x512"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "gradient_checkpointing" in out and "Training memory (batch 4" in out
+    assert cli_main(["plan", "qwen3-8b", "--assume", "arc-b580", "--train", "4by512"]) == 1
+
+
+def test_offloaded_checkpointing_trains_the_same(tiny_model: Any) -> None:
+    import torch
+
+    from xpukit import load_for_xpu
+
+    grads = []
+    for gc in (True, "offload"):
+        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", lora={"gradient_checkpointing": gc},
+                             seed=0)  # fmt: skip
+        ids = torch.arange(32).reshape(2, 16)
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        notes = [e.actual for e in model.xpukit_plan.events if e.what == "lora"]
+        assert any("offloaded to host" in n for n in notes) == (gc == "offload")
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)

@@ -1,0 +1,115 @@
+"""TRL's configs from ``training_args(..., config_class=...)``: xpukit's decisions inside TRL's classes.
+
+TRL's configs default to ``bf16=not fp16`` (on): built as TRL's docs teach on a CPU-only machine
+they raise ``Your setup doesn't support bf16/gpu``. Built by xpukit they carry its precision
+decision explicitly. Recorded XPU profiles check the keywords without the hardware.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from xpukit import load_for_xpu, training_args
+from xpukit.errors import InvalidRequestError
+from xpukit.machine.profiles import device_profile
+from xpukit.training.config_class import config_kwargs
+
+trl = pytest.importorskip("trl")
+
+NATIVE = {"native-bf16": True, "no-bf16": False}
+# A keyword of each config's own (not a TrainingArguments field), to see it pass through.
+OWN = {"SFTConfig": "max_length", "DPOConfig": "max_length", "GRPOConfig": "max_completion_length"}
+
+
+@pytest.mark.slow
+def test_sft_trainer_trains_4bit_lora_with_an_sft_config_from_xpukit(
+    tiny_model: Path, cpu_kind: str, tmp_path: Path
+) -> None:
+    pytest.importorskip("bitsandbytes")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    model = load_for_xpu(tiny_model, device="cpu", quantize="4bit", lora=True)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    args = training_args(
+        model, config_class=SFTConfig, output_dir=str(tmp_path), per_device_train_batch_size=8,
+        max_steps=3, learning_rate=1e-2, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        max_length=32,
+    )  # fmt: skip
+    assert type(args) is SFTConfig
+    assert (args.bf16, args.fp16, args.use_cpu) == (NATIVE[cpu_kind], False, True)
+    assert args.max_length == 32 and args.report_to == []  # TRL's own keyword, and xpukit's "none"
+    # SFTConfig turns gradient checkpointing on by default: xpukit's rule makes it non-reentrant.
+    assert args.gradient_checkpointing and args.gradient_checkpointing_kwargs == {"use_reentrant": False}
+    data = Dataset.from_dict({"text": ["the quick brown fox jumps over the lazy dog"] * 16})
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("config", ["SFTConfig", "DPOConfig", "GRPOConfig"])
+@pytest.mark.parametrize(
+    ("profile", "bf16", "fp16"),
+    [("meteor-lake", False, True), ("arc-b580", True, False), ("lunar-lake", True, False)],
+)
+def test_trl_configs_on_recorded_xpu_profiles(config: str, profile: str, bf16: bool, fp16: bool) -> None:
+    cls = getattr(trl, config)
+    device = device_profile(profile)
+    kwargs = config_kwargs(cls, device, output_dir="out", **{OWN[config]: 256})
+    # Both named, so TRL's `bf16 = not fp16` default never decides.
+    assert (kwargs["bf16"], kwargs["fp16"]) == (bf16, fp16)
+    assert kwargs[OWN[config]] == 256 and "use_cpu" not in kwargs
+    assert kwargs["gradient_checkpointing_kwargs"] == {"use_reentrant": False}  # TRL's default is on
+    # The user's choice of precision still wins, and a failing one is refused as for TrainingArguments.
+    assert config_kwargs(cls, device, output_dir="out", bf16=False)["bf16"] is False
+    off = config_kwargs(cls, device, output_dir="out", gradient_checkpointing=False)
+    assert "gradient_checkpointing_kwargs" not in off
+
+
+@pytest.mark.parametrize("config", ["SFTConfig", "DPOConfig", "GRPOConfig"])
+def test_trl_configs_build_on_the_cpu(config: str, cpu_kind: str, tmp_path: Path) -> None:
+    cls = getattr(trl, config)
+    args = training_args(facts=device_profile("cpu"), config_class=cls, output_dir=str(tmp_path))
+    assert type(args) is cls and args.use_cpu and args.fp16 is False
+    plain = config_kwargs(cls, device_profile("cpu"), output_dir=str(tmp_path))
+    assert plain["bf16"] is device_profile("cpu").native_bf16
+
+
+def test_transformers_subclasses_work_too(tmp_path: Path) -> None:
+    from transformers import Seq2SeqTrainingArguments, TrainingArguments
+
+    args = training_args(
+        facts=device_profile("cpu"),
+        config_class=Seq2SeqTrainingArguments,
+        output_dir=str(tmp_path),
+        predict_with_generate=True,
+    )
+    assert type(args) is Seq2SeqTrainingArguments and args.predict_with_generate
+    default = training_args(facts=device_profile("cpu"), output_dir=str(tmp_path))
+    assert type(default) is TrainingArguments and default.gradient_checkpointing is False
+    assert "gradient_checkpointing_kwargs" not in config_kwargs(None, device_profile("cpu"), output_dir="o")
+
+
+@pytest.mark.parametrize(
+    ("config_class", "match"),
+    [
+        (dict, r"config_class=dict.*not a transformers\.TrainingArguments subclass"),
+        ("SFTConfig", r"config_class='SFTConfig'.*pass the class"),
+        (lambda: trl.SFTConfig, r"not a transformers\.TrainingArguments subclass"),
+    ],
+)
+def test_a_class_that_is_not_training_arguments_is_refused(config_class: Any, match: str) -> None:
+    with pytest.raises(InvalidRequestError, match=match):
+        training_args(facts=device_profile("cpu"), config_class=config_class, output_dir="o")
+
+
+def test_a_keyword_the_class_lacks_is_refused_with_the_closest(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequestError, match=r"'max_lenght' \(did you mean 'max_length'\?\)"):
+        config_kwargs(trl.SFTConfig, device_profile("arc-b580"), output_dir="o", max_lenght=64)
+    with pytest.raises(InvalidRequestError, match="max_length"):  # TRL's keyword, not TrainingArguments'
+        training_args(facts=device_profile("cpu"), output_dir=str(tmp_path), max_length=64)

@@ -253,10 +253,12 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     model.train()
     times, losses = [], []
-    reset_peak(device)
-    base = current_memory(device)
+    base = None
     for step in range(args.warmup + args.steps):
         synchronize(device)
+        if step == args.warmup:  # gradients and AdamW state exist: the peak above this is the step's
+            reset_peak(device)
+            base = current_memory(device)
         start = time.perf_counter()
         with torch.autocast(device_type=device, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
             loss = model(input_ids=ids, labels=ids).loss

@@ -198,7 +198,7 @@ def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
     for name, value in (("gradient_checkpointing", gc), ("liger", liger)):
         offload = name == "gradient_checkpointing" and value == "offload"
         if value is not None and not isinstance(value, bool) and not offload:
-            valid = "True, False or 'offload'" if name == "gradient_checkpointing" else "True or False"
+            valid = "True or False" + (" (or 'offload')" if name == "gradient_checkpointing" else "")
             raise InvalidRequestError(f"lora={{'{name}': {value!r}}}: must be {valid}.")
     _check_numbers(options)
     given = ", ".join(sorted(options)) or "nothing"

@@ -252,7 +252,7 @@ def _ladder(
 ) -> list[tuple[bool, bool | str]]:
     """The sets of savers in the order tried (fastest first); a user's choice pins its saver."""
     gcs: list[bool | str] = [gc] if gc is not None else [False, True] + (["offload"] if offload else [])
-    ligers = [liger] if liger is not None else ([False, True] if liger_ok else [False])
+    ligers = [liger and liger_ok] if liger is not None else ([False, True] if liger_ok else [False])
     return [(lg, g) for g in gcs for lg in ligers]
 
 
@@ -271,7 +271,9 @@ def _gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[s
 def _liger_decision(liger: bool, given: bool | None, ok: bool, why: str, fit_text: str) -> Decision:
     if given is not None:
         reason = "lora= says so" + ("" if ok or not given else f", but {why}: loading records the fallback")
-        return Decision(name="liger", value=liger, reason=reason, source="user")
+        return Decision(
+            name="liger", value=liger, reason=reason, source="user" if liger == given else "fallback"
+        )
     if not ok:
         return Decision(name="liger", value=False, reason=why)
     if liger:
@@ -369,7 +371,8 @@ def step_keywords(plan: TrainingPlan | None) -> tuple[dict[str, Any], list[str]]
         f"per_device_train_batch_size={plan.micro_batch}, gradient_accumulation_steps="
         f"{plan.gradient_accumulation_steps}: the plan's micro-batch for batch {plan.batch_size}"
     ]
-    if plan.gradient_checkpointing:
-        out["gradient_checkpointing"] = True
-        why.append(f"gradient_checkpointing: the plan chose {plan.gradient_checkpointing!r}")
+    # Always explicit: TRL's config classes turn checkpointing on by default, behind the plan's back.
+    out["gradient_checkpointing"] = bool(plan.gradient_checkpointing)
+    chosen = plan.gradient_checkpointing
+    why.append(f"gradient_checkpointing={out['gradient_checkpointing']}: the plan chose {chosen!r}")
     return out, why

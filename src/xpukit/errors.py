@@ -16,6 +16,8 @@ Messages follow one shape: what was asked, what was found, the valid choices, an
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "DeviceSelectionError",
     "DeviceUnavailableError",
@@ -24,6 +26,7 @@ __all__ = [
     "PlanError",
     "RuntimeAlreadyInitializedError",
     "XpukitError",
+    "name_hints",
 ]
 
 
@@ -89,3 +92,18 @@ class RuntimeAlreadyInitializedError(DeviceUnavailableError):
 
 class PlanError(XpukitError, RuntimeError):
     """No plan satisfies the request on these devices; the message carries the numbers."""
+
+
+def name_hints(names: Iterable[object], valid: Iterable[str]) -> str:
+    """``'lr' (did you mean 'lora_alpha'?), 'x'``: the given names, each with its closest valid one.
+
+    For messages that refuse unknown keys: what was asked, and what was probably meant.
+    """
+    import difflib  # only on the error path
+
+    choices = sorted(valid)
+    hints = []
+    for name in names:
+        close = difflib.get_close_matches(str(name), choices, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(hints)

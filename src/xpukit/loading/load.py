@@ -23,9 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from xpukit.errors import DeviceUnavailableError, InvalidRequestError, XpukitError
-from xpukit.hub import fetch_timeout, hub_offline, hub_status, offline_guard, run_bounded
+from xpukit.hub import hub_offline, hub_status, offline_guard
+from xpukit.loading.hub_kernels import (
+    fetch_attention_kernel,
+    fetch_layer_kernels,
+)
 from xpukit.planning.device import INSTALL_FIX
-from xpukit.planning.loadplan import Decision, LoadEvent, LoadPlan
+from xpukit.planning.loadplan import LoadEvent, LoadPlan
 from xpukit.planning.model_class import unexpected_weights_problem
 from xpukit.planning.plan import plan_load
 from xpukit.planning.quantization import require_bnb
@@ -153,9 +157,9 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
     # the guard: on avx512_bf16 CPUs `import bitsandbytes` makes a Hub call with no timeout.
     with offline_guard(_needs_offline_guard(plan)):
         if plan.attention_kernel is not None:
-            _fetch_attention_kernel(plan, kwargs, events, changes)
+            fetch_attention_kernel(plan, kwargs, events, changes)
         if plan.use_kernels:
-            _fetch_layer_kernels(plan, kwargs, events, changes)
+            fetch_layer_kernels(plan, kwargs, events, changes)
         problem = None
         kwargs.pop("output_loading_info", None)  # always asked: the load report decides below
         try:
@@ -304,114 +308,6 @@ def _needs_offline_guard(plan: LoadPlan) -> bool:
     if not status.usable:
         logger.info("The Hub cannot be used (%s): loading in offline mode", status.reason)
     return not status.usable
-
-
-def _fetch_attention_kernel(
-    plan: LoadPlan, kwargs: dict[str, Any], events: list[LoadEvent], changes: dict[str, Any]
-) -> None:
-    """Load the Hub attention kernel under a time bound; transformers reuses what was loaded."""
-    from transformers import modeling_flash_attention_utils as fa
-
-    implementation = plan.attn_implementation
-    allow_all = bool(plan.passthrough.get("allow_all_kernels", False))
-    try:
-        run_bounded(
-            lambda: fa.lazy_import_flash_attention(implementation, allow_all_kernels=allow_all),
-            fetch_timeout(),
-            f"fetching {implementation}",
-        )
-    except Exception as exc:
-        if (
-            not isinstance(exc, TimeoutError)
-            and getattr(fa, "_loaded_implementation", None) == implementation
-        ):
-            fa._loaded_implementation = None  # do not leave a half-loaded kernel cached for later loads
-        fallback = "sdpa" if plan.model_facts.supports_sdpa else "eager"
-        cause = f"{type(exc).__name__}: {exc}"
-        logger.warning(
-            "Attention kernel %s could not be had (%s); using %s instead", implementation, cause, fallback
-        )
-        kwargs["attn_implementation"] = fallback
-        events.append(
-            LoadEvent(
-                kind="fallback",
-                what="attn_implementation",
-                planned=implementation,
-                actual=fallback,
-                cause=cause,
-            )
-        )
-        changes["attn_implementation"] = fallback
-        changes["attention_kernel"] = None
-        changes["decisions"] = _replace_decision(
-            changes.get("decisions", plan.decisions), "attn_implementation", fallback, implementation, cause
-        )
-
-
-def _fetch_layer_kernels(
-    plan: LoadPlan, kwargs: dict[str, Any], events: list[LoadEvent], changes: dict[str, Any]
-) -> None:
-    """Kernelize a throwaway meta-device copy under a time bound, so the layer kernels are loaded.
-
-    The kernels library memoizes loaded layers; the real ``kernelize`` inside ``from_pretrained``
-    then finds them without touching the Hub. A failure turns ``use_kernels`` off for this load.
-    """
-    try:
-        run_bounded(lambda: preload_layer_kernels(plan), fetch_timeout(), "fetching layer kernels")
-    except Exception as exc:
-        cause = f"{type(exc).__name__}: {exc}"
-        logger.warning("Hub layer kernels could not be had (%s); loading without use_kernels", cause)
-        kwargs.pop("use_kernels", None)
-        kwargs.pop("kernel_config", None)
-        events.append(LoadEvent(kind="fallback", what="use_kernels", planned=True, actual=False, cause=cause))
-        changes["use_kernels"] = False
-        changes["decisions"] = _replace_decision(
-            changes.get("decisions", plan.decisions), "use_kernels", False, True, cause
-        )
-
-
-def preload_layer_kernels(plan: LoadPlan) -> None:
-    """Run the kernels library's ``kernelize`` for the plan's device on a meta-device model."""
-    import torch
-    import transformers
-    from kernels import Mode, kernelize, use_kernel_mapping
-    from transformers.integrations.hub_kernels import register_kernel_mapping_transformers
-
-    auto = getattr(transformers, plan.model_facts.auto_class)
-    with torch.device("meta"):
-        model = auto.from_config(
-            copy.deepcopy(plan.config), dtype=getattr(torch, plan.dtype), attn_implementation="eager"
-        )
-    model.eval()
-    register_kernel_mapping_transformers()
-    device_type = "rocm" if plan.device.family == "amd" else plan.device.backend
-    config = plan._kernel_config()
-    if config is None:
-        kernelize(model, device=device_type, mode=Mode.INFERENCE, use_fallback=True)
-        return
-    model.kernel_config = config
-    config.sanitize_kernel_mapping(model)
-    config.create_compatible_mapping(model)
-    inherit = not config.use_local_kernel and config.inherit_mapping
-    with use_kernel_mapping(config.kernel_mapping, inherit_mapping=inherit):
-        kernelize(model, device=device_type, mode=Mode.INFERENCE, use_fallback=True)
-
-
-def _replace_decision(
-    decisions: tuple[Decision, ...], name: str, actual: Any, planned: Any, cause: str
-) -> tuple[Decision, ...]:
-    return tuple(
-        Decision(
-            name=name,
-            value=actual,
-            reason=f"planned {planned}, but it could not be had at load: {cause}",
-            rejected=((planned, cause),),
-            source="fallback",
-        )
-        if d.name == name
-        else d
-        for d in decisions
-    )
 
 
 def _where(model: Any) -> Any:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import difflib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from xpukit.errors import InvalidRequestError
+from xpukit.errors import InvalidRequestError, name_hints
 
 if TYPE_CHECKING:
     from xpukit.planning.model_facts import ModelFacts
@@ -183,12 +182,9 @@ def _new(
 def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
     bad = [k for k in lora if not isinstance(k, str) or (k not in LORA_CONFIG_KEYS | _XPUKIT_KEYS)]
     if bad:
-        hints = []
-        for key in bad:
-            close = difflib.get_close_matches(str(key), sorted(LORA_CONFIG_KEYS | _XPUKIT_KEYS), n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        hints = name_hints(bad, LORA_CONFIG_KEYS | _XPUKIT_KEYS)
         raise InvalidRequestError(
-            f"lora= dict has unknown keys: {', '.join(hints)}. Valid keys are peft.LoraConfig's "
+            f"lora= dict has unknown keys: {hints}. Valid keys are peft.LoraConfig's "
             f"({', '.join(sorted(LORA_CONFIG_KEYS))}) and xpukit's gradient_checkpointing and liger. "
             "A key only a newer peft knows can be passed as a peft.LoraConfig object instead."
         )

@@ -18,11 +18,10 @@ class does not have is refused with the closest names, before the class's own ``
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 from typing import TYPE_CHECKING, Any
 
-from xpukit.errors import InvalidRequestError
+from xpukit.errors import InvalidRequestError, name_hints
 from xpukit.training.arguments import TrainingContext, training_kwargs
 
 if TYPE_CHECKING:
@@ -88,12 +87,8 @@ def fit_to_class(
     fields = _fields(cls)
     unknown = sorted(k for k in user if k not in fields)
     if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, sorted(fields), n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise InvalidRequestError(
-            f"training_args(config_class={cls.__name__}): {', '.join(hints)} is not a field of "
+            f"training_args(config_class={cls.__name__}): {name_hints(unknown, fields)} is not a field of "
             f"{cls.__name__}. Fix: drop or correct it ({cls.__name__} takes TrainingArguments' keywords "
             "and the fields its own class adds)."
         )

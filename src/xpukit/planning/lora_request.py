@@ -164,9 +164,9 @@ def _new(
     given: frozenset[str] = frozenset(),
 ) -> LoraRequest:
     gradient_checkpointing = quantized if gc is None else gc
-    why_gc = (
-        "given" if gc is not None else "on for quantised training" if quantized else "off (not quantised)"
-    )
+    # Without a choice, plan_load's training plan decides by fit (the gradient_checkpointing decision);
+    # this default (on for quantised training) is what apply_lora uses on a request made without a plan.
+    why_gc = "given" if gc is not None else "chosen by fit (see the gradient_checkpointing decision)"
     return LoraRequest(
         kind="new",
         config=config,

@@ -104,7 +104,10 @@ def test_every_referenced_document_and_section_exists() -> None:
 
 
 def test_no_reference_points_outside_the_repository() -> None:
-    outside = re.compile(r"cpu-findings|peers\.md|style\.md|design\.md|reference/platform|\.\./shared")
+    # The names of background documents that live outside the repository, spelled in pieces so that
+    # this line itself is not one of the pointers the test looks for.
+    names = ("cpu-" + "findings", "peers", "style", "design", "reference/" + "platform", r"\.\./" + "shared")
+    outside = re.compile("|".join(n if "/" in n or "-" in n else n + r"\.md" for n in names))
     hits = []
     for f in _tracked():
         if f == Path(__file__).resolve():

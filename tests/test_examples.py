@@ -1,4 +1,5 @@
-"""Every example runs on CPU, offline: the two scripts as subprocesses, the notebook with nbclient.
+"""Every example runs on CPU, offline: the scripts as subprocesses (the distributed ones as two CPU
+ranks through `xpukit launch --nproc 2`), the notebook with nbclient.
 
 The two scripts start together (each spends most of its time importing, which uses one core), so
 the pair costs about as much as the slower one.
@@ -153,3 +154,25 @@ def test_notebook_runs(tmp_path: Path, demo_model: Path) -> None:
     before = re.search(r"^before: (.+)$", text, re.M)
     after = re.search(r"^after: +(.+)$", text, re.M)
     assert before and after and before.group(1) != after.group(1)
+
+
+# --- the distributed examples --------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("script", "args", "expected"),
+    [
+        ("ddp_finetune.py", ["--steps", "10"], r"2 ranks on cpu: loss [\d.]+ -> [\d.]+$"),
+        ("fsdp_qlora.py", ["--steps", "3"], r"step 2: loss [\d.]+$"),
+    ],
+)
+def test_distributed_example_runs_on_two_cpu_ranks(
+    script: str, args: list[str], expected: str, tmp_path: Path, demo_model: Path
+) -> None:
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    cmd = [sys.executable, "-m", "xpukit", "launch", "--nproc", "2", "--", str(EXAMPLES / script), *args]
+    run = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert re.search(expected, run.stdout, re.M), run.stdout[-2000:]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
+from xpukit.planning.activation_memory import model_shape
 from xpukit.planning.model_class import auto_class_for, build_meta_model, class_facts
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ def _read_facts(
         auto_class=auto_name,
         num_parameters=sum(p.numel() for p in model.parameters()),
         weight_bytes=weight_bytes,
-        kv_bytes_per_token=_kv_bytes_per_token(text),
+        kv_bytes_per_token=_kv_bytes_per_token(config),
         max_positions=getattr(text, "max_position_embeddings", None),
         supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
         supports_flash_attn=bool(getattr(model, "_supports_flash_attn", False)),
@@ -404,17 +405,10 @@ def _matching(names: list[str], patterns: set[str]) -> set[str]:
     return {n for n in names if any(p in n for p in patterns)}
 
 
-def _kv_bytes_per_token(text: Any) -> int | None:
-    layers = getattr(text, "num_hidden_layers", None)
-    heads = getattr(text, "num_attention_heads", None)
-    hidden = getattr(text, "hidden_size", None)
-    if not (isinstance(layers, int) and isinstance(heads, int) and heads > 0):
-        return None
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if isinstance(hidden, int) else None)
-    if not isinstance(head_dim, int):
-        return None
-    return 2 * layers * int(kv_heads) * head_dim * 2  # K and V, 2 bytes each at 16-bit
+def _kv_bytes_per_token(config: Any) -> int | None:
+    """K and V of every layer, 2 bytes each at 16-bit; from the one reading of the decoder's shape."""
+    shape = model_shape(config)
+    return None if shape is None else 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
 
 
 def _kernel_layers(model: PreTrainedModel) -> tuple[str, ...]:

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from xpukit.loading.load import load_for_xpu
     from xpukit.machine.facts import DeviceFacts, MachineFacts
     from xpukit.machine.probe import detect
-    from xpukit.planning.loadplan import Decision, LoadEvent, LoadPlan
+    from xpukit.planning.loadplan import LoadPlan
     from xpukit.planning.plan import plan_load
+    from xpukit.planning.vocabulary import Decision, LoadEvent
     from xpukit.select.devices import DeviceSelection, select_devices
     from xpukit.training.arguments import training_args
 

@@ -19,7 +19,8 @@ import logging
 import time
 from typing import Any
 
-from xpukit.planning.loadplan import LoadEvent, LoadPlan
+from xpukit.planning.loadplan import LoadPlan
+from xpukit.planning.vocabulary import LoadEvent
 
 __all__ = ["WARMUP_NEW_TOKENS", "WARMUP_PROMPT_TOKENS", "apply_fast_decode", "generation_model", "warm_up"]
 

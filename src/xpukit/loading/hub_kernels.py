@@ -12,7 +12,8 @@ import logging
 from typing import Any
 
 from xpukit.hub import fetch_timeout, run_bounded
-from xpukit.planning.loadplan import Decision, LoadEvent, LoadPlan
+from xpukit.planning.loadplan import LoadPlan
+from xpukit.planning.vocabulary import Decision, LoadEvent
 
 __all__ = ["fetch_attention_kernel", "fetch_layer_kernels", "preload_layer_kernels", "replace_decision"]
 

@@ -29,10 +29,11 @@ from xpukit.loading.hub_kernels import (
     fetch_layer_kernels,
 )
 from xpukit.planning.device import INSTALL_FIX
-from xpukit.planning.loadplan import LoadEvent, LoadPlan
+from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model_class import unexpected_weights_problem
 from xpukit.planning.plan import plan_load
 from xpukit.planning.quantization import require_bnb
+from xpukit.planning.vocabulary import LoadEvent
 
 __all__ = ["carry_out", "load_for_xpu"]
 

@@ -15,8 +15,8 @@ from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.device import DEVICE_PATTERN
-from xpukit.planning.loadplan import Decision
 from xpukit.planning.placement import parse_size
+from xpukit.planning.vocabulary import Decision
 
 __all__ = [
     "check_lora_targets",

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from xpukit.errors import InvalidRequestError
 from xpukit.hub import RECHECK_HINT, hub_status, kernel_cached, kernels_support
 from xpukit.machine.facts import DeviceFacts
-from xpukit.planning.loadplan import Decision
 from xpukit.planning.model_facts import ModelFacts
+from xpukit.planning.vocabulary import Decision
 
 __all__ = [
     "AttentionChoice",

@@ -12,7 +12,7 @@ import re
 from xpukit.errors import DeviceSelectionError, DeviceUnavailableError, InvalidRequestError
 from xpukit.machine.facts import BACKENDS, DeviceFacts, MachineFacts
 from xpukit.machine.precision import inference_dtype
-from xpukit.planning.loadplan import Decision
+from xpukit.planning.vocabulary import Decision
 
 __all__ = ["DEVICE_PATTERN", "INSTALL_FIX", "decide_dtype", "machine_for", "resolve_device"]
 

@@ -25,7 +25,7 @@ from packaging.version import InvalidVersion, Version
 from xpukit.errors import DeviceSelectionError, InvalidRequestError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.machine.launch import LaunchFacts
-from xpukit.planning.loadplan import Decision
+from xpukit.planning.vocabulary import Decision
 
 __all__ = [
     "STRATEGIES",

@@ -22,8 +22,8 @@ from xpukit.errors import InvalidRequestError
 from xpukit.hub import kernels_support
 from xpukit.machine.facts import DeviceFacts
 from xpukit.planning.attention import KernelRef, device_type, obtainable
-from xpukit.planning.loadplan import Decision
 from xpukit.planning.model_facts import ModelFacts
+from xpukit.planning.vocabulary import Decision
 
 __all__ = ["KERNEL_CONFIG_DEVICES", "KernelsChoice", "choose_kernels", "parse_kernels"]
 

@@ -23,7 +23,6 @@ from xpukit.planning.given_layout import (
     given_budgets,
     given_map,
 )
-from xpukit.planning.loadplan import Decision, MemoryEstimate
 from xpukit.planning.model_facts import ModelFacts, quantized_bits
 from xpukit.planning.placement import (
     Headroom,
@@ -37,6 +36,7 @@ from xpukit.planning.placement import (
     usable_memory,
 )
 from xpukit.planning.quantization import QuantRequest, bnb_kwargs, bnb_problem, require_bnb
+from xpukit.planning.vocabulary import Decision, MemoryEstimate
 
 __all__ = ["Layout", "plan_layout"]
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import textwrap
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from xpukit.planning.placement import DeviceBudget, format_bytes
+from xpukit.planning.placement import format_bytes
+from xpukit.planning.vocabulary import Decision, LoadEvent, MemoryEstimate, jsonable
 
 if TYPE_CHECKING:
     from xpukit.machine.facts import DeviceFacts, MachineFacts
@@ -20,100 +21,7 @@ if TYPE_CHECKING:
     from xpukit.planning.model_facts import ModelFacts
     from xpukit.planning.training_plan import TrainingPlan
 
-__all__ = ["Decision", "LoadEvent", "LoadPlan", "MemoryEstimate"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Decision:
-    """One choice of the plan.
-
-    Attributes:
-        name: what was decided (``device``, ``dtype``, ``attn_implementation``…).
-        value: the value chosen (JSON-able).
-        reason: why.
-        rejected: alternatives that were not taken, each with why not.
-        source: ``auto`` (xpukit chose), ``user`` (an argument), or ``fallback`` (what was asked could
-            not be had; the reason says why).
-    """
-
-    name: str
-    value: Any
-    reason: str
-    rejected: tuple[tuple[Any, str], ...] = ()
-    source: Literal["auto", "user", "fallback"] = "auto"
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict."""
-        return {
-            "name": self.name,
-            "value": _jsonable(self.value),
-            "reason": self.reason,
-            "rejected": [{"value": _jsonable(v), "why": why} for v, why in self.rejected],
-            "source": self.source,
-        }
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LoadEvent:
-    """Something that happened while carrying out a plan.
-
-    Attributes:
-        kind: ``fallback`` (a planned choice could not be had), ``applied`` (a step that ran), or
-            ``note``.
-        what: the choice or step (``attn_implementation``, ``use_kernels``, ``lora``…).
-        planned: what the plan said.
-        actual: what was done instead (or what ran).
-        cause: why.
-    """
-
-    kind: Literal["fallback", "applied", "note"]
-    what: str
-    planned: Any = None
-    actual: Any = None
-    cause: str = ""
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict."""
-        return {
-            "kind": self.kind,
-            "what": self.what,
-            "planned": _jsonable(self.planned),
-            "actual": _jsonable(self.actual),
-            "cause": self.cause,
-        }
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MemoryEstimate:
-    """Weights at the chosen dtype (or quantization) and headroom, against each device's memory."""
-
-    weights: int
-    weights_key: str  # e.g. "bfloat16" or "4bit/bfloat16"
-    headroom: int
-    headroom_rule: str
-    budgets: tuple[DeviceBudget, ...]
-    placement: str  # "single" | "split" | "offload" | "given"
-    verdict: str
-    sizing: str
-
-    @property
-    def needed(self) -> int:
-        """Weights plus headroom."""
-        return self.weights + self.headroom
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-able dict."""
-        return {
-            "weights": self.weights,
-            "weights_key": self.weights_key,
-            "headroom": self.headroom,
-            "headroom_rule": self.headroom_rule,
-            "needed": self.needed,
-            "budgets": [b.to_dict() for b in self.budgets],
-            "placement": self.placement,
-            "verdict": self.verdict,
-            "sizing": self.sizing,
-        }
+__all__ = ["LoadPlan"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -254,14 +162,14 @@ class LoadPlan:
             "device": self.device.to_dict(),
             "dtype": self.dtype,
             "quantization": self.quantization,
-            "quantization_config": _jsonable(self.quantization_config),
+            "quantization_config": jsonable(self.quantization_config),
             "attn_implementation": self.attn_implementation,
             "attention_kernel": self.attention_kernel,
             "use_kernels": self.use_kernels,
-            "device_map": _jsonable(self.device_map),
-            "max_memory": _jsonable(self.max_memory),
+            "device_map": jsonable(self.device_map),
+            "max_memory": jsonable(self.max_memory),
             "memory": self.memory.to_dict(),
-            "lora": None if lora is None else {"describe": lora.describe(), **_jsonable(_fields(lora))},
+            "lora": None if lora is None else {"describe": lora.describe(), **jsonable(_fields(lora))},
             "decisions": [d.to_dict() for d in self.decisions],
             "warnings": list(self.warnings),
             "from_pretrained_kwargs": self._kwargs_summary(),
@@ -279,23 +187,23 @@ class LoadPlan:
         # The kwargs without importing torch: dtypes as "torch.bfloat16", configs as dicts.
         out: dict[str, Any] = {
             "dtype": f"torch.{self.dtype}",
-            "device_map": _jsonable(self.device_map),
+            "device_map": jsonable(self.device_map),
             "attn_implementation": self.attn_implementation,
         }
         if self.max_memory is not None:
-            out["max_memory"] = _jsonable(self.max_memory)
+            out["max_memory"] = jsonable(self.max_memory)
         if self.quantization is not None:
             kind = (
                 type(self.user_quantization_config).__name__
                 if self.user_quantization_config is not None
                 else "BitsAndBytesConfig"
             )
-            out["quantization_config"] = {kind: _jsonable(self.quantization_config)}
+            out["quantization_config"] = {kind: jsonable(self.quantization_config)}
         if self.use_kernels:
             out["use_kernels"] = True
             if self.kernel_config is not None:
-                out["kernel_config"] = _jsonable(self.kernel_config)
-        out.update({k: _jsonable(v) for k, v in self.passthrough.items() if k != "config"})
+                out["kernel_config"] = jsonable(self.kernel_config)
+        out.update({k: jsonable(v) for k, v in self.passthrough.items() if k != "config"})
         if self.config_given and self.config is not None:
             out["config"] = f"<the given {type(self.config).__name__}>"
         return out
@@ -386,7 +294,7 @@ def _launch_line(plan: LoadPlan) -> str:
 
 def _short(value: Any) -> str:
     if isinstance(value, dict):
-        return json.dumps(_jsonable(value))
+        return json.dumps(jsonable(value))
     return str(value)
 
 
@@ -395,19 +303,3 @@ def _fields(obj: Any) -> dict[str, Any]:
     if names:
         return {n: getattr(obj, n) for n in names}
     return {}
-
-
-def _jsonable(value: Any) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [_jsonable(v) for v in value]
-    to_dict = getattr(value, "to_dict", None)
-    if callable(to_dict):
-        try:
-            return _jsonable(to_dict())
-        except Exception:  # a foreign to_dict that fails must not break reporting
-            return repr(value)
-    return str(value)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.loadplan import Decision
+from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel

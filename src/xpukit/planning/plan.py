@@ -33,13 +33,14 @@ from xpukit.planning.device import DEVICE_PATTERN, decide_dtype, machine_for, re
 from xpukit.planning.distributed import parse_strategy, place_rank, plan_distributed, shard_candidates
 from xpukit.planning.layer_kernels import choose_kernels, parse_kernels
 from xpukit.planning.layout import plan_layout
-from xpukit.planning.loadplan import Decision, LoadPlan
+from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model_class import choose_model_class, fit_lora_to_class, head_skip_modules
 from xpukit.planning.model_facts import model_facts
 from xpukit.planning.model_source import read_config
 from xpukit.planning.placement import parse_size
 from xpukit.planning.quantization import parse_quantize
 from xpukit.planning.training_plan import check_step_size, training_plan_for
+from xpukit.planning.vocabulary import Decision
 
 __all__ = ["plan_load"]
 

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 from xpukit._compat import installed_version, is_installed
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.activation_memory import ModelShape, activation_bytes, lora_parameters, model_shape
-from xpukit.planning.loadplan import Decision
 from xpukit.planning.placement import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
+from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
     from xpukit.machine.facts import DeviceFacts
-    from xpukit.planning.loadplan import MemoryEstimate
     from xpukit.planning.lora_request import LoraRequest
+    from xpukit.planning.vocabulary import MemoryEstimate
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",

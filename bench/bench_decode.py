@@ -71,7 +71,7 @@ def build(shape: str, root: Path, device: str) -> Path:
     from transformers import AutoModelForCausalLM
 
     from xpukit.demo.tiny import build_tiny_model
-    from xpukit.planning.reference_models import reference_config
+    from xpukit.planning.model.reference_models import reference_config
 
     out = root / shape
     if shape in SMALL_SHAPES:
@@ -115,7 +115,7 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
 
 def cache_len(args: argparse.Namespace, path: Path) -> int:
     """The static cache length of the 'static' and 'compiled' variants."""
-    from xpukit.planning.decode import CACHE_LENGTH_STEP
+    from xpukit.planning.device.decode import CACHE_LENGTH_STEP
     from xpukit.planning.plan import plan_load
 
     if args.cache_len:

@@ -4,7 +4,7 @@ Each repetition loads the same model both ways, alternating which goes first, so
 allocator, CPU frequency) hits both alike. The ratio of medians is the cost of planning (config read,
 meta-device sizing, device facts) on top of the load. Target: ratio <= 1.05. Tiny models load in a
 few tens of milliseconds, so this is the worst case; the fixed planning cost vanishes next to a real
-model's load. Repeated loads reuse the model facts of the same config (xpukit.planning.model_facts caches the
+model's load. Repeated loads reuse the model facts of the same config (xpukit.planning.model.facts caches the
 last few), as repeated loads in a notebook do; ``--uncached`` measures a first load every time.
 Prints one JSON line per architecture.
 

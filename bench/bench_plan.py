@@ -30,7 +30,7 @@ COLD = """
 import json, sys, time
 t0 = time.perf_counter()
 from xpukit.planning.plan import plan_load
-from xpukit.planning.reference_models import reference_config
+from xpukit.planning.model.reference_models import reference_config
 t1 = time.perf_counter()
 plan_load(reference_config(sys.argv[1]), facts=sys.argv[2] or None)
 t2 = time.perf_counter()
@@ -70,7 +70,7 @@ def main() -> None:
     parser.add_argument(
         "--model",
         default="qwen3-8b",
-        help="a built-in shape (xpukit.planning.reference_models.REFERENCE_CONFIGS)",
+        help="a built-in shape (xpukit.planning.model.reference_models.REFERENCE_CONFIGS)",
     )
     parser.add_argument("--assume", default="arc-b580", help="profile to plan for ('' = this machine)")
     parser.add_argument("--repeat", type=int, default=15)
@@ -82,8 +82,8 @@ def main() -> None:
     _record(model=args.model, facts=args.assume or "detected", kind="cold", **json.loads(cold.stdout))
 
     from xpukit.planning import model_facts
+    from xpukit.planning.model.reference_models import reference_config
     from xpukit.planning.plan import plan_load
-    from xpukit.planning.reference_models import reference_config
 
     config = reference_config(args.model)
     for facts in (args.assume or None, None) if args.assume else (None,):

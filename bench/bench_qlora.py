@@ -319,7 +319,7 @@ def load_recipe(args: argparse.Namespace, facts: Any, dtype: str) -> tuple[Any, 
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM
 
-    from xpukit.planning.lora_request import DEFAULT_LORA
+    from xpukit.planning.training.lora_request import DEFAULT_LORA
 
     model = AutoModelForCausalLM.from_pretrained(
         args.model_dir, dtype=getattr(torch, dtype), device_map=facts.torch_device,
@@ -357,7 +357,7 @@ def load_unsloth(args: argparse.Namespace, variant: str, dtype: str) -> tuple[An
     import unsloth
     from unsloth import FastLanguageModel
 
-    from xpukit.planning.lora_request import DEFAULT_LORA
+    from xpukit.planning.training.lora_request import DEFAULT_LORA
 
     model, _ = FastLanguageModel.from_pretrained(
         args.model_dir, max_seq_length=args.seq, dtype=getattr(torch, dtype), load_in_4bit=True,

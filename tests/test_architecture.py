@@ -13,8 +13,13 @@ Stages, lowest first (docs/index.md#architecture-facts--plan--act):
 6. ``xpukit.cli`` — the command line
 7. ``xpukit.__main__`` — ``python -m xpukit``
 
+Inside ``xpukit.planning`` the sub-wings have their own order: the vocabulary and budgets at the
+bottom, then ``planning.model`` (what the model is), ``planning.device`` (where it goes and how it
+runs there), ``planning.training`` (how it trains), and the plan that gathers them on top.
+
 The test reads every module's imports from its syntax tree (function-level and ``TYPE_CHECKING``
-imports included) and fails on any import that points up, or sideways between two wings.
+imports included) and fails on any import that points up, sideways between two wings, or that
+closes a circle between modules (the circle is named).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ STAGES: dict[str, int] = {
     "xpukit.machine": 1,
     "xpukit.select": 2,
     "xpukit.planning": 2,
+    "xpukit.kernels": 2,
     "xpukit.loading": 3,
     "xpukit.training": 4,
     "xpukit.demo": 5,
@@ -112,3 +118,135 @@ def test_the_checker_sees_an_upward_import(tmp_path: Path) -> None:
     [(line, target)] = _imports(fake)
     assert (line, target) == (2, "xpukit.loading.load")
     assert STAGES[_wing(target) or ""] > STAGES["xpukit.planning"]
+
+
+# Sub-wings of planning, lowest first (docs/index.md "Architecture: facts → plan → act").
+PLANNING_LEVELS: dict[str, int] = {
+    "xpukit.planning.budgets": 0,
+    "xpukit.planning.vocabulary": 0,
+    "xpukit.planning.model": 1,
+    "xpukit.planning.device": 2,
+    "xpukit.planning.training": 3,
+    "xpukit.planning.loadplan": 4,
+    "xpukit.planning.arguments": 4,
+    "xpukit.planning.plan": 5,
+}
+
+
+def _planning_level(module: str) -> int | None:
+    for prefix in sorted(PLANNING_LEVELS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return PLANNING_LEVELS[prefix]
+    return None
+
+
+def test_every_planning_module_has_a_level() -> None:
+    names = [_module_name(p) for p in MODULES if _module_name(p).startswith("xpukit.planning.")]
+    assert [n for n in names if _planning_level(n) is None] == [], "add them to PLANNING_LEVELS"
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in MODULES if _module_name(p).startswith("xpukit.planning.")], ids=_module_name
+)
+def test_planning_sub_wings_point_down(path: Path) -> None:
+    importer = _module_name(path)
+    here = _planning_level(importer)
+    wrong = []
+    for line, target in _imports(path):
+        there = _planning_level(target)
+        if there is None or here is None or target.startswith(importer):
+            continue
+        same_wing = target.split(".")[:3] == importer.split(".")[:3]
+        if there > here or (there == here and not same_wing and here > 0):
+            wrong.append(f"line {line}: {target} (level {there}) from level {here}")
+    assert wrong == [], f"{importer} imports up or sideways inside planning:\n" + "\n".join(wrong)
+
+
+def _graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in MODULES:
+        name = _module_name(path)
+        graph[name] = {t for _, t in _imports(path) if t != name and _is_module(t)}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle: the strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = 0
+
+    def visit(node: str) -> None:
+        nonlocal counter
+        index[node] = low[node] = counter
+        counter += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _cycle_path(graph: dict[str, set[str]], members: list[str]) -> str:
+    # One concrete loop through the circle, for the message: a -> b -> ... -> a.
+    inside = set(members)
+    start = members[0]
+    path, seen = [start], {start}
+    node = start
+    while True:
+        nxt = sorted(t for t in graph[node] if t in inside)
+        if start in nxt and len(path) > 1:
+            return " -> ".join([*path, start])
+        fresh = [t for t in nxt if t not in seen]
+        if not fresh:
+            return " -> ".join([*path, nxt[0]])
+        node = fresh[0]
+        path.append(node)
+        seen.add(node)
+
+
+def test_no_import_circles() -> None:
+    graph = _graph()
+    found = circles(graph)
+    named = [f"{len(c)} modules: {_cycle_path(graph, c)}" for c in found]
+    assert found == [], "import circles (type-only imports count too):\n" + "\n".join(named)
+
+
+def test_the_circle_finder_names_a_circle() -> None:
+    """Not vacuous: a two-module and a three-module circle are found, a chain is not."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
+    assert circles(graph) == [["a", "b"], ["c", "d", "e"]]
+    assert _cycle_path(graph, ["c", "d", "e"]) == "c -> d -> e -> c"
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_type_only_imports_are_read(tmp_path: Path) -> None:
+    fake = tmp_path / "typed.py"
+    fake.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    from xpukit.planning.loadplan import LoadPlan\n",
+        encoding="utf-8",
+    )
+    assert _imports(fake) == [(3, "xpukit.planning.loadplan")]

@@ -15,7 +15,7 @@ from xpukit.machine.facts import MachineFacts
 from xpukit.machine.launch import LaunchFacts, parse_launch
 from xpukit.machine.precision import TrainingPrecision
 from xpukit.machine.profiles import device_profile, machine_profile
-from xpukit.planning.reference_models import reference_config
+from xpukit.planning.model.reference_models import reference_config
 from xpukit.training.strategy import StrategyFacts, deepspeed_config, strategy_kwargs
 
 # Rank 1 of 2 on one node, as each launcher writes it.

@@ -37,7 +37,7 @@ def test_the_public_entry_points_carry_examples() -> None:
     for name in (
         "xpukit.planning.plan",
         "xpukit.select.devices",
-        "xpukit.training.arguments",
+        "xpukit.training.keywords",
         "xpukit._platform",
     ):
         assert name in MODULES

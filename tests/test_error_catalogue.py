@@ -82,7 +82,7 @@ def _sel(spec: Any, **kw: Any) -> Callable[[Inputs], object]:
 
 def _model(inputs: Inputs, name: str) -> Any:
     """A field of ``inputs``, a built-in reference shape, or the string itself (a path)."""
-    from xpukit.planning.reference_models import REFERENCE_CONFIGS, reference_config
+    from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
 
     if name in Inputs.__dataclass_fields__:
         return getattr(inputs, name)
@@ -965,7 +965,7 @@ def test_cli_case_in_a_process(name: str) -> None:
 def test_bf16_where_only_emulated_warns_and_is_kept() -> None:
     """The one case that warns instead: bf16 asked on a GPU that only emulates it (docs/errors.md)."""
     from xpukit import plan_load
-    from xpukit.planning.reference_models import reference_config
+    from xpukit.planning.model.reference_models import reference_config
 
     plan = plan_load(reference_config("qwen3-0.6b"), facts="meteor-lake", dtype="bfloat16")
     assert plan.dtype == "bfloat16" and plan.decision("dtype").source == "user"

@@ -13,10 +13,10 @@ import pytest
 
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.load import carry_out, load_for_xpu
-from xpukit.planning.decode import CACHE_LENGTH_STEP, DecodePlan
-from xpukit.planning.placement import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION
+from xpukit.planning.budgets import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION
+from xpukit.planning.device.decode import CACHE_LENGTH_STEP, DecodePlan
+from xpukit.planning.model.reference_models import reference_config
 from xpukit.planning.plan import plan_load
-from xpukit.planning.reference_models import reference_config
 
 PROMPTS = [
     "the quick brown fox",

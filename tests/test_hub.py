@@ -102,17 +102,17 @@ def test_a_failure_is_kept_a_minute_a_success_longer(monkeypatch):
 
 
 def test_unusable_hub_messages_say_how_to_check_again(monkeypatch):
-    from xpukit.planning.attention import KernelRef, obtainable
+    from xpukit.planning.device.attention import KernelRef, obtainable
 
     monkeypatch.setattr(hub, "hub_offline", lambda: False)
     monkeypatch.setattr(
-        "xpukit.planning.attention.kernels_support",
+        "xpukit.planning.device.attention.kernels_support",
         lambda: hub.KernelsSupport(
             installed="1", required=None, transformers="5", accepted=True, reason="ok"
         ),
     )
     monkeypatch.setattr(
-        "xpukit.planning.attention.hub_status",
+        "xpukit.planning.device.attention.hub_status",
         lambda: hub.HubStatus(endpoint="x", offline=False, reachable=False, reason="no answer"),
     )
     ok, why = obtainable([KernelRef(repo="acme/none", version=1)])

@@ -165,7 +165,7 @@ def test_lora_safety_net_drops_the_loaded_model(tiny_model, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from xpukit.loading import load
-    from xpukit.planning.lora_request import resolve_lora
+    from xpukit.planning.training.lora_request import resolve_lora
 
     pytest.importorskip("peft")
     loaded: list[weakref.ref] = []
@@ -202,7 +202,7 @@ def test_device_this_build_cannot_use(tiny_model, no_weights):
 
 
 def test_a_bare_config_has_nothing_to_load(no_weights):
-    from xpukit.planning.reference_models import reference_config
+    from xpukit.planning.model.reference_models import reference_config
 
     with pytest.raises(InvalidRequestError, match="no weights"):
         load_for_xpu(reference_config("qwen3-0.6b"), facts="cpu")
@@ -238,7 +238,7 @@ CHILD = r"""
 import json, sys
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.load import load_for_xpu
-from xpukit.planning.reference_models import reference_config
+from xpukit.planning.model.reference_models import reference_config
 from xpukit.planning.plan import plan_load
 
 out = {}
@@ -259,7 +259,7 @@ out["bitsandbytes_imported"] = "bitsandbytes" in sys.modules
 # A plan whose LoRA request was not checked by plan_load (which imports peft under its own guard):
 # the load itself must import peft under the guard.
 from dataclasses import replace
-from xpukit.planning.lora_request import resolve_lora
+from xpukit.planning.training.lora_request import resolve_lora
 unchecked = replace(plan_load(sys.argv[1]), lora=resolve_lora(True, quantized=False))
 out["lora"] = type(load_for_xpu(unchecked)).__name__
 out["lora_again"] = type(load_for_xpu(sys.argv[1], lora=True)).__name__

@@ -19,7 +19,7 @@ from xpukit.errors import InvalidRequestError, MissingExtraError
 from xpukit.loading.liger import decide_liger
 from xpukit.loading.lora import apply_lora
 from xpukit.machine.profiles import device_profile
-from xpukit.planning.lora_request import DEFAULT_LORA, LoraRequest, resolve_lora
+from xpukit.planning.training.lora_request import DEFAULT_LORA, LoraRequest, resolve_lora
 
 # ---------------------------------------------------------------------------------------------
 # resolve_lora: pure
@@ -88,7 +88,7 @@ def test_lora_path_ok(tmp_path: Path) -> None:
 
 def test_resolve_imports_nothing_heavy() -> None:
     code = (
-        "import sys; from xpukit.planning.lora_request import resolve_lora;"
+        "import sys; from xpukit.planning.training.lora_request import resolve_lora;"
         "import xpukit.training.arguments, xpukit.loading.liger;"
         "resolve_lora(True, quantized=True); resolve_lora({'r': 4}, quantized=False);"
         "heavy = {'torch', 'transformers', 'peft', 'bitsandbytes'} & set(sys.modules); print(sorted(heavy))"

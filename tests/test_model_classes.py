@@ -302,7 +302,7 @@ def test_vlm_configs_put_lora_on_the_language_model_only(family: str) -> None:
 
 
 def test_a_config_without_architectures_keeps_the_causal_lm_default() -> None:
-    from xpukit.planning.reference_models import reference_config
+    from xpukit.planning.model.reference_models import reference_config
 
     plan = plan_load(reference_config("qwen3-0.6b"), facts="arc-b580")
     assert plan.model_class == "AutoModelForCausalLM"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.model_facts import SIZE_KEYS, model_facts, quantized_bits
-from xpukit.planning.model_source import local_model_dir
-from xpukit.planning.reference_models import REFERENCE_CONFIGS, reference_config
+from xpukit.planning.model.facts import SIZE_KEYS, model_facts, quantized_bits
+from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
+from xpukit.planning.model.source import local_model_dir
 
 MiB = 2**20
 

@@ -18,9 +18,9 @@ from xpukit.errors import (
     PlanError,
     XpukitError,
 )
-from xpukit.planning.placement import GiB
+from xpukit.planning.budgets import GiB
+from xpukit.planning.model.reference_models import reference_config
 from xpukit.planning.plan import plan_load
-from xpukit.planning.reference_models import reference_config
 
 QWEN3_8B = "qwen3-8b"
 
@@ -49,7 +49,7 @@ def bnb(monkeypatch):
 
     def set_version(version: str | None) -> None:
         import xpukit._compat as compat
-        import xpukit.planning.quantization as quantization
+        import xpukit.planning.device.quantization as quantization
 
         for module in (compat, quantization):
             real_version = module.installed_version
@@ -260,7 +260,7 @@ def test_flash_attn2_without_kernels_falls_back(shapes, monkeypatch):
         accepted=False,
         reason='the `kernels` package is not installed (pip install "xpukit[kernels]")',
     )
-    monkeypatch.setattr("xpukit.planning.attention.kernels_support", lambda: missing)
+    monkeypatch.setattr("xpukit.planning.device.attention.kernels_support", lambda: missing)
     plan = plan_load(shapes["qwen3-0.6b"], facts="h100", attn="flash_attention_2")
     assert plan.attn_implementation == "sdpa"
     assert "xpukit[kernels]" in plan.decision("attn_implementation").reason
@@ -463,7 +463,7 @@ def test_planning_for_a_profile_imports_no_bitsandbytes_and_initialises_nothing(
     code = (
         "import sys, xpukit.planning.plan as p\n"
         "assert 'torch' not in sys.modules\n"
-        "from xpukit.planning.reference_models import reference_config\n"
+        "from xpukit.planning.model.reference_models import reference_config\n"
         "import xpukit.machine.probe as probe\n"
         "probe.detect = lambda **k: (_ for _ in ()).throw(AssertionError('detect called'))\n"
         "plan = p.plan_load(reference_config('qwen3-8b'), facts='arc-b580', quantize='4bit')\n"

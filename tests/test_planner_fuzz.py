@@ -3,7 +3,7 @@
 For every drawn request, on every profile of :func:`xpukit.machine.profiles.profile_names`,
 ``plan_load`` either raises an :class:`~xpukit.errors.XpukitError` or returns a plan that satisfies
 its own numbers (``MemoryEstimate`` in planning/loadplan.py, ``DeviceBudget`` in
-planning/placement.py):
+planning/budgets.py):
 
 - ``single``: ``weights + headroom <= budgets[0].usable``;
 - ``split``: ``weights + headroom <= sum(usable)``, every ``weights_budget <= usable``,

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from xpukit.errors import InvalidRequestError
+from xpukit.planning.model.reference_models import reference_config
 from xpukit.planning.plan import plan_load
-from xpukit.planning.reference_models import reference_config
 
 SEED = 7
 

@@ -13,7 +13,8 @@ import pytest
 
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.profiles import device_profile, machine_profile
-from xpukit.training.arguments import TrainingContext, training_args, training_kwargs
+from xpukit.training.arguments import training_args
+from xpukit.training.keywords import TrainingContext, training_kwargs
 
 # ---------------------------------------------------------------------------------------------
 # training_kwargs: pure, over recorded device profiles
@@ -281,7 +282,7 @@ def test_qlora_trainer_loss_falls(tiny_model: Path, tmp_path: Path, train_losses
     from xpukit.demo.tiny import corpus_lines
     from xpukit.loading.lora import apply_lora
     from xpukit.machine.probe import cpu_facts
-    from xpukit.planning.lora_request import resolve_lora
+    from xpukit.planning.training.lora_request import resolve_lora
 
     bnb = BitsAndBytesConfig(
         load_in_4bit=True,
@@ -388,7 +389,7 @@ def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path, train_losses
     from xpukit.loading.lora import apply_lora
     from xpukit.machine.precision import training_precision
     from xpukit.machine.probe import detect
-    from xpukit.planning.lora_request import resolve_lora
+    from xpukit.planning.training.lora_request import resolve_lora
 
     facts = detect()
     device = facts.devices[0]

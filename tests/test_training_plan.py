@@ -15,11 +15,12 @@ from xpukit import plan_load
 from xpukit.cli.main import main as cli_main
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.profiles import device_profile
-from xpukit.planning.activation_memory import ModelShape, activation_bytes
-from xpukit.planning.lora_request import resolve_lora
-from xpukit.planning.reference_models import reference_config
-from xpukit.planning.training_plan import plan_training
-from xpukit.training.arguments import TrainingContext, training_kwargs
+from xpukit.planning.model.reference_models import reference_config
+from xpukit.planning.model.shape import ModelShape
+from xpukit.planning.training.activation_memory import activation_bytes
+from xpukit.planning.training.fit import plan_training
+from xpukit.planning.training.lora_request import resolve_lora
+from xpukit.training.keywords import TrainingContext, training_kwargs
 
 # ~6 M parameters (Qwen3 layout): at 2 × 1024 tokens the activations (~0.1–0.4 GB) dwarf the rest.
 SHAPE = {
@@ -49,7 +50,7 @@ _CHILD = textwrap.dedent(
     from transformers import AutoModelForCausalLM, Qwen3Config
     from xpukit.loading.lora import apply_lora
     from xpukit.machine.probe import cpu_facts
-    from xpukit.planning.lora_request import resolve_lora
+    from xpukit.planning.training.lora_request import resolve_lora
 
     def status(key):
         for line in open("/proc/self/status"):

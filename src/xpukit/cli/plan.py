@@ -70,9 +70,9 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan (or its JSON); a bad request or a plan that fits nowhere exits 1."""
-    from xpukit.planning.model_source import local_model_dir
+    from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
+    from xpukit.planning.model.source import local_model_dir
     from xpukit.planning.plan import plan_load
-    from xpukit.planning.reference_models import REFERENCE_CONFIGS, reference_config
 
     if not getattr(args, "verbose", False):
         # The plan's warnings are part of what is printed; do not log them a second time.
@@ -114,7 +114,7 @@ def _facts(assume: str | None, rank: str) -> Any:
     from dataclasses import replace
 
     from xpukit.machine.launch import LaunchFacts
-    from xpukit.planning.device import machine_for
+    from xpukit.planning.device.choice import machine_for
 
     r, sep, w = rank.partition("/")
     if not sep or not r.strip().isdigit() or not w.strip().isdigit():

@@ -44,7 +44,7 @@ from xpukit.demo.output import (
 from xpukit.demo.text import readable, token_bytes
 from xpukit.demo.training_run import lora_layers_updated, train
 from xpukit.errors import InvalidRequestError, MissingExtraError
-from xpukit.planning.placement import format_bytes
+from xpukit.planning.budgets import format_bytes
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_STEPS", "DemoResult", "plot_losses", "run_demo"]
 

@@ -1,6 +1,6 @@
 """Carrying out ``fast_decode=True``: the generation config of the loaded model, and the warm-up.
 
-What :func:`xpukit.planning.decode.plan_decode` decided is set on ``model.generation_config``, so
+What :func:`xpukit.planning.device.decode.plan_decode` decided is set on ``model.generation_config``, so
 every later ``generate()`` — and ``pipeline()``, which copies that config — uses transformers' own
 static cache and compiled decoding (docs/decode.md "How it works"):
 
@@ -64,7 +64,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         return [LoadEvent(kind="note", what="fast_decode", actual="generation config unchanged")]
     from transformers import CompileConfig
 
-    from xpukit.planning.decode import compile_settings
+    from xpukit.planning.device.decode import compile_settings
 
     config.cache_implementation = "static"
     config.max_cache_len = decode.max_cache_len

@@ -28,11 +28,11 @@ from xpukit.loading.hub_kernels import (
     fetch_attention_kernel,
     fetch_layer_kernels,
 )
-from xpukit.planning.device import INSTALL_FIX
+from xpukit.planning.device.choice import INSTALL_FIX
+from xpukit.planning.device.quantization import require_bnb
 from xpukit.planning.loadplan import LoadPlan
-from xpukit.planning.model_class import unexpected_weights_problem
+from xpukit.planning.model.classes import unexpected_weights_problem
 from xpukit.planning.plan import plan_load
-from xpukit.planning.quantization import require_bnb
 from xpukit.planning.vocabulary import LoadEvent
 
 __all__ = ["carry_out", "load_for_xpu"]
@@ -294,7 +294,7 @@ def _needs_offline_guard(plan: LoadPlan) -> bool:
     # ask the Hub only when something in this load could use it.
     if hub_offline():
         return True
-    from xpukit.planning.model_source import local_model_dir
+    from xpukit.planning.model.source import local_model_dir
 
     uses_hub = (
         plan.attention_kernel is not None

@@ -1,6 +1,6 @@
 """LoRA adapters on a loaded model (``lora=True`` / a config for training, ``lora=PATH`` for inference).
 
-:func:`apply_lora` carries out a :class:`~xpukit.planning.lora_request.LoraRequest` (resolved from
+:func:`apply_lora` carries out a :class:`~xpukit.planning.training.lora_request.LoraRequest` (resolved from
 the user's ``lora=`` by the planner) and returns notes of what really ran, which the loader records
 in the model's plan.
 
@@ -33,7 +33,7 @@ from xpukit.errors import InvalidRequestError
 from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
 from xpukit.machine.facts import DeviceFacts
 from xpukit.machine.precision import normalize_dtype
-from xpukit.planning.lora_request import (
+from xpukit.planning.training.lora_request import (
     LoraRequest,
     build_lora_config,
     lora_config_or_problem,

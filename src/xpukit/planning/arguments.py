@@ -14,8 +14,8 @@ from typing import Any
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.machine.precision import DTYPES, normalize_dtype
-from xpukit.planning.device import DEVICE_PATTERN
-from xpukit.planning.placement import parse_size
+from xpukit.planning.budgets import parse_size
+from xpukit.planning.device.choice import DEVICE_PATTERN
 from xpukit.planning.vocabulary import Decision
 
 __all__ = [
@@ -197,7 +197,7 @@ def check_lora_targets(request: Any, facts: Any, *, enforce: bool, warnings: lis
         return
     from xpukit._compat import is_installed, require
     from xpukit.hub import hub_offline, hub_status, offline_guard
-    from xpukit.planning.lora_request import check_lora_request
+    from xpukit.planning.training.lora_request import check_lora_request
 
     if not is_installed("peft"):
         if enforce:
@@ -213,7 +213,7 @@ def check_lora_targets(request: Any, facts: Any, *, enforce: bool, warnings: lis
 def lora_request_for(lora: Any, *, quantized: bool) -> Any:
     if lora is None:
         return None
-    from xpukit.planning.lora_request import resolve_lora
+    from xpukit.planning.training.lora_request import resolve_lora
 
     return resolve_lora(lora, quantized=quantized)
 

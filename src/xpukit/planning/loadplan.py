@@ -12,14 +12,14 @@ import textwrap
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from xpukit.planning.placement import format_bytes
+from xpukit.planning.budgets import format_bytes
 from xpukit.planning.vocabulary import Decision, LoadEvent, MemoryEstimate, jsonable
 
 if TYPE_CHECKING:
     from xpukit.machine.facts import DeviceFacts, MachineFacts
-    from xpukit.planning.decode import DecodePlan
-    from xpukit.planning.model_facts import ModelFacts
-    from xpukit.planning.training_plan import TrainingPlan
+    from xpukit.planning.device.decode import DecodePlan
+    from xpukit.planning.model.facts import ModelFacts
+    from xpukit.planning.training.fit import TrainingPlan
 
 __all__ = ["LoadPlan"]
 
@@ -44,7 +44,7 @@ class LoadPlan:
         use_kernels: whether ``from_pretrained(use_kernels=True)`` is passed.
         device_map / max_memory: what ``from_pretrained`` gets.
         memory: the size estimate against each device.
-        lora: the LoRA request (:class:`xpukit.planning.lora_request.LoraRequest`) or ``None``.
+        lora: the LoRA request (:class:`xpukit.planning.training.lora_request.LoraRequest`) or ``None``.
         decisions: every choice with its reason and rejected alternatives.
         warnings: things the user should know (offload, emulated dtype, fallbacks).
         passthrough: other ``from_pretrained`` keyword arguments, passed unchanged.
@@ -54,9 +54,9 @@ class LoadPlan:
         strategy: the distributed strategy the load was planned for (``ddp``, ``fsdp``, ``deepspeed``),
             or ``None``; :func:`xpukit.training_args` follows it.
         decode: what ``fast_decode=True`` sets on the generation config
-            (:class:`xpukit.planning.decode.DecodePlan`), or ``None`` when not asked.
+            (:class:`xpukit.planning.device.decode.DecodePlan`), or ``None`` when not asked.
         training: the memory savers for new LoRA adapters, chosen by fit
-            (:class:`xpukit.planning.training_plan.TrainingPlan`); ``None`` without new adapters.
+            (:class:`xpukit.planning.training.fit.TrainingPlan`); ``None`` without new adapters.
     """
 
     model: str | None
@@ -86,9 +86,9 @@ class LoadPlan:
     config_kwargs: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     config_given: bool = field(default=False, compare=False, repr=False)  # the user handed over a config
     seed: int | None = None  # set_seed before new LoRA adapters are created; None: unseeded
-    strategy: str | None = None  # the distributed strategy the load is for (planning/distributed.py)
-    decode: DecodePlan | None = None  # fast_decode=True: static cache / compile (planning/decode.py)
-    training: TrainingPlan | None = None  # new LoRA adapters: savers by fit (planning/training_plan.py)
+    strategy: str | None = None  # the distributed strategy the load is for (planning/device/distributed.py)
+    decode: DecodePlan | None = None  # fast_decode=True: static cache / compile (planning/device/decode.py)
+    training: TrainingPlan | None = None  # new LoRA adapters: savers by fit (planning/training/fit.py)
 
     @property
     def fallbacks(self) -> tuple[LoadEvent, ...]:
@@ -283,7 +283,7 @@ class LoadPlan:
 
 def _launch_line(plan: LoadPlan) -> str:
     # Rank, world size, launcher and the process-group backend (docs/distributed.md "What xpukit decides").
-    from xpukit.planning.distributed import process_group_backend
+    from xpukit.planning.device.distributed import process_group_backend
 
     launch = plan.machine.launch
     assert launch is not None

@@ -27,19 +27,20 @@ from xpukit.planning.arguments import (
     reconcile,
     seed_decision,
 )
-from xpukit.planning.attention import choose_attention, normalize_attn
-from xpukit.planning.decode import check_fast_decode, plan_decode
-from xpukit.planning.device import DEVICE_PATTERN, decide_dtype, machine_for, resolve_device
-from xpukit.planning.distributed import parse_strategy, place_rank, plan_distributed, shard_candidates
-from xpukit.planning.layer_kernels import choose_kernels, parse_kernels
-from xpukit.planning.layout import plan_layout
+from xpukit.planning.budgets import parse_size
+from xpukit.planning.device.attention import choose_attention, normalize_attn
+from xpukit.planning.device.choice import DEVICE_PATTERN, decide_dtype, machine_for, resolve_device
+from xpukit.planning.device.decode import check_fast_decode, plan_decode
+from xpukit.planning.device.distributed import parse_strategy, place_rank, plan_distributed, shard_candidates
+from xpukit.planning.device.layer_kernels import choose_kernels, parse_kernels
+from xpukit.planning.device.layout import plan_layout
+from xpukit.planning.device.quantization import head_skip_modules, parse_quantize
 from xpukit.planning.loadplan import LoadPlan
-from xpukit.planning.model_class import choose_model_class, fit_lora_to_class, head_skip_modules
-from xpukit.planning.model_facts import model_facts
-from xpukit.planning.model_source import read_config
-from xpukit.planning.placement import parse_size
-from xpukit.planning.quantization import parse_quantize
-from xpukit.planning.training_plan import check_step_size, training_plan_for
+from xpukit.planning.model.classes import choose_model_class
+from xpukit.planning.model.facts import model_facts
+from xpukit.planning.model.source import read_config
+from xpukit.planning.training.fit import check_step_size, training_plan_for
+from xpukit.planning.training.lora_request import fit_lora_to_class
 from xpukit.planning.vocabulary import Decision
 
 __all__ = ["plan_load"]
@@ -122,7 +123,7 @@ def plan_load(
 
     Example:
         >>> from xpukit import plan_load
-        >>> from xpukit.planning.reference_models import reference_config
+        >>> from xpukit.planning.model.reference_models import reference_config
         >>> plan = plan_load(reference_config("qwen3-8b"), facts="arc-b580", quantize="4bit")
         >>> plan.device_map, plan.dtype
         ('xpu:0', 'bfloat16')

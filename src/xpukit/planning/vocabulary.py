@@ -2,7 +2,7 @@
 the :class:`MemoryEstimate` of a load.
 
 The bottom of the planning wing: every decider returns these, and :class:`~xpukit.planning.loadplan.LoadPlan`
-gathers them; this module imports nothing of the wing but the sizes in ``planning/placement.py``.
+gathers them; this module imports nothing of the wing but the sizes in ``planning/budgets.py``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from xpukit.planning.placement import DeviceBudget
+from xpukit.planning.budgets import DeviceBudget
 
 __all__ = ["Decision", "LoadEvent", "MemoryEstimate", "jsonable"]
 

@@ -22,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError, name_hints
-from xpukit.training.arguments import TrainingContext, training_kwargs
+from xpukit.training.keywords import TrainingContext, training_kwargs
 
 if TYPE_CHECKING:
     from transformers import TrainingArguments
@@ -75,7 +75,7 @@ def fit_to_class(
 
     Args:
         cls: the ``TrainingArguments`` subclass.
-        keywords: from :func:`xpukit.training.arguments.training_kwargs` (the user's already on top).
+        keywords: from :func:`xpukit.training.keywords.training_kwargs` (the user's already on top).
         user: the keywords the user passed (refused when ``cls`` has no such field).
 
     Returns:

@@ -28,7 +28,7 @@ from xpukit._compat import require
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts
 from xpukit.machine.precision import TrainingPrecision
-from xpukit.planning.distributed import parse_strategy
+from xpukit.planning.device.distributed import parse_strategy
 
 __all__ = ["StrategyFacts", "apply_strategy", "deepspeed_config", "strategy_facts", "strategy_kwargs"]
 

@@ -20,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 from xpukit._compat import installed_version, is_installed
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.activation_memory import ModelShape, activation_bytes, lora_parameters, model_shape
-from xpukit.planning.placement import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
+from xpukit.planning.budgets import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
+from xpukit.planning.model.shape import ModelShape, model_shape
+from xpukit.planning.training.activation_memory import activation_bytes, lora_parameters
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
     from xpukit.machine.facts import DeviceFacts
-    from xpukit.planning.lora_request import LoraRequest
+    from xpukit.planning.training.lora_request import LoraRequest
     from xpukit.planning.vocabulary import MemoryEstimate
 
 __all__ = [

@@ -11,14 +11,14 @@ from typing import Any
 
 from xpukit.errors import InvalidRequestError, PlanError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
-from xpukit.planning.model_facts import ModelFacts
-from xpukit.planning.placement import (
+from xpukit.planning.budgets import (
     DeviceBudget,
     Headroom,
     Placement,
     format_bytes,
     usable_memory,
 )
+from xpukit.planning.model.facts import ModelFacts
 
 __all__ = [
     "MAP_DEVICE",

@@ -20,7 +20,7 @@ docs/known-issues.md "huggingface_hub 2.4: Hub requests without a timeout", docs
   refused elsewhere with the reason.
 
 :func:`obtainable` (a kernels release transformers accepts, and the kernel cached or the Hub
-reachable) is shared with :mod:`xpukit.planning.layer_kernels`, which decides ``use_kernels``.
+reachable) is shared with :mod:`xpukit.planning.device.layer_kernels`, which decides ``use_kernels``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from xpukit.errors import InvalidRequestError
 from xpukit.hub import RECHECK_HINT, hub_status, kernel_cached, kernels_support
 from xpukit.machine.facts import DeviceFacts
-from xpukit.planning.model_facts import ModelFacts
+from xpukit.planning.model.facts import ModelFacts
 from xpukit.planning.vocabulary import Decision
 
 __all__ = [

@@ -18,11 +18,14 @@ Nothing here imports bitsandbytes: versions come from package metadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpukit._compat import installed_version, is_installed, version_at_least
 from xpukit.errors import InvalidRequestError, MissingExtraError
 from xpukit.machine.facts import DeviceFacts
+
+if TYPE_CHECKING:
+    from xpukit.planning.model.facts import ModelFacts
 
 __all__ = [
     "BNB_MIN",
@@ -30,6 +33,7 @@ __all__ = [
     "QuantRequest",
     "bnb_kwargs",
     "bnb_problem",
+    "head_skip_modules",
     "parse_quantize",
 ]
 
@@ -152,3 +156,20 @@ def require_bnb(kind: str) -> str:
     from xpukit._compat import require
 
     return require("bitsandbytes", f"quantize={kind!r}", minimum=BNB_MIN)
+
+
+def head_skip_modules(
+    facts: ModelFacts, quantization_config: dict[str, Any] | None, user_config: Any = None
+) -> dict[str, Any] | None:
+    """xpukit's bitsandbytes settings with the task head kept unquantized (so it can be trained).
+
+    bitsandbytes would otherwise quantize a classifier (transformers' default skip list keeps only
+    the output embeddings, tied weights and the last parameter's name, docs/known-issues.md
+    "bitsandbytes: a classification head is quantized"); a config the user gave is left as given.
+    """
+    config = quantization_config
+    if user_config is not None or not config or not facts.quantization_skip:
+        return config
+    if "llm_int8_skip_modules" in config or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
+        return config
+    return {**config, "llm_int8_skip_modules": list(facts.quantization_skip)}

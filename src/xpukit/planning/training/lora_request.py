@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from xpukit.errors import InvalidRequestError, name_hints
 
 if TYPE_CHECKING:
-    from xpukit.planning.model_facts import ModelFacts
+    from xpukit.planning.model.classes import ModelClassChoice
+    from xpukit.planning.model.facts import ModelFacts
 
 __all__ = [
     "DEFAULT_LORA",
@@ -27,6 +29,7 @@ __all__ = [
     "LoraRequest",
     "build_lora_config",
     "check_lora_request",
+    "fit_lora_to_class",
     "lora_config_or_problem",
     "resolve_lora",
     "targets_problem",
@@ -87,7 +90,7 @@ class LoraRequest:
             ``False`` never (``lora={"liger": False}``), ``True`` insists (a note says when it cannot).
         given: the ``config`` keys the user set; the others (``task_type``, ``modules_to_save``,
             ``target_modules``) follow the model class
-            (:func:`xpukit.planning.model_class.fit_lora_to_class`).
+            (:func:`xpukit.planning.training.lora_request.fit_lora_to_class`).
         gradient_checkpointing_given: ``lora=`` set ``gradient_checkpointing`` (the plan keeps it).
     """
 
@@ -326,3 +329,42 @@ def targets_problem(config: Any, module_names: Any, linear_names: list[str], arc
         f"{architecture}. Its linear layers are: {', '.join(linear_names)}. "
         'Name some of those, or use target_modules="all-linear".'
     )
+
+
+def fit_lora_to_class(request: LoraRequest | None, choice: ModelClassChoice, facts: ModelFacts) -> Any:
+    """The LoRA request with the task, head and targets the model class needs.
+
+    What the user set stays (``request.given``); a ``task_type`` that contradicts the class is
+    refused, because peft then builds the wrong wrapper (``CAUSAL_LM`` on a classifier fails with
+    ``AttributeError: ... prepare_inputs_for_generation``).
+
+    Raises:
+        InvalidRequestError: the given ``task_type`` does not fit the class.
+    """
+    if request is None or request.kind != "new":
+        return request
+    config = dict(request.config)
+    given = request.given
+    task = choice.task_type
+    notes = []
+    if "task_type" in given and config.get("task_type") not in (None, task):
+        raise InvalidRequestError(
+            f"lora task_type={config.get('task_type')!r} does not fit {choice.name} ({facts.architecture}), "
+            f"whose LoRA task is {task!r}: peft would wrap it as the wrong kind of model. Fix: drop "
+            f"task_type (xpukit sets {task!r} from the class), or pass the model_class= that task needs."
+        )
+    if config.get("task_type") != task or "task_type" not in given:
+        config["task_type"] = task
+        notes.append(f"task {task} from {choice.name}")
+    if facts.head_modules and "modules_to_save" not in given:
+        config["modules_to_save"] = list(facts.head_modules)
+        notes.append(f"the head ({', '.join(facts.head_modules)}) trained in full (modules_to_save)")
+    if facts.language_model and "target_modules" not in given and facts.language_linear_layers:
+        names = "|".join(re.escape(n) for n in facts.language_linear_layers)
+        config["target_modules"] = rf"{re.escape(facts.language_model)}\..*\.(?:{names})"
+        notes.append(
+            f"LoRA on the language model ({facts.language_model}) only; the vision tower stays frozen"
+        )
+    if not notes:
+        return request
+    return dataclasses.replace(request, config=config, reason=f"{request.reason}; {'; '.join(notes)}")

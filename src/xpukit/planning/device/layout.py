@@ -16,15 +16,7 @@ from typing import Any
 from xpukit.errors import InvalidRequestError, PlanError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.machine.precision import normalize_dtype
-from xpukit.planning.given_layout import (
-    STRATEGIES,
-    bnb_map_problem,
-    check_budget_keys,
-    given_budgets,
-    given_map,
-)
-from xpukit.planning.model_facts import ModelFacts, quantized_bits
-from xpukit.planning.placement import (
+from xpukit.planning.budgets import (
     Headroom,
     Placement,
     explain_no_fit,
@@ -35,7 +27,15 @@ from xpukit.planning.placement import (
     shares_host_memory,
     usable_memory,
 )
-from xpukit.planning.quantization import QuantRequest, bnb_kwargs, bnb_problem, require_bnb
+from xpukit.planning.device.given_layout import (
+    STRATEGIES,
+    bnb_map_problem,
+    check_budget_keys,
+    given_budgets,
+    given_map,
+)
+from xpukit.planning.device.quantization import QuantRequest, bnb_kwargs, bnb_problem, require_bnb
+from xpukit.planning.model.facts import ModelFacts, quantized_bits
 from xpukit.planning.vocabulary import Decision, MemoryEstimate
 
 __all__ = ["Layout", "plan_layout"]

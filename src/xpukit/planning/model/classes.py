@@ -19,8 +19,6 @@ A peft ``CAUSAL_LM`` adapter on a model without ``generate`` fails inside peft
 from __future__ import annotations
 
 import copy
-import dataclasses
-import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,9 +28,6 @@ from xpukit.planning.vocabulary import Decision
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
 
-    from xpukit.planning.lora_request import LoraRequest
-    from xpukit.planning.model_facts import ModelFacts
-
 __all__ = [
     "AUTO_KINDS",
     "AutoKind",
@@ -41,8 +36,6 @@ __all__ = [
     "build_meta_model",
     "choose_model_class",
     "class_facts",
-    "fit_lora_to_class",
-    "head_skip_modules",
     "unexpected_weights_problem",
 ]
 
@@ -294,62 +287,6 @@ def class_facts(model: PreTrainedModel, auto_class: str) -> dict[str, Any]:
                 out["language_linear_layers"] = tuple(sorted(linear))
                 break
     return out
-
-
-def head_skip_modules(
-    facts: ModelFacts, quantization_config: dict[str, Any] | None, user_config: Any = None
-) -> dict[str, Any] | None:
-    """xpukit's bitsandbytes settings with the task head kept unquantized (so it can be trained).
-
-    bitsandbytes would otherwise quantize a classifier (transformers' default skip list keeps only
-    the output embeddings, tied weights and the last parameter's name, docs/known-issues.md
-    "bitsandbytes: a classification head is quantized"); a config the user gave is left as given.
-    """
-    config = quantization_config
-    if user_config is not None or not config or not facts.quantization_skip:
-        return config
-    if "llm_int8_skip_modules" in config or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
-        return config
-    return {**config, "llm_int8_skip_modules": list(facts.quantization_skip)}
-
-
-def fit_lora_to_class(request: LoraRequest | None, choice: ModelClassChoice, facts: ModelFacts) -> Any:
-    """The LoRA request with the task, head and targets the model class needs.
-
-    What the user set stays (``request.given``); a ``task_type`` that contradicts the class is
-    refused, because peft then builds the wrong wrapper (``CAUSAL_LM`` on a classifier fails with
-    ``AttributeError: ... prepare_inputs_for_generation``).
-
-    Raises:
-        InvalidRequestError: the given ``task_type`` does not fit the class.
-    """
-    if request is None or request.kind != "new":
-        return request
-    config = dict(request.config)
-    given = request.given
-    task = choice.task_type
-    notes = []
-    if "task_type" in given and config.get("task_type") not in (None, task):
-        raise InvalidRequestError(
-            f"lora task_type={config.get('task_type')!r} does not fit {choice.name} ({facts.architecture}), "
-            f"whose LoRA task is {task!r}: peft would wrap it as the wrong kind of model. Fix: drop "
-            f"task_type (xpukit sets {task!r} from the class), or pass the model_class= that task needs."
-        )
-    if config.get("task_type") != task or "task_type" not in given:
-        config["task_type"] = task
-        notes.append(f"task {task} from {choice.name}")
-    if facts.head_modules and "modules_to_save" not in given:
-        config["modules_to_save"] = list(facts.head_modules)
-        notes.append(f"the head ({', '.join(facts.head_modules)}) trained in full (modules_to_save)")
-    if facts.language_model and "target_modules" not in given and facts.language_linear_layers:
-        names = "|".join(re.escape(n) for n in facts.language_linear_layers)
-        config["target_modules"] = rf"{re.escape(facts.language_model)}\..*\.(?:{names})"
-        notes.append(
-            f"LoRA on the language model ({facts.language_model}) only; the vision tower stays frozen"
-        )
-    if not notes:
-        return request
-    return dataclasses.replace(request, config=config, reason=f"{request.reason}; {'; '.join(notes)}")
 
 
 def unexpected_weights_problem(

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.placement import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
+from xpukit.planning.budgets import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
     from xpukit.machine.facts import DeviceFacts
-    from xpukit.planning.model_facts import ModelFacts
+    from xpukit.planning.model.facts import ModelFacts
     from xpukit.planning.vocabulary import MemoryEstimate
 
 __all__ = ["CACHE_LENGTH_STEP", "DecodePlan", "check_fast_decode", "compile_settings", "plan_decode"]

@@ -9,7 +9,7 @@ Qwen3-0.6B bf16 1136.88 MiB, nf4
 bitsandbytes, which costs seconds and can reach the Hub at import (docs/known-issues.md "bitsandbytes:
 import reaches the Hub on avx512_bf16 CPUs").
 
-Real-size shapes to plan with, offline, are in :mod:`xpukit.planning.reference_models`.
+Real-size shapes to plan with, offline, are in :mod:`xpukit.planning.model.reference_models`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.activation_memory import model_shape
-from xpukit.planning.model_class import auto_class_for, build_meta_model, class_facts
+from xpukit.planning.model.classes import auto_class_for, build_meta_model, class_facts
+from xpukit.planning.model.shape import model_shape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig, PreTrainedModel
@@ -180,7 +180,7 @@ def model_facts(
         trust_remote_code: passed to the Auto class for configs whose model code lives in the repo.
         cache: reuse the facts of an identical config read before in this process.
         model_class: the class (or name) to build; default: the one the config's ``architectures``
-            names (:func:`xpukit.planning.model_class.choose_model_class`).
+            names (:func:`xpukit.planning.model.classes.choose_model_class`).
 
     Raises:
         InvalidRequestError: no transformers Auto class can build this config.

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.hub import RECHECK_HINT, hub_offline, hub_status
-from xpukit.planning.reference_models import REFERENCE_CONFIGS
+from xpukit.planning.model.reference_models import REFERENCE_CONFIGS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig

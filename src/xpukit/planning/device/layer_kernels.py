@@ -6,7 +6,7 @@
   and an explicit request there is refused.
 * ``"auto"`` turns it on when the model registers kernel layers and every kernel transformers'
   default mapping names for them on this device (inference mode) can be had — cached, or the Hub
-  reachable (:func:`xpukit.planning.attention.obtainable`). Never with LoRA: ``model.train()`` makes
+  reachable (:func:`xpukit.planning.device.attention.obtainable`). Never with LoRA: ``model.train()`` makes
   transformers re-kernelize for training mode, fetching kernels outside xpukit's time bound.
 * An explicit request that cannot be had falls back to off, with the reason recorded.
 * Never when some modules run on the CPU, disk or MPS (offload or a given device_map): auto leaves
@@ -21,8 +21,8 @@ from typing import Any
 from xpukit.errors import InvalidRequestError
 from xpukit.hub import kernels_support
 from xpukit.machine.facts import DeviceFacts
-from xpukit.planning.attention import KernelRef, device_type, obtainable
-from xpukit.planning.model_facts import ModelFacts
+from xpukit.planning.device.attention import KernelRef, device_type, obtainable
+from xpukit.planning.model.facts import ModelFacts
 from xpukit.planning.vocabulary import Decision
 
 __all__ = ["KERNEL_CONFIG_DEVICES", "KernelsChoice", "choose_kernels", "parse_kernels"]

@@ -193,7 +193,7 @@ def choose_strategy(
         accelerators (``training_args`` refuses ``strategy="fsdp"`` there; a load for sharding is
         still planned, for torch's own ``fully_shard``).
     """
-    from xpukit.planning.placement import format_bytes
+    from xpukit.planning.budgets import format_bytes
 
     fits = need <= usable
     sizes = f"training needs ~{format_bytes(need)} per rank, {device.torch_device} has {format_bytes(usable)}"

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
 
 from xpukit import __version__
+from xpukit.cli.logs import command_logging
 from xpukit.errors import XpukitError
 
 # Subcommand modules, in the order `--help` lists them.
@@ -30,7 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"xpukit {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log xpukit's decisions (INFO)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log xpukit's decisions (INFO) and show other libraries' warnings under their own names",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
         try:
@@ -50,17 +55,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="xpukit: %(levelname)s: %(message)s",
-    )
-    try:
-        return int(args.run(args))
-    except XpukitError as exc:
-        print(f"xpukit {args.command}: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    # Only xpukit's records print under xpukit's name; other libraries' only with --verbose, under
+    # their own names (cli/logs.py).
+    with command_logging(bool(args.verbose)) as collected:
+        args.log_records = collected.records
+        try:
+            return int(args.run(args))
+        except XpukitError as exc:
+            print(f"xpukit {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import textwrap
 from typing import Any
 
+from xpukit.cli.logs import notes_for
 from xpukit.errors import InvalidRequestError
 
 
@@ -70,17 +72,36 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the plan (or its JSON); a bad request or a plan that fits nowhere exits 1."""
+    planner_log = logging.getLogger("xpukit.planning.plan")
+    level = planner_log.level
+    if not getattr(args, "verbose", False):
+        # The plan's warnings are part of what is printed; do not log them a second time.
+        planner_log.setLevel(logging.ERROR)
+    try:
+        plan = _plan(args)
+    finally:
+        planner_log.setLevel(level)
+    notes = notes_for(getattr(args, "log_records", []), plan)
+    if args.json:
+        print(json.dumps({**plan.to_dict(), "notes": notes}, indent=2))
+        return 0
+    print(plan.explain())
+    if notes:
+        print("\nNotes (from other libraries' warnings, in xpukit's words; --verbose shows them)")
+        for note in notes:
+            print("\n".join(textwrap.wrap(note, 100, initial_indent="  ", subsequent_indent="    ")))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> Any:
     from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
     from xpukit.planning.model.source import local_model_dir
     from xpukit.planning.plan import plan_load
 
-    if not getattr(args, "verbose", False):
-        # The plan's warnings are part of what is printed; do not log them a second time.
-        logging.getLogger("xpukit.planning.plan").setLevel(logging.ERROR)
     model: Any = args.model
     if local_model_dir(args.model) is None and args.model.lower() in REFERENCE_CONFIGS:
         model = reference_config(args.model)
-    plan = plan_load(
+    return plan_load(
         model,
         device=args.device,
         dtype=args.dtype,
@@ -95,8 +116,6 @@ def run(args: argparse.Namespace) -> int:
         fast_decode=bool(getattr(args, "fast_decode", False)),
         **_train(getattr(args, "train", None)),
     )
-    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.explain())
-    return 0
 
 
 def _train(spec: str | None) -> dict[str, Any]:

@@ -1,0 +1,112 @@
+"""What the command line prints of log records: only xpukit's words under xpukit's name.
+
+* xpukit's own records (loggers ``xpukit.*``) print as ``xpukit: LEVEL: message``: warnings always,
+  its decisions (INFO) with ``--verbose``.
+* Other libraries' records (bitsandbytes, kernels, transformers, peft …) are not printed under
+  xpukit's name. Without ``--verbose`` they are collected, not shown; one that matters to what the
+  command shows becomes a note in xpukit's own words (:data:`KNOWN`, :func:`notes_for`). With
+  ``--verbose`` they print under their own logger names (``bitsandbytes.backends.cpu.ops: WARNING:
+  …``), so nothing is hidden from someone who asks.
+
+Everything is installed for one command and taken down after it (:func:`command_logging`), so calling
+``xpukit.cli.main.main()`` twice in one process, or from a notebook, leaves logging as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["KNOWN", "Collected", "KnownRecord", "command_logging", "notes_for"]
+
+XPUKIT_FORMAT = "xpukit: %(levelname)s: %(message)s"
+OTHER_FORMAT = "%(name)s: %(levelname)s: %(message)s"
+
+
+class Collected(logging.Handler):
+    """Other libraries' warnings during one command, kept for :func:`notes_for` (never printed)."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not record.name.startswith("xpukit"):
+            self.records.append(record)
+
+
+@dataclass(frozen=True, slots=True)
+class KnownRecord:
+    """A third-party log record that can matter to a plan, and the note xpukit prints for it."""
+
+    logger: str  # the logger name's prefix
+    contains: str  # a piece of the message
+    note: str
+    matters: Callable[[Any], bool]  # given the LoadPlan: does this record change what it means?
+
+
+def _cpu_4bit(plan: Any) -> bool:
+    return bool(plan.device.backend == "cpu" and plan.quantization == "4bit")
+
+
+# bitsandbytes 0.50 tries to load an optimised CPU 4-bit kernel from the Hub when it is imported; it
+# logs a warning when the kernel is not cached and the Hub is offline, and uses its built-in CPU path
+# instead (docs/known-issues.md "bitsandbytes import reaches the Hub on avx512_bf16 CPUs"). That only
+# matters where 4-bit layers run on the CPU. The `kernels` package's "Skipping publisher trust check"
+# in offline mode is not about the plan at all, and stays quiet.
+KNOWN: tuple[KnownRecord, ...] = (
+    KnownRecord(
+        logger="bitsandbytes",
+        contains="gemm_4bit_forward",
+        note="bitsandbytes could not load its optimised CPU 4-bit kernel from the Hub (not cached, or "
+        "the Hub is offline): the 4-bit layers on this CPU run on bitsandbytes' built-in path, which "
+        "is slower. Online once (or with the kernel cached) it is used.",
+        matters=_cpu_4bit,
+    ),
+)
+
+
+def notes_for(records: list[logging.LogRecord], plan: Any) -> list[str]:
+    """xpukit's notes for the collected records that matter to ``plan`` (each note once)."""
+    notes: list[str] = []
+    for known in KNOWN:
+        hit = any(r.name.startswith(known.logger) and known.contains in r.getMessage() for r in records)
+        if hit and known.matters(plan) and known.note not in notes:
+            notes.append(known.note)
+    return notes
+
+
+@contextmanager
+def command_logging(verbose: bool) -> Iterator[Collected]:
+    """Log handlers for one command: xpukit's records under its name, others per ``verbose``."""
+    root = logging.getLogger()
+    ours = logging.getLogger("xpukit")
+    saved = (root.level, list(root.handlers), ours.level, ours.propagate, list(ours.handlers))
+    xpukit_handler = logging.StreamHandler(sys.stderr)
+    xpukit_handler.setFormatter(logging.Formatter(XPUKIT_FORMAT))
+    ours.handlers = [xpukit_handler]
+    ours.setLevel(logging.INFO if verbose else logging.WARNING)
+    ours.propagate = False
+    collected = Collected()
+    # A handler on the root logger also keeps Python's last-resort handler from printing other
+    # libraries' warnings bare on stderr.
+    handlers: list[logging.Handler] = [collected]
+    if verbose:
+        other = logging.StreamHandler(sys.stderr)
+        other.setFormatter(logging.Formatter(OTHER_FORMAT))
+        other.setLevel(logging.WARNING)
+        handlers.append(other)
+    root.handlers = handlers
+    root.setLevel(logging.WARNING)
+    try:
+        yield collected
+    finally:
+        root.setLevel(saved[0])
+        root.handlers = saved[1]
+        ours.setLevel(saved[2])
+        ours.propagate = saved[3]
+        ours.handlers = saved[4]

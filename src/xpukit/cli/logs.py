@@ -55,7 +55,7 @@ def _cpu_4bit(plan: Any) -> bool:
 
 # bitsandbytes 0.50 tries to load an optimised CPU 4-bit kernel from the Hub when it is imported; it
 # logs a warning when the kernel is not cached and the Hub is offline, and uses its built-in CPU path
-# instead (docs/known-issues.md "bitsandbytes import reaches the Hub on avx512_bf16 CPUs"). That only
+# instead (docs/known-issues.md "bitsandbytes: import reaches the Hub on avx512_bf16 CPUs"). That only
 # matters where 4-bit layers run on the CPU. The `kernels` package's "Skipping publisher trust check"
 # in offline mode is not about the plan at all, and stays quiet.
 KNOWN: tuple[KnownRecord, ...] = (

@@ -128,6 +128,7 @@ PLANNING_LEVELS: dict[str, int] = {
     "xpukit.planning.device": 2,
     "xpukit.planning.training": 3,
     "xpukit.planning.loadplan": 4,
+    "xpukit.planning.for_training": 4,
     "xpukit.planning.arguments": 4,
     "xpukit.planning.plan": 5,
 }

@@ -48,7 +48,14 @@ def add_parser(sub: Any) -> None:
         "--max-memory", metavar="SPEC", help="weights budget per device, e.g. 0=10GiB,1=10GiB,cpu=30GiB"
     )
     parser.add_argument("--headroom", help="memory kept free beside the weights, e.g. 2GiB")
-    parser.add_argument("--no-offload", action="store_true", help="fail instead of offloading to CPU")
+    offload = parser.add_mutually_exclusive_group()
+    offload.add_argument("--no-offload", action="store_true", help="fail instead of offloading to CPU")
+    offload.add_argument(
+        "--offload",
+        action="store_true",
+        help="allow offloading weights to CPU memory also when training (--train), where it is "
+        "refused by default",
+    )
     parser.add_argument(
         "--rank",
         metavar="R/W",
@@ -110,7 +117,7 @@ def _plan(args: argparse.Namespace) -> Any:
         quantize=args.quantize,
         max_memory=parse_max_memory(args.max_memory) if args.max_memory else None,
         headroom=args.headroom,
-        offload=not args.no_offload,
+        offload=False if args.no_offload else (True if getattr(args, "offload", False) else None),
         facts=_facts(args.assume, args.rank) if getattr(args, "rank", None) else args.assume,
         strategy=getattr(args, "strategy", None),
         fast_decode=bool(getattr(args, "fast_decode", False)),

@@ -59,6 +59,7 @@ def decide_liger(
     model_type: str | None,
     *,
     wanted: bool | None,
+    given: bool = False,
     liger_version: str | None,
     triton: bool,
     supported_types: frozenset[str] | None,
@@ -68,13 +69,15 @@ def decide_liger(
     Args:
         device: the device the model trains on.
         model_type: ``config.model_type`` of the model.
-        wanted: the user's choice (``None`` = automatic).
+        wanted: the plan's (or the user's) choice (``None`` = automatic).
+        given: ``wanted`` is the user's own ``lora={"liger": ...}``, not the training plan's choice.
         liger_version: the installed liger-kernel version, ``None`` when missing.
         triton: whether the ``triton`` module can be imported.
         supported_types: the model types liger can patch (``None`` when unknown).
     """
     if wanted is False:
-        return LigerDecision(use=False, reason="liger-kernel off (lora={'liger': False})")
+        who = "lora={'liger': False} given" if given else "the training plan's choice (its liger decision)"
+        return LigerDecision(use=False, reason=f"liger-kernel off: {who}")
     if device.backend not in TRITON_BACKENDS:
         return LigerDecision(
             use=False, reason=f"liger-kernel not used: its Triton kernels do not run on {device.backend}"
@@ -96,13 +99,16 @@ def decide_liger(
     )
 
 
-def apply_liger(model: Any, device: DeviceFacts, *, wanted: bool | None = None) -> list[str]:
+def apply_liger(
+    model: Any, device: DeviceFacts, *, wanted: bool | None = None, given: bool = False
+) -> list[str]:
     """Apply liger-kernel to a transformers model (before peft wraps it) where it can run.
 
     Args:
         model: a ``PreTrainedModel`` (a peft wrapper is unwrapped).
         device: the device the model trains on.
         wanted: ``False`` never applies it; ``None``/``True`` apply it where it can run.
+        given: ``wanted`` came from the user's ``lora=`` (else from the training plan), for the notes.
 
     Returns:
         Notes of what happened: applied, not applied and why, or the fallback after a failure.
@@ -117,13 +123,15 @@ def apply_liger(model: Any, device: DeviceFacts, *, wanted: bool | None = None) 
         device,
         model_type,
         wanted=wanted,
+        given=given,
         liger_version=version,
         triton=is_installed("triton"),
         supported_types=supported,
     )
     if not decision.use:
         if wanted:
-            logger.warning("lora={'liger': True} asked for liger-kernel, but: %s", decision.reason)
+            who = "lora={'liger': True} asked for" if given else "the training plan chose"
+            logger.warning("%s liger-kernel, but: %s", who, decision.reason)
         return [decision.reason]
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance

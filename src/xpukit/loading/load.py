@@ -51,7 +51,7 @@ def load_for_xpu(
     max_memory: dict[Any, Any] | None = None,
     quantize: Any = None,
     lora: Any = None,
-    offload: bool = True,
+    offload: bool | None = None,
     headroom: Any = None,
     facts: Any = None,
     model_class: Any = None,

@@ -136,7 +136,7 @@ def _new_adapters(
         notes.append(offload_saved_activations(model, device))
     from xpukit.loading.liger import apply_liger
 
-    notes += apply_liger(model, device, wanted=request.liger)
+    notes += apply_liger(model, device, wanted=request.liger, given=request.liger_given)
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as exc:

@@ -240,9 +240,9 @@ def seed_decision(seed: int | None, *, new_adapters: bool) -> Decision:
             'Pass seed=N (docs/training.md "Reproducible runs")',
         )
     reason = (
-        f"transformers.set_seed({seed}) right before the LoRA adapters are created, so their "
-        "initialisation repeats"
+        f"seed={seed} given: transformers.set_seed({seed}) right before the LoRA adapters are created, "
+        "so their initialisation repeats"
         if new_adapters
-        else "given, but nothing random runs at this load (no new LoRA adapters): not applied"
+        else f"seed={seed} given, but nothing random runs at this load (no new LoRA adapters): not applied"
     )
     return Decision(name="seed", value=seed, reason=reason, source="user")

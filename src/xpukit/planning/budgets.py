@@ -171,7 +171,7 @@ def headroom_for(
     """Headroom for activations and the KV cache (see the module docstring for the rule)."""
     if given is not None:
         size = parse_size(given, "headroom")
-        return Headroom(bytes=size, rule=f"given: {format_bytes(size)}")
+        return Headroom(bytes=size, rule=f"headroom= given: {format_bytes(size)}")
     tokens = min(HEADROOM_CONTEXT_TOKENS, max_positions or HEADROOM_CONTEXT_TOKENS)
     kv = (kv_bytes_per_token or 0) * tokens * (2 if dtype == "float32" else 1)
     proportional = int(weights * HEADROOM_WEIGHT_FRACTION)

@@ -229,7 +229,7 @@ class LoadPlan:
         indent = 2 + name_w + value_w
         for d in self.decisions:
             value = _short(d.value)
-            tag = {"user": " (asked)", "fallback": " (fallback)"}.get(d.source, "")
+            tag = " (fallback)" if d.source == "fallback" else ""  # a user's choice says so in its reason
             wrapped = textwrap.wrap(d.reason + tag, max(width - indent, 30)) or [""]
             head = f"  {d.name:<{name_w}}{value:<{value_w}}"
             if len(value) >= value_w:

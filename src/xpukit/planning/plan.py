@@ -34,12 +34,14 @@ from xpukit.planning.device.decode import check_fast_decode, plan_decode
 from xpukit.planning.device.distributed import parse_strategy, place_rank, plan_distributed, shard_candidates
 from xpukit.planning.device.layer_kernels import choose_kernels, parse_kernels
 from xpukit.planning.device.layout import plan_layout
-from xpukit.planning.device.quantization import head_skip_modules, parse_quantize
+from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, parse_quantize
+from xpukit.planning.for_training import Attempt, layout_for_training
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import choose_model_class
 from xpukit.planning.model.facts import model_facts
 from xpukit.planning.model.source import read_config
 from xpukit.planning.training.fit import check_step_size, training_plan_for
+from xpukit.planning.training.fused import decide_fused
 from xpukit.planning.training.lora_request import fit_lora_to_class
 from xpukit.planning.vocabulary import Decision
 
@@ -59,7 +61,7 @@ def plan_load(
     max_memory: dict[Any, Any] | None = None,
     quantize: Any = None,
     lora: Any = None,
-    offload: bool = True,
+    offload: bool | None = None,
     headroom: Any = None,
     facts: MachineFacts | str | None = None,
     model_class: Any = None,
@@ -89,7 +91,9 @@ def plan_load(
             transformers quantization config (``QuantoConfig``, ``GPTQConfig``…), passed through.
         lora: ``None``, ``True``, a ``LoraConfig``, a dict of its arguments, or an adapter path; new
             adapters are checked against the model's modules here (this imports peft).
-        offload: allow CPU offload when the model fits nowhere else (else :class:`PlanError`).
+        offload: allow CPU offload when the model fits nowhere else (else :class:`PlanError`);
+            default ``None``: allowed (with a warning) for inference, refused for training new
+            LoRA adapters (``True`` allows it there too; docs/planning.md "Training layout").
         headroom: memory kept free beside the weights (bytes or ``"2GiB"``); default: the rule in
             docs/planning.md.
         facts: the machine to plan for: :class:`MachineFacts`, or a profile such as
@@ -164,7 +168,12 @@ def plan_load(
     rank = place_rank(device_text, device_map, machine, strategy=strategy)  # a launched job's rank
     if rank is not None:
         device_text = rank.device_text
-    main, candidates, device_decision = resolve_device(device_text, machine)
+    origin = None
+    if rank is not None:
+        origin = f"{rank.device_text}: this rank's own device in the launched job"
+    elif device is None and device_text is not None:
+        origin = "device_map= given"
+    main, candidates, device_decision = resolve_device(device_text, machine, origin=origin)
     if rank is not None and strategy in {"auto", "fsdp"}:
         candidates = shard_candidates(main, machine)  # sized against the ranks' devices together
     class_choice = choose_model_class(config, model_class if class_name else None)  # docs/planning.md
@@ -182,20 +191,39 @@ def plan_load(
 
     warnings: list[str] = []
     dtype_decision = decide_dtype(dtype_req, main, warnings)
-    layout = plan_layout(
-        facts=mfacts,
-        machine=machine,
-        main=main,
-        candidates=candidates,
-        dtype_decision=dtype_decision,
-        quant=quant,
-        device_map=device_map,
-        max_memory=memory_limits,
-        offload=offload,
-        headroom=given_headroom,
-        enforce_extras=not facts_given,
-        warnings=warnings,
-    )
+
+    def attempt(quant_request: QuantRequest) -> Attempt:
+        """A layout with the training plan made for it (new adapters), and its warnings."""
+        said: list[str] = []
+        lay = plan_layout(
+            facts=mfacts,
+            machine=machine,
+            main=main,
+            candidates=candidates,
+            dtype_decision=dtype_decision,
+            quant=quant_request,
+            device_map=device_map,
+            max_memory=memory_limits,
+            offload=offload is not False,
+            headroom=given_headroom,
+            enforce_extras=not facts_given,
+            warnings=said,
+        )
+        request = lora_request_for(lora, quantized=lay.quantization is not None)
+        request = fit_lora_to_class(request, class_choice, mfacts)  # task, head, VLM targets
+        check_lora_targets(request, mfacts, enforce=not facts_given, warnings=said)
+        train, request = training_plan_for(
+            request, config=config, max_positions=mfacts.max_positions, memory=lay.memory,
+            device=main, dtype=str(lay.dtype.value), batch_size=batch_size, seq_len=seq_len,
+        )  # fmt: skip
+        return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
+
+    chosen = layout_for_training(  # new adapters: 4-bit by fit, no silent weight offload
+        attempt(quant), replan=attempt, quantize_given=quantize is not None, offload=offload,
+        device=main.torch_device,
+    )  # fmt: skip
+    layout, lora_request, training = chosen.layout, chosen.lora, chosen.training
+    warnings += chosen.warnings
     dtype_name = str(layout.dtype.value)
     distributed = plan_distributed(
         rank=rank,
@@ -210,13 +238,6 @@ def plan_load(
     )
     host_modules = host_modules_reason(device_map, layout.max_memory, main)
     attention = choose_attention(attn, main, dtype_name, mfacts, host_modules=host_modules)
-    lora_request = lora_request_for(lora, quantized=layout.quantization is not None)
-    lora_request = fit_lora_to_class(lora_request, class_choice, mfacts)  # task, head, VLM targets
-    check_lora_targets(lora_request, mfacts, enforce=not facts_given, warnings=warnings)
-    training, lora_request = training_plan_for(
-        lora_request, config=config, max_positions=mfacts.max_positions, memory=layout.memory,
-        device=main, dtype=dtype_name, batch_size=batch_size, seq_len=seq_len,
-    )  # fmt: skip
     kernel_choice = choose_kernels(
         kernels, main, mfacts, lora=lora_request is not None, host_modules=host_modules
     )
@@ -227,8 +248,12 @@ def plan_load(
     decisions = distributed.merged(decisions)
     decisions.insert(0, class_choice.decision)
     if lora_request is not None:
-        decisions.append(Decision(name="lora", value=lora_request.describe(), reason=lora_request.reason))
+        decisions.append(
+            Decision(name="lora", value=lora_request.describe(), reason=lora_request.reason, source="user")
+        )
     decisions += list(training.decisions) if training is not None else []
+    fused = decide_fused(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
+    decisions += [fused] if fused is not None else []
     new_adapters = lora_request is not None and lora_request.kind == "new"
     if seed is not None or new_adapters:
         decisions.append(seed_decision(seed, new_adapters=new_adapters))

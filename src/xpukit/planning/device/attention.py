@@ -188,7 +188,7 @@ def choose_attention(
             )
         return _asked(
             "flex_attention",
-            "asked; note the first generate compiles with torch.compile (52 s once on a 2-core CPU)",
+            "note the first generate compiles with torch.compile (52 s once on a 2-core CPU)",
         )
     explicit = attn != "auto"
     if host_modules is not None:
@@ -238,7 +238,7 @@ def choose_attention(
         decision = Decision(
             name="attn_implementation",
             value=value,
-            reason=how,
+            reason=f"attn={attn!r} given: {how}" if explicit else how,
             rejected=() if explicit else (("sdpa", "flash-attention-2 can be had here and is faster"),),
             source="user" if explicit else "auto",
         )
@@ -355,9 +355,10 @@ def _flash_path(
     return None, text, kernel, f"Hub kernel {kernel} for {device.backend}: {why}"
 
 
-def _asked(value: str, reason: str = "asked") -> AttentionChoice:
+def _asked(value: str, reason: str = "") -> AttentionChoice:
     """The user's explicit choice, taken as given."""
+    said = f"attn={value!r} given" + (f": {reason}" if reason else "")
     return AttentionChoice(
-        decision=Decision(name="attn_implementation", value=value, reason=reason, source="user"),
+        decision=Decision(name="attn_implementation", value=value, reason=said, source="user"),
         value=value,
     )

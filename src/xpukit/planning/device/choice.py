@@ -46,9 +46,15 @@ def machine_for(facts: MachineFacts | str | None) -> tuple[MachineFacts, bool]:
 
 
 def resolve_device(
-    text: str | None, machine: MachineFacts
+    text: str | None, machine: MachineFacts, *, origin: str | None = None
 ) -> tuple[DeviceFacts, tuple[DeviceFacts, ...], Decision]:
+    """The main device, the candidates for placement, and the ``device`` decision.
+
+    ``origin`` says where ``text`` came from when it was not ``device=`` (a device_map, a launched
+    job's rank); the decision then names that instead of ``device=``.
+    """
     order = ", ".join(BACKENDS)
+    said = origin or f"device={text!r} given"
     if text is None:
         if machine.devices:
             main = machine.devices[0]
@@ -68,7 +74,7 @@ def resolve_device(
         return (
             machine.cpu,
             (machine.cpu,),
-            Decision(name="device", value="cpu", reason="asked", source="user"),
+            Decision(name="device", value="cpu", reason=said, source="user"),
         )
     if backend not in machine.compiled:
         build = machine.torch_version or "not installed"
@@ -86,7 +92,7 @@ def resolve_device(
             "CUDA_VISIBLE_DEVICES; `xpukit doctor` shows what is seen."
         )
     if index is None:
-        reason = f"asked for {backend}; {len(devices)} visible"
+        reason = f"{said}: the first of {len(devices)} visible"
         return (
             devices[0],
             devices,
@@ -94,7 +100,11 @@ def resolve_device(
         )
     for d in devices:
         if d.index == int(index):
-            return d, (d,), Decision(name="device", value=d.torch_device, reason="asked", source="user")
+            return (
+                d,
+                (d,),
+                Decision(name="device", value=d.torch_device, reason=said, source="user"),
+            )
     raise DeviceSelectionError(
         f"device={text!r}: only {len(devices)} {backend} device(s) are visible "
         f"({', '.join(d.torch_device for d in devices)}). Fix: use one of those indices."
@@ -105,7 +115,7 @@ def decide_dtype(requested: str, device: DeviceFacts, warnings: list[str]) -> De
     if requested == "auto":
         choice = inference_dtype(device)
         return Decision(name="dtype", value=choice.dtype, reason=choice.reason, rejected=choice.rejected)
-    reason = "asked"
+    reason = f"dtype={requested!r} given"
     emulated = (requested == "bfloat16" and not device.native_bf16) or (
         requested == "float16" and device.backend == "cpu"
     )
@@ -113,5 +123,5 @@ def decide_dtype(requested: str, device: DeviceFacts, warnings: list[str]) -> De
         native = inference_dtype(device).dtype
         warning = f"dtype={requested} on {device.name} is only emulated (slow); {native} is native here"
         warnings.append(warning)
-        reason = f"asked; {warning}"
+        reason = f"dtype={requested!r} given; {warning}"
     return Decision(name="dtype", value=requested, reason=reason, source="user")

@@ -149,7 +149,7 @@ def plan_decode(
         return plan, Decision(
             name="fast_decode",
             value=plan.describe(),
-            reason=f"asked: {sized}; not compiled: {no_compile}",
+            reason=f"fast_decode=True given: {sized}; not compiled: {no_compile}",
             rejected=rejected,
             source="fallback",
         )
@@ -165,7 +165,8 @@ def plan_decode(
     return plan, Decision(
         name="fast_decode",
         value=plan.describe(),
-        reason=f"asked: {sized}; decoding compiled by generate() (fullgraph, static shapes, {graphs})",
+        reason=f"fast_decode=True given: {sized}; decoding compiled by generate() (fullgraph, static "
+        f"shapes, {graphs})",
         source="user",
     )
 

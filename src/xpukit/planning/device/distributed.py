@@ -225,8 +225,9 @@ def choose_strategy(
             + short,
             rejected=(("ddp", "every rank would need the whole model"),),
         )
-    reason = {"ddp": "asked: a full copy per rank", "fsdp": "asked: FSDP2 shards weights over the ranks",
-              "deepspeed": "asked: DeepSpeed ZeRO"}[requested]  # fmt: skip
+    what = {"ddp": "a full copy per rank", "fsdp": "FSDP2 shards weights over the ranks",
+            "deepspeed": "DeepSpeed ZeRO"}[requested]  # fmt: skip
+    reason = f"strategy={requested!r} given: {what}"
     if requested == "ddp" and not fits:
         reason += f" ({sizes}: it may run out of memory; strategy='fsdp' shards it)"
     return Decision(name="strategy", value=requested, reason=reason, source="user")

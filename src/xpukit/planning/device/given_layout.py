@@ -52,7 +52,7 @@ def given_map(device_map: Any, machine: MachineFacts, weights: int, head: Headro
         capacity = sum(b.usable for b in budgets)
         fits = need <= capacity
         reason = (
-            f"as given; weights + headroom {format_bytes(need)} "
+            f"device_map= given (a dict); weights + headroom {format_bytes(need)} "
             + ("fit" if fits else "DO NOT fit")
             + f" {', '.join(devices)} ({format_bytes(capacity)} usable)"
         )
@@ -64,7 +64,7 @@ def given_map(device_map: Any, machine: MachineFacts, weights: int, head: Headro
     budget = usable_memory(device)
     fits = need <= budget.usable
     reason = (
-        f"as given; weights + headroom {format_bytes(need)} "
+        f"device_map={text!r} given; weights + headroom {format_bytes(need)} "
         + ("fit" if fits else "DO NOT fit")
         + f" {device.torch_device} ({format_bytes(budget.usable)} usable)"
     )

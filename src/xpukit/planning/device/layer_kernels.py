@@ -70,7 +70,8 @@ def choose_kernels(
     where = device_type(device)
     if mode == "off":
         return KernelsChoice(
-            decision=Decision(name="use_kernels", value=False, reason="asked", source="user"), use=False
+            decision=Decision(name="use_kernels", value=False, reason="kernels=False given", source="user"),
+            use=False,
         )
     if host_modules is not None:
         why = f"{host_modules}, where Hub layer kernels have no build"
@@ -112,7 +113,8 @@ def choose_kernels(
             decision=Decision(
                 name="use_kernels",
                 value=True,
-                reason=f"Hub kernels for {what} on {device.backend}: {why}",
+                reason=("kernels= given: " if mode == "on" else "")
+                + f"Hub kernels for {what} on {device.backend}: {why}",
                 source="user" if mode == "on" else "auto",
             ),
             use=True,

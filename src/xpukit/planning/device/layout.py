@@ -96,10 +96,11 @@ def plan_layout(
 
     fixed = kind if kind in {"4bit", "8bit"} else None
     quant_reason = (
-        ("bitsandbytes nf4 + double quant" if kind == "4bit" else "bitsandbytes LLM.int8")
+        f"quantize={kind!r} given: "
+        + ("bitsandbytes nf4 + double quant" if kind == "4bit" else "bitsandbytes LLM.int8")
         + f", compute dtype {dtype}"
         if fixed
-        else "none asked"
+        else "full precision: no quantize= given"
     )
     if facts.pre_quantized is not None:
         bits = f", {facts.pre_quantized_bits}-bit" if facts.pre_quantized_bits else ""
@@ -208,7 +209,7 @@ def plan_layout(
     if fixed:
         qconfig = quant.user_config.to_dict() if quant.user_config is not None else bnb_kwargs(fixed, dtype)
         if quant.user_config is not None:
-            quant_reason = "asked: the given BitsAndBytesConfig, used as is"
+            quant_reason = "quantize= given: your BitsAndBytesConfig, used as is"
     elif kind == "other":
         method = quant.method or type(quant.user_config).__name__
         quantization, qconfig = method, _config_dict(quant.user_config)
@@ -216,12 +217,12 @@ def plan_layout(
         if other_bits is not None:
             weights_key = f"{method} {other_bits}-bit/{dtype}"
             quant_reason = (
-                f"asked: the given {name}, passed to from_pretrained unchanged; sized with the "
+                f"quantize= given: your {name}, passed to from_pretrained unchanged; sized with the "
                 f"linear weights at {other_bits} bits (scales not counted)"
             )
         else:
             weights_key = f"{dtype} (unquantized upper bound)"
-            quant_reason = f"asked: the given {name}, passed to from_pretrained unchanged"
+            quant_reason = f"quantize= given: your {name}, passed to from_pretrained unchanged"
             warnings.append(
                 f"{name} states no bit width xpukit can read: the memory plan counts the weights "
                 f"unquantized ({format_bytes(weights(None))}), an upper bound"
@@ -248,7 +249,7 @@ def plan_layout(
             name="device_map",
             value=placement.device_map,
             reason=placement.reason,
-            source="user" if placement.kind == "given" or device_map in STRATEGIES else "auto",
+            source="user" if device_map not in (None, "auto") else "auto",
         ),
         Decision(
             name="max_memory",
@@ -257,7 +258,7 @@ def plan_layout(
             else None,
             reason="weights budget per device = usable memory minus its share of the headroom"
             if placement.max_memory and max_memory is None
-            else ("given" if max_memory is not None else "not needed: one device"),
+            else ("max_memory= given" if max_memory is not None else "not needed: one device"),
             source="user" if max_memory is not None else "auto",
         ),
         Decision(

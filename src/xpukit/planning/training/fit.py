@@ -259,8 +259,8 @@ def _ladder(
 
 def _gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[str, int]]) -> Decision:
     if given:
-        return Decision(name="gradient_checkpointing", value=gc, reason=f"lora= says so; {fit_text}",
-                        source="user")  # fmt: skip
+        return Decision(name="gradient_checkpointing", value=gc, source="user",
+                        reason=f"lora={{'gradient_checkpointing': {gc!r}}} given; {fit_text}")  # fmt: skip
     if gc == "offload":
         what = "on, saved activations offloaded to host memory (torch.autograd.graph.save_on_cpu)"
     else:
@@ -271,7 +271,9 @@ def _gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[s
 
 def _liger_decision(liger: bool, given: bool | None, ok: bool, why: str, fit_text: str) -> Decision:
     if given is not None:
-        reason = "lora= says so" + ("" if ok or not given else f", but {why}: loading records the fallback")
+        reason = f"lora={{'liger': {given!r}}} given" + (
+            "" if ok or not given else f", but {why}: loading records the fallback"
+        )
         return Decision(
             name="liger", value=liger, reason=reason, source="user" if liger == given else "fallback"
         )

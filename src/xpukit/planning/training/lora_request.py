@@ -67,7 +67,7 @@ LORA_CONFIG_KEYS: frozenset[str] = frozenset(
     }
 )  # fmt: skip
 # Keys of a lora= dict that steer xpukit rather than peft.
-_XPUKIT_KEYS = frozenset({"gradient_checkpointing", "liger"})
+_XPUKIT_KEYS = frozenset({"gradient_checkpointing", "liger", "fused"})
 # LoraConfig fields that describe the object, not the adapter.
 _NOT_KWARGS = frozenset({"peft_type", "auto_mapping", "peft_version"})
 _ALL_LINEAR = "all-linear"
@@ -92,6 +92,11 @@ class LoraRequest:
             ``target_modules``) follow the model class
             (:func:`xpukit.planning.training.lora_request.fit_lora_to_class`).
         gradient_checkpointing_given: ``lora=`` set ``gradient_checkpointing`` (the plan keeps it).
+        liger_given: ``lora=`` set ``liger`` (the plan keeps it; ``liger`` is the plan's value after
+            planning, so this says who chose it).
+        fused: xpukit's fused 4-bit LoRA path: ``None`` decides by fit and device, ``False`` never
+            (``lora={"fused": False}``), ``True`` insists (refused where it cannot run;
+            :mod:`xpukit.planning.training.fused`).
     """
 
     kind: Literal["new", "adapter"]
@@ -102,6 +107,8 @@ class LoraRequest:
     liger: bool | None = None
     given: frozenset[str] = frozenset()
     gradient_checkpointing_given: bool = False
+    liger_given: bool = False
+    fused: bool | None = None
 
     def describe(self) -> str:
         """One line for the plan's explain table."""
@@ -142,7 +149,7 @@ def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
     if lora is None or lora is False:
         return None
     if lora is True:
-        return _new(dict(DEFAULT_LORA), quantized, None, None, "lora=True: xpukit's defaults")
+        return _new(dict(DEFAULT_LORA), quantized, None, None, "lora=True given: xpukit's defaults")
     if isinstance(lora, dict):
         return _from_dict(lora, quantized)
     if isinstance(lora, str | os.PathLike):
@@ -151,7 +158,7 @@ def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
         config = _config_kwargs(lora)
         _check_numbers(config)
         given = frozenset(k for k, v in config.items() if v is not None)
-        return _new(config, quantized, None, None, "your LoraConfig, as given", given)
+        return _new(config, quantized, None, None, "lora= given: your LoraConfig, as is", given)
     raise InvalidRequestError(
         f"lora={lora!r} ({type(lora).__name__}) is not understood. Valid: None/False, True, a dict of "
         "LoraConfig keywords, a peft.LoraConfig, or the path of a trained adapter directory."
@@ -165,11 +172,12 @@ def _new(
     liger: bool | None,
     origin: str,
     given: frozenset[str] = frozenset(),
+    fused: bool | None = None,
 ) -> LoraRequest:
     gradient_checkpointing = quantized if gc is None else gc
     # Without a choice, plan_load's training plan decides by fit (the gradient_checkpointing decision);
     # this default (on for quantised training) is what apply_lora uses on a request made without a plan.
-    why_gc = "given" if gc is not None else "chosen by fit (see the gradient_checkpointing decision)"
+    why_gc = "from lora=" if gc is not None else "chosen by fit (see the gradient_checkpointing decision)"
     return LoraRequest(
         kind="new",
         config=config,
@@ -179,6 +187,8 @@ def _new(
         reason=f"{origin}; gradient checkpointing {why_gc}",
         given=given,
         gradient_checkpointing_given=gc is not None,
+        liger_given=liger is not None,
+        fused=fused,
     )
 
 
@@ -188,27 +198,26 @@ def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
         hints = name_hints(bad, LORA_CONFIG_KEYS | _XPUKIT_KEYS)
         raise InvalidRequestError(
             f"lora= dict has unknown keys: {hints}. Valid keys are peft.LoraConfig's "
-            f"({', '.join(sorted(LORA_CONFIG_KEYS))}) and xpukit's gradient_checkpointing and liger. "
+            f"({', '.join(sorted(LORA_CONFIG_KEYS))}) and xpukit's gradient_checkpointing, liger and fused. "
             "A key only a newer peft knows can be passed as a peft.LoraConfig object instead."
         )
     options = dict(lora)
     gc = options.pop("gradient_checkpointing", None)
     liger = options.pop("liger", None)
-    for name, value in (("gradient_checkpointing", gc), ("liger", liger)):
+    fused = options.pop("fused", None)
+    for name, value in (("gradient_checkpointing", gc), ("liger", liger), ("fused", fused)):
         offload = name == "gradient_checkpointing" and value == "offload"
         if value is not None and not isinstance(value, bool) and not offload:
             valid = "True or False" + (" (or 'offload')" if name == "gradient_checkpointing" else "")
             raise InvalidRequestError(f"lora={{'{name}': {value!r}}}: must be {valid}.")
     _check_numbers(options)
-    given = ", ".join(sorted(options)) or "nothing"
-    return _new(
-        {**DEFAULT_LORA, **options},
-        quantized,
-        gc,
-        liger,
-        f"xpukit's defaults with {given} from lora=",
-        frozenset(options),
+    keys = ", ".join(sorted(options))
+    origin = (
+        f"lora= given: xpukit's LoraConfig defaults with {keys} from it"
+        if options
+        else "lora= given: xpukit's LoraConfig defaults (the dict sets only xpukit's options)"
     )
+    return _new({**DEFAULT_LORA, **options}, quantized, gc, liger, origin, frozenset(options), fused)
 
 
 def _check_numbers(options: dict[str, Any]) -> None:

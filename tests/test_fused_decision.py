@@ -1,0 +1,77 @@
+"""The fused_lora decision (planning/training/fused.py; docs/planning.md "Fused LoRA"): on by
+default for 4-bit new adapters on cuda/xpu, every condition the fused path cannot express keeps
+peft's path with its reason, and lora={"fused": True} insists or is refused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from xpukit import plan_load
+from xpukit.errors import InvalidRequestError
+from xpukit.planning.model.reference_models import reference_config
+
+QWEN3 = reference_config("qwen3-0.6b")
+
+
+def _fused(lora: Any = True, facts: str = "h200", quantize: Any = "4bit", config: Any = QWEN3) -> Any:
+    return plan_load(config, facts=facts, lora=lora, quantize=quantize).decision("fused_lora")
+
+
+def test_on_by_default_for_4bit_on_cuda_and_xpu() -> None:
+    for facts in ("h200", "arc-b580"):
+        d = _fused(facts=facts)
+        assert (d.value, d.source) == (True, "auto"), d
+
+
+def test_off_by_default_on_the_cpu_but_can_be_insisted() -> None:
+    d = _fused(facts="cpu")
+    assert (d.value, d.source) == (False, "auto") and "cuda and xpu only" in d.reason
+    d = _fused(lora={"fused": True}, facts="cpu")
+    assert (d.value, d.source) == (True, "user")
+
+
+def test_off_when_asked() -> None:
+    d = _fused(lora={"fused": False})
+    assert (d.value, d.source) == (False, "user") and "lora={'fused': False} given" in d.reason
+
+
+@pytest.mark.parametrize(
+    ("lora", "quantize", "why"),
+    [
+        ({"lora_dropout": 0.1}, "4bit", "lora_dropout=0.1"),
+        ({"use_dora": True}, "4bit", "use_dora"),
+        ({"bias": "lora_only"}, "4bit", "bias adapters"),
+        ({"target_modules": ["q_proj", "v_proj"]}, "4bit", "does not adapt all of"),
+        (True, None, "this plan has no quantization"),
+        (True, "8bit", "8bit weights"),
+    ],
+    ids=["dropout", "dora", "bias", "partial-targets", "not-quantized", "8bit"],
+)
+def test_what_it_cannot_express_keeps_peft_with_the_reason(lora: Any, quantize: Any, why: str) -> None:
+    d = _fused(lora=lora, quantize=quantize)
+    assert d.value is False and d.source == "auto" and why in d.reason, d
+    assert d.rejected and d.rejected[0][0] is True
+    insisted = {**(lora if isinstance(lora, dict) else {}), "fused": True}
+    with pytest.raises(InvalidRequestError, match=r"lora=\{'fused': True\}.*Fix: drop 'fused'"):
+        _fused(lora=insisted, quantize=quantize)
+
+
+def test_a_block_of_another_shape_keeps_peft() -> None:
+    """GPT-2 has c_attn/c_proj/c_fc, not q/k/v/o + gate/up/down."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128)
+    d = _fused(config=config)
+    assert d.value is False and "q_proj" in d.reason and "not the q/k/v/o" in d.reason
+
+
+def test_no_decision_without_new_adapters() -> None:
+    plan = plan_load(QWEN3, facts="h200", quantize="4bit")
+    assert all(d.name != "fused_lora" for d in plan.decisions)
+
+
+def test_an_unknown_fused_value_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="fused"):
+        plan_load(QWEN3, facts="h200", lora={"fused": "yes"})

@@ -8,15 +8,24 @@ device ``load_for_xpu`` picks (or ``--device``). After every cycle it reads the 
 baseline (imports, allocator pools); the growth is the last cycle against the first cycle after it.
 Prints one JSON line per cycle and a summary line (``"kind": "summary"``).
 
+Whose growth is it? ``--loader plain`` runs the same cycles with transformers alone
+(``from_pretrained(...).to(device)``), the control; ``--tracemalloc`` traces the Python heap and
+reports its growth and the source files it grew in (xpukit's own files flagged), and every cycle
+counts the live objects of xpukit's classes (a plan, event or cache kept per load would show there).
+Growth that the control shares and the Python heap does not show is the runtime's (allocator
+pools, CUDA/driver state, lazily loaded kernels), not xpukit's.
+
 Usage::
 
     python bench/bench_repeat_load.py                     # 20 cycles on the default device
     python bench/bench_repeat_load.py --device cuda --cycles 50 --hidden 1024 --layers 8
+    python bench/bench_repeat_load.py --device cuda --cycles 100 --loader plain --tracemalloc
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -48,6 +57,36 @@ def device_memory(device: str) -> dict[str, int | None]:
     return {"allocated": int(module.memory_allocated()), "reserved": int(module.memory_reserved())}
 
 
+def trimmed_rss() -> int:
+    """RSS after glibc's ``malloc_trim(0)`` hands freed heap pages back to the OS (Linux/glibc).
+
+    Without it, RSS also counts memory the allocator keeps for reuse after ``del``, which moves with
+    fragmentation and says little about what is still alive."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name:
+        with contextlib.suppress(OSError, AttributeError):  # not glibc
+            ctypes.CDLL(name).malloc_trim(0)
+    return rss()
+
+
+def xpukit_objects() -> int:
+    """Live objects whose class is defined in xpukit (plans, decisions, events, facts)."""
+    return sum(1 for o in gc.get_objects() if str(getattr(type(o), "__module__", "")).startswith("xpukit"))
+
+
+def heap_growth(first: Any, last: Any, top: int = 8) -> list[dict[str, Any]]:
+    """The source files the traced Python heap grew in most between two snapshots."""
+    stats = last.compare_to(first, "filename")
+    out = []
+    for stat in stats[:top]:
+        name = stat.traceback[0].filename
+        out.append({"file": name, "growth": stat.size_diff, "xpukit": "/xpukit/" in name})
+    return out
+
+
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in ("torch", "transformers", "accelerate", "peft", "xpukit"):
@@ -67,7 +106,14 @@ def main() -> None:
     parser.add_argument("--device", help="default: what load_for_xpu picks")
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--loader", choices=("xpukit", "plain", "plain-map"), default="xpukit",
+        help="xpukit: load_for_xpu; plain: transformers' from_pretrained(...).to(device), the control; "
+        "plain-map: from_pretrained(..., device_map=device), transformers' own loading path with a map",
+    )  # fmt: skip
+    parser.add_argument("--tracemalloc", action="store_true", help="trace the Python heap's growth")
     args = parser.parse_args()
+    import tracemalloc
 
     import torch
     import transformers
@@ -83,6 +129,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
         "versions": versions(),
+        "loader": args.loader,
     }
     with tempfile.TemporaryDirectory(prefix="xpukit-bench-") as root:
         path = build_tiny_model(
@@ -94,9 +141,18 @@ def main() -> None:
         )
         tokens = torch.arange(32).unsqueeze(0)
         rows = []
+        snapshots: list[Any] = []
+        if args.tracemalloc:
+            tracemalloc.start()
+        target = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         for cycle in range(args.warmup + args.cycles):
             start = time.perf_counter()
-            model = load_for_xpu(path, device=args.device)
+            if args.loader == "xpukit":
+                model = load_for_xpu(path, device=args.device)
+            elif args.loader == "plain-map":
+                model = transformers.AutoModelForCausalLM.from_pretrained(path, device_map=target)
+            else:
+                model = transformers.AutoModelForCausalLM.from_pretrained(path).to(target)
             device = str(model.device)
             with torch.no_grad():
                 model(input_ids=tokens.to(model.device))
@@ -111,8 +167,14 @@ def main() -> None:
                 "parameters": params,
                 "seconds": round(time.perf_counter() - start, 4),
                 "rss": rss(),
+                "rss_trimmed": trimmed_rss(),
+                "xpukit_objects": xpukit_objects(),
                 **{f"device_{k}": v for k, v in device_memory(device).items()},
             }
+            if args.tracemalloc:
+                row["python_heap"] = tracemalloc.get_traced_memory()[0]
+                if cycle in (args.warmup, args.warmup + args.cycles - 1):
+                    snapshots.append(tracemalloc.take_snapshot())
             rows.append(row)
             print(json.dumps({**common, **row}), flush=True)
     measured = [r for r in rows if not r["warmup"]]
@@ -127,7 +189,21 @@ def main() -> None:
         "rss_last": last["rss"],
         "rss_growth_pct": round(100 * (last["rss"] - first["rss"]) / first["rss"], 3),
         "rss_max": max(r["rss"] for r in measured),
+        "rss_trimmed_first": first["rss_trimmed"],
+        "rss_trimmed_last": last["rss_trimmed"],
+        "rss_trimmed_growth_pct": round(
+            100 * (last["rss_trimmed"] - first["rss_trimmed"]) / first["rss_trimmed"], 3
+        ),
+        # The last fifth of the cycles: still growing, or levelled off?
+        "rss_per_cycle_at_end": int(
+            (last["rss"] - measured[-max(2, len(measured) // 5)]["rss"]) / max(1, len(measured) // 5 - 1)
+        ),
+        "xpukit_objects_first": first["xpukit_objects"],
+        "xpukit_objects_last": last["xpukit_objects"],
     }
+    if args.tracemalloc and len(snapshots) == 2:
+        summary["python_heap_first"], summary["python_heap_last"] = first["python_heap"], last["python_heap"]
+        summary["python_heap_growth_by_file"] = heap_growth(snapshots[0], snapshots[1])
     for key in ("device_allocated", "device_reserved"):
         if first[key] is not None:
             summary[f"{key}_first"], summary[f"{key}_last"] = first[key], last[key]

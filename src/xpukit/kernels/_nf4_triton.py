@@ -44,8 +44,8 @@ if triton is not None:
         out_ptr,
         n_bytes,
         n_out,
-        blocksize,
-        blocksize2,
+        BLOCKSIZE: tl.constexpr,
+        BLOCKSIZE2: tl.constexpr,
         NESTED: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
@@ -54,10 +54,10 @@ if triton is not None:
         in_range = byte_idx < n_bytes
         byte = tl.load(packed_ptr + byte_idx, mask=in_range, other=0).to(tl.int32)
         # Both nibbles of a byte lie in one scale block: blocksize is even, the first element is even.
-        block = (byte_idx * 2) // blocksize
+        block = (byte_idx * 2) // BLOCKSIZE
         if NESTED:
             q = tl.load(absmax_ptr + block, mask=in_range, other=0).to(tl.int32)
-            scale2 = tl.load(absmax2_ptr + block // blocksize2, mask=in_range, other=0.0)
+            scale2 = tl.load(absmax2_ptr + block // BLOCKSIZE2, mask=in_range, other=0.0)
             scale = tl.load(code2_ptr + q) * scale2 + tl.load(offset_ptr)
         else:
             scale = tl.load(absmax_ptr + block, mask=in_range, other=0.0)
@@ -114,7 +114,7 @@ def dequantize_nf4_triton(
     with on_device:
         _nf4_dequant_kernel[grid](
             packed, absmax, _nf4_table(weight.device), absmax2, code2, offset, out, n_bytes, n_out,
-            int(quant_state.blocksize), blocksize2,
+            BLOCKSIZE=int(quant_state.blocksize), BLOCKSIZE2=blocksize2,
             NESTED=bool(quant_state.nested), BLOCK=_BLOCK, enable_fp_fusion=False,
         )  # fmt: skip
     return out

@@ -20,6 +20,13 @@ the small ``x Aᵀ`` (``tokens × r``).
   themselves would save two more ``tokens × intermediate`` tensors at the price of two dequantisations
   and two large matmuls, so it is not done.
 
+The SwiGLU elementwise step (``silu(gate) * up`` and its backward) runs in liger-kernel's Triton
+kernels (``liger_kernel.ops.swiglu``: one kernel each way; the backward writes the gradients of
+``gate`` and ``up`` over their saved tensors, so a function's backward can run only once) when
+``liger=True`` and the tensors are on CUDA/XPU, and in plain PyTorch otherwise (``liger=False``, the
+reference). liger computes it in fp32 and rounds once; PyTorch rounds ``silu(gate)`` before the
+product, so under bf16 the two differ by bf16 rounding.
+
 Precision: the matmuls run in the base layer's compute dtype (bitsandbytes' ``compute_dtype``, bf16
 under bf16) with autocast off inside. The adapters are cast to that dtype once per forward and the
 casts are saved for backward; their gradients are returned in the adapters' own dtype. So with
@@ -38,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Projection", "lora_linear", "lora_shared_input", "lora_swiglu_mlp"]
+__all__ = ["Projection", "liger_swiglu_available", "lora_linear", "lora_shared_input", "lora_swiglu_mlp"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +75,64 @@ def lora_shared_input(
 
 
 def lora_swiglu_mlp(
-    x: torch.Tensor, gate: Projection, up: Projection, down: Projection, dtype: torch.dtype
+    x: torch.Tensor,
+    gate: Projection,
+    up: Projection,
+    down: Projection,
+    dtype: torch.dtype,
+    *,
+    liger: bool = False,
 ) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` with the three adapters; returned in ``x``'s dtype."""
+    """``down(silu(gate(x)) * up(x))`` with the three adapters; returned in ``x``'s dtype.
+
+    ``liger``: run the SwiGLU step in liger-kernel's Triton kernels where they can run (module
+    docstring); PyTorch otherwise.
+    """
     adapters = [t for p in (gate, up, down) for t in (p.lora_A, p.lora_B)]
     specs = tuple((p.weight, p.quant_state, float(p.scale)) for p in (gate, up, down))
-    out: torch.Tensor = _functions().SwiGLU.apply(x, dtype, specs, *adapters)
+    use_liger = liger and x.device.type in ("cuda", "xpu") and liger_swiglu_available()
+    out: torch.Tensor = _functions().SwiGLU.apply(x, dtype, specs, use_liger, *adapters)
     return out
+
+
+@functools.cache
+def liger_swiglu_available() -> bool:
+    """Whether liger-kernel's SwiGLU kernels import (they need triton)."""
+    try:
+        from liger_kernel.ops.swiglu import swiglu_backward, swiglu_forward  # noqa: F401
+    except Exception:  # not installed, no triton, or another layout of liger
+        return False
+    return True
+
+
+def _silu_mul(gate: torch.Tensor, up: torch.Tensor, liger: bool) -> torch.Tensor:
+    if liger:
+        from liger_kernel.ops.swiglu import swiglu_forward
+
+        return swiglu_forward(gate, up)[2]
+    import torch
+
+    return torch.nn.functional.silu(gate).mul_(up)
+
+
+def _silu_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, liger: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``silu(gate) * up`` for ``dh``; liger's kernel overwrites ``gate`` and ``up``."""
+    if liger:
+        from liger_kernel.ops.swiglu import swiglu_backward
+
+        d_gate, d_up = swiglu_backward(gate, up, dh)
+        return d_gate, d_up
+    import torch
+
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    d_up = dh * silu
+    del silu
+    # d silu(g) / dg = sig * (1 + g * (1 - sig))
+    d_gate = dh.mul_(up).mul_(torch.rsub(sig, 1).mul_(gate).add_(1).mul_(sig))
+    return d_gate, d_up
 
 
 def _dequant(weight: Any, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -153,7 +211,7 @@ def _functions() -> Any:
 
         @staticmethod
         def forward(
-            ctx: Any, x: torch.Tensor, dtype: torch.dtype, specs: Any, *adapters: torch.Tensor
+            ctx: Any, x: torch.Tensor, dtype: torch.dtype, specs: Any, liger: bool, *adapters: torch.Tensor
         ) -> Any:
             with torch.autocast(x.device.type, enabled=False):
                 x2 = x.reshape(-1, x.shape[-1]).to(dtype)
@@ -165,13 +223,13 @@ def _functions() -> Any:
                 up = x2 @ _dequant(wu4, qu, dtype).t()
                 xau = x2 @ au.t()
                 up.addmm_(xau, bu.t(), alpha=su)
-                h = torch.nn.functional.silu(gate).mul_(up)
+                h = _silu_mul(gate, up, liger)
                 y = h @ _dequant(wd4, qd, dtype).t()
                 ha = h @ ad.t()
                 y.addmm_(ha, bd.t(), alpha=sd)
             ctx.save_for_backward(x2, gate, up, xag, xau, ha, ag, bg, au, bu, ad, bd)
             ctx.specs, ctx.dtype, ctx.x_shape, ctx.x_dtype = specs, dtype, x.shape, x.dtype
-            ctx.adapter_dtypes = [t.dtype for t in adapters]
+            ctx.adapter_dtypes, ctx.liger = [t.dtype for t in adapters], liger
             return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
         @staticmethod
@@ -181,18 +239,13 @@ def _functions() -> Any:
             dtypes = ctx.adapter_dtypes
             with torch.autocast(x2.device.type, enabled=False):
                 dy = grad.reshape(-1, bd.shape[0]).to(ctx.dtype)
-                sig = torch.sigmoid(gate)
-                silu = gate * sig
                 dyb = dy @ bd
-                d_ad = _scaled_mm(dyb.t(), silu * up, sd)  # h = silu(gate) * up, recomputed
+                d_ad = _scaled_mm(dyb.t(), _silu_mul(gate, up, ctx.liger), sd)  # h, recomputed
                 d_bd = _scaled_mm(dy.t(), ha, sd)
                 dh = dy @ _dequant(wd4, qd, ctx.dtype)
                 dh.addmm_(dyb, ad, alpha=sd)
-                d_up = dh * silu
-                del silu
-                # d silu(g) / dg = sig * (1 + g * (1 - sig))
-                d_gate = dh.mul_(up).mul_(torch.rsub(sig, 1).mul_(gate).add_(1).mul_(sig))
-                del dh, sig
+                d_gate, d_up = _silu_mul_backward(gate, up, dh, ctx.liger)
+                del dh
                 grads: list[torch.Tensor] = []
                 dx: torch.Tensor | None = None
                 for d, xa, a, b, w4, qs, s in (
@@ -209,7 +262,7 @@ def _functions() -> Any:
             adapter_grads = [g.to(dt) for g, dt in zip(grads, dtypes, strict=True)]
             if dx is not None:
                 dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-            return (dx, None, None, *adapter_grads)
+            return (dx, None, None, None, *adapter_grads)
 
     class _Functions:
         pass

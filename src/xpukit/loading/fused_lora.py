@@ -45,12 +45,14 @@ _SILU = ("silu", "swish")
 _MARK = "_xpukit_fused_lora"
 
 
-def apply_fused_lora(model: Any, *, insist: bool) -> list[str]:
+def apply_fused_lora(model: Any, *, insist: bool, liger: bool | None = None) -> list[str]:
     """Route the 4-bit LoRA projections of ``model``'s decoder blocks through the fused functions.
 
     Args:
         model: a ``PeftModel`` made by peft over a bitsandbytes 4-bit model.
         insist: raise instead of keeping peft's path when not every block can be fused.
+        liger: the SwiGLU step of the fused MLP in liger-kernel's Triton kernels where they run
+            (CUDA/XPU, liger-kernel installed); ``False`` keeps it in PyTorch (``lora={"liger": False}``).
 
     Returns:
         Notes: what was fused, and what kept peft's path with the reason.
@@ -89,9 +91,19 @@ def apply_fused_lora(model: Any, *, insist: bool) -> list[str]:
             _patch_attention(attn)
             fused_attn += 1
         if mlp is not None:
-            _patch_mlp(mlp)
+            _patch_mlp(mlp, liger=liger is not False)
             fused_mlp += 1
-    return [_summary(len(blocks), fused_attn, fused_mlp, kept)]
+    notes = [_summary(len(blocks), fused_attn, fused_mlp, kept)]
+    if fused_mlp and liger is not False:
+        from xpukit.kernels.lora_ops import liger_swiglu_available
+
+        if liger_swiglu_available():
+            notes.append(
+                "fused MLP: SwiGLU in liger-kernel's Triton kernels on CUDA/XPU (PyTorch elsewhere); "
+                "it supersedes liger's SwiGLU MLP forward on these blocks"
+            )
+    logger.info("fused LoRA: %s", "; ".join(notes))
+    return notes
 
 
 def _summary(n_blocks: int, fused_attn: int, fused_mlp: int, kept: dict[str, list[str]]) -> str:
@@ -283,8 +295,8 @@ class _FusedLinear:
 
 
 class _FusedMLP:
-    def __init__(self, mlp: Any) -> None:
-        self.mlp = mlp
+    def __init__(self, mlp: Any, liger: bool) -> None:
+        self.mlp, self.liger = mlp, liger
         self.layers = tuple(getattr(mlp, n) for n in MLP)
         self.original = mlp.forward  # the class's, or liger's SwiGLU forward on this instance
 
@@ -295,7 +307,7 @@ class _FusedMLP:
         from xpukit.kernels.lora_ops import lora_swiglu_mlp
 
         gate, up, down = (_projection(layer) for layer in self.layers)
-        return lora_swiglu_mlp(x, gate, up, down, _compute_dtype(self.layers[0], x))
+        return lora_swiglu_mlp(x, gate, up, down, _compute_dtype(self.layers[0], x), liger=self.liger)
 
 
 def _patch_attention(attn: Any) -> None:
@@ -309,8 +321,8 @@ def _patch_attention(attn: Any) -> None:
     object.__setattr__(attn, _MARK, True)
 
 
-def _patch_mlp(mlp: Any) -> None:
+def _patch_mlp(mlp: Any, *, liger: bool) -> None:
     for name in MLP:
         _prepare(getattr(mlp, name))
-    mlp.forward = _FusedMLP(mlp).forward
+    mlp.forward = _FusedMLP(mlp, liger).forward
     object.__setattr__(mlp, _MARK, True)

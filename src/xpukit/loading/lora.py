@@ -175,7 +175,7 @@ def _new_adapters(
     if fused:
         from xpukit.loading.fused_lora import apply_fused_lora
 
-        notes += apply_fused_lora(peft_model, insist=insist)
+        notes += apply_fused_lora(peft_model, insist=insist, liger=request.liger)
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     notes.append(

@@ -173,6 +173,7 @@ def test_fused_equals_peft(tiny_models: Mapping[str, Path], arch: str, double_qu
     logits = _logits(model)
     notes = apply_fused_lora(model, insist=True)
     assert notes == ["fused LoRA: 2 decoder blocks (q/k/v, o, gate/up/down)"]
+    assert apply_fused_lora(model, insist=True) == notes  # a second call changes nothing
     _assert_same_training(reference, _loss_and_grads(model))
     import torch
 

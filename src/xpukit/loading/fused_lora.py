@@ -71,13 +71,19 @@ def apply_fused_lora(model: Any, *, insist: bool, liger: bool | None = None) -> 
     plans: list[tuple[str, Any, Any]] = []
     for name, block in blocks:
         attn, mlp = block.self_attn, block.mlp
-        attn_problem = _group_problem(attn, ATTENTION)
-        mlp_problem = _group_problem(mlp, MLP) or _mlp_shape_problem(mlp, config, model_type)
+        done_attn, done_mlp = getattr(attn, _MARK, False), getattr(mlp, _MARK, False)
+        fused_attn, fused_mlp = fused_attn + done_attn, fused_mlp + done_mlp  # a second call
+        attn_problem = None if done_attn else _group_problem(attn, ATTENTION)
+        mlp_problem = (
+            None if done_mlp else _group_problem(mlp, MLP) or _mlp_shape_problem(mlp, config, model_type)
+        )
         if attn_problem:
             kept[f"attention: {attn_problem}"].append(name)
         if mlp_problem:
             kept[f"MLP: {mlp_problem}"].append(name)
-        plans.append((name, None if attn_problem else attn, None if mlp_problem else mlp))
+        plans.append(
+            (name, None if attn_problem or done_attn else attn, None if mlp_problem or done_mlp else mlp)
+        )
     if insist and (kept or not blocks):
         raise InvalidRequestError(
             f'lora={{"fused": True}} asked for the fused 4-bit LoRA path on this {type(base).__name__} '
@@ -141,8 +147,8 @@ def _group_problem(parent: Any, names: tuple[str, ...]) -> str | None:
     if missing:
         present = sorted(n for n, _ in parent.named_children())
         return f"unknown block shape: no {'/'.join(missing)} (has {', '.join(present) or 'nothing'})"
-    if getattr(parent, _MARK, False) or any(getattr(getattr(parent, n), _MARK, False) for n in names):
-        return "already fused"
+    if any(getattr(getattr(parent, n), _MARK, False) for n in names):
+        return "a projection is already fused in another block"
     problems = {n: _projection_problem(getattr(parent, n)) for n in names}
     bad = {n: p for n, p in problems.items() if p}
     if not bad:

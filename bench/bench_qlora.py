@@ -17,6 +17,12 @@ Variants:
     xpukit-gc         ``{"gradient_checkpointing": True, "liger": False}``
     xpukit-gc-liger   ``{"gradient_checkpointing": True, "liger": True}``
     xpukit-offload    ``{"gradient_checkpointing": "offload", "liger": False}``
+    xpukit-fused      the plan's savers with the fused 4-bit LoRA path: ``lora={"fused": True}``
+                      (until the plan knows that key: ``lora=True``, then
+                      ``xpukit.loading.fused_lora.apply_fused_lora(model, insist=True)``)
+    xpukit-unfused    the plan's savers with the fused path off (``lora={"fused": False}``, or
+                      ``lora=True`` while the plan does not know the key)
+    xpukit-fused-none the fused path with the savers off
     unsloth           ``FastLanguageModel`` with ``use_gradient_checkpointing="unsloth"`` (skipped
                       with a note when unsloth is not installed)
     unsloth-nogc      unsloth with checkpointing off
@@ -24,6 +30,14 @@ Variants:
 All use LoRA r=16/alpha=32 on all linear layers (dropout as xpukit's default) and bf16 autocast
 (fp32 on a CPU without native bf16). Each xpukit row also carries the plan's activation estimate
 (``estimate_gb``) beside the measured peak above the weights, to check the estimate (±15 %).
+
+Every row on CUDA/XPU carries ``kernels_per_step`` (device kernels and copies launched by one
+training step, counted by ``torch.profiler`` over one extra untimed step). ``--profile`` adds a
+``torch.profiler`` breakdown over 3 more untimed steps, printed as one ``{"profile": VARIANT}`` line
+per variant and round: wall and device time per step, GPU busy % (the union of kernel intervals over
+the wall time; the profiler itself slows the host), kernels per step, and device time per step by
+category (GEMM, 4-bit dequantisation, copies/casts, other elementwise, attention, optimizer, other),
+with the top kernels.
 
 ``--finetune`` instead runs a short real fine-tune on the demo model and corpus
 (:func:`xpukit.demo.tiny.corpus_lines`) for each ``--dropouts`` value: loss per step, held-out loss
@@ -35,6 +49,7 @@ Usage::
     python bench/bench_qlora.py --layers 8           # the same widths, fewer layers
     python bench/bench_qlora.py --tiny               # any device, a tiny shape (CPU check: ~2 min)
     python bench/bench_qlora.py --finetune --steps 50  # lora_dropout 0.05 vs 0 on the demo corpus
+    python bench/bench_qlora.py --variants xpukit-fused,xpukit-unfused,unsloth-nogc --profile
 
 Peak memory is ``torch.<device>.max_memory_allocated`` over the whole child (loading included); on
 CPU it is the child's peak RSS, which also counts the Python libraries.
@@ -68,6 +83,9 @@ VARIANTS = (
     "xpukit-gc",
     "xpukit-gc-liger",
     "xpukit-offload",
+    "xpukit-fused",
+    "xpukit-unfused",
+    "xpukit-fused-none",
     "unsloth",
     "unsloth-nogc",
 )
@@ -78,7 +96,11 @@ FORCED: dict[str, dict[str, Any]] = {
     "xpukit-gc": {"gradient_checkpointing": True, "liger": False},
     "xpukit-gc-liger": {"gradient_checkpointing": True, "liger": True},
     "xpukit-offload": {"gradient_checkpointing": "offload", "liger": False},
+    "xpukit-fused": {"fused": True},
+    "xpukit-unfused": {"fused": False},
+    "xpukit-fused-none": {"gradient_checkpointing": False, "liger": False, "fused": True},
 }
+PROFILE_STEPS = 3
 
 # Qwen3-8B (config.json of Qwen/Qwen3-8B): 8.2 B parameters, untied embeddings.
 QWEN3_8B = {
@@ -129,6 +151,7 @@ def main() -> int:
     parser.add_argument("--finetune", action="store_true", help="the lora_dropout fine-tune (docstring)")
     parser.add_argument("--dropouts", default="0.05,0", help="--finetune: lora_dropout values")
     parser.add_argument("--tokenizer", help="unsloth: a small local tokenizer (it always loads one)")
+    parser.add_argument("--profile", action="store_true", help="torch.profiler breakdown (docstring)")
     parser.add_argument("--variant-child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -159,7 +182,10 @@ def main() -> int:
             for variant in order:
                 row = run_child(args, variant, model_dir)
                 row["round"] = round_
+                profile = row.pop("profile", None)
                 print(json.dumps(row), flush=True)
+                if profile is not None:
+                    print(json.dumps({"bench": "qlora", "profile": variant, "round": round_, **profile}))
                 if "error" in row:
                     failed += 1
                 elif "skipped" not in row:
@@ -193,12 +219,14 @@ def run_child(args: argparse.Namespace, variant: str, model_dir: Path) -> dict[s
 def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and spread over the rounds of one variant."""
     out: dict[str, Any] = {"bench": "qlora", "summary": variant, "rounds": len(rows)}
-    for key in ("tokens_per_s", "peak_mem_gb", "activation_gb", "loss_first"):
+    for key in ("tokens_per_s", "peak_mem_gb", "activation_gb", "loss_first", "kernels_per_step"):
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
             out[f"{key}_range"] = [min(values), max(values)]
-    for key in ("estimate_gb", "gradient_checkpointing", "liger", "micro_batch", "device", "mem_kind"):
+    for key in (
+        "estimate_gb", "gradient_checkpointing", "liger", "fused", "micro_batch", "device", "mem_kind",
+    ):  # fmt: skip
         out[key] = rows[-1].get(key)
     return out
 
@@ -252,6 +280,15 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     model.train()
+
+    def train_step() -> float:
+        with torch.autocast(device_type=device, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
     times, losses = [], []
     base = None
     for step in range(args.warmup + args.steps):
@@ -260,17 +297,15 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             reset_peak(device)
             base = current_memory(device)
         start = time.perf_counter()
-        with torch.autocast(device_type=device, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss = train_step()
         synchronize(device)
-        losses.append(float(loss.detach()))
+        losses.append(loss)
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
+    peak, mem_kind = peak_memory(device)  # before the profiled steps, which hold the profiler's buffers
+    kernels = profile_steps(train_step, device, 1)["kernels_per_step"] if device != "cpu" else None
+    profile = profile_steps(train_step, device, PROFILE_STEPS) if args.profile and device != "cpu" else None
     step_s = statistics.median(times)
-    peak, mem_kind = peak_memory(device)
     training = getattr(plan, "training", None)
     return {
         "bench": "qlora",
@@ -287,6 +322,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "mem_kind": mem_kind,
         "weights_mem_gb": round(weights_mem / 1e9, 3) if weights_mem is not None else None,
         "tokens_per_s": round(args.batch * args.seq / step_s, 1),
+        "kernels_per_step": kernels,
         "step_s_median": round(step_s, 4),
         "steps_timed": args.steps,
         "loss_first": round(losses[0], 4),
@@ -294,10 +330,73 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "trainable_params": sum(p.numel() for p in trainable),
         "gradient_checkpointing": getattr(training, "gradient_checkpointing", None),
         "liger": any(str(n).startswith("applied liger-kernel") for n in notes),
+        "fused": any(str(n).startswith("fused LoRA:") and "nothing fused" not in str(n) for n in notes),
         "micro_batch": getattr(training, "micro_batch", None),
         "notes": [str(n) for n in notes],
         "versions": versions(),
         "date": time.strftime("%Y-%m-%d"),
+        **({"profile": profile} if profile is not None else {}),
+    }
+
+
+# Device-kernel name fragments by category, checked in this order (lower-case).
+KERNEL_CATEGORIES = (
+    ("dequant_4bit", ("kdequantize", "dequant", "nf4")),
+    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "matmul", "_mm_")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "mha")),
+    ("optimizer", ("multi_tensor_apply", "adam", "fused_adam")),
+    ("copy_cast", ("copy", "memcpy", "memset")),  # dtype casts are direct_copy_kernel on CUDA
+    ("elementwise", ("elementwise", "vectorized", "reduce", "silu", "swiglu", "rms", "norm", "softmax",
+                     "mul", "add", "sigmoid", "cross_entropy", "rope", "fill", "triton")),
+)  # fmt: skip
+
+
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    for category, fragments in KERNEL_CATEGORIES:
+        if any(f in low for f in fragments):
+            return category
+    return "other"
+
+
+def profile_steps(train_step: Any, device: str, steps: int) -> dict[str, Any]:
+    """Run ``steps`` training steps under torch.profiler; per-step kernel count and time by category."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.XPU if device == "xpu" else ProfilerActivity.CUDA
+    device_type = torch.autograd.DeviceType.XPU if device == "xpu" else torch.autograd.DeviceType.CUDA
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, activity]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            train_step()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == device_type]
+    by_category: dict[str, float] = {}
+    by_name: dict[str, float] = {}
+    intervals = []
+    for event in kernels:
+        us = event.time_range.elapsed_us()
+        category = kernel_category(event.name)
+        by_category[category] = by_category.get(category, 0.0) + us
+        by_name[event.name] = by_name.get(event.name, 0.0) + us
+        intervals.append((event.time_range.start, event.time_range.end))
+    busy, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):  # the union of kernel intervals
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    return {
+        "steps": steps,
+        "wall_ms_per_step": round(wall * 1e3 / steps, 2),
+        "device_ms_per_step": round(sum(by_category.values()) / 1e3 / steps, 2),
+        "gpu_busy_pct": round(100 * busy / 1e6 / wall, 1) if wall else None,
+        "kernels_per_step": round(len(kernels) / steps),
+        "ms_per_step_by_category": {k: round(v / 1e3 / steps, 2) for k, v in sorted(by_category.items())},
+        "top_kernels_ms_per_step": [[name[:120], round(us / 1e3 / steps, 2)] for name, us in top],
     }
 
 
@@ -336,17 +435,41 @@ def load_recipe(args: argparse.Namespace, facts: Any, dtype: str) -> tuple[Any, 
 def load_xpukit(
     args: argparse.Namespace, variant: str, device: str, dtype: str
 ) -> tuple[Any, list[str], Any]:
-    """xpukit's one call; the forced variants pin the savers through lora=."""
+    """xpukit's one call; the forced variants pin the savers (and the fused path) through lora=.
+
+    Where the plan does not know ``lora={"fused": ...}`` yet, the key is dropped and the fused
+    variants call :func:`xpukit.loading.fused_lora.apply_fused_lora` on the loaded model.
+    """
     from xpukit import load_for_xpu
+    from xpukit.errors import InvalidRequestError
 
     lora: Any = FORCED.get(variant, True)
     max_memory = {0 if device != "cpu" else "cpu": args.max_memory} if args.max_memory else None
-    model = load_for_xpu(
-        args.model_dir, device=device, dtype=dtype, quantize="4bit", lora=lora, seed=0,
-        batch_size=args.batch, seq_len=args.seq, max_memory=max_memory,
-    )  # fmt: skip
+
+    def load(lora: Any) -> Any:
+        return load_for_xpu(
+            args.model_dir, device=device, dtype=dtype, quantize="4bit", lora=lora, seed=0,
+            batch_size=args.batch, seq_len=args.seq, max_memory=max_memory,
+        )  # fmt: skip
+
+    late_fuse = False
+    try:
+        model = load(lora)
+    except InvalidRequestError as exc:
+        if not (isinstance(lora, dict) and "fused" in lora and "fused" in str(exc)):
+            raise
+        late_fuse = lora["fused"]
+        lora = {k: v for k, v in lora.items() if k != "fused"} or True
+        model = load(lora)
     plan = model.xpukit_plan
-    return model, [e.actual for e in plan.events if e.what == "lora"], plan
+    notes = [e.actual for e in plan.events if e.what == "lora"]
+    if late_fuse:
+        from xpukit.loading.fused_lora import apply_fused_lora
+
+        liger = isinstance(lora, dict) and lora.get("liger") is False
+        notes += apply_fused_lora(model, insist=True, liger=False if liger else None)
+        notes.append("(fused by the bench: the plan does not know lora={'fused': ...} yet)")
+    return model, notes, plan
 
 
 def load_unsloth(args: argparse.Namespace, variant: str, dtype: str) -> tuple[Any, list[str], Any]:

@@ -50,7 +50,14 @@ logger = logging.getLogger(__name__)
 
 
 def apply_lora(
-    model: Any, request: LoraRequest, *, compute_dtype: str, quantized: bool, device: DeviceFacts
+    model: Any,
+    request: LoraRequest,
+    *,
+    compute_dtype: str,
+    quantized: bool,
+    device: DeviceFacts,
+    fused: bool = False,
+    fused_insist: bool = False,
 ) -> tuple[Any, list[str]]:
     """Carry out a :class:`LoraRequest` on a loaded model.
 
@@ -66,6 +73,11 @@ def apply_lora(
         compute_dtype: the plan's compute dtype (``"bfloat16"``, ``"float16"``, ``"float32"``).
         quantized: the model's linear layers are 4/8-bit (bitsandbytes).
         device: the device the model is on.
+        fused: for new adapters, route the 4-bit LoRA projections through the fused autograd
+            functions (:func:`xpukit.loading.fused_lora.apply_fused_lora`); what cannot be fused keeps
+            peft's path and is recorded in the notes.
+        fused_insist: with ``fused``, refuse (``InvalidRequestError``) when not every decoder block
+            can be fused (``lora={"fused": True}``).
 
     Returns:
         The ``PeftModel`` and notes of what ran (fallbacks included).
@@ -74,7 +86,8 @@ def apply_lora(
         MissingExtraError: peft is not installed (extra ``lora``).
         InvalidRequestError: the LoRA config is invalid or its targets match no module of the model
             (the message lists the model's linear layers), found before the model is changed. If
-            peft itself refuses later, the message says to reload the model.
+            peft itself refuses later, the message says to reload the model. With ``fused_insist``:
+            some block cannot take the fused path (the message gives the reason and the fix).
         DeviceUnavailableError: a repacked 4-bit weight could not be restored for training.
     """
     require("peft", "lora=" + ("PATH" if request.kind == "adapter" else "True"))
@@ -85,7 +98,9 @@ def apply_lora(
         )
     if request.kind == "adapter":
         return _load_adapter(model, request)
-    return _new_adapters(model, request, dtype=dtype, quantized=quantized, device=device)
+    return _new_adapters(
+        model, request, dtype=dtype, quantized=quantized, device=device, fused=fused, insist=fused_insist
+    )
 
 
 def _load_adapter(model: Any, request: LoraRequest) -> tuple[Any, list[str]]:
@@ -103,7 +118,14 @@ def _load_adapter(model: Any, request: LoraRequest) -> tuple[Any, list[str]]:
 
 
 def _new_adapters(
-    model: Any, request: LoraRequest, *, dtype: str, quantized: bool, device: DeviceFacts
+    model: Any,
+    request: LoraRequest,
+    *,
+    dtype: str,
+    quantized: bool,
+    device: DeviceFacts,
+    fused: bool = False,
+    insist: bool = False,
 ) -> tuple[Any, list[str]]:
     import torch
     from peft import get_peft_model
@@ -150,6 +172,10 @@ def _new_adapters(
             "compute is float16: trainable (LoRA) weights are float32 so GradScaler can unscale their "
             f"gradients ({changed} cast); frozen base weights stay float16"
         )
+    if fused:
+        from xpukit.loading.fused_lora import apply_fused_lora
+
+        notes += apply_fused_lora(peft_model, insist=insist, liger=request.liger)
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     notes.append(

@@ -1,0 +1,11 @@
+"""Compute kernels for training: nf4 dequantisation and the fused 4-bit LoRA autograd functions.
+
+A low wing (beside ``planning``/``select``): it depends on torch only, imported lazily inside its
+functions so that importing any xpukit module stays torch-free; ``xpukit.loading`` uses it, never the
+reverse.
+
+- :mod:`xpukit.kernels.nf4`: ``dequantize_nf4`` (Triton on CUDA/XPU, bitsandbytes elsewhere) and its
+  plain PyTorch reference, bit-identical to bitsandbytes' ``dequantize_4bit`` for nf4.
+- :mod:`xpukit.kernels.lora_ops`: autograd functions computing 4-bit projections together with their
+  LoRA adapters (one projection; q/k/v over a shared input; gate/up/down with SwiGLU).
+"""

@@ -75,3 +75,18 @@ def test_no_decision_without_new_adapters() -> None:
 def test_an_unknown_fused_value_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="fused"):
         plan_load(QWEN3, facts="h200", lora={"fused": "yes"})
+
+
+def test_load_for_xpu_carries_the_decision_out(tiny_model: Any) -> None:
+    """lora={"fused": True} on the CPU reaches the fused path through the one call; False keeps peft."""
+    from xpukit import load_for_xpu
+
+    def notes(model: Any) -> list[str]:
+        return [str(e.actual) for e in model.xpukit_plan.events if e.what == "lora"]
+
+    fused = load_for_xpu(tiny_model, device="cpu", dtype="float32", quantize="4bit", lora={"fused": True})
+    assert fused.xpukit_plan.decision("fused_lora").source == "user"
+    assert any(n.startswith("fused LoRA: ") for n in notes(fused)), notes(fused)
+    plain = load_for_xpu(tiny_model, device="cpu", dtype="float32", quantize="4bit", lora={"fused": False})
+    assert not any(n.startswith("fused LoRA: ") for n in notes(plain))
+    assert type(fused).__name__ == type(plain).__name__ == "PeftModelForCausalLM"

@@ -345,7 +345,7 @@ def test_apply_lora_fused_with_checkpointing(tiny_model: Path) -> None:
     """Through apply_lora (xpukit's preparation: gradient checkpointing on, recomputing q/k/v)."""
     from xpukit.loading.lora import apply_lora
     from xpukit.machine.probe import cpu_facts
-    from xpukit.planning.lora_request import resolve_lora
+    from xpukit.planning.training.lora_request import resolve_lora
 
     def prepared(fused: bool) -> tuple[Any, list[str]]:
         import torch
@@ -373,7 +373,7 @@ def test_apply_lora_fused_with_checkpointing(tiny_model: Path) -> None:
 def test_apply_lora_fused_insist_refuses(tiny_models: Mapping[str, Path]) -> None:
     from xpukit.loading.lora import apply_lora
     from xpukit.machine.probe import cpu_facts
-    from xpukit.planning.lora_request import resolve_lora
+    from xpukit.planning.training.lora_request import resolve_lora
 
     request = resolve_lora(True, quantized=True)
     assert request is not None

@@ -72,7 +72,7 @@ if triton is not None:
 def _nf4_table(device: Any) -> torch.Tensor:
     import torch
 
-    from xpukit.kernels.nf4 import NF4_VALUES
+    from xpukit.kernels.nf4_table import NF4_VALUES
 
     return torch.tensor(NF4_VALUES, dtype=torch.float32, device=device)
 

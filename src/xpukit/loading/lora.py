@@ -175,7 +175,10 @@ def _new_adapters(
     if fused:
         from xpukit.loading.fused_lora import apply_fused_lora
 
-        notes += apply_fused_lora(peft_model, insist=insist, liger=request.liger)
+        # liger's SwiGLU inside the fused MLP is a speed choice, not the plan's memory saver: only the
+        # user's own lora={"liger": False} keeps it out.
+        no_liger = request.liger_given and request.liger is False
+        notes += apply_fused_lora(peft_model, insist=insist, liger=False if no_liger else None)
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     notes.append(

@@ -15,11 +15,20 @@ counts the live objects of xpukit's classes (a plan, event or cache kept per loa
 Growth that the control shares and the Python heap does not show is the runtime's (allocator
 pools, CUDA/driver state, lazily loaded kernels), not xpukit's.
 
+Compare like with like: ``load_for_xpu`` picks a dtype per device (bfloat16 on most CPUs and GPUs),
+the plain loaders keep the checkpoint's (the tiny model's is float32); each row says which ran
+(``dtype``), and ``--dtype`` sets it for every loader. Casting a float32 checkpoint to bfloat16
+leaves glibc's arenas holding 0–25 MB of freed, fragmented memory that ``malloc_trim`` cannot give
+back, a different amount every cycle: RSS moves in that band without a trend. ``live_malloc``
+(glibc's ``mallinfo2``: bytes in use, arenas and mmapped chunks) does not move with it; a leak shows
+there, and in ``rss_trimmed_slope_per_cycle`` (least squares over all measured cycles).
+
 Usage::
 
     python bench/bench_repeat_load.py                     # 20 cycles on the default device
     python bench/bench_repeat_load.py --device cuda --cycles 50 --hidden 1024 --layers 8
     python bench/bench_repeat_load.py --device cuda --cycles 100 --loader plain --tracemalloc
+    python bench/bench_repeat_load.py --device cuda --cycles 40 --loader plain-map --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -72,6 +81,40 @@ def trimmed_rss() -> int:
     return rss()
 
 
+def live_malloc() -> int | None:
+    """Bytes glibc's malloc has handed out and not had back (all arenas and mmapped chunks), else ``None``.
+
+    Unlike RSS this does not count freed memory the allocator keeps, so allocator noise leaves it be."""
+    import ctypes
+    import ctypes.util
+
+    class Mallinfo2(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                         "fordblks", "keepcost")
+        ]  # fmt: skip
+
+    name = ctypes.util.find_library("c")
+    try:
+        function = ctypes.CDLL(name).mallinfo2  # glibc 2.33+
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.restype = Mallinfo2
+    info = function()
+    return int(info.uordblks + info.hblkhd)
+
+
+def slope(values: list[int]) -> int:
+    """Least-squares growth per cycle of ``values`` (one per cycle), rounded to an integer."""
+    n = len(values)
+    if n < 2:
+        return 0
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    num = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(values))
+    return int(num / sum((x - mean_x) ** 2 for x in range(n)))
+
+
 def xpukit_objects() -> int:
     """Live objects whose class is defined in xpukit (plans, decisions, events, facts)."""
     return sum(1 for o in gc.get_objects() if str(getattr(type(o), "__module__", "")).startswith("xpukit"))
@@ -111,6 +154,11 @@ def main() -> None:
         help="xpukit: load_for_xpu; plain: transformers' from_pretrained(...).to(device), the control; "
         "plain-map: from_pretrained(..., device_map=device), transformers' own loading path with a map",
     )  # fmt: skip
+    parser.add_argument(
+        "--dtype", choices=("auto", "bfloat16", "float16", "float32"),
+        help="the dtype every loader loads in; default: load_for_xpu's choice for xpukit, the checkpoint's "
+        "for plain and plain-map",
+    )  # fmt: skip
     parser.add_argument("--tracemalloc", action="store_true", help="trace the Python heap's growth")
     args = parser.parse_args()
     import tracemalloc
@@ -145,15 +193,21 @@ def main() -> None:
         if args.tracemalloc:
             tracemalloc.start()
         target = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        plain_dtype: dict[str, Any] = {}
+        if args.dtype not in (None, "auto"):
+            plain_dtype["dtype"] = getattr(torch, args.dtype)
         for cycle in range(args.warmup + args.cycles):
             start = time.perf_counter()
             if args.loader == "xpukit":
-                model = load_for_xpu(path, device=args.device)
+                model = load_for_xpu(path, device=args.device, dtype=args.dtype or "auto")
             elif args.loader == "plain-map":
-                model = transformers.AutoModelForCausalLM.from_pretrained(path, device_map=target)
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    path, device_map=target, **plain_dtype
+                )
             else:
-                model = transformers.AutoModelForCausalLM.from_pretrained(path).to(target)
+                model = transformers.AutoModelForCausalLM.from_pretrained(path, **plain_dtype).to(target)
             device = str(model.device)
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
             with torch.no_grad():
                 model(input_ids=tokens.to(model.device))
             params = sum(p.numel() for p in model.parameters())
@@ -165,9 +219,11 @@ def main() -> None:
                 "warmup": cycle < args.warmup,
                 "device": device,
                 "parameters": params,
+                "dtype": dtype,
                 "seconds": round(time.perf_counter() - start, 4),
                 "rss": rss(),
                 "rss_trimmed": trimmed_rss(),
+                "live_malloc": live_malloc(),
                 "xpukit_objects": xpukit_objects(),
                 **{f"device_{k}": v for k, v in device_memory(device).items()},
             }
@@ -183,6 +239,7 @@ def main() -> None:
         **common,
         "kind": "summary",
         "device": first["device"],
+        "dtype": first["dtype"],
         "cycles": len(measured),
         "parameters": first["parameters"],
         "rss_first": first["rss"],
@@ -194,6 +251,7 @@ def main() -> None:
         "rss_trimmed_growth_pct": round(
             100 * (last["rss_trimmed"] - first["rss_trimmed"]) / first["rss_trimmed"], 3
         ),
+        "rss_trimmed_slope_per_cycle": slope([r["rss_trimmed"] for r in measured]),
         # The last fifth of the cycles: still growing, or levelled off?
         "rss_per_cycle_at_end": int(
             (last["rss"] - measured[-max(2, len(measured) // 5)]["rss"]) / max(1, len(measured) // 5 - 1)
@@ -204,7 +262,7 @@ def main() -> None:
     if args.tracemalloc and len(snapshots) == 2:
         summary["python_heap_first"], summary["python_heap_last"] = first["python_heap"], last["python_heap"]
         summary["python_heap_growth_by_file"] = heap_growth(snapshots[0], snapshots[1])
-    for key in ("device_allocated", "device_reserved"):
+    for key in ("live_malloc", "device_allocated", "device_reserved"):
         if first[key] is not None:
             summary[f"{key}_first"], summary[f"{key}_last"] = first[key], last[key]
     print(json.dumps(summary), flush=True)

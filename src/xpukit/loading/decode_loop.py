@@ -22,6 +22,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+from xpukit.errors import InvalidRequestError
 from xpukit.loading import compile_cache
 from xpukit.loading.decode_request import DecodeRequest, triage
 
@@ -156,6 +157,7 @@ class DecodeLoop:
         self._states: OrderedDict[tuple[int, int], _State] = OrderedDict()
         self._compiled: dict[bool, Any] = {}
         self._consts: dict[str, Any] = {}
+        self._last: tuple[DecodeRequest, _State] | None = None
         self._keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @property
@@ -230,28 +232,10 @@ class DecodeLoop:
         state.positions.copy_(_first_new_position(positions))
         state.index.fill_(1)
         step = self._step(torch, request, batch)
+        self._last = (request, state)
         done = request.new_tokens
         for i in range(1, request.new_tokens):
-            if self.cudagraphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            step(
-                model,
-                state.cache,
-                state.tokens,
-                state.positions,
-                state.mask,
-                state.unfinished,
-                state.out,
-                state.index,
-                consts["is_eos"],
-                consts["pad"],
-                consts["min_new"],
-                consts["temperature"],
-                top_p,
-                request.do_sample,
-                request.top_k,
-                self._keep_one,
-            )
+            self._call(torch, step, request, state)
             if i == 1 and self.compile_options:
                 self._after_compile(request, batch)
             if request.eos_ids and (i + 1) % self.check_every == 0 and not bool(state.unfinished.any()):
@@ -263,6 +247,48 @@ class DecodeLoop:
             first_eos = torch.where(hit.any(-1), hit.int().argmax(-1), done - 1)
             new = new[:, : int(first_eos.max()) + 1]
         return torch.cat([ids, new.clone()], dim=1)
+
+    def replay(self, count: int) -> None:
+        """Run ``count`` more decode steps of the last call's batch, with no host sync (measurement:
+        ``bench/bench_decode.py --breakdown`` times the step alone). The output buffer is not touched
+        past the cache; the next ``generate()`` resets everything."""
+        import torch
+
+        if self._last is None:
+            raise InvalidRequestError("replay() runs the last generate() call's step: call generate() first")
+        request, state = self._last
+        if int(state.cache.get_seq_length()) + count > state.mask.shape[1]:
+            raise InvalidRequestError(
+                f"replay({count}): the static cache has no room for {count} more tokens"
+            )
+        step = self._step(torch, request, int(state.tokens.shape[0]))
+        with torch.inference_mode(False), torch.no_grad():
+            state.index.fill_(1)
+            for _ in range(count):
+                self._call(torch, step, request, state)
+
+    def _call(self, torch: Any, step: Any, request: DecodeRequest, state: _State) -> None:
+        consts = self._consts
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        step(
+            self.model,
+            state.cache,
+            state.tokens,
+            state.positions,
+            state.mask,
+            state.unfinished,
+            state.out,
+            state.index,
+            consts["is_eos"],
+            consts["pad"],
+            consts["min_new"],
+            consts["temperature"],
+            consts["top_p"] if request.top_p < 1.0 else None,
+            request.do_sample,
+            request.top_k,
+            self._keep_one,
+        )
 
     def _cache_len(self) -> int:
         configured = getattr(self.model.generation_config, "max_cache_len", None)

@@ -297,3 +297,28 @@ def test_artifacts_round_trip_and_an_unwritable_dir_is_recorded(monkeypatch, tmp
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", broken)
     record = compile_cache.load_artifacts("k", tmp_path)
     assert record["loaded"] is False and "another torch" in record["error"]
+
+
+def test_the_selftest_decode_line_compares_compiled_with_eager(monkeypatch):
+    import torch
+
+    from xpukit.doctor import selftest
+    from xpukit.planning import decode
+
+    # On the CPU, dynamo with the eager backend stands in for inductor: the same comparison, fast.
+    monkeypatch.setattr(decode, "compile_settings", lambda mode: {"backend": "eager", "fullgraph": True})
+    state = torch.random.get_rng_state()
+    detail = selftest._decode_check(torch, "cpu", "cpu")
+    assert detail.startswith("compiled mode=default: tokens equal eager")
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's RNG is untouched
+
+    def wrong_compile(step, **options):  # a "compiled" step that writes token 3 over its output
+        def run(*args):
+            step(*args)
+            args[6].fill_(3)
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", wrong_compile)
+    with pytest.raises(ArithmeticError, match="differ from eager from new token 0"):
+        selftest._decode_check(torch, "cpu", "cpu")

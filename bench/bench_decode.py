@@ -16,7 +16,8 @@ Variants:
   False``): transformers' ``generate`` with the same static cache and compile settings;
 * ``static`` / ``compiled`` (measurement aids, not what xpukit sets on a CPU): ``load_for_xpu``, then
   a static cache of the same length as ``fast``, and for ``compiled`` transformers' compiled decoding
-  forced on every device (``CompileConfig._compile_all_devices``).
+  forced on every device (``CompileConfig._compile_all_devices``); ``loop``: xpukit's decode loop,
+  eager, over a static cache of that length (what ``fast`` runs, uncompiled, on any device).
 
 ``--breakdown`` adds, per row, where a token's time goes (docs/decode.md "Where a token's time goes"):
 one more call under ``torch.profiler`` (device busy fraction = kernel time / wall time of that call,
@@ -83,7 +84,7 @@ SMALL_SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 64,
     },
 }
-VARIANTS = ("raw", "xpukit", "fast", "fast-hf", "static", "compiled")
+VARIANTS = ("raw", "xpukit", "fast", "fast-hf", "static", "compiled", "loop")
 REPLAY_STEPS = 64
 
 
@@ -133,6 +134,10 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)  # transformers' loop compiles
         return model
     model = load_for_xpu(path, device=device)
+    if variant == "loop":
+        from xpukit.loading.decode_loop import install_decode_loop
+
+        install_decode_loop(model, max_cache_len=cache_len, compile_options=None)
     if variant in {"static", "compiled"}:
         config = model.generation_config
         config.cache_implementation = "static"
@@ -147,7 +152,7 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
 
 
 def cache_len(args: argparse.Namespace, path: Path) -> int:
-    """The static cache length of the 'static' and 'compiled' variants."""
+    """The static cache length of the 'static', 'compiled' and 'loop' variants."""
     from xpukit.planning.decode import CACHE_LENGTH_STEP
     from xpukit.planning.plan import plan_load
 
@@ -285,6 +290,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
         path = build(shape, args.model_dir or root, args.device)
         print(json.dumps(common | {"shape": shape, "build_s": round(time.perf_counter() - start, 1)}))
         reference: dict[int, Any] = {}
+        outputs: dict[tuple[str, int], Any] = {}
         for variant in variants:
             start = time.perf_counter()
             model = load(variant, path, args.device, cache_len(args, path))
@@ -311,6 +317,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
                 roofline = batch * bandwidth / weights if bandwidth else None
                 best = tokens / min(times)
                 reference.setdefault(batch, out.cpu())
+                outputs[(variant, batch)] = out.cpu()
                 row = common | {
                     "shape": shape,
                     "params": sum(p.numel() for p in model.parameters()),
@@ -328,6 +335,11 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
                     "warmup": warmup,
                     "loop": (getattr(model, "xpukit_last_decode", None) or {}).get("loop", "transformers"),
                     "same_tokens_as_first_variant": bool(torch.equal(out.cpu(), reference[batch])),
+                    "same_tokens_as": [
+                        v
+                        for (v, b), o in outputs.items()
+                        if b == batch and v != variant and torch.equal(o, out.cpu())
+                    ],
                 }
                 if args.breakdown:
                     row["breakdown"] = breakdown(model, ids, args, counters, min(times))

@@ -167,6 +167,10 @@ def test_sampling_is_seeded_and_stays_inside_top_k(fast):
     assert int(rank.max()) < 3 and int(rank.max()) > 0  # inside the top 3, and not always the best
     nucleus = sample(0, top_p=0.3, top_k=0)
     assert nucleus.shape == first.shape and fast.xpukit_last_decode["loop"] == "xpukit"
+    # A nucleus this small keeps only the best token, with or without top-k first: greedy again.
+    greedy = fast.generate(**inputs, max_new_tokens=16, min_new_tokens=16, do_sample=False).tolist()
+    for top_k in (0, 5):
+        assert sample(2, top_p=1e-6, top_k=top_k).tolist() == greedy
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from typing import Any
 from xpukit.errors import InvalidRequestError
 from xpukit.loading import compile_cache
 from xpukit.loading.decode_request import DecodeRequest, triage
+from xpukit.loading.decode_step import choose, decode_step
 
 __all__ = ["CHECK_EVERY", "DecodeLoop", "install_decode_loop"]
 
@@ -41,7 +42,7 @@ class _State:
     cache: Any
     tokens: Any  # (b, 1) long: the last token, the next step's input
     positions: Any  # (b, 1) long: its position id (left padding shifts it)
-    mask: Any  # (b, cache_len) long: 0 on left padding, 1 elsewhere (causality masks the future)
+    mask: Any  # (b, cache_len) bool: False on left padding, True elsewhere (causality masks the future)
     unfinished: Any  # (b,) bool
     out: Any  # (b, cache_len) long: the new tokens, at [0, new_tokens)
     index: Any  # (1,) long: the step's column in ``out``
@@ -62,68 +63,6 @@ def _fill_mask(cache_mask: Any, mask: Any) -> None:
     """The mask over the whole cache: the prompt's, then ones (causality hides the future)."""
     cache_mask[:, : mask.shape[1]].copy_(mask)
     cache_mask[:, mask.shape[1] :].fill_(1)
-
-
-def _choose(
-    logits: Any, is_eos: Any, suppress: Any, temperature: Any, top_p: Any, do_sample: bool, top_k: int
-) -> Any:
-    """The next token of each row, on the device (transformers' processors, in their order)."""
-    import torch
-
-    scores = logits.float().masked_fill(is_eos & suppress, float("-inf"))
-    if not do_sample:
-        return scores.argmax(-1)
-    scores = scores / temperature
-    if top_k:
-        kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p is not None:
-        ordered, order = torch.sort(scores, descending=False)
-        remove = ordered.softmax(-1).cumsum(-1) <= 1 - top_p
-        remove[..., -1:] = False  # keep at least the most likely token
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), float("-inf"))
-    probs = scores.softmax(-1)
-    race = torch.empty_like(probs).exponential_(1).clamp_min_(1e-30)
-    return (probs / race).argmax(-1)
-
-
-def _decode_step(
-    model: Any,
-    cache: Any,
-    tokens: Any,
-    positions: Any,
-    mask: Any,
-    unfinished: Any,
-    out: Any,
-    index: Any,
-    is_eos: Any,
-    pad: Any,
-    min_new: Any,
-    temperature: Any,
-    top_p: Any,
-    do_sample: bool,
-    top_k: int,
-    keep_one: bool,
-) -> None:
-    """One token for every row; everything it changes is one of its input buffers."""
-    import torch
-
-    kwargs = {"logits_to_keep": 1} if keep_one else {}
-    logits = model(
-        input_ids=tokens,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        **kwargs,
-    ).logits[:, -1, :]
-    chosen = _choose(logits, is_eos, index < min_new, temperature, top_p, do_sample, top_k)
-    chosen = torch.where(unfinished, chosen, pad)
-    unfinished.logical_and_(~is_eos[chosen])
-    out.index_copy_(1, index, chosen.unsqueeze(1))
-    tokens.copy_(chosen.unsqueeze(1))
-    positions.add_(1)
-    index.add_(1)
 
 
 class DecodeLoop:
@@ -223,7 +162,7 @@ class DecodeLoop:
         ).logits[:, -1, :]
         top_p = consts["top_p"] if request.top_p < 1.0 else None
         suppress = torch.tensor(request.min_new_tokens > 0, device=device)
-        first = _choose(
+        first = choose(
             logits, consts["is_eos"], suppress, consts["temperature"], top_p, request.do_sample, request.top_k
         )
         state.unfinished.copy_(~consts["is_eos"][first])
@@ -306,7 +245,7 @@ class DecodeLoop:
             cache=StaticCache(config=self.model.config, max_cache_len=length),
             tokens=torch.zeros((batch, 1), dtype=torch.long, device=device),
             positions=torch.zeros((batch, 1), dtype=torch.long, device=device),
-            mask=torch.ones((batch, length), dtype=torch.long, device=device),
+            mask=torch.ones((batch, length), dtype=torch.bool, device=device),
             unfinished=torch.ones(batch, dtype=torch.bool, device=device),
             out=torch.zeros((batch, length), dtype=torch.long, device=device),
             index=torch.zeros(1, dtype=torch.long, device=device),
@@ -351,7 +290,7 @@ class DecodeLoop:
 
     def _step(self, torch: Any, request: DecodeRequest, batch: int) -> Any:
         if not self.compile_options:
-            return _decode_step
+            return decode_step
         kind = _step_name(request)
         if (batch, kind) not in self.graphs:
             self.cache_records.append(
@@ -362,7 +301,7 @@ class DecodeLoop:
                 }
             )
         if request.do_sample not in self._compiled:
-            self._compiled[request.do_sample] = torch.compile(_decode_step, **self.compile_options)
+            self._compiled[request.do_sample] = torch.compile(decode_step, **self.compile_options)
         return self._compiled[request.do_sample]
 
     def _after_compile(self, request: DecodeRequest, batch: int) -> None:

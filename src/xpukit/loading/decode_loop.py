@@ -250,9 +250,10 @@ class DecodeLoop:
             out=torch.zeros((batch, length), dtype=torch.long, device=device),
             index=torch.zeros(1, dtype=torch.long, device=device),
         )
-        if self.compile_options:
-            for name in ("tokens", "positions", "mask", "unfinished", "out", "index"):
-                torch._dynamo.mark_static_address(getattr(new, name))
+        # Fixed addresses (as transformers marks its cache): a CUDA graph mutates them in place. Marked
+        # even while eager, so that a loop compiled later (doctor's selftest) captures them too.
+        for name in ("tokens", "positions", "mask", "unfinished", "out", "index"):
+            torch._dynamo.mark_static_address(getattr(new, name))
         self._states[key] = new
         while len(self._states) > _KEEP_BATCH_SIZES:
             self._states.popitem(last=False)
@@ -274,9 +275,8 @@ class DecodeLoop:
                 "temperature": torch.ones((), dtype=torch.float32, device=device),
                 "top_p": torch.ones((), dtype=torch.float32, device=device),
             }
-            if self.compile_options:
-                for tensor in self._consts.values():
-                    torch._dynamo.mark_static_address(tensor)
+            for tensor in self._consts.values():
+                torch._dynamo.mark_static_address(tensor)
         consts = self._consts
         consts["is_eos"].zero_()
         eos = [e for e in request.eos_ids if 0 <= e < consts["is_eos"].shape[0]]

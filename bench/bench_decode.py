@@ -401,13 +401,14 @@ def breakdown(
         if avg.key in {"cudaGraphLaunch", "cuGraphLaunch"}:
             launches += int(avg.count)
     steps = args.new_tokens
-    out.update(
-        profiled_call_s=round(wall, 4),
-        device_busy_fraction=round(device_us / 1e6 / wall, 4) if wall else None,
-        device_ms_per_step=round(device_us / 1e3 / steps, 3),
-        kernels_per_step=round(kernels / steps, 1),
-        graph_launches_per_step=round(launches / steps, 2),
-    )
+    out["profiled_call_s"] = round(wall, 4)
+    if len(activities) > 1:  # a device the profiler sees (not on the CPU)
+        out.update(
+            device_busy_fraction=round(device_us / 1e6 / wall, 4) if wall else None,
+            device_ms_per_step=round(device_us / 1e3 / steps, 3),
+            kernels_per_step=round(kernels / steps, 1),
+            graph_launches_per_step=round(launches / steps, 2),
+        )
     loop = getattr(model, "xpukit_decode_loop", None)
     if loop is not None and loop.enabled and getattr(model, "xpukit_last_decode", {}).get("loop") == "xpukit":
         sync(args.device)

@@ -11,14 +11,33 @@ Variants:
 
 * ``raw``: ``AutoModelForCausalLM.from_pretrained(path, dtype=<the plan's dtype>).to(device)``;
 * ``xpukit``: ``load_for_xpu(path, device=...)``;
-* ``fast``: ``load_for_xpu(path, device=..., fast_decode=True, warmup=True)``;
+* ``fast``: ``load_for_xpu(path, device=..., fast_decode=True, warmup=True)``: xpukit's decode loop;
+* ``fast-hf``: the same load with xpukit's loop switched off (``model.xpukit_decode_loop.enabled =
+  False``): transformers' ``generate`` with the same static cache and compile settings;
 * ``static`` / ``compiled`` (measurement aids, not what xpukit sets on a CPU): ``load_for_xpu``, then
   a static cache of the same length as ``fast``, and for ``compiled`` transformers' compiled decoding
-  forced on every device (``CompileConfig._compile_all_devices``).
+  forced on every device (``CompileConfig._compile_all_devices``); ``loop``: xpukit's decode loop,
+  eager, over a static cache of that length (what ``fast`` runs, uncompiled, on any device).
+
+``--breakdown`` adds, per row, where a token's time goes (docs/decode.md "Where a token's time goes"):
+one more call under ``torch.profiler`` (device busy fraction = kernel time / wall time of that call,
+kernels and CUDA-graph launches per token), dynamo's counters over the timed calls (graph breaks,
+new graphs, CUDA-graph skips), and for ``fast`` the decode step alone (``loop.replay``: 64 steps, one
+sync) against the per-token time of the whole call; plus a measured copy bandwidth of the device.
+
+``--second-process`` adds a row per shape: a fresh process (its own empty inductor and triton
+caches, the same xpukit cache dir) loads with ``fast_decode=True, warmup=True`` and times its load,
+warm-up and first call at each batch size, so only xpukit's compile cache can make it warm.
+
+Caches: unless ``--keep-caches``, this process points ``XPUKIT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``
+and ``TRITON_CACHE_DIR`` at fresh directories under its temporary root, so every warm-up here is cold.
+``--model-dir`` keeps the random-weight models between runs (an 8B shape takes a minute to write).
 
 Usage::
 
     python bench/bench_decode.py --device cuda --shape qwen3-8b --shape qwen3-0.6b
+    python bench/bench_decode.py --device cuda --shape qwen3-0.6b --variants fast,fast-hf --breakdown \
+        --second-process
     python bench/bench_decode.py --device cpu --shape tiny --new-tokens 32 --threads 1
     python bench/bench_decode.py --device cpu --shape small --variants raw,static,compiled --batch 1
 """
@@ -31,6 +50,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -39,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_STARTED = time.perf_counter()  # the second process reports its start-up from here
 
 # Peak memory bandwidth per device, bytes/s, from the vendors' specification pages:
 # NVIDIA H200 datasheet (4.8 TB/s HBM3e), NVIDIA H100 SXM datasheet (3.35 TB/s), Intel Data Center
@@ -62,7 +84,8 @@ SMALL_SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 64,
     },
 }
-VARIANTS = ("raw", "xpukit", "fast", "static", "compiled")
+VARIANTS = ("raw", "xpukit", "fast", "fast-hf", "static", "compiled", "loop")
+REPLAY_STEPS = 64
 
 
 def build(shape: str, root: Path, device: str) -> Path:
@@ -74,6 +97,8 @@ def build(shape: str, root: Path, device: str) -> Path:
     from xpukit.planning.model.reference_models import reference_config
 
     out = root / shape
+    if (out / "config.json").is_file():
+        return out
     if shape in SMALL_SHAPES:
         return build_tiny_model("qwen3", out, **SMALL_SHAPES[shape])
     config = reference_config(shape)
@@ -99,7 +124,20 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if variant == "fast":
         return load_for_xpu(path, device=device, fast_decode=True, warmup=True)
+    if variant == "fast-hf":
+        from xpukit.loading.decode import warm_up
+
+        model = load_for_xpu(path, device=device, fast_decode=True)
+        loop = getattr(model, "xpukit_decode_loop", None)
+        if loop is not None:
+            loop.enabled = False
+        model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)  # transformers' loop compiles
+        return model
     model = load_for_xpu(path, device=device)
+    if variant == "loop":
+        from xpukit.loading.decode_loop import install_decode_loop
+
+        install_decode_loop(model, max_cache_len=cache_len, compile_options=None)
     if variant in {"static", "compiled"}:
         config = model.generation_config
         config.cache_implementation = "static"
@@ -114,7 +152,7 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
 
 
 def cache_len(args: argparse.Namespace, path: Path) -> int:
-    """The static cache length of the 'static' and 'compiled' variants."""
+    """The static cache length of the 'static', 'compiled' and 'loop' variants."""
     from xpukit.planning.device.decode import CACHE_LENGTH_STEP
     from xpukit.planning.plan import plan_load
 
@@ -196,15 +234,33 @@ def main() -> None:
     parser.add_argument(
         "--cache-len",
         type=int,
-        help="static cache length: replaces the plan's for 'fast'; for 'static'/'compiled' the default is "
-        "the plan's on a GPU, else prompt + new tokens rounded up to 256",
+        help="static cache length: replaces the plan's for 'fast'/'fast-hf'; for 'static'/'compiled' the "
+        "default is the plan's on a GPU, else prompt + new tokens rounded up to 256",
     )
+    parser.add_argument("--breakdown", action="store_true", help="profile where a token's time goes")
+    parser.add_argument(
+        "--second-process", action="store_true", help="time a fresh process's warm-up and first call"
+    )
+    parser.add_argument("--model-dir", type=Path, help="build the random-weight models here and reuse them")
+    parser.add_argument("--keep-caches", action="store_true", help="use the usual compile and xpukit caches")
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # the second process's model
     args = parser.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    with tempfile.TemporaryDirectory(prefix="xpukit-bench-decode-") as root:
+        if not args.keep_caches and args.child is None:
+            for name, sub in (
+                ("XPUKIT_CACHE_DIR", "xpukit"),
+                ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+                ("TRITON_CACHE_DIR", "triton"),
+            ):
+                os.environ[name] = str(Path(root) / sub)
+        run(args, variants, Path(root))
 
+
+def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
     import torch
     import transformers
 
@@ -224,53 +280,204 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "prompt_len": args.prompt_len,
     }
-    with tempfile.TemporaryDirectory(prefix="xpukit-bench-decode-") as root:
-        for shape in args.shape or ["qwen3-8b"]:
-            path = build(shape, Path(root), args.device)
-            reference: dict[int, Any] = {}
-            for variant in variants:
-                model = load(variant, path, args.device, cache_len(args, path))
-                if variant == "fast" and args.cache_len and model.generation_config.cache_implementation:
-                    model.generation_config.max_cache_len = args.cache_len
-                weights = sum(p.numel() * p.element_size() for p in model.parameters())
-                plan = getattr(model, "xpukit_plan", None)
-                warmup = next((e.actual for e in plan.events if e.what == "warmup"), None) if plan else None
-                vocab = model.config.get_text_config().vocab_size
-                for batch in args.batch or [1, 8]:
-                    ids = torch.randint(
-                        3, vocab, (batch, args.prompt_len), generator=torch.Generator().manual_seed(0)
-                    )
-                    ids = ids.to(args.device)
-                    first, out = timed_generate(model, ids, args.new_tokens, args.device)
-                    times = [
-                        timed_generate(model, ids, args.new_tokens, args.device)[0]
-                        for _ in range(args.repeat)
-                    ]
-                    tokens = batch * args.new_tokens
-                    roofline = batch * bandwidth / weights if bandwidth else None
-                    best = tokens / min(times)
-                    reference.setdefault(batch, out.cpu())
-                    row = common | {
-                        "shape": shape,
-                        "params": sum(p.numel() for p in model.parameters()),
-                        "weights_bytes": weights,
-                        "dtype": str(model.dtype).removeprefix("torch."),
-                        "variant": variant,
-                        "batch": batch,
-                        "cache_len": getattr(model.generation_config, "max_cache_len", None),
-                        "first_call_s": round(first, 3),
-                        "tok_s": round(best, 2),
-                        "tok_s_median": round(tokens / statistics.median(times), 2),
-                        "roofline_tok_s": round(roofline, 1) if roofline else None,
-                        "roofline_fraction": round(best / roofline, 4) if roofline else None,
-                        "warmup": warmup,
-                        "same_tokens_as_first_variant": bool(torch.equal(out.cpu(), reference[batch])),
-                    }
-                    print(json.dumps(row), flush=True)
-                del model
-                gc.collect()
-                if args.device.startswith("cuda"):
-                    torch.cuda.empty_cache()
+    if args.child is not None:
+        print(json.dumps(common | child_row(args)), flush=True)
+        return
+    if args.breakdown:
+        print(json.dumps(common | {"measured_copy_bandwidth": copy_bandwidth(args.device)}), flush=True)
+    for shape in args.shape or ["qwen3-8b"]:
+        start = time.perf_counter()
+        path = build(shape, args.model_dir or root, args.device)
+        print(json.dumps(common | {"shape": shape, "build_s": round(time.perf_counter() - start, 1)}))
+        reference: dict[int, Any] = {}
+        outputs: dict[tuple[str, int], Any] = {}
+        for variant in variants:
+            start = time.perf_counter()
+            model = load(variant, path, args.device, cache_len(args, path))
+            load_s = time.perf_counter() - start
+            if (
+                variant in {"fast", "fast-hf"}
+                and args.cache_len
+                and model.generation_config.cache_implementation
+            ):
+                model.generation_config.max_cache_len = args.cache_len
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            plan = getattr(model, "xpukit_plan", None)
+            events = list(plan.events if plan else []) + list(getattr(model, "xpukit_bench_warmup", []))
+            warmup = next((e.actual for e in events if e.what == "warmup"), None)
+            vocab = model.config.get_text_config().vocab_size
+            for batch in args.batch or [1, 8]:
+                ids = prompt(batch, args.prompt_len, vocab).to(args.device)
+                first, out = timed_generate(model, ids, args.new_tokens, args.device)
+                counters = dynamo_counters()
+                times = [
+                    timed_generate(model, ids, args.new_tokens, args.device)[0] for _ in range(args.repeat)
+                ]
+                tokens = batch * args.new_tokens
+                roofline = batch * bandwidth / weights if bandwidth else None
+                best = tokens / min(times)
+                reference.setdefault(batch, out.cpu())
+                outputs[(variant, batch)] = out.cpu()
+                row = common | {
+                    "shape": shape,
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "weights_bytes": weights,
+                    "dtype": str(model.dtype).removeprefix("torch."),
+                    "variant": variant,
+                    "batch": batch,
+                    "cache_len": getattr(model.generation_config, "max_cache_len", None),
+                    "load_s": round(load_s, 2),
+                    "first_call_s": round(first, 3),
+                    "tok_s": round(best, 2),
+                    "tok_s_median": round(tokens / statistics.median(times), 2),
+                    "roofline_tok_s": round(roofline, 1) if roofline else None,
+                    "roofline_fraction": round(best / roofline, 4) if roofline else None,
+                    "warmup": warmup,
+                    "loop": (getattr(model, "xpukit_last_decode", None) or {}).get("loop", "transformers"),
+                    "same_tokens_as_first_variant": bool(torch.equal(out.cpu(), reference[batch])),
+                    "same_tokens_as": [
+                        v
+                        for (v, b), o in outputs.items()
+                        if b == batch and v != variant and torch.equal(o, out.cpu())
+                    ],
+                }
+                if args.breakdown:
+                    row["breakdown"] = breakdown(model, ids, args, counters, min(times))
+                print(json.dumps(row), flush=True)
+            del model
+            gc.collect()
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        if args.second_process:
+            print(json.dumps(common | second_process(args, shape, path)), flush=True)
+
+
+def prompt(batch: int, length: int, vocab: int) -> Any:
+    import torch
+
+    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+
+
+def dynamo_counters() -> dict[str, int]:
+    """The dynamo / inductor counters that say whether the timed calls compiled anything."""
+    from torch._dynamo.utils import counters
+
+    return {
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "recompiles": sum(counters["recompiles"].values()),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
+        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
+    }
+
+
+def breakdown(
+    model: Any, ids: Any, args: argparse.Namespace, before: dict[str, int], best_s: float
+) -> dict[str, Any]:
+    """Where one call's time goes: the profiler's view, the counters, and the step alone."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    after = dynamo_counters()
+    out: dict[str, Any] = {
+        "during_timed_calls": {k: after[k] - before[k] for k in after},
+        "graph_breaks_total": after["graph_breaks"],
+        "ms_per_step_generate": round(best_s / args.new_tokens * 1e3, 3),
+    }
+    activities = [ProfilerActivity.CPU]
+    if args.device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    elif args.device.startswith("xpu") and hasattr(ProfilerActivity, "XPU"):
+        activities.append(ProfilerActivity.XPU)
+    with profile(activities=activities) as prof:
+        wall, _ = timed_generate(model, ids, args.new_tokens, args.device)
+    device_us, kernels, launches = 0.0, 0, 0
+    for avg in prof.key_averages():
+        self_device = float(getattr(avg, "self_device_time_total", 0.0) or 0.0)
+        if self_device > 0 and getattr(avg, "device_type", None) != torch.autograd.DeviceType.CPU:
+            device_us += self_device
+            kernels += int(avg.count)
+        if avg.key in {"cudaGraphLaunch", "cuGraphLaunch"}:
+            launches += int(avg.count)
+    steps = args.new_tokens
+    out["profiled_call_s"] = round(wall, 4)
+    if len(activities) > 1:  # a device the profiler sees (not on the CPU)
+        out.update(
+            device_busy_fraction=round(device_us / 1e6 / wall, 4) if wall else None,
+            device_ms_per_step=round(device_us / 1e3 / steps, 3),
+            kernels_per_step=round(kernels / steps, 1),
+            graph_launches_per_step=round(launches / steps, 2),
+        )
+    loop = getattr(model, "xpukit_decode_loop", None)
+    if loop is not None and loop.enabled and getattr(model, "xpukit_last_decode", {}).get("loop") == "xpukit":
+        sync(args.device)
+        start = time.perf_counter()
+        loop.replay(REPLAY_STEPS)
+        sync(args.device)
+        out["ms_per_step_alone"] = round((time.perf_counter() - start) / REPLAY_STEPS * 1e3, 3)
+    return out
+
+
+def copy_bandwidth(device: str) -> float | None:
+    """Device-to-device copy of 2 GiB, best of 5: read + write bytes per second."""
+    import torch
+
+    if not device.startswith(("cuda", "xpu")):
+        return None
+    src = torch.empty(2**30, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return round(2 * 2**31 / best, -9)
+
+
+def second_process(args: argparse.Namespace, shape: str, path: Path) -> dict[str, Any]:
+    """Run this script as a fresh process on ``path`` (its own empty inductor and triton caches)."""
+    fresh = Path(tempfile.mkdtemp(prefix="xpukit-bench-child-"))
+    env = dict(
+        os.environ, TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"), TRITON_CACHE_DIR=str(fresh / "triton")
+    )
+    command = [sys.executable, __file__, "--child", str(path), "--device", args.device]
+    command += [f"--new-tokens={args.new_tokens}", f"--prompt-len={args.prompt_len}"]
+    for batch in args.batch or [1, 8]:
+        command.append(f"--batch={batch}")
+    start = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    row: dict[str, Any] = {"shape": shape, "variant": "fast-second-process", "process_s": 0.0}
+    row["process_s"] = round(time.perf_counter() - start, 2)
+    if done.returncode != 0:
+        row["error"] = done.stderr[-2000:]
+        return row
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    return row | {k: v for k, v in child.items() if k not in {"bench", "date", "machine", "versions"}}
+
+
+def child_row(args: argparse.Namespace) -> dict[str, Any]:
+    """The second process: load with fast_decode + warm-up, then one call at each batch size."""
+    from xpukit.loading.load import load_for_xpu
+
+    start = time.perf_counter()
+    model = load_for_xpu(args.child, device=args.device, fast_decode=True, warmup=True)
+    loaded = time.perf_counter() - start
+    warmup = next((e.actual for e in model.xpukit_plan.events if e.what == "warmup"), None)
+    first_calls = {}
+    for batch in args.batch or [1, 8]:
+        ids = prompt(batch, args.prompt_len, model.config.get_text_config().vocab_size).to(args.device)
+        first_calls[str(batch)] = round(timed_generate(model, ids, args.new_tokens, args.device)[0], 3)
+    return {
+        "startup_s": round(start - _STARTED, 2),
+        "load_and_warmup_s": round(loaded, 2),
+        "warmup": warmup,
+        "first_call_s": first_calls,
+        "counters": dynamo_counters(),
+    }
 
 
 if __name__ == "__main__":

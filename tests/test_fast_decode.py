@@ -63,6 +63,7 @@ def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
     per_token = plan.model_facts.kv_bytes_per_token
     assert plan.decode.max_cache_len == budget // per_token // CACHE_LENGTH_STEP * CACHE_LENGTH_STEP == 4096
     assert decision.value == {"static_cache": True, "max_cache_len": 4096, "compile": mode}
+    assert plan.decode.graph_batch_sizes == (1,) and "warm-up at batch 1" in decision.reason
     assert "4096 tokens" in decision.reason and "fast_decode" in plan.explain()
     assert plan.to_dict()["decode"] == decision.value
 
@@ -90,6 +91,7 @@ def test_not_compiled_for_bitsandbytes_or_a_split_model():
     decision = quantized.decision("fast_decode")
     assert decision.value["compile"] is False and decision.value["static_cache"] is True
     assert decision.source == "fallback" and "bitsandbytes" in decision.reason
+    assert quantized.decode is not None and quantized.decode.graph_batch_sizes == ()
     split = plan_load(reference_config("llama-3.1-70b"), facts=machine_profile("h200", 2), fast_decode=True)
     assert split.memory.placement == "split"
     assert split.decision("fast_decode").value["compile"] is False
@@ -141,8 +143,11 @@ def test_static_cache_settings_keep_greedy_tokens_sampling_and_pipeline(tiny_mod
         "max_cache_len": 256,
         "disable_compile": True,
     }
+    loop_event = next(e for e in model.xpukit_plan.events if e.what == "decode_loop")
+    assert loop_event.actual == {"compile": None, "graph_batch_sizes": []}
     warm = next(e for e in model.xpukit_plan.events if e.what == "warmup")
     assert warm.actual["compiled"] is False and warm.actual["first_call_s"] > 0
+    assert warm.actual["loop"] == "xpukit" and model.xpukit_decode_loop.max_cache_len == 256
     for batch in (1, 8):
         assert _greedy(model, tokenizer, batch).tolist() == _greedy(plain, tokenizer, batch).tolist()
         inputs = tokenizer(PROMPTS[:batch], return_tensors="pt", padding=True)
@@ -152,6 +157,7 @@ def test_static_cache_settings_keep_greedy_tokens_sampling_and_pipeline(tiny_mod
     generator = pipeline("text-generation", model=model, tokenizer=tokenizer)
     out = generator(PROMPTS[:8], max_new_tokens=3, do_sample=False, batch_size=8)
     assert len(out) == 8 and out[0][0]["generated_text"].startswith(PROMPTS[0])
+    assert model.xpukit_last_decode["loop"] == "xpukit"  # pipeline() calls the same generate
 
 
 @pytest.mark.slow

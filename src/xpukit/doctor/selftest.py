@@ -2,7 +2,8 @@
 
 The planner decides from recorded facts; this is how an owner of a device checks those facts on the
 real thing (and pastes the JSON into a bug report). Each check is tiny (256×256 tensors) and never
-fatal: a failure is recorded with the exception text.
+fatal: a failure is recorded with the exception text. On a CUDA or XPU device the ``decode`` check
+compiles xpukit's decode loop as ``fast_decode=True`` does (tens of seconds, the compile).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ TOLERANCE = {"bfloat16": 5e-2, "float16": 1e-2, "float32": 1e-4}
 
 
 def run_selftest(machine: MachineFacts) -> list[CheckResult]:
-    """Matmul in bf16/fp16/fp32, fp64 arithmetic and the free-memory query, on every device."""
+    """Matmul in bf16/fp16/fp32, fp64 arithmetic, the free-memory query and (CUDA/XPU) the compiled
+    decode loop, on every device."""
     import torch
 
     results: list[CheckResult] = []
@@ -107,7 +109,60 @@ def _device_checks(torch: Any, device: DeviceFacts) -> list[CheckResult]:
             ),
             device.free_memory_known,
         )
+        check("decode", lambda: _decode_check(torch, name, device.backend))
     return out
+
+
+def _decode_check(torch: Any, name: str, backend: str) -> str:
+    """xpukit's decode loop compiled as ``fast_decode=True`` compiles it here, against the loop eager.
+
+    A tiny random qwen3 in float32 (seeded without touching the caller's RNG), batch 2, 16 greedy
+    tokens; ``reduce-overhead`` (CUDA graphs) on CUDA, ``default`` on XPU (docs/decode.md "XPU").
+    """
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from xpukit.loading.decode_loop import install_decode_loop
+    from xpukit.planning.device.decode import compile_settings
+
+    config = Qwen3Config(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        ids = torch.randint(3, 512, (2, 8))
+    model = model.to(name).eval()
+    mode = "reduce-overhead" if backend == "cuda" else "default"
+    loop = install_decode_loop(model, max_cache_len=256, compile_options=None)
+    args = {"input_ids": ids.to(name), "max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False}
+    eager = model.generate(**args)
+    loop.compile_options = compile_settings(mode)
+    start = time.perf_counter()
+    compiled = model.generate(**args)
+    getattr(torch, backend).synchronize()
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    model.generate(**args)
+    getattr(torch, backend).synchronize()
+    again = time.perf_counter() - start
+    if model.xpukit_last_decode.get("loop") != "xpukit":
+        raise RuntimeError(f"generate() ran {model.xpukit_last_decode}")
+    if not torch.equal(eager.cpu(), compiled.cpu()):
+        where = int((eager.cpu() != compiled.cpu()).nonzero()[0, 1]) - ids.shape[1]
+        raise ArithmeticError(f"compiled ({mode}) tokens differ from eager from new token {where}")
+    per_token = again * 1e3 / 16
+    return (
+        f"compiled mode={mode}: tokens equal eager; first call {first:.1f} s, then {per_token:.2f} ms/token"
+    )
 
 
 def _sync(torch: Any, device: DeviceFacts) -> None:

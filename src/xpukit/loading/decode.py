@@ -1,15 +1,17 @@
-"""Carrying out ``fast_decode=True``: the generation config of the loaded model, and the warm-up.
+"""Carrying out ``fast_decode=True``: xpukit's decode loop, the generation config, and the warm-up.
 
-What :func:`xpukit.planning.device.decode.plan_decode` decided is set on ``model.generation_config``, so
-every later ``generate()`` — and ``pipeline()``, which copies that config — uses transformers' own
-static cache and compiled decoding (docs/decode.md "How it works"):
+With a static cache planned, the model's ``generate`` is served by xpukit's decode loop
+(:mod:`xpukit.loading.decode_loop`) for the common cases; every other call goes to transformers'
+``generate``, which gets what :func:`xpukit.planning.device.decode.plan_decode` decided through
+``model.generation_config`` (``pipeline()`` copies that config) (docs/decode.md "How it works"):
 
 * ``cache_implementation="static"`` and ``max_cache_len`` (the cache is allocated once at that
   length, so the compiled decoding step keeps its shapes whatever the prompt length);
 * ``compile_config=CompileConfig(fullgraph=True, dynamic=False, mode=...)`` when compiled, else
   ``disable_compile=True`` so that generate() does not compile with its own defaults;
-* ``warmup=True``: one short greedy generation at load, twice (the first compiles, the second shows
-  the steady cost), recorded as a ``LoadEvent``. A compile failure there turns compilation off for
+* ``warmup=True``: one short greedy generation at load, twice, at each of the plan's
+  ``graph_batch_sizes`` (the first compiles, the second shows the steady cost), recorded as a
+  ``LoadEvent`` with what the compile cache did. A compile failure there turns compilation off for
   this model and is recorded as a fallback.
 """
 
@@ -80,7 +82,18 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     else:
         config.disable_compile = True
         settings["disable_compile"] = True
-    return [LoadEvent(kind="applied", what="fast_decode", actual=settings)]
+    from xpukit.loading.decode_loop import install_decode_loop
+
+    options = compile_settings(decode.compile_mode) if decode.compile and decode.compile_mode else None
+    install_decode_loop(target, max_cache_len=int(decode.max_cache_len or 0), compile_options=options)
+    loop_event = LoadEvent(
+        kind="applied",
+        what="decode_loop",
+        actual={"compile": options, "graph_batch_sizes": list(decode.graph_batch_sizes)},
+        cause="generate() runs xpukit's decode loop for greedy and plain sampling, transformers' "
+        "for everything else; model.xpukit_last_decode says which ran",
+    )
+    return [LoadEvent(kind="applied", what="fast_decode", actual=settings), loop_event]
 
 
 def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
@@ -105,22 +118,29 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         return []
     vocab = int(getattr(target.config.get_text_config(), "vocab_size", 0) or 2)
     token = config.bos_token_id if isinstance(config.bos_token_id, int) else 0
-    ids = torch.full((1, WARMUP_PROMPT_TOKENS), min(token, vocab - 1), dtype=torch.long, device=target.device)
-    kwargs: dict[str, Any] = {
-        "max_new_tokens": WARMUP_NEW_TOKENS,
-        "min_new_tokens": WARMUP_NEW_TOKENS,
-        "do_sample": False,
-        "attention_mask": torch.ones_like(ids),
-        "pad_token_id": config.pad_token_id if config.pad_token_id is not None else config.eos_token_id,
-    }
-    durations: list[float] = []
+    loop = getattr(target, "xpukit_decode_loop", None)
+    sizes = tuple(plan.decode.graph_batch_sizes) if plan.decode is not None else ()
+    durations: dict[int, list[float]] = {}
     try:
-        for _ in range(2):
-            start = time.perf_counter()
-            with torch.inference_mode():
-                model.generate(input_ids=ids, **kwargs)
-            _synchronize(target.device)
-            durations.append(round(time.perf_counter() - start, 3))
+        for batch in sizes or (1,):
+            ids = torch.full(
+                (batch, WARMUP_PROMPT_TOKENS), min(token, vocab - 1), dtype=torch.long, device=target.device
+            )
+            kwargs: dict[str, Any] = {
+                "max_new_tokens": WARMUP_NEW_TOKENS,
+                "min_new_tokens": WARMUP_NEW_TOKENS,
+                "do_sample": False,
+                "attention_mask": torch.ones_like(ids),
+                "pad_token_id": config.pad_token_id
+                if config.pad_token_id is not None
+                else config.eos_token_id,
+            }
+            for _ in range(2):
+                start = time.perf_counter()
+                with torch.no_grad():
+                    model.generate(input_ids=ids, **kwargs)
+                _synchronize(target.device)
+                durations.setdefault(batch, []).append(round(time.perf_counter() - start, 3))
     except Exception as exc:
         if plan.decode is None or not plan.decode.compile or config.disable_compile:
             raise
@@ -128,6 +148,8 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         logger.warning("Compiled decoding failed in the warm-up (%s); decoding uncompiled", cause)
         config.disable_compile = True
         config.compile_config = None
+        if loop is not None:
+            loop.disable_compile()
         return [
             LoadEvent(
                 kind="fallback",
@@ -137,13 +159,25 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
                 cause=cause,
             )
         ]
-    compiled = not config.disable_compile and hasattr(target, "_compiled_call")  # set by get_compiled_call
+    if loop is not None:
+        compiled = bool(loop.graphs)
+    else:
+        compiled = not config.disable_compile and hasattr(target, "_compiled_call")  # get_compiled_call
+    first = next(iter(durations.values()))
+    actual: dict[str, Any] = {"first_call_s": first[0], "second_call_s": first[1], "compiled": compiled}
+    if len(durations) > 1:
+        actual["per_batch"] = {str(b): d for b, d in durations.items()}
+    if loop is not None:
+        actual["loop"] = getattr(target, "xpukit_last_decode", {}).get("loop")
+        actual["compile_cache"] = list(loop.cache_records)
+    batches = ", ".join(str(b) for b in durations)
     return [
         LoadEvent(
             kind="applied",
             what="warmup",
-            actual={"first_call_s": durations[0], "second_call_s": durations[1], "compiled": compiled},
-            cause=f"{WARMUP_NEW_TOKENS} new tokens, {WARMUP_PROMPT_TOKENS}-token prompt, batch 1, greedy",
+            actual=actual,
+            cause=f"{WARMUP_NEW_TOKENS} new tokens, {WARMUP_PROMPT_TOKENS}-token prompt, batch {batches}, "
+            "greedy",
         )
     ]
 

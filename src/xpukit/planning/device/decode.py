@@ -28,9 +28,18 @@ if TYPE_CHECKING:
     from xpukit.planning.model.facts import ModelFacts
     from xpukit.planning.vocabulary import MemoryEstimate
 
-__all__ = ["CACHE_LENGTH_STEP", "DecodePlan", "check_fast_decode", "compile_settings", "plan_decode"]
+__all__ = [
+    "CACHE_LENGTH_STEP",
+    "GRAPH_BATCH_SIZES",
+    "DecodePlan",
+    "check_fast_decode",
+    "compile_settings",
+    "plan_decode",
+]
 
 CACHE_LENGTH_STEP = 256  # max_cache_len is a multiple of this (docs/decode.md "Cache length")
+# Batch sizes the warm-up compiles: each costs one compile (docs/decode.md "Batch sizes").
+GRAPH_BATCH_SIZES = (1,)
 # bitsandbytes' quantizers report is_compileable False in transformers 5.22 (docs/decode.md
 # "Quantized models"): generate() skips compilation for them.
 _NOT_COMPILED_QUANT = {"4bit", "8bit"}
@@ -47,6 +56,9 @@ class DecodePlan:
             the plan's back).
         compile_mode: the ``torch.compile`` mode (``reduce-overhead`` or ``default``), or ``None``.
         kv_bytes: KV-cache bytes of ``max_cache_len`` tokens at batch 1 (0 without a static cache).
+        graph_batch_sizes: batch sizes whose decode step the warm-up compiles (CUDA: captures as
+            CUDA graphs); any other batch size compiles on its first call (docs/decode.md
+            "Batch sizes").
     """
 
     static_cache: bool
@@ -54,6 +66,7 @@ class DecodePlan:
     compile: bool
     compile_mode: str | None
     kv_bytes: int = 0
+    graph_batch_sizes: tuple[int, ...] = ()
 
     def describe(self) -> dict[str, Any]:
         """The decision's value: what changes in the generation config."""
@@ -160,13 +173,19 @@ def plan_decode(
         else 'mode default (inductor\'s graph capture is CUDA-only: docs/decode.md "XPU")'
     )
     plan = DecodePlan(
-        static_cache=True, max_cache_len=length, compile=True, compile_mode=mode, kv_bytes=kv_bytes
+        static_cache=True,
+        max_cache_len=length,
+        compile=True,
+        compile_mode=mode,
+        kv_bytes=kv_bytes,
+        graph_batch_sizes=GRAPH_BATCH_SIZES,
     )
+    sizes = ", ".join(str(b) for b in GRAPH_BATCH_SIZES)
     return plan, Decision(
         name="fast_decode",
         value=plan.describe(),
-        reason=f"fast_decode=True given: {sized}; decoding compiled by generate() (fullgraph, static "
-        f"shapes, {graphs})",
+        reason=f"fast_decode=True given: {sized}; decoding step compiled (fullgraph, static shapes, {graphs}), by the "
+        f"warm-up at batch {sizes}, other batch sizes on first use",
         source="user",
     )
 

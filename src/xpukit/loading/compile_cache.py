@@ -1,0 +1,172 @@
+"""torch's compile caches for the decode step, kept under xpukit's cache dir across processes.
+
+torch.compile already caches inductor's FX graphs and AOT-autograd graphs on disk
+(``torch._inductor.config.fx_graph_cache``, ``torch._functorch.config.enable_autograd_cache``, both
+on by default), under a per-user temporary directory that a reboot or a fresh container loses. The
+"mega-cache" (``torch.compiler.save_cache_artifacts()`` / ``load_cache_artifacts()``) serialises
+every artifact compiled in this process into one blob; xpukit writes that blob to
+``<xpukit cache>/compile/<key>.bin`` after a new graph compiled and loads it before the graph is
+first needed, so that a second process's first call hits the caches (docs/decode.md
+"Compile cache"). ``os.environ`` is never changed: no ``TORCHINDUCTOR_CACHE_DIR``.
+
+The key hashes what makes a graph differ (the model config, dtype, device name, torch / triton /
+transformers / xpukit versions, batch size, cache length, compile settings): a blob is only ever
+loaded where it was made. torch checks its own artifacts again on every hit, so a wrong blob costs
+a miss, not a wrong result. A cache dir that cannot be written (read-only, full) is recorded, never
+raised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from xpukit import _environ, _platform
+
+__all__ = ["CACHE_FORMAT", "cache_key", "compile_cache_dir", "key_fields", "load_artifacts", "save_artifacts"]
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump when the decode step's code changes what it compiles
+# Config entries that name the checkpoint, not the graph.
+_IGNORED_CONFIG = {"_name_or_path", "transformers_version", "_commit_hash", "name_or_path"}
+
+
+def compile_cache_dir() -> Path:
+    """``$XPUKIT_CACHE_DIR/compile``, else ``<user cache dir>/xpukit/compile`` (docs/env.md)."""
+    root = _environ.get("XPUKIT_CACHE_DIR")
+    return (Path(root).expanduser() if root else _platform.cache_dir()) / "compile"
+
+
+def key_fields(
+    model_config: dict[str, Any],
+    *,
+    dtype: str,
+    device_name: str,
+    batch_size: int,
+    cache_len: int,
+    step: str,
+    compile_options: dict[str, Any],
+    versions: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Everything the compile-cache key depends on, as a JSON-able dict.
+
+    Args:
+        model_config: ``model.config.to_dict()`` (checkpoint names are dropped).
+        dtype: the model's dtype (``bfloat16``).
+        device_name: the accelerator's name (``NVIDIA H200``).
+        batch_size: the batch size the graph is compiled for.
+        cache_len: the static cache length.
+        step: which decode step (``greedy``, ``sample-k50-p``: the sampling settings that shape it).
+        compile_options: the ``torch.compile`` keyword arguments (a backend is named by ``repr``).
+        versions: torch, triton, transformers, xpukit versions (default: the installed ones).
+    """
+    config = {k: v for k, v in sorted(model_config.items()) if k not in _IGNORED_CONFIG}
+    return {
+        "format": CACHE_FORMAT,
+        "config": config,
+        "dtype": dtype,
+        "device": device_name,
+        "batch_size": batch_size,
+        "cache_len": cache_len,
+        "step": step,
+        "compile": {k: v if isinstance(v, (str, int, bool)) else repr(v) for k, v in compile_options.items()},
+        "versions": versions if versions is not None else _versions(),
+    }
+
+
+def cache_key(fields: dict[str, Any]) -> str:
+    """A short hex digest of :func:`key_fields`' dict (stable across processes and dict order)."""
+    text = json.dumps(fields, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def load_artifacts(key: str, directory: Path | None = None) -> dict[str, Any]:
+    """Load the blob of ``key`` into torch's compile caches, if there is one.
+
+    Returns:
+        What happened: ``{"loaded": bool, "path": str}`` plus ``"error"`` when reading or loading
+        failed (the compile then runs cold), or ``"artifacts"`` (how many torch took).
+    """
+    path = (directory or compile_cache_dir()) / f"{key}.bin"
+    record: dict[str, Any] = {"loaded": False, "path": str(path)}
+    try:
+        blob = path.read_bytes()
+    except FileNotFoundError:
+        return record
+    except OSError as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        return record
+    try:
+        import torch
+
+        info = torch.compiler.load_cache_artifacts(blob)
+    except Exception as exc:  # a blob of another torch, or a torch without the mega-cache
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        logger.info("compile cache %s not loaded: %s", path, record["error"])
+        return record
+    record["loaded"] = info is not None
+    record["artifacts"] = _count(info)
+    return record
+
+
+def save_artifacts(key: str, directory: Path | None = None) -> dict[str, Any]:
+    """Write what this process compiled so far to the blob of ``key`` (atomically).
+
+    Returns:
+        ``{"saved": bool, "path": str}``, plus ``"bytes"`` and ``"artifacts"`` when saved, or
+        ``"error"`` when the directory cannot be written (read-only, full) or torch had nothing.
+    """
+    path = (directory or compile_cache_dir()) / f"{key}.bin"
+    record: dict[str, Any] = {"saved": False, "path": str(path)}
+    try:
+        import torch
+
+        result = torch.compiler.save_cache_artifacts()
+    except Exception as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        return record
+    if result is None:
+        record["error"] = "torch recorded no compile artifacts"
+        return record
+    blob, info = result
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(blob)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        record["error"] = f"{type(exc).__name__}: {exc}"
+        logger.info("compile cache not written to %s: %s", path, record["error"])
+        return record
+    record.update(saved=True, bytes=len(blob), artifacts=_count(info))
+    return record
+
+
+def _count(info: Any) -> int | None:
+    artifacts = getattr(info, "artifacts", None)
+    if not isinstance(artifacts, dict):
+        return None
+    return sum(len(v) for v in artifacts.values())
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("torch", "triton", "pytorch-triton-xpu", "transformers", "xpukit"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out

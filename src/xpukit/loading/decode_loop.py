@@ -1,0 +1,377 @@
+"""xpukit's decode loop: static cache, one prefill, then one (compiled) step per token, no host sync.
+
+Reached through the model's own ``generate()`` (:func:`install_decode_loop` wraps it on the
+instance); :func:`xpukit.loading.decode_request.triage` decides per call whether this loop serves
+it, else transformers' ``generate`` runs unchanged. Which one ran is ``model.xpukit_last_decode``
+(docs/decode.md "How the loop works").
+
+Per batch size the loop keeps a ``StaticCache`` of ``max_cache_len`` tokens and fixed buffers (the
+current token, positions, the 2-D mask over the whole cache, the finished flags, the output, the
+step index). A decode step reads and writes only those buffers, on the device: forward of one token,
+EOS suppression for ``min_new_tokens``, argmax or sampling (temperature → top-k → top-p, then the
+exponential-race draw, exact for the categorical distribution), pad after EOS, and the write of the
+token into the output. Compiled with CUDA graphs the step is one graph replay per token; the host
+reads the "all finished" flag once every ``check_every`` tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from xpukit.errors import InvalidRequestError
+from xpukit.loading import compile_cache
+from xpukit.loading.decode_request import DecodeRequest, triage
+from xpukit.loading.decode_step import choose, decode_step
+
+__all__ = ["CHECK_EVERY", "DecodeLoop", "install_decode_loop"]
+
+logger = logging.getLogger(__name__)
+
+CHECK_EVERY = 16  # tokens between two reads of the "all sequences finished" flag (one host sync)
+_KEEP_BATCH_SIZES = 4  # caches kept per model (each is batch × the plan's KV bytes)
+
+
+@dataclass(slots=True)
+class _State:
+    """One batch size's buffers; their addresses never change, so a CUDA graph can replay them."""
+
+    cache: Any
+    tokens: Any  # (b, 1) long: the last token, the next step's input
+    positions: Any  # (b, 1) long: its position id (left padding shifts it)
+    mask: Any  # (b, cache_len) bool: False on left padding, True elsewhere (causality masks the future)
+    unfinished: Any  # (b,) bool
+    out: Any  # (b, cache_len) long: the new tokens, at [0, new_tokens)
+    index: Any  # (1,) long: the step's column in ``out``
+
+
+def _prompt_positions(mask: Any) -> Any:
+    """Position ids of a left-padded prompt (transformers' rule: count the real tokens; 1 on padding)."""
+    positions = mask.cumsum(-1) - 1
+    return positions.masked_fill_(mask == 0, 1)
+
+
+def _first_new_position(positions: Any) -> Any:
+    """The position id of the first new token: one past each row's last prompt token."""
+    return positions[:, -1:] + 1
+
+
+def _fill_mask(cache_mask: Any, mask: Any) -> None:
+    """The mask over the whole cache: the prompt's, then ones (causality hides the future)."""
+    cache_mask[:, : mask.shape[1]].copy_(mask)
+    cache_mask[:, mask.shape[1] :].fill_(1)
+
+
+class DecodeLoop:
+    """The decode loop of one model.
+
+    Attributes:
+        enabled: ``False`` sends every call to transformers' ``generate`` (a switch for comparison).
+        compile_options: ``torch.compile`` keyword arguments of the step, or ``None`` (eager).
+        check_every: tokens between two reads of the finished flags.
+        cache_records: what the compile cache did, one dict per compiled graph.
+        graphs: the ``(batch, step)`` pairs compiled so far in this process.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_cache_len: int,
+        compile_options: dict[str, Any] | None = None,
+        check_every: int = CHECK_EVERY,
+        cache_dir: Any = None,
+    ) -> None:
+        self.model = model
+        self.enabled = True
+        self.max_cache_len = max_cache_len
+        self.compile_options = compile_options
+        self.check_every = check_every
+        self.cache_dir = cache_dir
+        self.cache_records: list[dict[str, Any]] = []
+        self.graphs: set[tuple[int, str]] = set()
+        self._states: OrderedDict[tuple[int, int], _State] = OrderedDict()
+        self._compiled: dict[bool, Any] = {}
+        self._consts: dict[str, Any] = {}
+        self._last: tuple[DecodeRequest, _State] | None = None
+        self._keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @property
+    def cudagraphs(self) -> bool:
+        """Whether the step is captured as CUDA graphs (``mode="reduce-overhead"``)."""
+        options = self.compile_options or {}
+        return options.get("mode") == "reduce-overhead"
+
+    def disable_compile(self) -> None:
+        """Run the step eagerly from now on (a compile failure)."""
+        self.compile_options = None
+        self._compiled.clear()
+
+    def dispatch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Serve a ``generate()`` call with this loop or with transformers' (``original``)."""
+        request: DecodeRequest | str
+        if not self.enabled:
+            request = "xpukit's loop is switched off (model.xpukit_decode_loop.enabled)"
+        else:
+            request = triage(self.model, args, kwargs)
+        if isinstance(request, DecodeRequest):
+            length = self._cache_len()
+            needed = request.input_ids.shape[1] + request.new_tokens
+            if needed > length:
+                request = f"prompt + new tokens = {needed} exceed the static cache ({length})"
+        if isinstance(request, str):
+            self._record("transformers", request, None)
+            return original(*args, **kwargs)
+        out = self.run(request)
+        self._record("xpukit", "greedy" if not request.do_sample else "sampling", request)
+        return out
+
+    def run(self, request: DecodeRequest) -> Any:
+        """Generate for ``request``; returns prompts + new tokens, as transformers' ``generate``."""
+        import torch
+
+        # Never inference mode: the kept buffers and the cache are mutated by later calls, which may
+        # run outside it (an inference tensor cannot be updated there); no_grad in every call, so the
+        # compiled step's grad-mode guard always holds.
+        with torch.inference_mode(False), torch.no_grad():
+            return self._run(torch, request)
+
+    def _run(self, torch: Any, request: DecodeRequest) -> Any:
+        model = self.model
+        device = model.device
+        ids = request.input_ids.to(device)
+        batch = ids.shape[0]
+        mask = request.attention_mask
+        mask = torch.ones_like(ids) if mask is None else mask.to(device=device, dtype=torch.long)
+        state = self._state(torch, batch, self._cache_len())
+        consts = self._constants(torch, request)
+        state.cache.reset()
+        _fill_mask(state.mask, mask)
+        positions = _prompt_positions(mask)
+        extra = {"logits_to_keep": 1} if self._keep_one else {}
+        logits = model(
+            input_ids=ids,
+            attention_mask=state.mask,
+            position_ids=positions,
+            past_key_values=state.cache,
+            use_cache=True,
+            **extra,
+        ).logits[:, -1, :]
+        top_p = consts["top_p"] if request.top_p < 1.0 else None
+        suppress = torch.tensor(request.min_new_tokens > 0, device=device)
+        first = choose(
+            logits, consts["is_eos"], suppress, consts["temperature"], top_p, request.do_sample, request.top_k
+        )
+        state.unfinished.copy_(~consts["is_eos"][first])
+        state.out[:, 0].copy_(first)
+        state.tokens.copy_(first.unsqueeze(1))
+        state.positions.copy_(_first_new_position(positions))
+        state.index.fill_(1)
+        step = self._step(torch, request, batch)
+        self._last = (request, state)
+        done = request.new_tokens
+        for i in range(1, request.new_tokens):
+            self._call(torch, step, request, state)
+            if i == 1 and self.compile_options:
+                self._after_compile(request, batch)
+            if request.eos_ids and (i + 1) % self.check_every == 0 and not bool(state.unfinished.any()):
+                done = i + 1
+                break
+        new = state.out[:, :done]
+        if request.eos_ids and not bool(state.unfinished.any()):
+            hit = consts["is_eos"][new]
+            first_eos = torch.where(hit.any(-1), hit.int().argmax(-1), done - 1)
+            new = new[:, : int(first_eos.max()) + 1]
+        return torch.cat([ids, new.clone()], dim=1)
+
+    def replay(self, count: int) -> None:
+        """Run ``count`` more decode steps of the last call's batch, with no host sync (measurement:
+        ``bench/bench_decode.py --breakdown`` times the step alone). The output buffer is not touched
+        past the cache; the next ``generate()`` resets everything."""
+        import torch
+
+        if self._last is None:
+            raise InvalidRequestError("replay() runs the last generate() call's step: call generate() first")
+        request, state = self._last
+        if int(state.cache.get_seq_length()) + count > state.mask.shape[1]:
+            raise InvalidRequestError(
+                f"replay({count}): the static cache has no room for {count} more tokens"
+            )
+        step = self._step(torch, request, int(state.tokens.shape[0]))
+        with torch.inference_mode(False), torch.no_grad():
+            state.index.fill_(1)
+            for _ in range(count):
+                self._call(torch, step, request, state)
+
+    def _call(self, torch: Any, step: Any, request: DecodeRequest, state: _State) -> None:
+        consts = self._consts
+        if self.cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        step(
+            self.model,
+            state.cache,
+            state.tokens,
+            state.positions,
+            state.mask,
+            state.unfinished,
+            state.out,
+            state.index,
+            consts["is_eos"],
+            consts["pad"],
+            consts["min_new"],
+            consts["temperature"],
+            consts["top_p"] if request.top_p < 1.0 else None,
+            request.do_sample,
+            request.top_k,
+            self._keep_one,
+        )
+
+    def _cache_len(self) -> int:
+        configured = getattr(self.model.generation_config, "max_cache_len", None)
+        return int(configured or self.max_cache_len)
+
+    def _state(self, torch: Any, batch: int, length: int) -> _State:
+        key = (batch, length)
+        if key in self._states:
+            self._states.move_to_end(key)
+            return self._states[key]
+        from transformers import StaticCache
+
+        device = self.model.device
+        new = _State(
+            cache=StaticCache(config=self.model.config, max_cache_len=length),
+            tokens=torch.zeros((batch, 1), dtype=torch.long, device=device),
+            positions=torch.zeros((batch, 1), dtype=torch.long, device=device),
+            mask=torch.ones((batch, length), dtype=torch.bool, device=device),
+            unfinished=torch.ones(batch, dtype=torch.bool, device=device),
+            out=torch.zeros((batch, length), dtype=torch.long, device=device),
+            index=torch.zeros(1, dtype=torch.long, device=device),
+        )
+        # Fixed addresses (as transformers marks its cache): a CUDA graph mutates them in place. Marked
+        # even while eager, so that a loop compiled later (doctor's selftest) captures them too.
+        for name in ("tokens", "positions", "mask", "unfinished", "out", "index"):
+            torch._dynamo.mark_static_address(getattr(new, name))
+        self._states[key] = new
+        while len(self._states) > _KEEP_BATCH_SIZES:
+            self._states.popitem(last=False)
+        return new
+
+    def _constants(self, torch: Any, request: DecodeRequest) -> dict[str, Any]:
+        if not self._consts:
+            device = self.model.device
+            head = self.model.get_output_embeddings()
+            vocab = (
+                int(head.weight.shape[0])
+                if head is not None
+                else self.model.config.get_text_config().vocab_size
+            )
+            self._consts = {
+                "is_eos": torch.zeros(vocab, dtype=torch.bool, device=device),
+                "pad": torch.zeros((), dtype=torch.long, device=device),
+                "min_new": torch.zeros(1, dtype=torch.long, device=device),
+                "temperature": torch.ones((), dtype=torch.float32, device=device),
+                "top_p": torch.ones((), dtype=torch.float32, device=device),
+            }
+            for tensor in self._consts.values():
+                torch._dynamo.mark_static_address(tensor)
+        consts = self._consts
+        consts["is_eos"].zero_()
+        eos = [e for e in request.eos_ids if 0 <= e < consts["is_eos"].shape[0]]
+        if eos:
+            consts["is_eos"][torch.tensor(eos, device=consts["is_eos"].device)] = True
+        consts["pad"].fill_(request.pad_id)
+        consts["min_new"].fill_(request.min_new_tokens)
+        consts["temperature"].fill_(request.temperature)
+        consts["top_p"].fill_(request.top_p)
+        return consts
+
+    def _step(self, torch: Any, request: DecodeRequest, batch: int) -> Any:
+        if not self.compile_options:
+            return decode_step
+        kind = _step_name(request)
+        if (batch, kind) not in self.graphs:
+            self.cache_records.append(
+                {
+                    "batch": batch,
+                    "step": kind,
+                    **compile_cache.load_artifacts(self._key(batch, kind), self.cache_dir),
+                }
+            )
+        if request.do_sample not in self._compiled:
+            self._compiled[request.do_sample] = torch.compile(decode_step, **self.compile_options)
+        return self._compiled[request.do_sample]
+
+    def _after_compile(self, request: DecodeRequest, batch: int) -> None:
+        kind = _step_name(request)
+        if (batch, kind) in self.graphs:
+            return
+        self.graphs.add((batch, kind))
+        record = self.cache_records[-1] if self.cache_records else {}
+        if not record.get("loaded"):
+            record.update(compile_cache.save_artifacts(self._key(batch, kind), self.cache_dir))
+
+    def _key(self, batch: int, kind: str) -> str:
+        import torch
+
+        model = self.model
+        device = model.device
+        name = device.type
+        module = getattr(torch, device.type, None)
+        if device.type in {"cuda", "xpu"} and module is not None:
+            name = module.get_device_name(device)
+        fields = compile_cache.key_fields(
+            model.config.to_dict(),
+            dtype=str(model.dtype).removeprefix("torch."),
+            device_name=name,
+            batch_size=batch,
+            cache_len=self._cache_len(),
+            step=kind,
+            compile_options=self.compile_options or {},
+        )
+        return compile_cache.cache_key(fields)
+
+    def _record(self, loop: str, reason: str, request: DecodeRequest | None) -> None:
+        record: dict[str, Any] = {"loop": loop, "reason": reason}
+        if request is not None:
+            record.update(
+                batch=int(request.input_ids.shape[0]),
+                new_tokens=request.new_tokens,
+                compiled=bool(self.compile_options),
+                cudagraphs=self.cudagraphs,
+            )
+        self.model.xpukit_last_decode = record
+        logger.debug("generate(): %s loop (%s)", loop, reason)
+
+
+def _step_name(request: DecodeRequest) -> str:
+    if not request.do_sample:
+        return "greedy"
+    return f"sample-k{request.top_k}" + ("-p" if request.top_p < 1.0 else "")
+
+
+def install_decode_loop(
+    model: Any, *, max_cache_len: int, compile_options: dict[str, Any] | None, cache_dir: Any = None
+) -> DecodeLoop:
+    """Give ``model`` xpukit's decode loop behind its own ``generate`` (on this instance only).
+
+    ``model.generate(...)`` then asks :func:`~xpukit.loading.decode_request.triage` per call;
+    ``model.xpukit_decode_loop`` is the loop, ``model.xpukit_last_decode`` says which loop ran last.
+    """
+    import functools
+
+    loop = DecodeLoop(
+        model, max_cache_len=max_cache_len, compile_options=compile_options, cache_dir=cache_dir
+    )
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        return loop.dispatch(original, args, kwargs)
+
+    model.generate = generate
+    model.xpukit_decode_loop = loop
+    model.xpukit_last_decode = None
+    return loop

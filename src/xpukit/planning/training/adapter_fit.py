@@ -69,22 +69,12 @@ def check_adapter(
         InvalidRequestError: a tensor names a module the base lacks or has another shape (unless
             ``force``; then it is a warning on the plan).
     """
-    from xpukit.planning.model.classes import build_meta_model
-
     file = Path(adapter) / "adapter_model.safetensors"
     if not file.is_file():
         return "adapter_model.safetensors not found: shapes not checked here (peft checks them at load)"
     tensors = read_safetensors_header(file)
-    _, model = build_meta_model(config, model_class, trust_remote_code=False)
-    modules = dict(model.named_modules())
-    problems: list[str] = []
-    checked = 0
-    for key, info in sorted(tensors.items()):
-        found = _tensor_problem(key, info, modules)
-        if found is None:
-            checked += 1
-        else:
-            problems.append(found)
+    problems = _problems(tensors, config, model_class)
+    checked = len(tensors) - len(problems)
     named = str(saved.get("base_model_name_or_path") or "")
     other_name = bool(named) and not _same_model(named, base)
     name_note = f"its base_model_name_or_path is {named!r}, not {base!r}" if other_name else ""
@@ -112,6 +102,17 @@ def check_adapter(
     return summary
 
 
+def _problems(tensors: dict[str, Any], config: Any, model_class: Any) -> list[str]:
+    """What does not fit, one line per tensor; the meta-device model is gone when this returns (an
+    error raised afterwards keeps no model alive in its traceback)."""
+    from xpukit.planning.model.classes import build_meta_model
+
+    _, model = build_meta_model(config, model_class, trust_remote_code=False)
+    modules = dict(model.named_modules())
+    found = [_tensor_problem(key, info, modules) for key, info in sorted(tensors.items())]
+    return [problem for problem in found if problem is not None]
+
+
 def _tensor_problem(key: str, info: Any, modules: dict[str, Any]) -> str | None:
     """Why one saved adapter tensor does not fit the base's modules, else ``None``."""
     shape = list(info.get("shape", [])) if isinstance(info, dict) else []
@@ -131,13 +132,11 @@ def _tensor_problem(key: str, info: Any, modules: dict[str, Any]) -> str | None:
                 return f"{key} has shape {shape}, the base's {module_name} has {side}_features {want}"
             return None
     # modules_to_save and other full tensors: the base's parameter of that name must have the shape.
-    module_name, _, param = name.rpartition(".")
-    module = modules.get(module_name)
-    tensor = getattr(module, param, None) if module is not None else None
-    if tensor is None or not hasattr(tensor, "shape"):
-        return None if module is not None else f"{name}: no such module in the base"
-    if list(tensor.shape) != shape:
-        return f"{key} has shape {shape}, the base's {name} has {list(tensor.shape)}"
+    # A name the base lacks is some other peft tensor (trainable tokens, DoRA magnitudes…): peft checks it.
+    module_name, _, param = name.replace(".modules_to_save", "").rpartition(".")
+    tensor = getattr(modules.get(module_name), param, None)
+    if tensor is not None and hasattr(tensor, "shape") and list(tensor.shape) != shape:
+        return f"{key} has shape {shape}, the base's {module_name}.{param} has {list(tensor.shape)}"
     return None
 
 

@@ -12,7 +12,9 @@ was trained in (the reference) with:
   (transformers' ``model.dequantize()``, i.e. bitsandbytes' ``dequantize_4bit``), then merged;
 - ``peft-4bit``: peft's ``merge_and_unload()`` on the 4-bit model itself (re-quantises every merged
   weight: the path xpukit refuses);
-- ``base``: the base without the adapter (the adapter's own effect, for scale).
+- ``xpukit-dequantized`` / ``xpukit-original``: ``load_for_xpu(base, lora=adapter, merge=...)``, which
+  must reproduce the two rows above;
+- ``base-original`` / ``base-4bit``: the base without the adapter (the adapter's own effect, for scale).
 
 Per row: logits max-abs and mean-abs difference against the reference, the share of greedy tokens
 (``--new-tokens`` per prompt) equal to the reference's, and the held-out loss. Everything runs on the
@@ -195,6 +197,10 @@ def main() -> None:
             variants["peft-4bit"] = no_repack(
                 PeftModel.from_pretrained(quantized, adapter).merge_and_unload()
             )
+            for merge in ("dequantized", "original"):  # xpukit's own merge must give the rows above
+                variants[f"xpukit-{merge}"] = load_for_xpu(
+                    base, device="cpu", dtype="float32", lora=str(adapter), merge=merge
+                )
             variants["base-original"] = AutoModelForCausalLM.from_pretrained(base, **full)
             variants["base-4bit"] = no_repack(AutoModelForCausalLM.from_pretrained(base, **four_bit))
             for name, merged in variants.items():

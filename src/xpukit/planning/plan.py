@@ -292,7 +292,8 @@ def plan_load(
         decode=decode,
         training=training,
     )
-    return plan if merge_plan is None else replace_plan(plan, merge_plan)  # docs/planning.md "Merge"
+    # merge=: the plan as the merge carries it out (docs/planning.md "Merge (`merge=`)").
+    return plan if merge_plan is None else replace_plan(plan, merge_plan)
 
 
 # ---------------------------------------------------------------------------------------------

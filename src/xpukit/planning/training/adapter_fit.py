@@ -79,7 +79,8 @@ def check_adapter(
     other_name = bool(named) and not _same_model(named, base)
     name_note = f"its base_model_name_or_path is {named!r}, not {base!r}" if other_name else ""
     if problems:
-        listed = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        distinct = list(dict.fromkeys(problems))  # lora_A and lora_B of a missing module say the same
+        listed = "; ".join(distinct[:4]) + (f"; and {len(distinct) - 4} more" if len(distinct) > 4 else "")
         message = (
             f"lora={adapter!r} does not fit the base {base!r}: {len(problems)} of its {len(tensors)} "
             f"tensors do not match the base's modules ({listed})" + (f"; {name_note}" if name_note else "")

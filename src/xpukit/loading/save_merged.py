@@ -124,12 +124,12 @@ def save_merged(
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
-        model.save_pretrained(partial)
-        del model
+        try:
+            model.save_pretrained(partial)
+        finally:
+            del model  # an error must not keep the merged weights alive in its traceback
         if tokenizer_from is not None:
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(partial)
+            _save_tokenizer(tokenizer_from, partial)
         if target.exists():
             target.rmdir()  # empty, checked above
         partial.chmod(0o755)
@@ -140,6 +140,19 @@ def save_merged(
     return MergeResult(
         out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan
     )
+
+
+def _save_tokenizer(source: str, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"The tokenizer in {source!r} cannot be read ({type(exc).__name__}: {exc}); nothing was written. "
+            "Fix: repair or remove its tokenizer files, then merge again."
+        ) from None
+    tokenizer.save_pretrained(out)
 
 
 def _tokenizer_source(adapter: Path, base: Any) -> str | None:

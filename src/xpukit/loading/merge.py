@@ -1,16 +1,18 @@
 """Carrying out a plan's ``merge``: the adapter merged into full-precision base weights at load.
 
 :func:`xpukit.loading.load.carry_out` calls :func:`merge_kwargs` before ``from_pretrained`` and
-:func:`merge_adapter` where it would otherwise attach the adapter. For ``"dequantized"`` the base is
-loaded in 4-bit exactly as ``quantize="4bit"`` training loads it, then every 4-bit layer is
-dequantised with transformers' ``model.dequantize()`` (bitsandbytes' ``dequantize_4bit``); for
-``"original"`` the checkpoint's weights are used as they are. Then peft's ``PeftModel.from_pretrained``
-and ``merge_and_unload`` give a plain transformers model. The decision is
-:func:`xpukit.planning.training.merge.plan_merge` (docs/training.md "Merging an adapter").
+:func:`merge_adapter` (through :func:`merging`) where it would otherwise attach the adapter. For
+``"dequantized"`` the base is loaded in 4-bit exactly as ``quantize="4bit"`` training loads it,
+then every 4-bit layer is dequantised with transformers' ``model.dequantize()`` (bitsandbytes'
+``dequantize_4bit``); for ``"original"`` the checkpoint's weights are used as they are. Then peft's
+``PeftModel.from_pretrained`` and ``merge_and_unload`` give a plain transformers model. The
+decision is :func:`xpukit.planning.training.merge.plan_merge`
+(docs/training.md "Merging an adapter").
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
@@ -21,7 +23,7 @@ from xpukit.planning.device.quantization import require_bnb
 if TYPE_CHECKING:
     from xpukit.planning.loadplan import LoadPlan
 
-__all__ = ["merge_adapter", "merge_kwargs"]
+__all__ = ["merge_adapter", "merge_kwargs", "merging"]
 
 
 def merge_kwargs(plan: LoadPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -54,6 +56,15 @@ def merge_kwargs(plan: LoadPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
     values = dict(merge.quantization_config)
     values["bnb_4bit_compute_dtype"] = getattr(torch, values["bnb_4bit_compute_dtype"])
     return {**kwargs, "quantization_config": BitsAndBytesConfig(**values)}
+
+
+def merging(plan: LoadPlan) -> Callable[..., tuple[Any, list[str]]]:
+    """:func:`merge_adapter` for ``plan``, called as ``apply_lora`` is (the loader calls either)."""
+
+    def apply(model: Any, request: Any, **_: Any) -> tuple[Any, list[str]]:
+        return merge_adapter(model, plan)
+
+    return apply
 
 
 def merge_adapter(model: Any, plan: LoadPlan) -> tuple[Any, list[str]]:

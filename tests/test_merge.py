@@ -406,3 +406,26 @@ def test_cli_refusals_in_process(tiny_model: Path, adapters: dict[str, Path], tm
         from xpukit.loading.save_merged import save_merged
 
         save_merged(tiny_model, adapters["lora"], adapters["lora"])
+
+
+def test_a_device_too_small_merges_on_the_cpu_for_real(tiny_model: Path, adapters: dict[str, Path]) -> None:
+    """Planned for an Arc B580 with 100 MiB free: the merge runs, and the model stays, on the CPU."""
+    import dataclasses
+
+    import torch
+
+    from xpukit import load_for_xpu
+    from xpukit.machine.profiles import machine_profile
+
+    machine = machine_profile("arc-b580")
+    small = dataclasses.replace(machine.devices[0], total_memory=100 * 2**20, free_memory=100 * 2**20)
+    facts = dataclasses.replace(machine, devices=(small,))
+    merged = load_for_xpu(tiny_model, facts=facts, dtype="float32", lora=str(adapters["qlora"]), merge=True)
+    plan = merged.xpukit_plan
+    assert plan.merge is not None and plan.merge.moved_to_cpu and plan.device.backend == "cpu"
+    assert str(merged.device) == "cpu" and _is_plain(merged)
+    assert "do not fit xpu:0 alone" in plan.decision("merge").reason
+    assert plan.decision("device_map").value == "cpu" and plan.attn_implementation in {"sdpa", "eager"}
+    inputs = _inputs(tiny_model)
+    on_cpu = _merged(tiny_model, adapters["qlora"], True)
+    torch.testing.assert_close(_logits(merged, inputs), _logits(on_cpu, inputs), rtol=0, atol=0)

@@ -108,6 +108,16 @@ def _load(model: str, *, adapter: str | None = None, **kw: Any) -> Callable[[Inp
     return call
 
 
+def _merge(model: str, adapter: str | None, merge: Any = True, **kw: Any) -> Callable[[Inputs], object]:
+    def call(inputs: Inputs) -> object:
+        from xpukit import load_for_xpu
+
+        lora = {"lora": getattr(inputs, adapter)} if adapter else {}
+        return load_for_xpu(_model(inputs, model), merge=merge, **kw, **lora)
+
+    return call
+
+
 def _sel_facts(spec: str, profile: str, count: int = 1) -> Callable[[Inputs], object]:
     def call(_: Inputs) -> object:
         from xpukit import select_devices
@@ -676,6 +686,39 @@ CASES = [
         "Load the base model the adapter was trained on",
         loads=True,
     ),
+    # --- merge= (docs/training.md "Merging an adapter") --------------------------------------------
+    Case(
+        "merge-without-adapter",
+        _merge("tiny", None, device="cpu"),
+        InvalidRequestError,
+        "merge=True",
+        "no lora= was given",
+        "lora='path/to/adapter'",
+    ),
+    Case(
+        "merge-into-4bit",
+        _merge("tiny", "small_adapter", device="cpu", quantize="4bit"),
+        InvalidRequestError,
+        "quantize='4bit'",
+        "never merges into quantized weights",
+        "drop quantize=",
+    ),
+    Case(
+        "merge-adapter-of-another-base",
+        _merge("mid", "small_adapter", device="cpu"),
+        InvalidRequestError,
+        "small_adapter",
+        "tensors do not match the base's modules",
+        "pass the base it was trained on",
+    ),
+    Case(
+        "merge-value",
+        _merge("tiny", "small_adapter", merge="fp16", device="cpu"),
+        InvalidRequestError,
+        "merge='fp16'",
+        "not understood",
+        "'original'",
+    ),
     Case(
         "fits-nowhere-without-offload",
         _plan(facts="arc-b580", offload=False),
@@ -800,6 +843,16 @@ CLI_CASES = [
     ("demo-steps", ["demo", "--steps", "0"], ("steps=0", "whole number", "at least 1")),
     ("demo-batch-size", ["demo", "--batch-size", "0"], ("batch_size=0", "whole number", "at least 1")),
     ("demo-learning-rate", ["demo", "--lr", "-1"], ("-1.0", "between 0 and 1", "1e-4")),
+    (
+        "merge-dtype",
+        ["merge", "/nonexistent/base", "/nonexistent/adapter", "/nonexistent/out", "--dtype", "int8"],
+        ("'int8'", "not a dtype a merged checkpoint is written in", "bfloat16"),
+    ),
+    (
+        "merge-missing-base",
+        ["merge", "/nonexistent/base", "/nonexistent/adapter", "/nonexistent/out"],
+        ("/nonexistent/base", "does not exist", "Hub model id"),
+    ),
 ]
 
 # Run as real processes too: the installed entry point's exit code and stderr.

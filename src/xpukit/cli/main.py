@@ -16,7 +16,7 @@ from xpukit.cli.logs import command_logging
 from xpukit.errors import XpukitError
 
 # Subcommand modules, in the order `--help` lists them.
-SUBCOMMANDS = ("doctor", "plan", "launch", "demo")
+SUBCOMMANDS = ("doctor", "plan", "launch", "demo", "merge")
 
 
 def build_parser() -> argparse.ArgumentParser:

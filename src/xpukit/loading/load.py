@@ -61,6 +61,8 @@ def load_for_xpu(
     warmup: bool = False,
     batch_size: int | None = None,
     seq_len: int | None = None,
+    merge: Any = False,
+    force: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> Any:
     """Load a model for inference the way :func:`xpukit.plan_load` plans it, and say what ran.
@@ -77,10 +79,13 @@ def load_for_xpu(
     load and records its time (the compile) as a ``warmup`` event (docs/decode.md). With new LoRA
     adapters, ``batch_size=`` and ``seq_len=`` size the training step the memory savers are chosen
     for (checkpointing, offload, liger, micro-batch; docs/training.md "Training plan by fit").
+    ``merge=True`` with ``lora=`` an adapter directory returns a plain transformers model with the
+    adapter merged into full-precision base weights, as the plan's ``merge`` decision says
+    (docs/training.md "Merging an adapter").
 
     Returns:
-        The loaded ``PreTrainedModel`` (a ``PeftModel`` when ``lora`` was given), with the plan as
-        carried out — fallbacks and their causes included — in ``model.xpukit_plan``.
+        The loaded ``PreTrainedModel`` (a ``PeftModel`` when ``lora`` was given, unless merged), with
+        the plan as carried out — fallbacks and their causes included — in ``model.xpukit_plan``.
 
     Raises:
         The errors of :func:`xpukit.plan_load`, all before any weight is read.
@@ -119,6 +124,8 @@ def load_for_xpu(
             fast_decode=fast_decode,
             batch_size=batch_size,
             seq_len=seq_len,
+            merge=merge,
+            force=force,
             **from_pretrained_kwargs,
         )
     return carry_out(plan, model_class=model_class, warmup=warmup)
@@ -161,6 +168,10 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
             fetch_attention_kernel(plan, kwargs, events, changes)
         if plan.use_kernels:
             fetch_layer_kernels(plan, kwargs, events, changes)
+        if plan.merge is not None:
+            from xpukit.loading.merge import merge_kwargs, merging
+
+            kwargs = merge_kwargs(plan, kwargs)  # merge="dequantized": the 4-bit base training saw
         problem = None
         kwargs.pop("output_loading_info", None)  # always asked: the load report decides below
         try:
@@ -208,7 +219,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                 events.append(LoadEvent(kind="applied", what="seed", actual=f"set_seed({plan.seed})"))
             try:
                 fused = next((d for d in plan.decisions if d.name == "fused_lora"), None)
-                model, notes = apply_lora(
+                model, notes = (apply_lora if plan.merge is None else merging(plan))(
                     model,
                     plan.lora,
                     compute_dtype=plan.dtype,

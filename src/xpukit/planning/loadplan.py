@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from xpukit.planning.device.decode import DecodePlan
     from xpukit.planning.model.facts import ModelFacts
     from xpukit.planning.training.fit import TrainingPlan
+    from xpukit.planning.training.merge import MergePlan
 
 __all__ = ["LoadPlan"]
 
@@ -57,6 +58,8 @@ class LoadPlan:
             (:class:`xpukit.planning.device.decode.DecodePlan`), or ``None`` when not asked.
         training: the memory savers for new LoRA adapters, chosen by fit
             (:class:`xpukit.planning.training.fit.TrainingPlan`); ``None`` without new adapters.
+        merge: where and into which weights ``merge=True`` merges the adapter
+            (:class:`xpukit.planning.training.merge.MergePlan`); ``None`` without ``merge=``.
     """
 
     model: str | None
@@ -89,6 +92,7 @@ class LoadPlan:
     strategy: str | None = None  # the distributed strategy the load is for (planning/device/distributed.py)
     decode: DecodePlan | None = None  # fast_decode=True: static cache / compile (planning/device/decode.py)
     training: TrainingPlan | None = None  # new LoRA adapters: savers by fit (planning/training/fit.py)
+    merge: MergePlan | None = None  # merge=True: the adapter merged at load (planning/training/merge.py)
 
     @property
     def fallbacks(self) -> tuple[LoadEvent, ...]:
@@ -181,6 +185,7 @@ class LoadPlan:
             "decode": self.decode.describe() if self.decode is not None else None,
             "training": self.training.to_dict() if self.training is not None else None,
             "launch": self.machine.launch.to_dict() if self.machine.launch is not None else None,
+            "merge": self.merge.to_dict() if self.merge is not None else None,
         }
 
     def _kwargs_summary(self) -> dict[str, Any]:

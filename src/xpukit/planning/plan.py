@@ -43,6 +43,7 @@ from xpukit.planning.model.source import read_config
 from xpukit.planning.training.fit import check_step_size, training_plan_for
 from xpukit.planning.training.fused import decide_fused
 from xpukit.planning.training.lora_request import fit_lora_to_class
+from xpukit.planning.training.merge import parse_merge, plan_merge, replace_plan
 from xpukit.planning.vocabulary import Decision
 
 __all__ = ["plan_load"]
@@ -70,6 +71,8 @@ def plan_load(
     fast_decode: bool = False,
     batch_size: int | None = None,
     seq_len: int | None = None,
+    merge: Any = False,
+    force: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> LoadPlan:
     """Plan how to load ``model`` for inference: device, dtype, placement, attention, kernels, 4-bit, LoRA.
@@ -114,6 +117,12 @@ def plan_load(
             (default 8); the memory savers are chosen by fit (docs/training.md "Training plan by fit").
         seq_len: with new LoRA adapters, the tokens per sequence (default 2048, capped at the
             model's context).
+        merge: with ``lora=`` an adapter directory: ``True`` (or ``"dequantized"``) merges it into the
+            base as 4-bit training saw it, ``"original"`` into the checkpoint's own weights; never into
+            4-bit weights (``quantize=`` is refused). Placed by fit: the device, else the CPU. The
+            plan's ``merge`` decision says which and why (docs/training.md "Merging an adapter").
+        force: with ``merge=``, merge an adapter whose tensors do not all fit the base (a warning
+            instead of :class:`InvalidRequestError`).
         **from_pretrained_kwargs: passed to ``from_pretrained`` unchanged.
 
     Returns:
@@ -161,6 +170,10 @@ def plan_load(
     fast_decode = check_fast_decode(fast_decode)
     batch_size, seq_len = check_step_size(batch_size, "batch_size"), check_step_size(seq_len, "seq_len")
     lora_request_for(lora, quantized=quant.kind in {"4bit", "8bit"})  # validate before reading anything
+    merge_request = parse_merge(
+        merge, lora=lora, quantize=quantize, quant_kind=quant.kind, force=force, strategy=strategy,
+        device_map=device_map, max_memory=max_memory,
+    )  # fmt: skip
     config, source, name, consumed = read_config(model, kwargs)
     machine, facts_given = machine_for(facts)
     if isinstance(device_map, dict):
@@ -268,9 +281,14 @@ def plan_load(
             device_map=distributed.device_map,
         )
         decisions.append(decode_decision)
+    merge_plan = None if merge_request is None else plan_merge(
+        merge_request, lora_request=lora_request, memory=layout.memory, main=main, machine=machine,
+        facts=mfacts, config=config, model_class=class_choice.cls or class_choice.name, dtype=dtype_name,
+        warnings=warnings,
+    )  # fmt: skip
     for warning in warnings:
         logger.warning("%s", warning)
-    return LoadPlan(
+    plan = LoadPlan(
         model=source,
         model_facts=mfacts,
         machine=machine,
@@ -299,6 +317,8 @@ def plan_load(
         decode=decode,
         training=training,
     )
+    # merge=: the plan as the merge carries it out (docs/planning.md "Merge (`merge=`)").
+    return plan if merge_plan is None else replace_plan(plan, merge_plan)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -184,8 +184,8 @@ def plan_decode(
     return plan, Decision(
         name="fast_decode",
         value=plan.describe(),
-        reason=f"fast_decode=True given: {sized}; decoding step compiled (fullgraph, static shapes, {graphs}), by the "
-        f"warm-up at batch {sizes}, other batch sizes on first use",
+        reason=f"fast_decode=True given: {sized}; decoding step compiled (fullgraph, static shapes, "
+        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use",
         source="user",
     )
 

@@ -1,0 +1,171 @@
+"""``xpukit merge``'s engine: a LoRA adapter merged into its base and written as a full checkpoint.
+
+:func:`save_merged` loads ``load_for_xpu(base, lora=adapter, merge=...)`` in the dtype the base
+checkpoint declares (its config's ``dtype``, or ``torch_dtype`` in older files) unless another is
+asked, and writes the merged model with transformers' ``save_pretrained`` (safetensors, config,
+generation config) plus the tokenizer, from the adapter directory when it has one (tokens added in
+training), else from the base. Everything is written to a temporary sibling of ``out`` and renamed
+into place at the end, so a failure leaves no half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from xpukit.errors import InvalidRequestError
+from xpukit.machine.precision import DTYPES, normalize_dtype
+
+__all__ = ["MergeResult", "checkpoint_dtype", "save_merged"]
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MergeResult:
+    """What :func:`save_merged` wrote.
+
+    Attributes:
+        out: the merged checkpoint's directory.
+        files: the files in it.
+        dtype: the dtype its weights are stored in; ``dtype_reason`` why.
+        tokenizer_from: the directory the tokenizer was copied from, or ``None`` when neither had one.
+        plan: the plan the merge carried out (``model.xpukit_plan``).
+    """
+
+    out: Path
+    files: tuple[str, ...]
+    dtype: str
+    dtype_reason: str
+    tokenizer_from: str | None
+    plan: Any = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (``xpukit merge --json``)."""
+        return {
+            "out": str(self.out),
+            "files": list(self.files),
+            "dtype": self.dtype,
+            "dtype_reason": self.dtype_reason,
+            "tokenizer_from": self.tokenizer_from,
+            "plan": self.plan.to_dict(),
+        }
+
+
+def checkpoint_dtype(base: Any) -> tuple[str, str]:
+    """The dtype a base checkpoint declares, and where that was read (float32 when it declares none)."""
+    from xpukit.planning.model.source import read_config
+
+    config, _, name, _ = read_config(base, {})
+    declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    dtype = normalize_dtype(declared) if declared is not None else None
+    if dtype is None:
+        return (
+            "float32",
+            f"{name}'s config declares no float dtype ({declared!r}): float32, from_pretrained's default",
+        )
+    return dtype, f"the base checkpoint's own dtype ({name}'s config.json says {dtype})"
+
+
+def save_merged(
+    base: Any,
+    adapter: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: str | None = None,
+    device: Any = None,
+    merge: Any = True,
+    force: bool = False,
+) -> MergeResult:
+    """Merge ``adapter`` into ``base`` and write the merged checkpoint to ``out``.
+
+    Args:
+        base: the base model's directory or Hub id (offline: from the local cache).
+        adapter: the adapter directory (``PeftModel.save_pretrained``).
+        out: a new or empty directory.
+        dtype: ``bfloat16``, ``float16`` or ``float32``; default: the base checkpoint's own.
+        device: where to merge (default: the plan's device when the model fits, else the CPU).
+        merge: ``True`` / ``"dequantized"`` / ``"original"`` (docs/training.md "Merging an adapter").
+        force: merge an adapter whose tensors do not all fit the base (a warning on the plan).
+
+    Raises:
+        InvalidRequestError: ``out`` is not new or empty, or is the base or adapter directory; a bad
+            dtype; and every error of :func:`xpukit.load_for_xpu` with ``merge=``.
+    """
+    target = Path(out)
+    for name, where in (("the base", base), ("the adapter", adapter)):
+        local = isinstance(where, str | os.PathLike) and Path(where).exists() and target.exists()
+        if local and target.resolve() == Path(where).resolve():
+            raise InvalidRequestError(f"OUT={str(target)!r} is {name}'s directory. Fix: write to a new one.")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise InvalidRequestError(
+            f"OUT={str(target)!r} already exists and is not an empty directory. Fix: pass a new directory, "
+            "or remove that one first."
+        )
+    if dtype is None:
+        chosen, why = checkpoint_dtype(base)
+    else:
+        chosen = normalize_dtype(dtype) or ""
+        if chosen not in DTYPES:
+            raise InvalidRequestError(
+                f"--dtype {dtype!r} is not a dtype a merged checkpoint is written in. Valid: "
+                f"{', '.join(DTYPES)}. Default: the base checkpoint's own dtype."
+            )
+        why = "asked (--dtype)"
+    from xpukit.loading.load import load_for_xpu
+
+    model = load_for_xpu(base, lora=os.fspath(adapter), merge=merge, force=force, dtype=chosen, device=device)
+    plan = model.xpukit_plan
+    tokenizer_from = _tokenizer_source(Path(adapter), base)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        try:
+            model.save_pretrained(partial)
+        finally:
+            del model  # an error must not keep the merged weights alive in its traceback
+        if tokenizer_from is not None:
+            _save_tokenizer(tokenizer_from, partial)
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        partial.chmod(0o755)
+        partial.rename(target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    files = tuple(sorted(p.name for p in target.iterdir()))
+    return MergeResult(
+        out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan
+    )
+
+
+def _save_tokenizer(source: str, out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(
+            f"The tokenizer in {source!r} cannot be read ({type(exc).__name__}: {exc}); nothing was written. "
+            "Fix: repair or remove its tokenizer files, then merge again."
+        ) from None
+    tokenizer.save_pretrained(out)
+
+
+def _tokenizer_source(adapter: Path, base: Any) -> str | None:
+    """The adapter directory when it holds a tokenizer (tokens added in training), else the base's."""
+    if any((adapter / name).is_file() for name in _TOKENIZER_FILES):
+        return str(adapter)
+    local = Path(str(base))
+    if local.is_dir():
+        return str(local) if any((local / name).is_file() for name in _TOKENIZER_FILES) else None
+    try:  # a Hub id: the tokenizer from the local cache (or the Hub, bounded by the plan's guard)
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(base))
+    except (OSError, ValueError):
+        return None
+    return str(base)

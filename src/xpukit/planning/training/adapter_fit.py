@@ -1,0 +1,172 @@
+"""Does a trained LoRA adapter belong to this base? Its tensors against the base's modules, no weights read.
+
+:func:`check_adapter` reads the adapter's ``adapter_model.safetensors`` header (names, shapes) and
+builds the base on the meta device; every ``lora_A`` must match its module's input size, every
+``lora_B`` its output size, and every other saved tensor (``modules_to_save``) the base's parameter
+of that name. A tensor that fits nothing is refused, because peft would either fail on it or drop it
+with a warning; a ``base_model_name_or_path`` naming another model while every shape fits is only a
+warning (docs/planning.md "Merge (`merge=`)").
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from xpukit.errors import InvalidRequestError
+
+__all__ = ["check_adapter", "read_safetensors_header"]
+
+_LORA_SUFFIXES = {  # peft's saved tensor name → which side of the base module's weight it must match
+    "lora_A.weight": "in",
+    "lora_B.weight": "out",
+    "lora_embedding_A": "in",
+    "lora_embedding_B": "out",
+}
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The tensor table of a ``.safetensors`` file (names → dtype, shape), read without its weights.
+
+    Raises:
+        InvalidRequestError: the file is not a readable safetensors file.
+    """
+    try:
+        with path.open("rb") as f:
+            size = struct.unpack("<Q", f.read(8))[0]
+            if size > 100 * 2**20:
+                raise ValueError(f"a header of {size} bytes")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error) as exc:
+        raise InvalidRequestError(
+            f"{path}: not a readable safetensors file ({exc}). Fix: save the adapter again with "
+            "PeftModel.save_pretrained."
+        ) from exc
+    if not isinstance(header, dict):
+        raise InvalidRequestError(f"{path}: the safetensors header is not a table of tensors.")
+    header.pop("__metadata__", None)
+    return header
+
+
+def check_adapter(
+    adapter: str,
+    saved: dict[str, Any],
+    *,
+    config: Any,
+    model_class: Any,
+    base: str,
+    force: bool,
+    warnings: list[str],
+) -> str:
+    """Compare the adapter's tensors with the base's modules; what was found, in one line.
+
+    The adapter's ``lora_A``/``lora_B`` shapes come from its safetensors header, the base's module
+    shapes from the model built on the meta device; no weight is read.
+
+    Raises:
+        InvalidRequestError: a tensor names a module the base lacks or has another shape (unless
+            ``force``; then it is a warning on the plan).
+    """
+    file = Path(adapter) / "adapter_model.safetensors"
+    if not file.is_file():
+        return "adapter_model.safetensors not found: shapes not checked here (peft checks them at load)"
+    tensors = read_safetensors_header(file)
+    problems = _problems(tensors, config, model_class)
+    checked = len(tensors) - len(problems)
+    named = str(saved.get("base_model_name_or_path") or "")
+    other_name = bool(named) and not _same_model(named, base)
+    name_note = f"its base_model_name_or_path is {named!r}, not {base!r}" if other_name else ""
+    if problems:
+        distinct = list(dict.fromkeys(problems))  # lora_A and lora_B of a missing module say the same
+        listed = "; ".join(distinct[:4]) + (f"; and {len(distinct) - 4} more" if len(distinct) > 4 else "")
+        message = (
+            f"lora={adapter!r} does not fit the base {base!r}: {len(problems)} of its {len(tensors)} "
+            f"tensors do not match the base's modules ({listed})" + (f"; {name_note}" if name_note else "")
+        )
+        if not force:
+            raise InvalidRequestError(
+                f"{message}. The adapter belongs to another base: merging it would fail or drop those "
+                f"weights. Fix: pass the base it was trained on{f' ({named!r})' if named else ''}, or "
+                "force=True (xpukit merge --force) to merge what peft can."
+            )
+        warnings.append(f"force=True: {message}")
+        return f"force=True: {len(problems)} tensors do not match the base (see warnings)"
+    summary = f"all {checked} tensors match the base's module shapes"
+    if other_name:
+        warnings.append(
+            f"lora={adapter!r}: {name_note}; every tensor shape matches, so it is merged (a local path "
+            "and a Hub id of the same model differ legitimately)"
+        )
+        return f"{summary}; {name_note} (a warning only)"
+    return summary
+
+
+def _problems(tensors: dict[str, Any], config: Any, model_class: Any) -> list[str]:
+    """What does not fit, one line per tensor; the meta-device model is gone when this returns (an
+    error raised afterwards keeps no model alive in its traceback)."""
+    from xpukit.planning.model.classes import build_meta_model
+
+    _, model = build_meta_model(config, model_class, trust_remote_code=False)
+    modules = dict(model.named_modules())
+    found = [_tensor_problem(key, info, modules) for key, info in sorted(tensors.items())]
+    return [problem for problem in found if problem is not None]
+
+
+def _tensor_problem(key: str, info: Any, modules: dict[str, Any]) -> str | None:
+    """Why one saved adapter tensor does not fit the base's modules, else ``None``."""
+    shape = list(info.get("shape", [])) if isinstance(info, dict) else []
+    name = key.removeprefix("base_model.model.")
+    for suffix, side in _LORA_SUFFIXES.items():
+        if name.endswith("." + suffix):
+            module_name = name[: -len(suffix) - 1]
+            module = modules.get(module_name)
+            if module is None:
+                return f"{module_name}: no such module in the base"
+            sizes = _in_out(module)
+            if sizes is None or len(shape) != 2:
+                return None  # a module kind xpukit does not size: peft checks it at load
+            want = sizes[0] if side == "in" else sizes[1]
+            got = shape[1] if side == "in" else shape[0]
+            if got != want:
+                return f"{key} has shape {shape}, the base's {module_name} has {side}_features {want}"
+            return None
+    # modules_to_save and other full tensors: the base's parameter of that name must have the shape.
+    # A name the base lacks is some other peft tensor (trainable tokens, DoRA magnitudes…): peft checks it.
+    module_name, _, param = name.replace(".modules_to_save", "").rpartition(".")
+    tensor = getattr(modules.get(module_name), param, None)
+    if tensor is not None and hasattr(tensor, "shape") and list(tensor.shape) != shape:
+        return f"{key} has shape {shape}, the base's {module_name}.{param} has {list(tensor.shape)}"
+    return None
+
+
+def _in_out(module: Any) -> tuple[int, int] | None:
+    """(in, out) sizes of a linear-like or embedding module, from its meta-device attributes."""
+    if hasattr(module, "in_features") and hasattr(module, "out_features"):
+        return int(module.in_features), int(module.out_features)
+    if type(module).__name__ == "Conv1D":  # GPT-2: weight [in, out]
+        return int(module.weight.shape[0]), int(module.weight.shape[1])
+    if hasattr(module, "num_embeddings") and hasattr(module, "embedding_dim"):
+        return int(module.num_embeddings), int(module.embedding_dim)
+    return None
+
+
+def _same_model(named: str, base: str) -> bool:
+    """Whether two model references plausibly name the same model (path, Hub id, or cache snapshot)."""
+    if named == base:
+        return True
+    try:
+        if Path(named).exists() and Path(base).exists():
+            return Path(named).resolve() == Path(base).resolve()
+    except OSError:
+        pass
+
+    def last(text: str) -> str:
+        parts = PurePosixPath(text.replace("\\", "/").rstrip("/")).parts
+        for part in parts:  # a Hub cache snapshot: .../models--org--name/snapshots/<hash>
+            if part.startswith("models--"):
+                return part.split("--")[-1].lower()
+        return parts[-1].lower() if parts else ""
+
+    return last(named) == last(base)

@@ -1,0 +1,337 @@
+"""``merge=``: a trained LoRA adapter merged into full-precision base weights, planned before loading.
+
+:func:`parse_merge` checks the request against the other arguments (a trained adapter path, no
+``quantize=``, one device); :func:`plan_merge` decides where the merge runs and into which weights,
+as the plan's ``merge`` decision, after
+:func:`xpukit.planning.training.adapter_fit.check_adapter` has compared the adapter with the base.
+
+The rules (docs/planning.md "Merge (`merge=`)", the measurements in docs/training.md "Merging an
+adapter"):
+
+- ``merge=True`` merges into the base as 4-bit training saw it (``"dequantized"``: the
+  base quantised with xpukit's ``quantize="4bit"`` config, nf4 + double quantisation, and
+  dequantised with bitsandbytes' own ``dequantize_4bit``), which reproduces a QLoRA-trained model;
+  ``merge="original"`` merges into the checkpoint's own weights, right for an adapter trained on the
+  full-precision base. Nothing in a saved adapter says which base it was trained on.
+- Never into 4-bit weights: peft's ``merge_and_unload`` on a 4-bit model re-quantises every merged
+  weight. ``quantize=`` with ``merge=`` is refused with the fix.
+- Where: on the plan's device when the full-precision weights and headroom fit it alone, else on the
+  CPU (the merged model stays there); when neither holds them, :class:`PlanError` with the numbers.
+- An adapter whose tensors do not fit the base (modules it lacks, other shapes) is refused unless
+  ``force=True``; a ``base_model_name_or_path`` that names another model while every shape fits is a
+  warning only (a local path and a Hub id of the same model differ legitimately).
+
+Acting on the plan is :mod:`xpukit.loading.merge`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from xpukit.errors import InvalidRequestError, PlanError
+from xpukit.planning.budgets import format_bytes, usable_memory
+from xpukit.planning.device.quantization import bnb_kwargs
+from xpukit.planning.training.adapter_fit import check_adapter
+from xpukit.planning.vocabulary import Decision
+
+if TYPE_CHECKING:
+    from xpukit.machine.facts import DeviceFacts, MachineFacts
+    from xpukit.planning.model.facts import ModelFacts
+    from xpukit.planning.vocabulary import MemoryEstimate
+
+__all__ = [
+    "DEFAULT_MERGE_BASE",
+    "MERGE_BASES",
+    "MergePlan",
+    "MergeRequest",
+    "parse_merge",
+    "plan_merge",
+    "replace_plan",
+]
+
+# "dequantized": measured on the CPU (bench/bench_merge.py, docs/training.md "Merging an adapter"),
+# merging a QLoRA adapter into the dequantised 4-bit base reproduces the trained 4-bit + adapter model
+# to float32 rounding, while the original weights move every logit by the base's quantisation error.
+MERGE_BASES = ("dequantized", "original")
+DEFAULT_MERGE_BASE = "dequantized"
+_WHY_BASE = {
+    "dequantized": "the base as 4-bit training saw it: quantised with xpukit's quantize='4bit' (nf4, double "
+    "quantisation) and dequantised by bitsandbytes, so the merged model computes what the trained "
+    "4-bit + adapter model computed",
+    "original": "the checkpoint's own full-precision weights: right for an adapter trained on the "
+    "full-precision base (plain LoRA)",
+}
+_WHY_NOT_4BIT = (
+    "merging into 4-bit weights re-quantises every merged weight (peft's merge_and_unload on a 4-bit "
+    'model), which loses part of the adapter (docs/training.md "Merging an adapter")'
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MergeRequest:
+    """What ``merge=`` asked for: the weights to merge into and whether the adapter check is skipped."""
+
+    base: str  # "dequantized" | "original"
+    given: bool  # the user named the base (merge="original"), rather than merge=True
+    force: bool = False
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MergePlan:
+    """Where and how the adapter is merged (:func:`plan_merge`).
+
+    Attributes:
+        base: ``"dequantized"`` or ``"original"`` (:data:`MERGE_BASES`).
+        device: the torch device the merge runs on and the merged model stays on.
+        dtype: the dtype the base is loaded in, merged in, and the merged model has.
+        adapter: the adapter directory.
+        quantization_config: for ``"dequantized"``, the ``BitsAndBytesConfig`` keywords the base is
+            quantised with before it is dequantised (the dtype as a name); ``None`` otherwise.
+        moved_to_cpu: the plan's device was too small (or cannot run bitsandbytes), so the merge runs
+            on the CPU.
+        adapter_check: what comparing the adapter with the base found.
+        decision: the plan's ``merge`` decision.
+        placement_reason: why the merge runs on ``device``.
+    """
+
+    base: str
+    device: str
+    dtype: str
+    adapter: str
+    quantization_config: dict[str, Any] | None
+    moved_to_cpu: bool
+    adapter_check: str
+    decision: Decision
+    placement_reason: str
+
+    def describe(self) -> str:
+        """One line: what is merged into what, where."""
+        into = "the dequantised 4-bit base" if self.base == "dequantized" else "the original weights"
+        return f"{self.adapter} merged into {into} on {self.device} in {self.dtype}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict."""
+        return {
+            "base": self.base,
+            "device": self.device,
+            "dtype": self.dtype,
+            "adapter": self.adapter,
+            "quantization_config": self.quantization_config,
+            "moved_to_cpu": self.moved_to_cpu,
+            "adapter_check": self.adapter_check,
+            "describe": self.describe(),
+        }
+
+    def plan_changes(self, plan: Any) -> dict[str, Any]:
+        """The fields of a ``LoadPlan`` that change when it carries this merge out.
+
+        Moved to the CPU: the whole model loads there (``device_map="cpu"``, no ``max_memory``), with
+        SDPA attention and no Hub kernels (they have no CPU build), and ``fast_decode`` is dropped.
+        """
+        decisions = [d for d in plan.decisions if d.name != "merge"]
+        changes: dict[str, Any] = {}
+        if self.moved_to_cpu:
+            why = f"merge: {self.placement_reason}"
+            replaced = {
+                "device_map": Decision(name="device_map", value="cpu", reason=why),
+                "max_memory": Decision(name="max_memory", value=None, reason="not needed: one device"),
+            }
+            attn = plan.attn_implementation
+            if plan.attention_kernel is not None or attn not in {"sdpa", "eager"}:
+                attn = "sdpa" if plan.model_facts.supports_sdpa else "eager"
+                replaced["attn_implementation"] = Decision(
+                    name="attn_implementation",
+                    value=attn,
+                    reason=f"{why}; kernels for the GPU have no CPU build",
+                )
+            if plan.use_kernels:
+                replaced["use_kernels"] = Decision(name="use_kernels", value=False, reason=why)
+            warnings = list(plan.warnings)
+            if plan.decode is not None:
+                warnings.append(f"fast_decode=True dropped: {why}, where it changes nothing")
+                decisions = [d for d in decisions if d.name != "fast_decode"]
+            decisions = [replaced.get(d.name, d) for d in decisions]
+            changes = {
+                "device": plan.machine.cpu,
+                "device_map": "cpu",
+                "max_memory": None,
+                "attn_implementation": attn,
+                "attention_kernel": None,
+                "use_kernels": False,
+                "kernel_config": None,
+                "decode": None,
+                "warnings": tuple(warnings),
+            }
+        return {**changes, "decisions": (*decisions, self.decision), "merge": self}
+
+
+def parse_merge(
+    merge: object,
+    *,
+    lora: object,
+    quantize: object,
+    quant_kind: str | None,
+    force: object,
+    strategy: str | None,
+    device_map: object,
+    max_memory: object,
+) -> MergeRequest | None:
+    """Check ``merge=`` (and ``force=``) against the other arguments, before anything is read.
+
+    Raises:
+        InvalidRequestError: an unknown ``merge=`` value, no trained adapter path, ``quantize=``, a
+            distributed strategy, or a device_map / max_memory that splits the model.
+    """
+    if not isinstance(force, bool):
+        raise InvalidRequestError(f"force={force!r}: must be True or False.")
+    if merge is None or merge is False:
+        if force:
+            raise InvalidRequestError(
+                "force=True skips the check that a LoRA adapter fits the base it is merged into, but "
+                "merge= was not given. Fix: load_for_xpu(base, lora='adapter_dir', merge=True, force=True), "
+                "or drop force."
+            )
+        return None
+    if merge is True:
+        base, given = DEFAULT_MERGE_BASE, False
+    elif isinstance(merge, str) and merge.strip().lower() in MERGE_BASES:
+        base, given = merge.strip().lower(), True
+    else:
+        raise InvalidRequestError(
+            f"merge={merge!r} is not understood. Valid: True (into the dequantised 4-bit base, for an "
+            "adapter trained with quantize='4bit'), 'dequantized' (the same), 'original' (into the "
+            "checkpoint's own weights, for an adapter trained on the full-precision base), or False."
+        )
+    what = f"merge={merge!r}"
+    if lora is None or lora is False:
+        raise InvalidRequestError(
+            f"{what} merges a trained LoRA adapter, but no lora= was given. Fix: "
+            "load_for_xpu(base, lora='path/to/adapter', merge=True), the directory PeftModel.save_pretrained "
+            "wrote."
+        )
+    if not isinstance(lora, str | os.PathLike):
+        raise InvalidRequestError(
+            f"{what} with lora={lora!r}: new adapters have nothing trained to merge. Fix: train them, save "
+            "them with model.save_pretrained('adapter_dir'), then load_for_xpu(base, lora='adapter_dir', "
+            "merge=True)."
+        )
+    if quant_kind is not None:
+        raise InvalidRequestError(
+            f"{what} with quantize={quantize!r}: xpukit never merges into quantized weights; "
+            f"{_WHY_NOT_4BIT}. Fix: drop quantize= (the adapter is merged into full-precision weights); to "
+            "serve the merged model in 4-bit, save it (xpukit merge BASE ADAPTER OUT) and load OUT with "
+            "quantize='4bit'."
+        )
+    if strategy is not None:
+        raise InvalidRequestError(
+            f"{what} with strategy={strategy!r}: a merge loads one model to serve or save, not a distributed "
+            "training job. Fix: merge once (xpukit merge BASE ADAPTER OUT), then train OUT with strategy=."
+        )
+    if isinstance(device_map, dict) or max_memory is not None:
+        split = "device_map=" if isinstance(device_map, dict) else "max_memory="
+        raise InvalidRequestError(
+            f"{what} with {split}: the merge needs the whole model on one device and is placed by fit "
+            "(the device when it fits, else the CPU). Fix: drop it, and pass device= to choose the device."
+        )
+    return MergeRequest(base=base, given=given, force=force)
+
+
+def plan_merge(
+    request: MergeRequest,
+    *,
+    lora_request: Any,
+    memory: MemoryEstimate,
+    main: DeviceFacts,
+    machine: MachineFacts,
+    facts: ModelFacts,
+    config: Any,
+    model_class: Any,
+    dtype: str,
+    warnings: list[str],
+) -> MergePlan:
+    """The ``merge`` decision: into which weights, on which device, in which dtype (module docstring).
+
+    Raises:
+        InvalidRequestError: the base is already quantized, or the adapter does not fit it.
+        PlanError: the full-precision model fits neither the device nor the CPU (the numbers).
+    """
+    adapter = str(lora_request.adapter_path)
+    if facts.pre_quantized is not None:
+        raise InvalidRequestError(
+            f"merge=True: the base {facts.name!r} is already quantized ({facts.pre_quantized}): it has no "
+            "full-precision weights to merge into. Fix: pass the full-precision checkpoint the adapter was "
+            "trained from."
+        )
+    if config is None:
+        raise InvalidRequestError(
+            f"merge=True needs the base's weights: {facts.name!r} is a bare config. Fix: pass the model's "
+            "directory or Hub id."
+        )
+    check = check_adapter(
+        adapter, lora_request.config, config=config, model_class=model_class, base=facts.name,
+        force=request.force, warnings=warnings,
+    )  # fmt: skip
+    need = memory.weights + memory.headroom
+    sizes = f"{format_bytes(memory.weights)} of {dtype} weights + {format_bytes(memory.headroom)} headroom"
+    moved = False
+    if main.backend == "cpu" or (memory.placement == "single" and not _bnb_cannot(request, main)):
+        device = main.torch_device
+        where = f"{sizes} fit {device} alone"
+    else:
+        cpu = usable_memory(machine.cpu)
+        why_not = (
+            "bitsandbytes has no MPS backend to dequantise with"
+            if _bnb_cannot(request, main)
+            else f"{sizes} do not fit {main.torch_device} alone ({memory.verdict})"
+        )
+        if need > cpu.usable:
+            raise PlanError(
+                f"merge=True: the merge needs the whole full-precision model in one memory ({sizes}); "
+                f"{why_not}, and the CPU has {format_bytes(cpu.usable)} usable ({cpu.rule}). A merge "
+                "never runs in 4-bit or offloaded to disk. Fix: merge on a machine with more memory "
+                "(xpukit merge BASE ADAPTER OUT there)."
+            )
+        device, moved = "cpu", True
+        where = (
+            f"{why_not}: merged on the CPU ({format_bytes(cpu.usable)} usable), where the merged model stays"
+        )
+    qconfig = bnb_kwargs("4bit", dtype) if request.base == "dequantized" else None
+    other = next(b for b in MERGE_BASES if b != request.base)
+    asked = (
+        f"merge={request.base!r}" if request.given else f"merge=True, whose default is {DEFAULT_MERGE_BASE!r}"
+    )
+    reason = (
+        f"{asked}: {adapter} merged with peft's merge_and_unload into {_WHY_BASE[request.base]}; a plain "
+        f"{facts.architecture} is returned. Where: {where}. dtype {dtype}: the plan's dtype decision. "
+        f"Adapter check: {check}"
+    )
+    decision = Decision(
+        name="merge",
+        value=f"{request.base}, {device}",
+        reason=reason,
+        rejected=(("4bit", _WHY_NOT_4BIT), (other, _WHY_BASE[other])),
+        source="user",
+    )
+    return MergePlan(
+        base=request.base,
+        device=device,
+        dtype=dtype,
+        adapter=adapter,
+        quantization_config=qconfig,
+        moved_to_cpu=moved,
+        adapter_check=check,
+        decision=decision,
+        placement_reason=where,
+    )
+
+
+def _bnb_cannot(request: MergeRequest, main: DeviceFacts) -> bool:
+    return request.base == "dequantized" and main.backend == "mps"
+
+
+def replace_plan(plan: Any, merge: MergePlan) -> Any:
+    """``plan`` (a ``LoadPlan``) carrying ``merge`` out."""
+    return dataclasses.replace(plan, **merge.plan_changes(plan))

@@ -52,7 +52,7 @@ def main() -> None:
     import transformers
 
     from xpukit.loading.load import load_for_xpu
-    from xpukit.planning import model_facts
+    from xpukit.planning.model import facts as model_facts
     from xpukit.planning.plan import plan_load
 
     transformers.logging.set_verbosity_error()

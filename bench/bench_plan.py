@@ -81,7 +81,7 @@ def main() -> None:
     )
     _record(model=args.model, facts=args.assume or "detected", kind="cold", **json.loads(cold.stdout))
 
-    from xpukit.planning import model_facts
+    from xpukit.planning.model import facts as model_facts
     from xpukit.planning.model.reference_models import reference_config
     from xpukit.planning.plan import plan_load
 

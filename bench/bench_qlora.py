@@ -175,6 +175,8 @@ def main() -> int:
             shape = build_model(model_dir, args)
             print(json.dumps({"bench": "qlora", "event": "built", "shape": shape,
                               "seconds": round(time.perf_counter() - started, 1)}), flush=True)  # fmt: skip
+        if not variants:  # --variants '': only build the model (into --model-cache)
+            return 0
         rows: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
         failed = 0
         for round_ in range(args.repeat):

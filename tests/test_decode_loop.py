@@ -307,7 +307,7 @@ def test_the_selftest_decode_line_compares_compiled_with_eager(monkeypatch):
     import torch
 
     from xpukit.doctor import selftest
-    from xpukit.planning import decode
+    from xpukit.planning.device import decode
 
     # On the CPU, dynamo with the eager backend stands in for inductor: the same comparison, fast.
     monkeypatch.setattr(decode, "compile_settings", lambda mode: {"backend": "eager", "fullgraph": True})

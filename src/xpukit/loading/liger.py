@@ -152,6 +152,46 @@ def apply_liger(
     ]
 
 
+def apply_liger_norms(model: Any, device: DeviceFacts) -> list[str]:
+    """liger-kernel's RMSNorm alone, for speed, where the fused 4-bit LoRA path runs.
+
+    The training plan's ``liger`` decision is about memory: liger's fused linear cross-entropy,
+    which costs speed and is only taken when the step needs it to fit. Its RMSNorm is the other
+    way round: one Triton kernel each way instead of the fp32 round trip of transformers' norm (on
+    the H200 profile of the fused path, elementwise kernels were 52 ms of a 192 ms step against
+    unsloth's 6 ms, docs/benchmarks.md). So with the fused path and the plan's liger off, the norms
+    alone are patched in; the loss stays unfused. Returns notes; never raises.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    version = installed_version("liger-kernel") if is_installed("liger_kernel") else None
+    supported = (
+        _supported_model_types() if version is not None and device.backend in TRITON_BACKENDS else None
+    )
+    decision = decide_liger(
+        device, model_type, wanted=None, liger_version=version, triton=is_installed("triton"),
+        supported_types=supported,
+    )  # fmt: skip
+    if not decision.use:
+        return [f"fused path without liger's RMSNorm: {decision.reason}"]
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        with _module_globals_restored(base):
+            _apply_liger_kernel_to_instance(
+                model=base, rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
+                rms_norm=True, swiglu=False,
+            )  # fmt: skip
+    except Exception as exc:  # a third-party monkey-patch: record it and train without, never fail
+        note = f"liger-kernel {version}'s RMSNorm failed on {model_type!r} ({type(exc).__name__}: {exc})"
+        logger.warning(note)
+        return [note]
+    return [
+        f"liger-kernel {version}'s RMSNorm on {device.backend} for the fused path's speed (the loss "
+        "stays unfused: the plan did not need liger's memory saver)"
+    ]
+
+
 @contextlib.contextmanager
 def _module_globals_restored(model: Any) -> Iterator[None]:
     """Put back every attribute liger changes in the transformers modules the model is built from."""

@@ -159,6 +159,10 @@ def _new_adapters(
     from xpukit.loading.liger import apply_liger
 
     notes += apply_liger(model, device, wanted=request.liger, given=request.liger_given)
+    if fused and request.liger is False and not request.liger_given:
+        from xpukit.loading.liger import apply_liger_norms
+
+        notes += apply_liger_norms(model, device)  # speed, not memory: docstring there
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as exc:

@@ -150,6 +150,9 @@ def main() -> int:
     )
     parser.add_argument("--finetune", action="store_true", help="the lora_dropout fine-tune (docstring)")
     parser.add_argument("--dropouts", default="0.05,0", help="--finetune: lora_dropout values")
+    parser.add_argument(
+        "--fused", default="", help="--finetune: also vary the fused path, e.g. 'off,on' (dropout 0 only)"
+    )
     parser.add_argument("--tokenizer", help="unsloth: a small local tokenizer (it always loads one)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler breakdown (docstring)")
     parser.add_argument("--variant-child", help=argparse.SUPPRESS)
@@ -512,8 +515,13 @@ def finetune(args: argparse.Namespace) -> int:
     held_out, train_lines = lines[::10], [ln for i, ln in enumerate(lines) if i % 10]
     steps = args.steps if args.steps != 5 else 50
     for round_ in range(args.repeat):
-        for dropout in [float(d) for d in args.dropouts.split(",")][:: 1 if round_ % 2 == 0 else -1]:
-            model = load_for_xpu(path, device="cpu", quantize="4bit", lora={"lora_dropout": dropout}, seed=0)
+        settings: list[tuple[float, bool | None]] = [(float(d), None) for d in args.dropouts.split(",") if d]
+        settings += [(0.0, f == "on") for f in args.fused.split(",") if f]
+        for dropout, fused in settings[:: 1 if round_ % 2 == 0 else -1]:
+            lora: dict[str, Any] = {"lora_dropout": dropout}
+            if fused is not None:
+                lora["fused"] = fused
+            model = load_for_xpu(path, device=args.device or "cpu", quantize="4bit", lora=lora, seed=0)
             params = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(params, lr=1e-2)
             generator = torch.Generator().manual_seed(round_)
@@ -536,7 +544,8 @@ def finetune(args: argparse.Namespace) -> int:
                 labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
                 held = float(model(**batch, labels=labels).loss)
             print(json.dumps({
-                "bench": "qlora-finetune", "round": round_, "lora_dropout": dropout, "steps": steps,
+                "bench": "qlora-finetune", "round": round_, "lora_dropout": dropout, "fused": fused,
+                "steps": steps,
                 "loss_first": losses[0], "loss_last10_mean": round(statistics.mean(losses[-10:]), 4),
                 "held_out_loss": round(held, 4), "tokens_per_s": round(tokens / seconds, 1),
                 "seconds": round(seconds, 2), "losses": losses, "versions": versions(),

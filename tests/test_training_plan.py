@@ -215,3 +215,28 @@ def test_offloaded_checkpointing_trains_the_same(tiny_model: Any) -> None:
         notes = [e.actual for e in model.xpukit_plan.events if e.what == "lora"]
         assert any("offloaded to host" in n for n in notes) == (gc == "offload")
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("lora", "liger", "measured_gb"),
+    [
+        ({"fused": False}, True, 17.754),  # peft's modules, no savers
+        ({"fused": True, "liger": False}, True, 14.131),  # the fused path, no liger kernels
+        (True, True, 12.168),  # the default on the H200: fused + liger's RMSNorm
+    ],
+    ids=["peft", "fused", "fused+liger-norms"],
+)
+def test_estimate_matches_the_h200_peaks(
+    monkeypatch: pytest.MonkeyPatch, lora: Any, liger: bool, measured_gb: float
+) -> None:
+    """The activations measured above the weights on the H200 (docs/benchmarks.md, 2026-12-02:
+    Qwen3-8B shape, nf4, 4 × 512, no checkpointing) against the plan's estimate, within ±15 %."""
+    import xpukit.planning.training.fit as fit
+
+    monkeypatch.setattr(fit, "liger_availability", lambda backend: (liger, "injected"))
+    plan = plan_load(
+        reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=lora, batch_size=4, seq_len=512
+    )
+    assert plan.training is not None and plan.training.gradient_checkpointing is False
+    estimate = plan.training.estimate["peak"] / 1e9
+    assert abs(estimate - measured_gb) / measured_gb <= 0.15, (estimate, measured_gb)

@@ -41,7 +41,7 @@ from xpukit.planning.model.classes import choose_model_class
 from xpukit.planning.model.facts import model_facts
 from xpukit.planning.model.source import read_config
 from xpukit.planning.training.fit import check_step_size, training_plan_for
-from xpukit.planning.training.fused import decide_fused
+from xpukit.planning.training.fused import decide_fused, fused_will_run
 from xpukit.planning.training.lora_request import fit_lora_to_class
 from xpukit.planning.training.merge import parse_merge, plan_merge, replace_plan
 from xpukit.planning.vocabulary import Decision
@@ -225,9 +225,10 @@ def plan_load(
         request = lora_request_for(lora, quantized=lay.quantization is not None)
         request = fit_lora_to_class(request, class_choice, mfacts)  # task, head, VLM targets
         check_lora_targets(request, mfacts, enforce=not facts_given, warnings=said)
+        fused = fused_will_run(request, mfacts, quantization=lay.quantization, backend=main.backend)
         train, request = training_plan_for(
             request, config=config, max_positions=mfacts.max_positions, memory=lay.memory,
-            device=main, dtype=str(lay.dtype.value), batch_size=batch_size, seq_len=seq_len,
+            device=main, dtype=str(lay.dtype.value), batch_size=batch_size, seq_len=seq_len, fused=fused,
         )  # fmt: skip
         return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
 

@@ -60,6 +60,8 @@ def activation_bytes(
     mask_bytes: int,
     checkpointing: bool | str,
     fused_loss: bool,
+    fused_lora: bool = False,
+    kernel_norms: bool = False,
 ) -> dict[str, int]:
     """The peak activation memory of one forward + backward, in bytes (docs/training.md "The
     activation estimate": every term there is one line here).
@@ -75,6 +77,10 @@ def activation_bytes(
             XPU; else the input's element size).
         checkpointing: ``False``, ``True`` or ``"offload"``.
         fused_loss: liger-kernel's fused linear cross-entropy replaces ``lm_head`` + loss.
+        fused_lora: xpukit's fused 4-bit LoRA path computes the block's projections (one saved
+            input per group, gate and up kept for the SwiGLU, ``down``'s input recomputed).
+        kernel_norms: liger-kernel's RMSNorm replaces transformers' (its input kept in the compute
+            dtype, not upcast to fp32).
 
     Returns:
         ``{"per_layer", "layers", "loss", "peak"}``: bytes of one layer's saved tensors, of all
@@ -85,12 +91,18 @@ def activation_bytes(
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     n = _targeted(targets)
     dims = {"attn_in": h, "attn_out": q, "mlp_in": h, "mlp_out": i}
-    per_token = 2 * 4 * h  # two RMSNorms: each keeps its input in fp32
-    per_token += 4 * (q + kv) if shape.qk_norm else 0  # q/k norms, the same
+    norm = a if kernel_norms else 4  # liger keeps the input as is; transformers upcasts it to fp32
+    per_token = 2 * norm * h  # two RMSNorms
+    per_token += norm * (q + kv) if shape.qk_norm else 0  # q/k norms, the same
     per_token += a * (q + 2 * kv) + a * q + 4 * shape.heads  # SDPA: q, k, v, output, logsumexp
-    per_token += 3 * a * i  # SwiGLU: gate (for SiLU), SiLU(gate) and up (for the product)
+    if fused_lora:  # q/k/v share one saved input, gate/up another; gate and up kept, down recomputes
+        per_token += 2 * a * i + 2 * a * h
+    else:
+        per_token += 3 * a * i  # SwiGLU: gate (for SiLU), SiLU(gate) and up (for the product)
     separate = dropout or a < 4  # a dropout or a dtype cast gives every LoRA layer its own input copy
     for group, count in n.items():
+        if fused_lora:
+            break  # the fused path's inputs are counted above
         if not count:
             continue
         d = dims[group]

@@ -138,6 +138,7 @@ def plan_training(
     seq_len: int | None,
     max_positions: int | None,
     liger_available: tuple[bool, str],
+    fused: bool = False,
 ) -> TrainingPlan:
     """Choose the fastest set of memory savers whose estimated peak fits (module docstring).
 
@@ -153,6 +154,8 @@ def plan_training(
         batch_size / seq_len: the step to plan for (``None``: the defaults above).
         max_positions: the model's context length (caps the default ``seq_len``).
         liger_available: whether liger-kernel can run here, and why (not).
+        fused: the fused 4-bit LoRA path will run (it saves less per layer, and brings liger's
+            RMSNorm where liger can run unless ``lora={"liger": False}``).
 
     Returns:
         The :class:`TrainingPlan` with its three decisions.
@@ -166,21 +169,25 @@ def plan_training(
     room = budget - fixed
     dropout = float(request.config.get("lora_dropout", 0) or 0) > 0
 
-    def peak(liger: bool, gc: bool | str, micro: int) -> int:
-        return activation_bytes(
-            shape,
-            micro * seq,
-            compute_bytes=a,
-            lora_r=int(request.config.get("r", 16)),
-            targets=request.config.get("target_modules"),
-            dropout=dropout,
-            mask_bytes=1 if backend in ("cuda", "xpu") else a,
-            checkpointing=gc,
-            fused_loss=liger,
-        )["peak"]
-
     user_gc, user_liger = request.gradient_checkpointing_given, request.liger
     liger_ok, liger_why = liger_available
+    fused_norms = fused and liger_ok and not (request.liger_given and request.liger is False)
+
+    def estimate_for(liger: bool, gc: bool | str, micro: int) -> dict[str, int]:
+        # The fused path's and liger's smaller saved tensors are counted on the rung without
+        # checkpointing, where they were measured (H200, docs/training.md "The activation
+        # estimate"); the checkpointed rungs keep the unfused terms, which the 8 GB budget runs fit.
+        measured = not gc
+        return activation_bytes(
+            shape, micro * seq, compute_bytes=a, lora_r=int(request.config.get("r", 16)),
+            targets=request.config.get("target_modules"), dropout=dropout,
+            mask_bytes=1 if backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=liger,
+            fused_lora=fused and measured, kernel_norms=measured and ((liger and liger_ok) or fused_norms),
+        )  # fmt: skip
+
+    def peak(liger: bool, gc: bool | str, micro: int) -> int:
+        return estimate_for(liger, gc, micro)["peak"]
+
     ladder = _ladder(
         request.gradient_checkpointing if user_gc else None, user_liger, liger_ok, offload=backend != "cpu"
     )
@@ -201,11 +208,7 @@ def plan_training(
         chosen = (lg, gc, micro)
     liger, gc, micro = chosen
     fits = peak(liger, gc, micro) <= room
-    estimate = activation_bytes(
-        shape, micro * seq, compute_bytes=a, lora_r=int(request.config.get("r", 16)),
-        targets=request.config.get("target_modules"), dropout=dropout,
-        mask_bytes=1 if backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=liger,
-    )  # fmt: skip
+    estimate = estimate_for(liger, gc, micro)
     need = f"{format_bytes(estimate['peak'])} of activations for {micro} × {seq} tokens"
     rest = f"the {format_bytes(max(room, 0))} left beside weights and LoRA state"
     fit_text = f"{need} fit {rest}" if fits else f"{need} exceed {rest} (the smallest the plan can go)"
@@ -314,6 +317,7 @@ def training_plan_for(
     dtype: str,
     batch_size: int | None,
     seq_len: int | None,
+    fused: bool = False,
 ) -> tuple[TrainingPlan | None, LoraRequest | None]:
     """The training plan for new adapters, and the request updated to follow it.
 
@@ -345,6 +349,7 @@ def training_plan_for(
         seq_len=seq_len,
         max_positions=max_positions,
         liger_available=liger_availability(device.backend),
+        fused=fused,
     )
     updated = replace(request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger)
     return plan, updated

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from xpukit.planning.model.facts import ModelFacts
     from xpukit.planning.training.lora_request import LoraRequest
 
-__all__ = ["FUSED_PROJECTIONS", "decide_fused", "fused_problem"]
+__all__ = ["FUSED_PROJECTIONS", "decide_fused", "fused_problem", "fused_will_run"]
 
 # The projections of a block the fused path computes (attention, then MLP).
 FUSED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,6 +65,17 @@ def fused_problem(request: LoraRequest, facts: ModelFacts, quantization: str | N
             f"{', '.join(FUSED_PROJECTIONS)}"
         )
     return None
+
+
+def fused_will_run(
+    request: LoraRequest | None, facts: ModelFacts, *, quantization: str | None, backend: str
+) -> bool:
+    """Whether :func:`decide_fused` will turn the fused path on (never raises: for the estimate)."""
+    if request is None or request.kind != "new" or request.fused is False:
+        return False
+    if fused_problem(request, facts, quantization) is not None:
+        return False
+    return bool(request.fused) or backend in _AUTO_BACKENDS
 
 
 def decide_fused(

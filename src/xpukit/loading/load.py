@@ -169,7 +169,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
         if plan.use_kernels:
             fetch_layer_kernels(plan, kwargs, events, changes)
         if plan.merge is not None:
-            from xpukit.loading.merge import merge_kwargs, merging
+            from xpukit.loading.merge import merge_kwargs
 
             kwargs = merge_kwargs(plan, kwargs)  # merge="dequantized": the 4-bit base training saw
         problem = None
@@ -218,16 +218,21 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                 set_seed(plan.seed)  # only the adapters' init draws random numbers after this
                 events.append(LoadEvent(kind="applied", what="seed", actual=f"set_seed({plan.seed})"))
             try:
-                fused = next((d for d in plan.decisions if d.name == "fused_lora"), None)
-                model, notes = (apply_lora if plan.merge is None else merging(plan))(
-                    model,
-                    plan.lora,
-                    compute_dtype=plan.dtype,
-                    quantized=plan.quantization is not None,
-                    device=plan.device,
-                    fused=bool(fused is not None and fused.value),
-                    fused_insist=fused is not None and fused.source == "user" and bool(fused.value),
-                )
+                if plan.merge is not None:
+                    from xpukit.loading.merge import merge_adapter
+
+                    model, notes = merge_adapter(model, plan)
+                else:
+                    fused = next((d for d in plan.decisions if d.name == "fused_lora"), None)
+                    model, notes = apply_lora(
+                        model,
+                        plan.lora,
+                        compute_dtype=plan.dtype,
+                        quantized=plan.quantization is not None,
+                        device=plan.device,
+                        fused=bool(fused is not None and fused.value),
+                        fused_insist=fused is not None and fused.source == "user" and bool(fused.value),
+                    )
             except XpukitError as exc:
                 del model  # the error (and its traceback's frames) must not keep the weights alive
                 _drop_frames(exc)

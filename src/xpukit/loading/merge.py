@@ -1,7 +1,7 @@
 """Carrying out a plan's ``merge``: the adapter merged into full-precision base weights at load.
 
 :func:`xpukit.loading.load.carry_out` calls :func:`merge_kwargs` before ``from_pretrained`` and
-:func:`merge_adapter` (through :func:`merging`) where it would otherwise attach the adapter. For
+:func:`merge_adapter` where it would otherwise attach the adapter. For
 ``"dequantized"`` the base is loaded in 4-bit exactly as ``quantize="4bit"`` training loads it,
 then every 4-bit layer is dequantised with transformers' ``model.dequantize()`` (bitsandbytes'
 ``dequantize_4bit``); for ``"original"`` the checkpoint's weights are used as they are. Then peft's
@@ -12,18 +12,17 @@ decision is :func:`xpukit.planning.training.merge.plan_merge`
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
 from xpukit.loading.lora import apply_lora
-from xpukit.planning.device.quantization import require_bnb
+from xpukit.planning.device.quantization import bnb_config, require_bnb
 
 if TYPE_CHECKING:
     from xpukit.planning.loadplan import LoadPlan
 
-__all__ = ["merge_adapter", "merge_kwargs", "merging"]
+__all__ = ["merge_adapter", "merge_kwargs"]
 
 
 def merge_kwargs(plan: LoadPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -50,21 +49,7 @@ def merge_kwargs(plan: LoadPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
             detail="Or merge='original' for an adapter trained on the full-precision base.",
         ) from None
     require("peft", "merge=True")
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    values = dict(merge.quantization_config)
-    values["bnb_4bit_compute_dtype"] = getattr(torch, values["bnb_4bit_compute_dtype"])
-    return {**kwargs, "quantization_config": BitsAndBytesConfig(**values)}
-
-
-def merging(plan: LoadPlan) -> Callable[..., tuple[Any, list[str]]]:
-    """:func:`merge_adapter` for ``plan``, called as ``apply_lora`` is (the loader calls either)."""
-
-    def apply(model: Any, request: Any, **_: Any) -> tuple[Any, list[str]]:
-        return merge_adapter(model, plan)
-
-    return apply
+    return {**kwargs, "quantization_config": bnb_config(merge.quantization_config)}
 
 
 def merge_adapter(model: Any, plan: LoadPlan) -> tuple[Any, list[str]]:

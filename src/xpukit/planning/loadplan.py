@@ -135,14 +135,9 @@ class LoadPlan:
     def _bnb_config(self) -> Any:
         if self.user_quantization_config is not None:
             return self.user_quantization_config
-        import torch
-        from transformers import BitsAndBytesConfig
+        from xpukit.planning.device.quantization import bnb_config
 
-        values = dict(self.quantization_config or {})
-        for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
-            if key in values:
-                values[key] = getattr(torch, values[key])
-        return BitsAndBytesConfig(**values)
+        return bnb_config(self.quantization_config or {})
 
     def _kernel_config(self) -> Any:
         if isinstance(self.kernel_config, dict):

@@ -31,6 +31,7 @@ __all__ = [
     "BNB_MIN",
     "BNB_MIN_ARC_A_BF16",
     "QuantRequest",
+    "bnb_config",
     "bnb_kwargs",
     "bnb_problem",
     "head_skip_modules",
@@ -101,6 +102,21 @@ def parse_quantize(value: object) -> QuantRequest:
         "'8bit', 'auto', a transformers.BitsAndBytesConfig, or another transformers quantization "
         "config (QuantoConfig, TorchAoConfig, GPTQConfig…), passed to from_pretrained unchanged."
     )
+
+
+def bnb_config(values: dict[str, Any]) -> Any:
+    """A ``transformers.BitsAndBytesConfig`` from :func:`bnb_kwargs`-style keywords (dtypes by name).
+
+    Imports torch and transformers: for acting on a plan, never for deciding one.
+    """
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    values = dict(values)
+    for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
+        if isinstance(values.get(key), str):
+            values[key] = getattr(torch, values[key])
+    return BitsAndBytesConfig(**values)
 
 
 def bnb_kwargs(kind: str, compute_dtype: str) -> dict[str, Any]:

@@ -113,34 +113,16 @@ def apply_liger(
     Returns:
         Notes of what happened: applied, not applied and why, or the fallback after a failure.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_type = getattr(getattr(base, "config", None), "model_type", None)
-    version = installed_version("liger-kernel") if is_installed("liger_kernel") else None
-    supported: frozenset[str] | None = None
-    if version is not None and device.backend in TRITON_BACKENDS and wanted is not False:
-        supported = _supported_model_types()
-    decision = decide_liger(
-        device,
-        model_type,
-        wanted=wanted,
-        given=given,
-        liger_version=version,
-        triton=is_installed("triton"),
-        supported_types=supported,
-    )
+    base, model_type, version, decision = _decide(model, device, wanted=wanted, given=given)
     if not decision.use:
         if wanted:
             who = "lora={'liger': True} asked for" if given else "the training plan chose"
             logger.warning("%s liger-kernel, but: %s", who, decision.reason)
         return [decision.reason]
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-        with _module_globals_restored(base):
-            _apply_liger_kernel_to_instance(model=base, rope=False, cross_entropy=False)
-    except Exception as exc:  # a third-party monkey-patch: record it and train without, never fail
+    failed = _patch(base, rope=False, cross_entropy=False)
+    if failed is not None:
         note = (
-            f"liger-kernel {version} failed on {model_type!r} ({type(exc).__name__}: {exc}); "
+            f"liger-kernel {version} failed on {model_type!r} ({failed}); "
             "training without it (the model may be partly patched: reload it to be sure)"
         )
         logger.warning(note)
@@ -162,34 +144,49 @@ def apply_liger_norms(model: Any, device: DeviceFacts) -> list[str]:
     unsloth's 6 ms, docs/benchmarks.md). So with the fused path and the plan's liger off, the norms
     alone are patched in; the loss stays unfused. Returns notes; never raises.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_type = getattr(getattr(base, "config", None), "model_type", None)
-    version = installed_version("liger-kernel") if is_installed("liger_kernel") else None
-    supported = (
-        _supported_model_types() if version is not None and device.backend in TRITON_BACKENDS else None
-    )
-    decision = decide_liger(
-        device, model_type, wanted=None, liger_version=version, triton=is_installed("triton"),
-        supported_types=supported,
-    )  # fmt: skip
+    base, model_type, version, decision = _decide(model, device, wanted=None, given=False)
     if not decision.use:
         return [f"fused path without liger's RMSNorm: {decision.reason}"]
-    try:
-        from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-        with _module_globals_restored(base):
-            _apply_liger_kernel_to_instance(
-                model=base, rope=False, cross_entropy=False, fused_linear_cross_entropy=False,
-                rms_norm=True, swiglu=False,
-            )  # fmt: skip
-    except Exception as exc:  # a third-party monkey-patch: record it and train without, never fail
-        note = f"liger-kernel {version}'s RMSNorm failed on {model_type!r} ({type(exc).__name__}: {exc})"
+    failed = _patch(
+        base, rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=False
+    )
+    if failed is not None:
+        note = f"liger-kernel {version}'s RMSNorm failed on {model_type!r} ({failed})"
         logger.warning(note)
         return [note]
     return [
         f"liger-kernel {version}'s RMSNorm on {device.backend} for the fused path's speed (the loss "
         "stays unfused: the plan did not need liger's memory saver)"
     ]
+
+
+def _decide(
+    model: Any, device: DeviceFacts, *, wanted: bool | None, given: bool
+) -> tuple[Any, str | None, str | None, LigerDecision]:
+    """The base model, its type, liger's version and :func:`decide_liger` on this machine's facts."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    model_type = getattr(getattr(base, "config", None), "model_type", None)
+    version = installed_version("liger-kernel") if is_installed("liger_kernel") else None
+    supported: frozenset[str] | None = None
+    if version is not None and device.backend in TRITON_BACKENDS and wanted is not False:
+        supported = _supported_model_types()
+    decision = decide_liger(
+        device, model_type, wanted=wanted, given=given, liger_version=version,
+        triton=is_installed("triton"), supported_types=supported,
+    )  # fmt: skip
+    return base, model_type, version, decision
+
+
+def _patch(base: Any, **kernels: bool) -> str | None:
+    """liger's patches on this model instance only; the failure as text (``None`` when it worked)."""
+    try:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        with _module_globals_restored(base):
+            _apply_liger_kernel_to_instance(model=base, **kernels)
+    except Exception as exc:  # a third-party monkey-patch: record it and train without, never fail
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 @contextlib.contextmanager

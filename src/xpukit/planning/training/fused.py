@@ -70,12 +70,13 @@ def fused_problem(request: LoraRequest, facts: ModelFacts, quantization: str | N
 def fused_will_run(
     request: LoraRequest | None, facts: ModelFacts, *, quantization: str | None, backend: str
 ) -> bool:
-    """Whether :func:`decide_fused` will turn the fused path on (never raises: for the estimate)."""
-    if request is None or request.kind != "new" or request.fused is False:
+    """Whether :func:`decide_fused` turns the fused path on; never raises (for the estimate of a
+    layout that may still be replaced, where an insisted ``fused`` that cannot run is refused later)."""
+    try:
+        decision = decide_fused(request, facts, quantization=quantization, backend=backend)
+    except InvalidRequestError:
         return False
-    if fused_problem(request, facts, quantization) is not None:
-        return False
-    return bool(request.fused) or backend in _AUTO_BACKENDS
+    return decision is not None and bool(decision.value)
 
 
 def decide_fused(

@@ -31,6 +31,13 @@ from collections import defaultdict
 from typing import Any
 
 from xpukit.errors import InvalidRequestError
+from xpukit.kernels.lora_ops import (
+    Projection,
+    liger_swiglu_available,
+    lora_linear,
+    lora_shared_input,
+    lora_swiglu_mlp,
+)
 
 __all__ = ["SWIGLU_MLP_TYPES", "apply_fused_lora"]
 
@@ -100,14 +107,11 @@ def apply_fused_lora(model: Any, *, insist: bool, liger: bool | None = None) -> 
             _patch_mlp(mlp, liger=liger is not False)
             fused_mlp += 1
     notes = [_summary(len(blocks), fused_attn, fused_mlp, kept)]
-    if fused_mlp and liger is not False:
-        from xpukit.kernels.lora_ops import liger_swiglu_available
-
-        if liger_swiglu_available():
-            notes.append(
-                "fused MLP: SwiGLU in liger-kernel's Triton kernels on CUDA/XPU (PyTorch elsewhere); "
-                "it supersedes liger's SwiGLU MLP forward on these blocks"
-            )
+    if fused_mlp and liger is not False and liger_swiglu_available():
+        notes.append(
+            "fused MLP: SwiGLU in liger-kernel's Triton kernels on CUDA/XPU (PyTorch elsewhere); "
+            "it supersedes liger's SwiGLU MLP forward on these blocks"
+        )
     logger.info("fused LoRA: %s", "; ".join(notes))
     return notes
 
@@ -226,8 +230,6 @@ def _still_plain(layer: Any) -> bool:
 
 
 def _projection(layer: Any) -> Any:
-    from xpukit.kernels.lora_ops import Projection
-
     adapter = layer._xpukit_adapter
     weight = layer.get_base_layer().weight
     return Projection(
@@ -262,8 +264,6 @@ class _FusedQKV:
         self.pending = None
         if args or kwargs or not all(_still_plain(layer) for layer in self.layers):
             return self.original[0](x, *args, **kwargs)
-        from xpukit.kernels.lora_ops import lora_shared_input
-
         q, k, v = lora_shared_input(
             x, tuple(_projection(layer) for layer in self.layers), _compute_dtype(self.layers[0], x)
         )
@@ -295,8 +295,6 @@ class _FusedLinear:
     def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         if args or kwargs or not _still_plain(self.layer):
             return self.original(x, *args, **kwargs)
-        from xpukit.kernels.lora_ops import lora_linear
-
         return lora_linear(x, _projection(self.layer), _compute_dtype(self.layer, x))
 
 
@@ -310,8 +308,6 @@ class _FusedMLP:
         same = all(getattr(self.mlp, n) is layer for n, layer in zip(MLP, self.layers, strict=True))
         if args or kwargs or not same or not all(_still_plain(layer) for layer in self.layers):
             return self.original(x, *args, **kwargs)
-        from xpukit.kernels.lora_ops import lora_swiglu_mlp
-
         gate, up, down = (_projection(layer) for layer in self.layers)
         return lora_swiglu_mlp(x, gate, up, down, _compute_dtype(self.layers[0], x), liger=self.liger)
 

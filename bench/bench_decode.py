@@ -12,6 +12,8 @@ Variants:
 * ``raw``: ``AutoModelForCausalLM.from_pretrained(path, dtype=<the plan's dtype>).to(device)``;
 * ``xpukit``: ``load_for_xpu(path, device=...)``;
 * ``fast``: ``load_for_xpu(path, device=..., fast_decode=True, warmup=True)``: xpukit's decode loop;
+* ``fast-gqa``: ``fast`` with the grouped decode attention (``xpukit.loading.decode_attention``:
+  one SDPA call over the key/value heads instead of transformers' ``repeat_kv`` copy);
 * ``fast-hf``: the same load with xpukit's loop switched off (``model.xpukit_decode_loop.enabled =
   False``): transformers' ``generate`` with the same static cache and compile settings;
 * ``static`` / ``compiled`` (measurement aids, not what xpukit sets on a CPU): ``load_for_xpu``, then
@@ -21,7 +23,8 @@ Variants:
 
 ``--breakdown`` adds, per row, where a token's time goes (docs/decode.md "Where a token's time goes"):
 one more call under ``torch.profiler`` (device busy fraction = kernel time / wall time of that call,
-kernels and CUDA-graph launches per token), dynamo's counters over the timed calls (graph breaks,
+kernels and CUDA-graph launches per token, device time by category and the top kernels), dynamo's
+counters over the timed calls (graph breaks,
 new graphs, CUDA-graph skips), and for ``fast`` the decode step alone (``loop.replay``: 64 steps, one
 sync) against the per-token time of the whole call; plus a measured copy bandwidth of the device.
 
@@ -84,7 +87,7 @@ SMALL_SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 64,
     },
 }
-VARIANTS = ("raw", "xpukit", "fast", "fast-hf", "static", "compiled", "loop")
+VARIANTS = ("raw", "xpukit", "fast", "fast-gqa", "fast-hf", "static", "compiled", "loop")
 REPLAY_STEPS = 64
 
 
@@ -124,6 +127,14 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if variant == "fast":
         return load_for_xpu(path, device=device, fast_decode=True, warmup=True)
+    if variant == "fast-gqa":  # fast, with the grouped decode attention (loading/decode_attention.py)
+        from xpukit.loading.decode import warm_up
+        from xpukit.loading.decode_attention import use_grouped_decode_attention
+
+        model = load_for_xpu(path, device=device, fast_decode=True)
+        model.xpukit_bench_note = use_grouped_decode_attention(model)
+        model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)
+        return model
     if variant == "fast-hf":
         from xpukit.loading.decode import warm_up
 
@@ -296,7 +307,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
             model = load(variant, path, args.device, cache_len(args, path))
             load_s = time.perf_counter() - start
             if (
-                variant in {"fast", "fast-hf"}
+                variant in {"fast", "fast-gqa", "fast-hf"}
                 and args.cache_len
                 and model.generation_config.cache_implementation
             ):
@@ -333,6 +344,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
                     "roofline_tok_s": round(roofline, 1) if roofline else None,
                     "roofline_fraction": round(best / roofline, 4) if roofline else None,
                     "warmup": warmup,
+                    "note": getattr(model, "xpukit_bench_note", None),
                     "loop": (getattr(model, "xpukit_last_decode", None) or {}).get("loop", "transformers"),
                     "same_tokens_as_first_variant": bool(torch.equal(out.cpu(), reference[batch])),
                     "same_tokens_as": [
@@ -393,11 +405,13 @@ def breakdown(
     with profile(activities=activities) as prof:
         wall, _ = timed_generate(model, ids, args.new_tokens, args.device)
     device_us, kernels, launches = 0.0, 0, 0
+    by_name: dict[str, float] = {}
     for avg in prof.key_averages():
         self_device = float(getattr(avg, "self_device_time_total", 0.0) or 0.0)
         if self_device > 0 and getattr(avg, "device_type", None) != torch.autograd.DeviceType.CPU:
             device_us += self_device
             kernels += int(avg.count)
+            by_name[avg.key] = by_name.get(avg.key, 0.0) + self_device
         if avg.key in {"cudaGraphLaunch", "cuGraphLaunch"}:
             launches += int(avg.count)
     steps = args.new_tokens
@@ -408,6 +422,11 @@ def breakdown(
             device_ms_per_step=round(device_us / 1e3 / steps, 3),
             kernels_per_step=round(kernels / steps, 1),
             graph_launches_per_step=round(launches / steps, 2),
+            device_ms_per_step_by_category=_by_category(by_name, steps),
+            top_kernels_ms_per_step=[
+                [name[:100], round(us / 1e3 / steps, 3)]
+                for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+            ],
         )
     loop = getattr(model, "xpukit_decode_loop", None)
     if loop is not None and loop.enabled and getattr(model, "xpukit_last_decode", {}).get("loop") == "xpukit":
@@ -417,6 +436,24 @@ def breakdown(
         sync(args.device)
         out["ms_per_step_alone"] = round((time.perf_counter() - start) / REPLAY_STEPS * 1e3, 3)
     return out
+
+
+# Kernel-name fragments by category, checked in this order (lower-case).
+_CATEGORIES = (
+    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "matmul", "_mm_", "splitk")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "mha", "efficient")),
+    ("copy", ("copy", "memcpy", "memset", "clone", "cat")),
+)
+
+
+def _by_category(by_name: dict[str, float], steps: int) -> dict[str, float]:
+    """Device milliseconds per step by kernel category (GEMM, attention, copies, other)."""
+    out: dict[str, float] = {}
+    for name, us in by_name.items():
+        low = name.lower()
+        category = next((c for c, frags in _CATEGORIES if any(f in low for f in frags)), "other")
+        out[category] = out.get(category, 0.0) + us
+    return {k: round(v / 1e3 / steps, 3) for k, v in sorted(out.items())}
 
 
 def copy_bandwidth(device: str) -> float | None:

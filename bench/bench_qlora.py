@@ -23,6 +23,14 @@ Variants:
     xpukit-unfused    the plan's savers with the fused path off (``lora={"fused": False}``, or
                       ``lora=True`` while the plan does not know the key)
     xpukit-fused-none the fused path with the savers off
+    xpukit-fused-liger / -gc / -offload
+                      the fused path with one rung of the ladder forced: liger's fused linear
+                      cross-entropy, checkpointing, offloaded checkpointing (the calibration of the
+                      activation estimate, rung by rung)
+    xpukit-fused-graphed
+                      an experiment, not an xpukit feature: xpukit-fused-none with every decoder
+                      layer's forward and backward captured as CUDA graphs
+                      (``torch.cuda.make_graphed_callables``), to measure what the host costs
     unsloth           ``FastLanguageModel`` with ``use_gradient_checkpointing="unsloth"`` (skipped
                       with a note when unsloth is not installed)
     unsloth-nogc      unsloth with checkpointing off
@@ -38,6 +46,9 @@ per variant and round: wall and device time per step, GPU busy % (the union of k
 the wall time; the profiler itself slows the host), kernels per step, and device time per step by
 category (GEMM, 4-bit dequantisation, copies/casts, other elementwise, attention, optimizer, other),
 with the top kernels.
+
+``--profile`` also runs ``cProfile`` over 2 more steps and prints the host's top functions by own
+time (``host_top``), to show where the host's time goes when the device waits for it.
 
 ``--finetune`` instead runs a short real fine-tune on the demo model and corpus
 (:func:`xpukit.demo.tiny.corpus_lines`) for each ``--dropouts`` value: loss per step, held-out loss
@@ -86,6 +97,10 @@ VARIANTS = (
     "xpukit-fused",
     "xpukit-unfused",
     "xpukit-fused-none",
+    "xpukit-fused-liger",
+    "xpukit-fused-gc",
+    "xpukit-fused-offload",
+    "xpukit-fused-graphed",
     "unsloth",
     "unsloth-nogc",
 )
@@ -99,6 +114,10 @@ FORCED: dict[str, dict[str, Any]] = {
     "xpukit-fused": {"fused": True},
     "xpukit-unfused": {"fused": False},
     "xpukit-fused-none": {"gradient_checkpointing": False, "liger": False, "fused": True},
+    "xpukit-fused-liger": {"gradient_checkpointing": False, "liger": True, "fused": True},
+    "xpukit-fused-gc": {"gradient_checkpointing": True, "liger": False, "fused": True},
+    "xpukit-fused-offload": {"gradient_checkpointing": "offload", "liger": False, "fused": True},
+    "xpukit-fused-graphed": {"gradient_checkpointing": False, "liger": False, "fused": True},
 }
 PROFILE_STEPS = 3
 
@@ -279,6 +298,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     else:
         model, notes, plan = load_xpukit(args, variant, device, dtype)
     weights_mem = memory_allocated(device)
+    if variant == "xpukit-fused-graphed":
+        notes.append(graph_layers(model, args, dtype))
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(facts.torch_device)
@@ -310,6 +331,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     peak, mem_kind = peak_memory(device)  # before the profiled steps, which hold the profiler's buffers
     kernels = profile_steps(train_step, device, 1)["kernels_per_step"] if device != "cpu" else None
     profile = profile_steps(train_step, device, PROFILE_STEPS) if args.profile and device != "cpu" else None
+    if profile is not None:
+        profile["host_top"] = host_profile(train_step, device, 2)
     step_s = statistics.median(times)
     training = getattr(plan, "training", None)
     return {
@@ -403,6 +426,80 @@ def profile_steps(train_step: Any, device: str, steps: int) -> dict[str, Any]:
         "ms_per_step_by_category": {k: round(v / 1e3 / steps, 2) for k, v in sorted(by_category.items())},
         "top_kernels_ms_per_step": [[name[:120], round(us / 1e3 / steps, 2)] for name, us in top],
     }
+
+
+def host_profile(train_step: Any, device: str, steps: int) -> list[list[Any]]:
+    """cProfile over ``steps`` steps: the host's top functions, ``[name, own ms/step, calls/step,
+    cumulative ms/step]``."""
+    import cProfile
+    import pstats
+
+    synchronize(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        train_step()
+    synchronize(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.items():
+        where = f"{Path(file).parent.name}/{Path(file).name}:{line}:{name}"
+        per_step = [round(own * 1e3 / steps, 2), round(calls / steps), round(cum * 1e3 / steps, 2)]
+        rows.append([where[-110:], *per_step])
+    return sorted(rows, key=lambda r: -r[1])[:25]
+
+
+def graph_layers(model: Any, args: argparse.Namespace, dtype: str) -> str:
+    """The experiment: each decoder layer's forward and backward as CUDA graphs, for this shape.
+
+    The layers get ``(hidden_states, cos, sin)`` and no mask (the bench's sequences have no
+    padding, so SDPA runs causal); any other call runs the layer eagerly.
+    """
+    import torch
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.model
+    layers = decoder.layers
+    device = next(model.parameters()).device
+    hidden = model.config.hidden_size
+    shape = (args.batch, args.seq, hidden)
+
+    class Inner(torch.nn.Module):
+        def __init__(self, layer: Any) -> None:
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, h: Any, cos: Any, sin: Any) -> Any:
+            return self.layer(h, attention_mask=None, position_embeddings=(cos, sin), use_cache=False)
+
+    positions = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.batch, -1)
+    with torch.autocast(device_type="cuda", dtype=getattr(torch, dtype), cache_enabled=False):
+        probe = torch.zeros(shape, device=device, dtype=getattr(torch, dtype))
+        cos, sin = decoder.rotary_emb(probe, positions)
+        samples = tuple(
+            (torch.randn(shape, device=device, dtype=probe.dtype, requires_grad=i > 0), cos, sin)
+            for i in range(len(layers))
+        )
+        graphed = torch.cuda.make_graphed_callables(tuple(Inner(layer) for layer in layers), samples)
+
+    class Graphed(torch.nn.Module):
+        def __init__(self, layer: Any, run: Any) -> None:
+            super().__init__()
+            self.layer = layer
+            self.run = run
+            self.attention_type = getattr(layer, "attention_type", "full_attention")
+
+        def forward(self, hidden_states: Any, attention_mask: Any = None, position_embeddings: Any = None,
+                    **kwargs: Any) -> Any:  # fmt: skip
+            if attention_mask is None and position_embeddings is not None and hidden_states.shape == shape:
+                return self.run(hidden_states, *position_embeddings)
+            return self.layer(hidden_states, attention_mask=attention_mask,
+                              position_embeddings=position_embeddings, **kwargs)  # fmt: skip
+
+    for i, run in enumerate(graphed):
+        layers[i] = Graphed(layers[i], run)
+    return f"bench experiment: {len(layers)} decoder layers captured as CUDA graphs for {shape}"
 
 
 def bnb_config(dtype: str) -> Any:

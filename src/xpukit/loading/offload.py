@@ -1,12 +1,24 @@
-"""Activation offloading for ``gradient_checkpointing="offload"`` (docs/training.md "Training plan by fit").
+"""Activation offloading for ``gradient_checkpointing="offload"``.
 
-With non-reentrant gradient checkpointing each decoder layer keeps only its input for backward;
-``torch.autograd.graph.save_on_cpu`` moves the tensors saved outside the checkpointed regions — those
-layer inputs, the final norm's and the loss's — to host memory during the forward and brings each
-back when backward needs it. Inside a checkpointed region torch's own saved-tensor hooks take
-precedence (the innermost hooks win), so recomputation is unchanged. transformers 5.22 has no
-offloading switch of its own, so the model's ``forward`` runs inside the context; the packed tensors
-keep their host copies, so backward needs no context.
+See docs/training.md "Offloaded checkpointing".
+
+With non-reentrant gradient checkpointing each decoder layer keeps only its input for backward. The
+model's ``forward`` runs inside :class:`HostOffload`, saved-tensor hooks that move every tensor saved
+outside the checkpointed regions (those layer inputs, the final norm's, the loss's) of at least
+:data:`MIN_BYTES` to host memory during the forward and bring it back when backward needs it. Inside
+a checkpointed region torch's own hooks take precedence (the innermost hooks win), so recomputation
+is unchanged; the packed tensors keep their host copies, so backward needs no context.
+
+The copies are asynchronous. torch's own ``torch.autograd.graph.save_on_cpu`` copies each tensor
+with a blocking ``copy_``, so the host waits for the device at every layer and can no longer queue
+work ahead of it; a training step that is bound by the host (a 4-bit LoRA step of 2 048 tokens is,
+docs/benchmarks.md) then costs the host's time plus the device's. Here the copy into pinned host
+memory is ``non_blocking``, queued on the device's stream behind the kernels that produce the tensor,
+and the copy back is queued in front of the kernels that use it, so stream order alone keeps both
+correct: the device memory of the original can be reused only by later work on the same stream, and
+torch's pinned-memory allocator does not hand out the host buffer again before the copies that use
+it have finished. Tensors smaller than :data:`MIN_BYTES` stay on the device (their copies would
+cost more than they save).
 """
 
 from __future__ import annotations
@@ -16,11 +28,54 @@ from typing import Any
 
 from xpukit.machine.facts import DeviceFacts
 
-__all__ = ["offload_saved_activations"]
+__all__ = ["MIN_BYTES", "HostOffload", "offload_saved_activations"]
+
+MIN_BYTES = 1 << 20  # smaller saved tensors stay where they are
+
+
+def _hooks(pin: bool) -> tuple[Any, Any]:
+    import torch
+
+    def pack(tensor: Any) -> Any:
+        if tensor.device.type == "cpu" or tensor.numel() * tensor.element_size() < MIN_BYTES:
+            return tensor
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
+        host.copy_(tensor, non_blocking=pin)
+        return (tensor.device, host)
+
+    def unpack(packed: Any) -> Any:
+        if isinstance(packed, tuple):
+            device, host = packed
+            return host.to(device, non_blocking=pin)
+        return packed
+
+    return pack, unpack
+
+
+class HostOffload:
+    """A context in which tensors saved for backward wait in (pinned) host memory.
+
+    Args:
+        pin: pinned host memory and asynchronous copies (CUDA, XPU); ``False`` copies synchronously
+            into pageable memory (any other device).
+    """
+
+    def __init__(self, pin: bool) -> None:
+        import torch
+
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(*_hooks(pin))
+
+    def __enter__(self) -> HostOffload:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
 
 
 def offload_saved_activations(model: Any, device: DeviceFacts) -> str:
-    """Run ``model.forward`` inside ``save_on_cpu`` (pinned host memory on CUDA/XPU); returns a note."""
+    """Run ``model.forward`` inside :class:`HostOffload` (pinned, asynchronous on CUDA/XPU); returns a
+    note."""
     import torch
 
     pin = device.backend in ("cuda", "xpu")
@@ -32,13 +87,11 @@ def offload_saved_activations(model: Any, device: DeviceFacts) -> str:
     def offloaded(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+        with HostOffload(pin):
             return forward(*args, **kwargs)
 
     offloaded._xpukit_offload = True  # type: ignore[attr-defined]
     model.forward = offloaded
-    return (
-        "saved activations offloaded to host memory (torch.autograd.graph.save_on_cpu"
-        + (", pinned" if pin else "")
-        + ") around the checkpointed layers"
+    return "saved activations offloaded to host memory around the checkpointed layers" + (
+        " (pinned, asynchronous copies)" if pin else ""
     )

@@ -265,7 +265,7 @@ def _gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[s
         return Decision(name="gradient_checkpointing", value=gc, source="user",
                         reason=f"lora={{'gradient_checkpointing': {gc!r}}} given; {fit_text}")  # fmt: skip
     if gc == "offload":
-        what = "on, saved activations offloaded to host memory (torch.autograd.graph.save_on_cpu)"
+        what = "on, saved activations offloaded to host memory (asynchronous pinned copies on CUDA/XPU)"
     else:
         what = "on (non-reentrant)" if gc else "off: the fastest"
     rejected = tuple((option, f"needs {format_bytes(b)}") for option, b in tried[:-1])

@@ -1,0 +1,92 @@
+"""Grouped decode attention: one SDPA call over the key/value heads, no ``repeat_kv`` copy.
+
+transformers' SDPA attention on CUDA expands the key/value heads to the query heads (``repeat_kv``)
+whenever there is an attention mask, because torch's masked SDPA kernels did not take grouped heads
+(``enable_gqa``) on CUDA (``transformers.integrations.sdpa_attention.use_gqa_in_sdpa``). A static
+cache always has a mask (it hides the cache's empty tail), so every decode step of a grouped-query
+model copies the whole cache of every layer: Qwen3-8B (32 query heads, 8 key/value heads) at a
+cache of 4 096 tokens writes and reads again 2.4 GB per token at batch 1, 8 × that at batch 8.
+
+When a step has one query token, the query heads that share a key/value head have the same mask, so
+they can be laid out as that head's ``groups`` "query positions": ``(b, kv_heads, groups, d)``
+against ``(b, kv_heads, L, d)``, the mask ``(b, 1, 1, L)`` broadcast over them. That is the same
+softmax over the same keys, computed without the copy (docs/decode.md "Grouped decode attention").
+Every other call (prefill, training, one key/value head per query head, dropout, soft-capping,
+attention weights asked for) goes to transformers' own ``sdpa_attention_forward`` unchanged.
+
+The function is registered under :data:`NAME` in transformers' attention and mask interfaces (the
+mask is SDPA's), and :func:`use_grouped_decode_attention` sets it on one model's config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["NAME", "grouped_decode_sdpa", "use_grouped_decode_attention"]
+
+NAME = "xpukit_grouped_sdpa"
+
+
+def grouped_decode_sdpa(
+    module: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[Any, None]:
+    """transformers' attention-function signature; one query token of a grouped model is grouped."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = int(getattr(module, "num_key_value_groups", 1) or 1)
+    batch, heads, q_len, dim = query.shape
+    special = dropout or kwargs.get("softcap") is not None or kwargs.get("output_attentions")
+    if q_len != 1 or groups == 1 or special or kwargs.get("cache") is not None:
+        result: tuple[Any, None] = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, **kwargs,
+        )  # fmt: skip
+        return result
+    kv_heads = key.shape[1]
+    grouped = query.reshape(batch, kv_heads, groups, dim)  # head h = kv head h // groups (repeat_kv)
+    mask = attention_mask
+    if mask is not None and mask.ndim == 4:
+        mask = mask[:, :, :, : key.shape[-2]]  # (b, 1, 1, L): the same for every head and query
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling, is_causal=False
+    )
+    return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register :data:`NAME` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(NAME, grouped_decode_sdpa)
+    if NAME not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+        ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
+
+
+def use_grouped_decode_attention(model: Any) -> str | None:
+    """Set :data:`NAME` as ``model``'s attention when it runs transformers' SDPA; returns a note, or
+    ``None`` when the model keeps its attention (another implementation, or no grouped heads)."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not heads or heads == kv_heads:
+        return None
+    register()
+    config._attn_implementation = NAME
+    if text is not config:
+        text._attn_implementation = NAME
+    return (
+        f"decode attention: {heads} query heads over {kv_heads} key/value heads in one SDPA call per "
+        "decode step (no repeat_kv copy of the cache); everything else runs transformers' SDPA"
+    )

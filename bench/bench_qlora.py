@@ -31,6 +31,9 @@ Variants:
                       an experiment, not an xpukit feature: xpukit-fused-none with every decoder
                       layer's forward and backward captured as CUDA graphs
                       (``torch.cuda.make_graphed_callables``), to measure what the host costs
+    xpukit-fused-chunked
+                      xpukit-fused-none with xpukit's chunked cross-entropy
+                      (``xpukit.loading.chunked_loss.apply_chunked_loss``)
     unsloth           ``FastLanguageModel`` with ``use_gradient_checkpointing="unsloth"`` (skipped
                       with a note when unsloth is not installed)
     unsloth-nogc      unsloth with checkpointing off
@@ -101,6 +104,7 @@ VARIANTS = (
     "xpukit-fused-gc",
     "xpukit-fused-offload",
     "xpukit-fused-graphed",
+    "xpukit-fused-chunked",
     "unsloth",
     "unsloth-nogc",
 )
@@ -118,6 +122,7 @@ FORCED: dict[str, dict[str, Any]] = {
     "xpukit-fused-gc": {"gradient_checkpointing": True, "liger": False, "fused": True},
     "xpukit-fused-offload": {"gradient_checkpointing": "offload", "liger": False, "fused": True},
     "xpukit-fused-graphed": {"gradient_checkpointing": False, "liger": False, "fused": True},
+    "xpukit-fused-chunked": {"gradient_checkpointing": False, "liger": False, "fused": True},
 }
 PROFILE_STEPS = 3
 
@@ -300,6 +305,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     weights_mem = memory_allocated(device)
     if variant == "xpukit-fused-graphed":
         notes.append(graph_layers(model, args, dtype))
+    if variant == "xpukit-fused-chunked":
+        from xpukit.loading.chunked_loss import apply_chunked_loss
+
+        notes.append(apply_chunked_loss(model.get_base_model()))
     generator = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=generator).to(facts.torch_device)

@@ -12,8 +12,9 @@ Variants:
 * ``raw``: ``AutoModelForCausalLM.from_pretrained(path, dtype=<the plan's dtype>).to(device)``;
 * ``xpukit``: ``load_for_xpu(path, device=...)``;
 * ``fast``: ``load_for_xpu(path, device=..., fast_decode=True, warmup=True)``: xpukit's decode loop;
-* ``fast-gqa``: ``fast`` with the grouped decode attention (``xpukit.loading.decode_attention``:
-  one SDPA call over the key/value heads instead of transformers' ``repeat_kv`` copy);
+* ``fast-sdpa``: ``fast`` with transformers' SDPA attention in the decode step too (its
+  ``repeat_kv`` copy of the cache) instead of xpukit's grouped decode attention
+  (``xpukit.loading.decode_attention``), to measure what that saves;
 * ``fast-hf``: the same load with xpukit's loop switched off (``model.xpukit_decode_loop.enabled =
   False``): transformers' ``generate`` with the same static cache and compile settings;
 * ``static`` / ``compiled`` (measurement aids, not what xpukit sets on a CPU): ``load_for_xpu``, then
@@ -87,7 +88,7 @@ SMALL_SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 64,
     },
 }
-VARIANTS = ("raw", "xpukit", "fast", "fast-gqa", "fast-hf", "static", "compiled", "loop")
+VARIANTS = ("raw", "xpukit", "fast", "fast-sdpa", "fast-hf", "static", "compiled", "loop")
 REPLAY_STEPS = 64
 
 
@@ -127,12 +128,12 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if variant == "fast":
         return load_for_xpu(path, device=device, fast_decode=True, warmup=True)
-    if variant == "fast-gqa":  # fast, with the grouped decode attention (loading/decode_attention.py)
+    if variant == "fast-sdpa":  # fast, with transformers' SDPA in the decode step too
         from xpukit.loading.decode import warm_up
-        from xpukit.loading.decode_attention import use_grouped_decode_attention
 
         model = load_for_xpu(path, device=device, fast_decode=True)
-        model.xpukit_bench_note = use_grouped_decode_attention(model)
+        model.config._attn_implementation = "sdpa"
+        model.xpukit_bench_note = "transformers' SDPA attention (repeat_kv) in the decode step"
         model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)
         return model
     if variant == "fast-hf":
@@ -307,7 +308,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
             model = load(variant, path, args.device, cache_len(args, path))
             load_s = time.perf_counter() - start
             if (
-                variant in {"fast", "fast-gqa", "fast-hf"}
+                variant in {"fast", "fast-sdpa", "fast-hf"}
                 and args.cache_len
                 and model.generation_config.cache_implementation
             ):

@@ -66,6 +66,23 @@ def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
     assert plan.decode.graph_batch_sizes == (1,) and "warm-up at batch 1" in decision.reason
     assert "4096 tokens" in decision.reason and "fast_decode" in plan.explain()
     assert plan.to_dict()["decode"] == decision.value
+    # grouped decode attention: measured on CUDA only (docs/decode.md "Grouped decode attention")
+    assert plan.decode.grouped_attention == (facts == "h200")
+    assert ("repeat_kv" in decision.reason) == (facts == "h200")
+
+
+def test_grouped_attention_is_applied_and_recorded(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from xpukit.loading.decode import _grouped_attention
+    from xpukit.loading.decode_attention import NAME
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa")
+    event = _grouped_attention(model)
+    assert (event.kind, event.actual) == ("applied", NAME) and "repeat_kv" in event.cause
+    eager = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")
+    event = _grouped_attention(eager)
+    assert (event.kind, event.actual) == ("note", "eager") and "kept 'eager'" in event.cause
 
 
 def test_cache_length_follows_the_headroom_and_the_context():

@@ -93,7 +93,28 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         cause="generate() runs xpukit's decode loop for greedy and plain sampling, transformers' "
         "for everything else; model.xpukit_last_decode says which ran",
     )
-    return [LoadEvent(kind="applied", what="fast_decode", actual=settings), loop_event]
+    events = [LoadEvent(kind="applied", what="fast_decode", actual=settings), loop_event]
+    if decode.grouped_attention:
+        events.append(_grouped_attention(target))
+    return events
+
+
+def _grouped_attention(model: Any) -> LoadEvent:
+    """xpukit's grouped decode attention on ``model``, or the reason it keeps its own."""
+    from xpukit.loading.decode_attention import NAME, use_grouped_decode_attention
+
+    note = use_grouped_decode_attention(model)
+    if note is not None:
+        return LoadEvent(kind="applied", what="decode_attention", actual=NAME, cause=note)
+    config = model.config
+    current = getattr(config, "_attn_implementation", None)
+    return LoadEvent(
+        kind="note",
+        what="decode_attention",
+        actual=current,
+        cause=f"kept {current!r}: grouped decode attention applies to SDPA with fewer key/value heads "
+        "than query heads",
+    )
 
 
 def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:

@@ -59,6 +59,8 @@ class DecodePlan:
         graph_batch_sizes: batch sizes whose decode step the warm-up compiles (CUDA: captures as
             CUDA graphs); any other batch size compiles on its first call (docs/decode.md
             "Batch sizes").
+        grouped_attention: a model that runs SDPA with fewer key/value heads than query heads gets
+            xpukit's grouped decode attention (docs/decode.md "Grouped decode attention").
     """
 
     static_cache: bool
@@ -67,6 +69,7 @@ class DecodePlan:
     compile_mode: str | None
     kv_bytes: int = 0
     graph_batch_sizes: tuple[int, ...] = ()
+    grouped_attention: bool = False
 
     def describe(self) -> dict[str, Any]:
         """The decision's value: what changes in the generation config."""
@@ -179,13 +182,20 @@ def plan_decode(
         compile_mode=mode,
         kv_bytes=kv_bytes,
         graph_batch_sizes=GRAPH_BATCH_SIZES,
+        grouped_attention=backend == "cuda",
+    )
+    grouped = (
+        "; a decode step's attention over grouped key/value heads without transformers' repeat_kv copy "
+        '(docs/decode.md "Grouped decode attention")'
+        if backend == "cuda"
+        else ""
     )
     sizes = ", ".join(str(b) for b in GRAPH_BATCH_SIZES)
     return plan, Decision(
         name="fast_decode",
         value=plan.describe(),
         reason=f"fast_decode=True given: {sized}; decoding step compiled (fullgraph, static shapes, "
-        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use",
+        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use{grouped}",
         source="user",
     )
 

@@ -35,9 +35,7 @@ def _function() -> Any:
 
     class ChunkedLinearCrossEntropy(torch.autograd.Function):  # type: ignore[misc]
         @staticmethod
-        def forward(
-            ctx: Any, hidden: Any, weight: Any, labels: Any, denominator: Any, chunk: int
-        ) -> Any:
+        def forward(ctx: Any, hidden: Any, weight: Any, labels: Any, denominator: Any, chunk: int) -> Any:
             grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.shape[0], chunk):

@@ -224,6 +224,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                     model, notes = merge_adapter(model, plan)
                 else:
                     fused = next((d for d in plan.decisions if d.name == "fused_lora"), None)
+                    graphs = next((d for d in plan.decisions if d.name == "layer_graphs"), None)
                     model, notes = apply_lora(
                         model,
                         plan.lora,
@@ -232,6 +233,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                         device=plan.device,
                         fused=bool(fused is not None and fused.value),
                         fused_insist=fused is not None and fused.source == "user" and bool(fused.value),
+                        graphs=bool(graphs is not None and graphs.value),
                     )
             except XpukitError as exc:
                 del model  # the error (and its traceback's frames) must not keep the weights alive

@@ -58,6 +58,7 @@ def apply_lora(
     device: DeviceFacts,
     fused: bool = False,
     fused_insist: bool = False,
+    graphs: bool = False,
 ) -> tuple[Any, list[str]]:
     """Carry out a :class:`LoraRequest` on a loaded model.
 
@@ -76,6 +77,8 @@ def apply_lora(
         fused: for new adapters, route the 4-bit LoRA projections through the fused autograd
             functions (:func:`xpukit.loading.fused_lora.apply_fused_lora`); what cannot be fused keeps
             peft's path and is recorded in the notes.
+        graphs: for new adapters, CUDA graphs of the decoder layers
+            (:func:`xpukit.loading.layer_graphs.install_layer_graphs`), after the fused path.
         fused_insist: with ``fused``, refuse (``InvalidRequestError``) when not every decoder block
             can be fused (``lora={"fused": True}``).
 
@@ -99,8 +102,9 @@ def apply_lora(
     if request.kind == "adapter":
         return _load_adapter(model, request)
     return _new_adapters(
-        model, request, dtype=dtype, quantized=quantized, device=device, fused=fused, insist=fused_insist
-    )
+        model, request, dtype=dtype, quantized=quantized, device=device, fused=fused, insist=fused_insist,
+        graphs=graphs,
+    )  # fmt: skip
 
 
 def _load_adapter(model: Any, request: LoraRequest) -> tuple[Any, list[str]]:
@@ -125,6 +129,7 @@ def _new_adapters(
     quantized: bool,
     device: DeviceFacts,
     fused: bool = False,
+    graphs: bool = False,
     insist: bool = False,
 ) -> tuple[Any, list[str]]:
     import torch
@@ -183,6 +188,10 @@ def _new_adapters(
         # user's own lora={"liger": False} keeps it out.
         no_liger = request.liger_given and request.liger is False
         notes += apply_fused_lora(peft_model, insist=insist, liger=False if no_liger else None)
+    if graphs:
+        from xpukit.loading.layer_graphs import install_layer_graphs
+
+        notes.append(install_layer_graphs(peft_model))
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     notes.append(

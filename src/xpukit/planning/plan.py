@@ -42,6 +42,7 @@ from xpukit.planning.model.facts import model_facts
 from xpukit.planning.model.source import read_config
 from xpukit.planning.training.fit import check_step_size, training_plan_for
 from xpukit.planning.training.fused import decide_fused, fused_will_run
+from xpukit.planning.training.graphs import decide_layer_graphs
 from xpukit.planning.training.lora_request import fit_lora_to_class
 from xpukit.planning.training.merge import parse_merge, plan_merge, replace_plan
 from xpukit.planning.vocabulary import Decision
@@ -268,6 +269,10 @@ def plan_load(
     decisions += list(training.decisions) if training is not None else []
     fused = decide_fused(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
     decisions += [fused] if fused is not None else []
+    graphs = decide_layer_graphs(
+        lora_request, fused=bool(fused is not None and fused.value), training=training, backend=main.backend
+    )
+    decisions += [graphs] if graphs is not None else []
     new_adapters = lora_request is not None and lora_request.kind == "new"
     if seed is not None or new_adapters:
         decisions.append(seed_decision(seed, new_adapters=new_adapters))

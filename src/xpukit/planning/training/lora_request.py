@@ -67,7 +67,7 @@ LORA_CONFIG_KEYS: frozenset[str] = frozenset(
     }
 )  # fmt: skip
 # Keys of a lora= dict that steer xpukit rather than peft.
-_XPUKIT_KEYS = frozenset({"gradient_checkpointing", "liger", "fused"})
+_XPUKIT_KEYS = frozenset({"gradient_checkpointing", "liger", "fused", "graphs"})
 # LoraConfig fields that describe the object, not the adapter.
 _NOT_KWARGS = frozenset({"peft_type", "auto_mapping", "peft_version"})
 _ALL_LINEAR = "all-linear"
@@ -97,6 +97,8 @@ class LoraRequest:
         fused: xpukit's fused 4-bit LoRA path: ``None`` decides by fit and device, ``False`` never
             (``lora={"fused": False}``), ``True`` insists (refused where it cannot run;
             :mod:`xpukit.planning.training.fused`).
+        graphs: CUDA graphs of the decoder layers: ``None`` decides (on where measured), ``False``
+            never, ``True`` insists (:mod:`xpukit.planning.training.graphs`).
     """
 
     kind: Literal["new", "adapter"]
@@ -109,6 +111,7 @@ class LoraRequest:
     gradient_checkpointing_given: bool = False
     liger_given: bool = False
     fused: bool | None = None
+    graphs: bool | None = None
 
     def describe(self) -> str:
         """One line for the plan's explain table."""
@@ -173,6 +176,7 @@ def _new(
     origin: str,
     given: frozenset[str] = frozenset(),
     fused: bool | None = None,
+    graphs: bool | None = None,
 ) -> LoraRequest:
     gradient_checkpointing = quantized if gc is None else gc
     # Without a choice, plan_load's training plan decides by fit (the gradient_checkpointing decision);
@@ -189,6 +193,7 @@ def _new(
         gradient_checkpointing_given=gc is not None,
         liger_given=liger is not None,
         fused=fused,
+        graphs=graphs,
     )
 
 
@@ -198,14 +203,21 @@ def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
         hints = name_hints(bad, LORA_CONFIG_KEYS | _XPUKIT_KEYS)
         raise InvalidRequestError(
             f"lora= dict has unknown keys: {hints}. Valid keys are peft.LoraConfig's "
-            f"({', '.join(sorted(LORA_CONFIG_KEYS))}) and xpukit's gradient_checkpointing, liger and fused. "
+            f"({', '.join(sorted(LORA_CONFIG_KEYS))}) and xpukit's gradient_checkpointing, liger, fused "
+            "and graphs. "
             "A key only a newer peft knows can be passed as a peft.LoraConfig object instead."
         )
     options = dict(lora)
     gc = options.pop("gradient_checkpointing", None)
     liger = options.pop("liger", None)
     fused = options.pop("fused", None)
-    for name, value in (("gradient_checkpointing", gc), ("liger", liger), ("fused", fused)):
+    graphs = options.pop("graphs", None)
+    for name, value in (
+        ("gradient_checkpointing", gc),
+        ("liger", liger),
+        ("fused", fused),
+        ("graphs", graphs),
+    ):
         offload = name == "gradient_checkpointing" and value == "offload"
         if value is not None and not isinstance(value, bool) and not offload:
             valid = "True or False" + (" (or 'offload')" if name == "gradient_checkpointing" else "")
@@ -217,7 +229,7 @@ def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
         if options
         else "lora= given: xpukit's LoraConfig defaults (the dict sets only xpukit's options)"
     )
-    return _new({**DEFAULT_LORA, **options}, quantized, gc, liger, origin, frozenset(options), fused)
+    return _new({**DEFAULT_LORA, **options}, quantized, gc, liger, origin, frozenset(options), fused, graphs)
 
 
 def _check_numbers(options: dict[str, Any]) -> None:

@@ -1,0 +1,93 @@
+"""CUDA graphs of the decoder layers: the decision (pure) and the wrappers' eager path (CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from xpukit.errors import InvalidRequestError
+from xpukit.planning.model.reference_models import reference_config
+from xpukit.planning.plan import plan_load
+from xpukit.planning.training.lora_request import resolve_lora
+
+
+def _decision(plan: Any) -> Any:
+    return next((d for d in plan.decisions if d.name == "layer_graphs"), None)
+
+
+def test_on_for_cuda_fused_qlora_without_checkpointing() -> None:
+    plan = plan_load(reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True,
+                     batch_size=4, seq_len=512)  # fmt: skip
+    assert plan.decision("fused_lora").value is True
+    assert plan.training is not None and plan.training.gradient_checkpointing is False
+    graphs = _decision(plan)
+    assert graphs.value is True and graphs.source == "auto" and "CUDA graphs" in graphs.reason
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"facts": "max-1550"}, "need CUDA"),
+        ({"lora": {"fused": False}}, "fused 4-bit LoRA path"),
+        ({"lora": {"gradient_checkpointing": True}}, "recomputes"),
+    ],
+)
+def test_off_where_not_measured(kwargs: dict[str, Any], why: str) -> None:
+    args: dict[str, Any] = {
+        "facts": "h200",
+        "quantize": "4bit",
+        "lora": True,
+        "batch_size": 4,
+        "seq_len": 512,
+    }
+    plan = plan_load(reference_config("qwen3-8b"), **(args | kwargs))
+    graphs = _decision(plan)
+    assert graphs.value is False and why in graphs.reason and graphs.source == "auto"
+
+
+def test_the_user_turns_it_off_or_insists() -> None:
+    args: dict[str, Any] = {"facts": "h200", "quantize": "4bit", "batch_size": 4, "seq_len": 512}
+    off = _decision(plan_load(reference_config("qwen3-8b"), lora={"graphs": False}, **args))
+    assert (off.value, off.source) == (False, "user") and "'graphs': False" in off.reason
+    on = _decision(plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, **args))
+    assert (on.value, on.source) == (True, "user") and "'graphs': True} given" in on.reason
+    with pytest.raises(InvalidRequestError, match=r"graphs': True.*need CUDA.*Fix"):
+        plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, **(args | {"facts": "max-1550"}))
+    with pytest.raises(InvalidRequestError, match="must be True or False"):
+        resolve_lora({"graphs": "yes"}, quantized=True)
+
+
+def test_no_decision_without_new_adapters() -> None:
+    assert _decision(plan_load(reference_config("qwen3-8b"), facts="h200")) is None
+
+
+def test_wrapped_layers_run_eagerly_off_cuda_and_give_the_same_result(tiny_model: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from xpukit import load_for_xpu
+    from xpukit.loading.layer_graphs import install_layer_graphs
+
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(3))
+    results = []
+    for wrapped in (False, True):
+        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
+        if wrapped:
+            assert "CUDA graphs of the" in install_layer_graphs(model)
+        model.train()
+        for _ in range(2):  # the second call of a shape is where CUDA would capture
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+        if wrapped:
+            graphs = model.xpukit_layer_graphs
+            assert graphs.stats["eager"] == 2 and graphs.stats["graphed"] == 0 and graphs.key is None
+            assert graphs.eager_reasons == {"not a CUDA call with position embeddings": 2}
+            with torch.no_grad():
+                model(input_ids=ids)
+            assert graphs.eager_reasons["no grad or eval mode"] == 1
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for a, b in zip(results[1][1], results[0][1], strict=True):
+        torch.testing.assert_close(a, b)
+    state = model.state_dict()
+    assert not any(".layer." in name for name in state)  # module names unchanged: adapters save as before

@@ -230,6 +230,7 @@ def plan_load(
         train, request = training_plan_for(
             request, config=config, max_positions=mfacts.max_positions, memory=lay.memory,
             device=main, dtype=str(lay.dtype.value), batch_size=batch_size, seq_len=seq_len, fused=fused,
+            quantized=lay.quantization in {"4bit", "8bit"},
         )  # fmt: skip
         return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
 

@@ -14,7 +14,7 @@ from xpukit.planning.model.shape import ModelShape
 if TYPE_CHECKING:
     from xpukit.planning.training.lora_request import LoraRequest
 
-__all__ = ["activation_bytes", "lora_parameters"]
+__all__ = ["activation_bytes", "dequant_transient", "lora_parameters"]
 
 # LoRA target groups: (names peft may give the layers, which input they read).
 _GROUPS = {
@@ -49,6 +49,12 @@ def lora_parameters(shape: ModelShape, request: LoraRequest) -> int:
     return per_layer * shape.layers
 
 
+def dequant_transient(shape: ModelShape, *, compute_bytes: int, fused_lora: bool) -> int:
+    """Dequantised 4-bit weights alive at once in one layer's backward: the fused MLP's backward
+    holds gate, up and down in the compute dtype; bitsandbytes' matmul one weight at a time."""
+    return compute_bytes * shape.hidden * shape.intermediate * (3 if fused_lora else 1)
+
+
 def activation_bytes(
     shape: ModelShape,
     tokens: int,
@@ -62,6 +68,7 @@ def activation_bytes(
     fused_loss: bool,
     fused_lora: bool = False,
     kernel_norms: bool = False,
+    dequant_bytes: int = 0,
 ) -> dict[str, int]:
     """The peak activation memory of one forward + backward, in bytes (docs/training.md "The
     activation estimate": every term there is one line here).
@@ -81,6 +88,8 @@ def activation_bytes(
             input per group, gate and up kept for the SwiGLU, ``down``'s input recomputed).
         kernel_norms: liger-kernel's RMSNorm replaces transformers' (its input kept in the compute
             dtype, not upcast to fp32).
+        dequant_bytes: bytes of dequantised 4-bit weights alive at once in one layer's backward
+            (:func:`dequant_transient`); counted with the recomputed layer on the checkpointed rungs.
 
     Returns:
         ``{"per_layer", "layers", "loss", "peak"}``: bytes of one layer's saved tensors, of all
@@ -113,9 +122,10 @@ def activation_bytes(
         per_token += count * mask_bytes * d if dropout else 0
     per_token += sum(n.values()) * a * lora_r  # lora_B's input
     per_layer = per_token * tokens
-    loss = ((2 * a + 4) * h if fused_loss else (12 + (a if a < 4 else 0)) * v) * tokens
+    loss = ((2 * a + 4) * h if fused_loss else (12 if a == 4 else 10 + a) * v) * tokens
     final_norm = 4 * h * tokens
     backward = a * (i + 2 * h) * tokens  # a layer's gradients in flight while it is recomputed
+    backward += dequant_bytes
     if checkpointing == "offload":
         layers = 0  # every layer's input waits in host memory
         peak = final_norm + max(loss, per_layer + backward)

@@ -22,7 +22,7 @@ from xpukit._compat import installed_version, is_installed
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.budgets import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
 from xpukit.planning.model.shape import ModelShape, model_shape
-from xpukit.planning.training.activation_memory import activation_bytes, lora_parameters
+from xpukit.planning.training.activation_memory import activation_bytes, dequant_transient, lora_parameters
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
@@ -139,6 +139,7 @@ def plan_training(
     max_positions: int | None,
     liger_available: tuple[bool, str],
     fused: bool = False,
+    quantized: bool = False,
 ) -> TrainingPlan:
     """Choose the fastest set of memory savers whose estimated peak fits (module docstring).
 
@@ -156,6 +157,7 @@ def plan_training(
         liger_available: whether liger-kernel can run here, and why (not).
         fused: the fused 4-bit LoRA path will run (it saves less per layer, and brings liger's
             RMSNorm where liger can run unless ``lora={"liger": False}``).
+        quantized: 4-bit weights, dequantised in backward (a transient the checkpointed rungs count).
 
     Returns:
         The :class:`TrainingPlan` with its three decisions.
@@ -172,6 +174,7 @@ def plan_training(
     user_gc, user_liger = request.gradient_checkpointing_given, request.liger
     liger_ok, liger_why = liger_available
     fused_norms = fused and liger_ok and not (request.liger_given and request.liger is False)
+    dequant = dequant_transient(shape, compute_bytes=a, fused_lora=fused) if quantized else 0
 
     def estimate_for(liger: bool, gc: bool | str, micro: int) -> dict[str, int]:
         # The fused path's and liger's smaller saved tensors are counted on the rung without
@@ -183,6 +186,7 @@ def plan_training(
             targets=request.config.get("target_modules"), dropout=dropout,
             mask_bytes=1 if backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=liger,
             fused_lora=fused and measured, kernel_norms=measured and ((liger and liger_ok) or fused_norms),
+            dequant_bytes=dequant,
         )  # fmt: skip
 
     def peak(liger: bool, gc: bool | str, micro: int) -> int:
@@ -318,6 +322,7 @@ def training_plan_for(
     batch_size: int | None,
     seq_len: int | None,
     fused: bool = False,
+    quantized: bool = False,
 ) -> tuple[TrainingPlan | None, LoraRequest | None]:
     """The training plan for new adapters, and the request updated to follow it.
 
@@ -350,6 +355,7 @@ def training_plan_for(
         max_positions=max_positions,
         liger_available=liger_availability(device.backend),
         fused=fused,
+        quantized=quantized,
     )
     updated = replace(request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger)
     return plan, updated

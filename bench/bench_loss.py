@@ -98,8 +98,9 @@ def make(variant: str, weight: Any, vocab: int) -> Any:
         return lambda h, y: ForCausalLMLoss(h @ weight.t(), y, vocab_size=vocab)
     if variant == "chunked":
         from xpukit.kernels.chunked_ce import chunked_linear_cross_entropy
+        from xpukit.planning.training.activation_memory import chunk_tokens
 
-        return lambda h, y: chunked_linear_cross_entropy(h, weight, y)
+        return lambda h, y: chunked_linear_cross_entropy(h, weight, y, chunk=chunk_tokens(vocab))
     if variant == "liger":
         if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
             return None

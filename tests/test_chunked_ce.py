@@ -34,7 +34,7 @@ def test_loss_and_gradient_equal_transformers(chunk: int, items: int | None) -> 
     h, w, labels = _case()
     want = _reference(h, w, labels, num_items_in_batch=items)
     (want_grad,) = torch.autograd.grad(want * 1.7, h)
-    got = chunked_linear_cross_entropy(h, w, labels, num_items_in_batch=items, chunk=chunk)
+    got = chunked_linear_cross_entropy(h, w, labels, chunk=chunk, num_items_in_batch=items)
     (got_grad,) = torch.autograd.grad(got * 1.7, h)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_grad, want_grad, atol=1e-6, rtol=1e-5)
@@ -45,11 +45,11 @@ def test_a_trainable_head_is_refused() -> None:
 
     h, w, labels = _case()
     with pytest.raises(ValueError, match="frozen"):
-        chunked_linear_cross_entropy(h, w.requires_grad_(), labels)
+        chunked_linear_cross_entropy(h, w.requires_grad_(), labels, chunk=4)
 
 
 def test_chunks_hold_the_configured_bytes() -> None:
-    from xpukit.kernels.chunked_ce import CHUNK_BYTES, chunk_tokens
+    from xpukit.planning.training.activation_memory import CHUNK_BYTES, chunk_tokens
 
     assert chunk_tokens(151936) == CHUNK_BYTES // (4 * 151936) == 441
     assert chunk_tokens(10**12) == 1
@@ -57,10 +57,10 @@ def test_chunks_hold_the_configured_bytes() -> None:
 
 def test_a_lora_model_trains_the_same(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from xpukit import load_for_xpu
-    from xpukit.kernels import chunked_ce
     from xpukit.loading.chunked_loss import apply_chunked_loss
+    from xpukit.planning.training import activation_memory
 
-    monkeypatch.setattr(chunked_ce, "CHUNK_BYTES", 4 * 1024 * 5)  # 5 tokens a chunk: several chunks
+    monkeypatch.setattr(activation_memory, "CHUNK_BYTES", 4 * 1024 * 5)  # 5 tokens a chunk: several chunks
     ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(2))
     labels = ids.clone()
     labels[:, :4] = -100

@@ -91,3 +91,66 @@ def test_wrapped_layers_run_eagerly_off_cuda_and_give_the_same_result(tiny_model
         torch.testing.assert_close(a, b)
     state = model.state_dict()
     assert not any(".layer." in name for name in state)  # module names unchanged: adapters save as before
+
+
+def test_capture_on_the_second_call_then_replays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state machine on the CPU, with the capture faked: first call eager, second captures."""
+    torch = pytest.importorskip("torch")
+    from xpukit.loading.layer_graphs import LayerGraphs
+
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    graphs = LayerGraphs(layers)
+    graphs.forwards = [lambda h, *a, layer=layer, **k: layer(h) for layer in layers]
+    monkeypatch.setattr(graphs, "_why_eager", lambda *a: None)  # as if on CUDA
+    replays: list[int] = []
+
+    def fake_capture(hidden: Any, rotary: Any, key: Any) -> None:
+        graphs._runs = [lambda h, c, s, i=i: replays.append(i) or layers[i](h) for i in range(3)]
+        graphs.key = key
+        graphs.stats["captures"] += 1
+
+    monkeypatch.setattr(graphs, "_capture", fake_capture)
+    rotary = (torch.zeros(1), torch.zeros(1))
+
+    def step(rows: int = 2) -> None:
+        h = torch.randn(rows, 4)
+        for i in range(3):
+            h = graphs.forward(i, h, attention_mask=None, position_embeddings=rotary)
+        h.sum().backward()
+
+    step()
+    assert graphs.eager_reasons == {"first call of this shape (captured on the next)": 1} and not replays
+    step()
+    step()
+    assert graphs.stats["captures"] == 1 and graphs.stats["graphed"] == 2 and replays == [0, 1, 2] * 2
+    step(rows=3)  # another shape: eager
+    assert graphs.eager_reasons["another shape, dtype or autocast state than the captured one"] == 1
+
+
+def test_stand_in_parameters_route_their_gradients_to_the_real_ones() -> None:
+    torch = pytest.importorskip("torch")
+    from xpukit.loading import layer_graphs
+
+    layer = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    layer[0].bias.requires_grad_(False)
+    real = [p for p in layer.parameters() if p.requires_grad]
+    swapped = layer_graphs._stand_ins([layer])
+    assert len(swapped) == len(real) == 3
+    stand_ins = [s for *_, s in swapped]
+    assert all(s is not r and s.data_ptr() == r.data_ptr() for s, r in zip(stand_ins, real, strict=True))
+    x = torch.randn(5, 3)
+    loss = layer(x).sum()  # through the stand-ins
+    for module, name, param, stand_in in swapped:
+        module._parameters[name] = param
+        stand_in.register_post_accumulate_grad_hook(lambda s, r=param: layer_graphs._add_to(r, s))
+    loss.backward()
+    want = torch.autograd.grad(layer(x).sum(), real)
+    for r, s, g in zip(real, stand_ins, want, strict=True):
+        torch.testing.assert_close(r.grad, g)
+        assert s.grad is None
+    loss = None
+    second = layer_graphs._stand_ins([layer])
+    layer(x).sum().backward()  # accumulates into the existing .grad
+    for module, name, param, _ in second:
+        module._parameters[name] = param
+    torch.testing.assert_close(real[0].grad, want[0])  # the stand-ins' grads were not routed: unchanged

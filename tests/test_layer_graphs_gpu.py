@@ -27,6 +27,8 @@ def _load(tiny_model: Any, graphs: bool) -> Any:
 
 
 def _steps(model: Any, ids: Any, steps: int) -> list[tuple[float, Any]]:
+    """A hand-written loop that keeps last step's ``loss`` (and its autograd graph) alive while the
+    next forward runs, the case that invalidated the first captures (module docstring there)."""
     import torch
 
     model.train()
@@ -36,7 +38,7 @@ def _steps(model: Any, ids: Any, steps: int) -> list[tuple[float, Any]]:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-        out.append((float(loss), grads))
+        out.append((float(loss.detach()), grads))
         model.zero_grad(set_to_none=True)
     return out
 

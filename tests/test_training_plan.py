@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -131,7 +132,7 @@ def test_room_means_no_savers_and_a_budget_means_savers() -> None:
     assert small.decision("gradient_checkpointing").value is True
     assert small.lora.gradient_checkpointing is True
     rejected = [v for v, _ in small.decision("gradient_checkpointing").rejected]
-    assert rejected == ["no savers"]
+    assert rejected == ["no savers", "chunked CE"]  # liger-kernel is not installed here
     tight = _plan(facts="h200", max_memory={0: "8GB"})
     assert tight.decision("gradient_checkpointing").value == "offload"
     assert tight.decision("micro_batch").value < 4
@@ -169,12 +170,64 @@ def test_ladder_order_with_liger_and_cpu_has_no_offload() -> None:
 
     tight = plan(8e9)
     order = [o for o, _ in tight.estimates]
-    assert order[:4] == ["no savers", "fused CE", "checkpointing", "fused CE + checkpointing"]
+    assert order[:4] == ["no savers", "liger's fused CE", "checkpointing", "liger's fused CE + checkpointing"]
     (_, none), (_, fused) = tight.estimates[:2]
-    assert plan(tight.fixed + none).liger is False  # room: the faster unfused loss
+    roomy = plan(tight.fixed + none)
+    assert (roomy.liger, roomy.loss) == (False, "plain")  # room: the faster plain loss
+    assert roomy.decisions[2].name == "loss" and roomy.decisions[2].value == "plain"
     between = plan(tight.fixed + (none + fused) // 2)
-    assert (between.liger, between.gradient_checkpointing) == (True, False)
+    assert (between.liger, between.loss, between.gradient_checkpointing) == (True, "liger", False)
     assert all("offload" not in o for o, _ in plan(8e9, "cpu").estimates)
+
+
+def test_without_liger_the_fused_loss_is_xpukits_chunked_one() -> None:
+    shape = ModelShape(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
+                       vocab=151936, qk_norm=True)  # fmt: skip
+    request = resolve_lora(True, quantized=True)
+    assert request is not None
+
+    def plan(budget: float, liger: tuple[bool, str], req: Any = request) -> Any:
+        return plan_training(
+            shape, req, compute_dtype="bfloat16", backend="xpu", weights=int(6e9),
+            budget=int(budget), budget_rule="test", batch_size=4, seq_len=512, max_positions=None,
+            liger_available=liger,
+        )  # fmt: skip
+
+    missing = (False, "liger-kernel is not installed")
+    tight = plan(8e9, missing)
+    assert [o for o, _ in tight.estimates][:2] == ["no savers", "chunked CE"]
+    (_, none), (_, chunked) = tight.estimates[:2]
+    liger_peak = plan(8e9, (True, "installed")).estimates[1][1]
+    assert liger_peak < chunked < none  # one chunk's logits in flight cost more than liger's none
+    between = plan(tight.fixed + (none + chunked) // 2, missing)
+    assert (between.loss, between.liger, between.gradient_checkpointing) == ("chunked", False, False)
+    loss = next(d for d in between.decisions if d.name == "loss")
+    assert loss.value == "chunked" and "liger-kernel is not installed" in loss.reason
+    turned_off = resolve_lora({"liger": False}, quantized=True)
+    off = plan(tight.fixed + (none + chunked) // 2, (True, "installed"), turned_off)
+    assert off.loss == "chunked" and "lora={'liger': False} given" in off.decisions[2].reason
+
+
+def test_a_chunked_plan_loads_with_the_chunked_loss(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from xpukit import load_for_xpu
+    from xpukit.planning.plan import plan_load as plan_for
+    from xpukit.planning.training import activation_memory
+
+    # The tiny model's 1 024 words fit one 256 MiB chunk whole (no saving): 64-token chunks here.
+    monkeypatch.setattr(activation_memory, "CHUNK_BYTES", 4 * 1024 * 64)
+    probe = plan_for(tiny_model, device="cpu", dtype="float32", lora=True, batch_size=8, seq_len=256,
+                     max_memory={"cpu": "1MiB"})  # no room to train: every option is estimated  # fmt: skip
+    assert probe.training is not None
+    (_, plain), (option, chunked) = probe.training.estimates[:2]
+    assert option == "chunked CE" and chunked < plain
+    budget = probe.training.fixed + chunked + 1  # chunked fits, plain does not
+    model = load_for_xpu(tiny_model, device="cpu", dtype="float32", lora=True, batch_size=8, seq_len=256,
+                         max_memory={"cpu": budget})  # fmt: skip
+    assert model.xpukit_plan.training.loss == "chunked"
+    notes = [e.actual for e in model.xpukit_plan.events if e.what == "lora"]
+    assert any(str(n).startswith("chunked cross-entropy: lm_head + loss in chunks of 64") for n in notes)
 
 
 def test_explain_cli_and_training_args_follow_the_plan(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,8 @@ them with Triton kernels; this is the same idea in plain PyTorch, so it runs on 
 CPU and MPS included, and XPU without Triton): the forward computes, chunk by chunk of tokens, the
 logits of the chunk, its loss and already the gradient with respect to the chunk's hidden states
 (``(softmax − one_hot) @ W``), and keeps only that gradient (tokens × hidden) for backward. Peak
-extra memory is one chunk's fp32 logits (:data:`CHUNK_BYTES`) plus the hidden-state gradient.
+extra memory is one chunk's logits plus the hidden-state gradient; the caller sizes the chunk
+(:func:`xpukit.planning.training.activation_memory.chunk_tokens`).
 
 The loss is transformers' ``ForCausalLMLoss``: labels shifted left by one, ``ignore_index`` -100,
 fp32 log-softmax, the sum divided by ``num_items_in_batch`` when given (gradient accumulation, as
@@ -19,15 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CHUNK_BYTES", "IGNORE_INDEX", "chunk_tokens", "chunked_linear_cross_entropy"]
+__all__ = ["IGNORE_INDEX", "chunked_linear_cross_entropy"]
 
-CHUNK_BYTES = 256 << 20  # fp32 logits of one chunk
 IGNORE_INDEX = -100
-
-
-def chunk_tokens(vocab: int) -> int:
-    """Tokens per chunk: :data:`CHUNK_BYTES` of fp32 logits (at least 1)."""
-    return max(1, CHUNK_BYTES // (4 * vocab))
 
 
 def _function() -> Any:
@@ -67,7 +62,7 @@ _FUNCTION: Any = None
 
 
 def chunked_linear_cross_entropy(
-    hidden: Any, weight: Any, labels: Any, *, num_items_in_batch: Any = None, chunk: int | None = None
+    hidden: Any, weight: Any, labels: Any, *, chunk: int, num_items_in_batch: Any = None
 ) -> Any:
     """transformers' causal-LM loss of ``hidden @ weight.T`` against ``labels``, chunk by chunk.
 
@@ -75,8 +70,8 @@ def chunked_linear_cross_entropy(
         hidden: the final hidden states, ``(batch, seq, hidden)``.
         weight: the frozen ``lm_head`` weight, ``(vocab, hidden)``.
         labels: ``(batch, seq)`` token ids, -100 where not counted; shifted here as transformers does.
+        chunk: tokens per chunk.
         num_items_in_batch: the denominator when given (``Trainer`` under gradient accumulation).
-        chunk: tokens per chunk (default: :func:`chunk_tokens` of the vocabulary).
     """
     import torch
 
@@ -95,6 +90,5 @@ def chunked_linear_cross_entropy(
         denominator = (flat_labels != IGNORE_INDEX).sum().clamp_min(1).float()
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
-    size = chunk or chunk_tokens(int(weight.shape[0]))
     with torch.autocast(hidden.device.type, enabled=False):
-        return _FUNCTION.apply(flat, weight.to(dtype), flat_labels, denominator, size)
+        return _FUNCTION.apply(flat, weight.to(dtype), flat_labels, denominator, max(1, int(chunk)))

@@ -45,7 +45,8 @@ def apply_chunked_loss(model: Any) -> str:
     """
     import torch
 
-    from xpukit.kernels.chunked_ce import chunk_tokens, chunked_linear_cross_entropy
+    from xpukit.kernels.chunked_ce import chunked_linear_cross_entropy
+    from xpukit.planning.training.activation_memory import chunk_tokens
 
     problem = chunked_loss_problem(model)
     if problem is not None:
@@ -54,6 +55,7 @@ def apply_chunked_loss(model: Any) -> str:
     if getattr(forward, "_xpukit_chunked_loss", False):
         return "chunked cross-entropy already applied"
     head = model.lm_head
+    vocab = int(head.weight.shape[0])
 
     @functools.wraps(forward)
     def chunked(*args: Any, **kwargs: Any) -> Any:
@@ -67,13 +69,14 @@ def apply_chunked_loss(model: Any) -> str:
             out = forward(*args, **kwargs)
         finally:
             model.lm_head = head
-        loss = chunked_linear_cross_entropy(out.logits, head.weight, labels, num_items_in_batch=items)
+        loss = chunked_linear_cross_entropy(
+            out.logits, head.weight, labels, chunk=chunk_tokens(vocab), num_items_in_batch=items
+        )
         rest = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         return type(out)(loss=loss, logits=None, **rest)
 
     chunked._xpukit_chunked_loss = True  # type: ignore[attr-defined]
     model.forward = chunked
-    vocab = int(head.weight.shape[0])
     return (
         f"chunked cross-entropy: lm_head + loss in chunks of {chunk_tokens(vocab)} tokens over the "
         f"{vocab}-word vocabulary (the logits are never materialised whole)"

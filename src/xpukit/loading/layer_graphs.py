@@ -16,6 +16,14 @@ How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
   ``generate``, padded batches, another shape) runs the layers eagerly, counted in :attr:`stats`.
 * The graphs capture the second call of one shape (the first runs eagerly and warms the kernels'
   autotuning); one shape is kept, so the graphs' memory is one step's activations, as eagerly.
+* The capture runs on stand-in parameters: every trainable parameter of the layers is swapped, for
+  the capture only, for a new leaf sharing its storage, and the gradients the graphs give those
+  leaves are added to the real parameters' ``.grad`` (a post-accumulate hook). An autograd graph of
+  an earlier step that is still referenced (a loop that keeps last step's ``loss`` while the next
+  forward runs) keeps the real parameters' gradient accumulators, made on the default stream; a
+  capture through them has to wait for the default stream, which invalidates it (seen on an H200:
+  ``cudaErrorStreamCaptureInvalidated``). The optimizer updates the shared storage in place, so the
+  graphs read the current values.
 * A graph's buffers hold one pass at a time: a second forward before the first one's backward (two
   forwards, one backward) runs eagerly, as does everything while that first pass is alive. A pass
   whose outputs are dropped without backward frees the graphs for the next one.
@@ -26,6 +34,7 @@ How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections import Counter
@@ -34,6 +43,12 @@ from typing import Any
 __all__ = ["LayerGraphs", "install_layer_graphs"]
 
 logger = logging.getLogger(__name__)
+
+
+def torch_grad_enabled() -> bool:
+    import torch
+
+    return bool(torch.is_grad_enabled())
 
 
 class LayerGraphs:
@@ -79,9 +94,13 @@ class LayerGraphs:
             return "output_attentions"
         if getattr(self.layers[0], "gradient_checkpointing", False):
             return "gradient checkpointing"
-        if self._pending and self._last_out is not None and self._last_out() is not None:
+        if self._pending and self._alive():
             return "a forward before the previous one's backward"
         return None
+
+    def _alive(self) -> bool:
+        """Whether the previous grad-enabled pass's autograd graph is still referenced."""
+        return self._last_out is not None and self._last_out() is not None
 
     def _call_key(self, hidden: Any) -> tuple[Any, ...]:
         import torch
@@ -96,11 +115,13 @@ class LayerGraphs:
         why = self._why_eager(hidden, mask, cache, rotary, kwargs)
         key = self._call_key(hidden) if why is None else None
         if why is None and self._runs is None and key is not None:
-            if self._seen == key:
-                self._capture(hidden, rotary, key)
-            else:
+            if self._seen != key:
                 self._seen = key
                 why = "first call of this shape (captured on the next)"
+            else:
+                self._capture(hidden, rotary, key)
+                if self._runs is None:
+                    why = "capture failed"
         if why is None and key != self.key:
             why = "another shape, dtype or autocast state than the captured one"
         self._active = why is None
@@ -132,6 +153,7 @@ class LayerGraphs:
              .requires_grad_(i > 0 or hidden.requires_grad), cos, sin)
             for i in range(len(self.layers))
         )  # fmt: skip
+        swapped = _stand_ins(self.layers)
         try:
             with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False):
                 runs = torch.cuda.make_graphed_callables(
@@ -144,6 +166,11 @@ class LayerGraphs:
                 "CUDA graphs of the decoder layers failed (%s); the layers run eagerly", self.failed
             )
             return
+        finally:
+            for module, name, real, _ in swapped:
+                module._parameters[name] = real
+        for _, _, real, stand_in in swapped:
+            stand_in.register_post_accumulate_grad_hook(functools.partial(_add_to, real))
         self._runs, self.key = list(runs), key
         self.stats["captures"] += 1
 
@@ -154,24 +181,55 @@ class LayerGraphs:
         if index == 0:
             self._start(hidden_states, mask, kwargs.get("past_key_values"), rotary, kwargs)
         if not self._active or mask is not None or self._runs is None or rotary is None:
-            return self.forwards[index](hidden_states, *args, **kwargs)
+            out = self.forwards[index](hidden_states, *args, **kwargs)
+            if index == len(self.layers) - 1 and torch_grad_enabled():
+                self._remember(out)
+            return out
         out = self._runs[index](hidden_states, *rotary)
         if index == 0 and out.requires_grad:
             out.register_hook(self._backward_reached_first_layer)
         if index == len(self.layers) - 1:
-            self._last_out = weakref.ref(out)
+            self._remember(out)
         return out
+
+    def _remember(self, out: Any) -> None:
+        """Keep a weak reference to a pass's last output: alive while that pass's graph is."""
+        first = out[0] if isinstance(out, tuple) else out
+        self._last_out = weakref.ref(first) if hasattr(first, "grad_fn") else None
 
     def _backward_reached_first_layer(self, grad: Any) -> None:
         self._pending = False
+
+
+def _stand_ins(layers: list[Any]) -> list[tuple[Any, str, Any, Any]]:
+    """Swap every trainable parameter of ``layers`` for a new leaf on the same storage; returns
+    ``(module, name, real, stand_in)`` for putting them back."""
+    import torch
+
+    swapped = []
+    for layer in layers:
+        for module in layer.modules():
+            for name, param in list(module._parameters.items()):
+                if param is not None and param.requires_grad:
+                    stand_in = torch.nn.Parameter(param.detach(), requires_grad=True)
+                    module._parameters[name] = stand_in
+                    swapped.append((module, name, param, stand_in))
+    return swapped
+
+
+def _add_to(real: Any, stand_in: Any) -> None:
+    """A stand-in's gradient goes to its real parameter (then the stand-in holds none)."""
+    grad, stand_in.grad = stand_in.grad, None
+    if real.grad is None:
+        real.grad = grad
+    else:
+        real.grad.add_(grad)
 
 
 def install_layer_graphs(model: Any) -> str:
     """Wrap the decoder layers' ``forward`` of ``model`` (a PeftModel or transformers model) so that
     matching training calls replay CUDA graphs; returns a note. ``model.xpukit_layer_graphs`` is the
     :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs)."""
-    import functools
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)

@@ -164,6 +164,8 @@ def _new_adapters(
     from xpukit.loading.liger import apply_liger
 
     notes += apply_liger(model, device, wanted=request.liger, given=request.liger_given)
+    if request.loss == "chunked":
+        notes.append(_chunked_loss(model))
     if fused and request.liger is False and not request.liger_given:
         from xpukit.loading.liger import apply_liger_norms
 
@@ -200,6 +202,17 @@ def _new_adapters(
     )
     logger.info("LoRA applied: %s", "; ".join(notes))
     return peft_model, notes
+
+
+def _chunked_loss(model: Any) -> str:
+    """xpukit's chunked cross-entropy on ``model``, or the note that the plain loss stays."""
+    from xpukit.loading.chunked_loss import apply_chunked_loss
+
+    try:
+        return apply_chunked_loss(model)
+    except ValueError as exc:
+        logger.warning("chunked cross-entropy not applied (%s): the plain loss needs more memory", exc)
+        return f"fallback: chunked cross-entropy not applied ({exc}); the plain loss stays"
 
 
 def lora_problem(model: Any, request: LoraRequest) -> str | None:

@@ -14,7 +14,16 @@ from xpukit.planning.model.shape import ModelShape
 if TYPE_CHECKING:
     from xpukit.planning.training.lora_request import LoraRequest
 
-__all__ = ["activation_bytes", "dequant_transient", "lora_parameters"]
+__all__ = ["CHUNK_BYTES", "activation_bytes", "chunk_tokens", "dequant_transient", "lora_parameters"]
+
+# xpukit's chunked cross-entropy (kernels/chunked_ce.py): fp32 logits of one chunk of tokens.
+CHUNK_BYTES = 256 << 20
+
+
+def chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk of the chunked cross-entropy: :data:`CHUNK_BYTES` of fp32 logits (≥ 1)."""
+    return max(1, CHUNK_BYTES // (4 * vocab))
+
 
 # LoRA target groups: (names peft may give the layers, which input they read).
 _GROUPS = {
@@ -69,6 +78,7 @@ def activation_bytes(
     fused_lora: bool = False,
     kernel_norms: bool = False,
     dequant_bytes: int = 0,
+    chunked_loss: bool = False,
 ) -> dict[str, int]:
     """The peak activation memory of one forward + backward, in bytes (docs/training.md "The
     activation estimate": every term there is one line here).
@@ -84,6 +94,8 @@ def activation_bytes(
             XPU; else the input's element size).
         checkpointing: ``False``, ``True`` or ``"offload"``.
         fused_loss: liger-kernel's fused linear cross-entropy replaces ``lm_head`` + loss.
+        chunked_loss: with ``fused_loss``, xpukit's chunked cross-entropy instead of liger's: the
+            same saved gradient plus one chunk's logits in flight (12 bytes per logit, measured).
         fused_lora: xpukit's fused 4-bit LoRA path computes the block's projections (one saved
             input per group, gate and up kept for the SwiGLU, ``down``'s input recomputed).
         kernel_norms: liger-kernel's RMSNorm replaces transformers' (its input kept in the compute
@@ -123,6 +135,8 @@ def activation_bytes(
     per_token += sum(n.values()) * a * lora_r  # lora_B's input
     per_layer = per_token * tokens
     loss = ((2 * a + 4) * h if fused_loss else (12 if a == 4 else 10 + a) * v) * tokens
+    if fused_loss and chunked_loss:  # one chunk's logits (bf16, fp32, probabilities) in flight
+        loss += 12 * v * min(tokens, chunk_tokens(v))
     final_norm = 4 * h * tokens
     backward = a * (i + 2 * h) * tokens  # a layer's gradients in flight while it is recomputed
     backward += dequant_bytes

@@ -66,10 +66,12 @@ class TrainingPlan:
         batch_size / seq_len: the step planned for (``*_given``: whether the user said so).
         micro_batch: sequences per forward; ``gradient_accumulation_steps`` make up the batch.
         gradient_checkpointing: ``False``, ``True`` or ``"offload"``.
-        liger: apply liger-kernel's fused kernels.
+        liger: apply liger-kernel's fused kernels (its fused linear cross-entropy among them).
+        loss: ``"plain"`` (``lm_head`` + transformers' loss), ``"liger"`` (liger's fused linear
+            cross-entropy) or ``"chunked"`` (xpukit's, where liger cannot run or was turned off).
         budget: bytes the device may fill; ``fixed``: weights + LoRA state + reserve.
         estimates: the peak activation bytes of each option tried, in order.
-        decisions: ``gradient_checkpointing``, ``liger``, ``micro_batch``.
+        decisions: ``gradient_checkpointing``, ``liger``, ``loss``, ``micro_batch``.
     """
 
     batch_size: int
@@ -88,6 +90,7 @@ class TrainingPlan:
     estimates: tuple[tuple[str, int], ...]
     fits: bool
     decisions: tuple[Decision, ...]
+    loss: str = "plain"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -113,11 +116,14 @@ class TrainingPlan:
         return lines
 
     def _chosen(self) -> str:
-        return _option_text(self.liger, self.gradient_checkpointing, self.micro_batch, self.batch_size)
+        return _option_text(self.loss, self.gradient_checkpointing, self.micro_batch, self.batch_size)
 
 
-def _option_text(liger: bool, gc: bool | str, micro: int, batch: int) -> str:
-    parts = ["fused CE"] if liger else []
+_LOSS_TEXT = {"liger": "liger's fused CE", "chunked": "chunked CE"}
+
+
+def _option_text(loss: str, gc: bool | str, micro: int, batch: int) -> str:
+    parts = [_LOSS_TEXT[loss]] if loss in _LOSS_TEXT else []
     if gc:
         parts.append("offloaded checkpointing" if gc == "offload" else "checkpointing")
     if micro < batch:
@@ -176,7 +182,12 @@ def plan_training(
     fused_norms = fused and liger_ok and not (request.liger_given and request.liger is False)
     dequant = dequant_transient(shape, compute_bytes=a, fused_lora=fused) if quantized else 0
 
-    def estimate_for(liger: bool, gc: bool | str, micro: int) -> dict[str, int]:
+    def kind(fused_ce: bool) -> str:  # which fused cross-entropy: liger's where it may run
+        if not fused_ce:
+            return "plain"
+        return "liger" if liger_ok and user_liger is not False else "chunked"
+
+    def estimate_for(fused_ce: bool, gc: bool | str, micro: int) -> dict[str, int]:
         # The fused path's and liger's smaller saved tensors are counted on the rung without
         # checkpointing, where they were measured (H200, docs/training.md "The activation
         # estimate"); the checkpointed rungs keep the unfused terms, which the 8 GB budget runs fit.
@@ -184,22 +195,22 @@ def plan_training(
         return activation_bytes(
             shape, micro * seq, compute_bytes=a, lora_r=int(request.config.get("r", 16)),
             targets=request.config.get("target_modules"), dropout=dropout,
-            mask_bytes=1 if backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=liger,
-            fused_lora=fused and measured, kernel_norms=measured and ((liger and liger_ok) or fused_norms),
-            dequant_bytes=dequant,
+            mask_bytes=1 if backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=fused_ce,
+            fused_lora=fused and measured, dequant_bytes=dequant, chunked_loss=kind(fused_ce) == "chunked",
+            kernel_norms=measured and (kind(fused_ce) == "liger" or fused_norms),
         )  # fmt: skip
 
-    def peak(liger: bool, gc: bool | str, micro: int) -> int:
-        return estimate_for(liger, gc, micro)["peak"]
+    def peak(fused_ce: bool, gc: bool | str, micro: int) -> int:
+        return estimate_for(fused_ce, gc, micro)["peak"]
 
     ladder = _ladder(
-        request.gradient_checkpointing if user_gc else None, user_liger, liger_ok, offload=backend != "cpu"
+        request.gradient_checkpointing if user_gc else None, user_liger, offload=backend != "cpu"
     )
     tried: list[tuple[str, int]] = []
     chosen: tuple[bool, bool | str, int] | None = None
     for lg, gc in ladder:
         p = peak(lg, gc, batch)
-        tried.append((_option_text(lg, gc, batch, batch), p))
+        tried.append((_option_text(kind(lg), gc, batch, batch), p))
         if p <= room:
             chosen = (lg, gc, batch)
             break
@@ -208,17 +219,20 @@ def plan_training(
         micro = batch
         while micro > 1 and peak(lg, gc, micro) > room:
             micro = max(1, micro // 2)
-        tried.append((_option_text(lg, gc, micro, batch), peak(lg, gc, micro)))
+        tried.append((_option_text(kind(lg), gc, micro, batch), peak(lg, gc, micro)))
         chosen = (lg, gc, micro)
-    liger, gc, micro = chosen
-    fits = peak(liger, gc, micro) <= room
-    estimate = estimate_for(liger, gc, micro)
+    fused_ce, gc, micro = chosen
+    loss = kind(fused_ce)
+    liger = loss == "liger"
+    fits = peak(fused_ce, gc, micro) <= room
+    estimate = estimate_for(fused_ce, gc, micro)
     need = f"{format_bytes(estimate['peak'])} of activations for {micro} × {seq} tokens"
     rest = f"the {format_bytes(max(room, 0))} left beside weights and LoRA state"
     fit_text = f"{need} fit {rest}" if fits else f"{need} exceed {rest} (the smallest the plan can go)"
     decisions = (
         _gc_decision(gc, user_gc, fit_text, tried),
         _liger_decision(liger, user_liger, liger_ok, liger_why, fit_text),
+        _loss_decision(loss, "lora={'liger': False} given" if user_liger is False else liger_why, fit_text),
         Decision(
             name="micro_batch",
             value=micro,
@@ -252,16 +266,16 @@ def plan_training(
         estimates=tuple(tried),
         fits=fits,
         decisions=decisions,
+        loss=loss,
     )
 
 
-def _ladder(
-    gc: bool | str | None, liger: bool | None, liger_ok: bool, *, offload: bool
-) -> list[tuple[bool, bool | str]]:
-    """The sets of savers in the order tried (fastest first); a user's choice pins its saver."""
+def _ladder(gc: bool | str | None, liger: bool | None, *, offload: bool) -> list[tuple[bool, bool | str]]:
+    """The sets of savers in the order tried (fastest first), as (fused cross-entropy, checkpointing);
+    a user's choice pins its saver (``lora={"liger": True}``: the fused loss, liger's where it runs)."""
     gcs: list[bool | str] = [gc] if gc is not None else [False, True] + (["offload"] if offload else [])
-    ligers = [liger and liger_ok] if liger is not None else ([False, True] if liger_ok else [False])
-    return [(lg, g) for g in gcs for lg in ligers]
+    losses = [True] if liger else [False, True]
+    return [(ce, g) for g in gcs for ce in losses]
 
 
 def _gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[str, int]]) -> Decision:
@@ -296,6 +310,24 @@ def _liger_decision(liger: bool, given: bool | None, ok: bool, why: str, fit_tex
         reason="not needed to fit: the unfused loss is faster (H200: 28 % more tokens/s without it)",
         rejected=((True, "costs speed, and the step fits without it"),),
     )
+
+
+def _loss_decision(loss: str, liger_why: str, fit_text: str) -> Decision:
+    """Which loss: plain when it fits (the fastest), else a fused cross-entropy (docs/training.md
+    "Chunked cross-entropy"; H200 bench_loss, 2 048 tokens × 151 936 words: plain 10.6 ms and
+    3.75 GB, chunked 13.7 ms and 0.82 GB, liger 21.6 ms and 0.04 GB)."""
+    if loss == "plain":
+        rejected = (("chunked", "not needed to fit"), ("liger", "not needed to fit"))
+        return Decision(name="loss", value="plain", rejected=rejected,
+                        reason="lm_head + transformers' cross-entropy: the fastest, and it fits")  # fmt: skip
+    if loss == "liger":
+        why = f"liger-kernel's fused linear cross-entropy (no logits kept): {fit_text}"
+        return Decision(name="loss", value="liger", reason=why)
+    return Decision(
+        name="loss", value="chunked",
+        reason=f"xpukit's chunked cross-entropy (one chunk's logits at a time), since liger's cannot be "
+        f"used ({liger_why}): {fit_text}",
+    )  # fmt: skip
 
 
 def check_step_size(value: Any, name: str) -> int | None:
@@ -357,7 +389,9 @@ def training_plan_for(
         fused=fused,
         quantized=quantized,
     )
-    updated = replace(request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger)
+    updated = replace(
+        request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger, loss=plan.loss
+    )
     return plan, updated
 
 

@@ -99,6 +99,8 @@ class LoraRequest:
             :mod:`xpukit.planning.training.fused`).
         graphs: CUDA graphs of the decoder layers: ``None`` decides (on where measured), ``False``
             never, ``True`` insists (:mod:`xpukit.planning.training.graphs`).
+        loss: the training plan's loss (``"plain"``, ``"liger"``, ``"chunked"``); ``None`` before
+            planning. ``"chunked"`` makes loading apply xpukit's chunked cross-entropy.
     """
 
     kind: Literal["new", "adapter"]
@@ -112,6 +114,7 @@ class LoraRequest:
     liger_given: bool = False
     fused: bool | None = None
     graphs: bool | None = None
+    loss: str | None = None
 
     def describe(self) -> str:
         """One line for the plan's explain table."""

@@ -27,16 +27,20 @@ Variants:
                       the fused path with one rung of the ladder forced: liger's fused linear
                       cross-entropy, checkpointing, offloaded checkpointing (the calibration of the
                       activation estimate, rung by rung)
-    xpukit-fused-graphed
-                      an experiment, not an xpukit feature: xpukit-fused-none with every decoder
-                      layer's forward and backward captured as CUDA graphs
-                      (``torch.cuda.make_graphed_callables``), to measure what the host costs
+    xpukit-fused-eager
+                      the plan's savers with the fused path and the CUDA graphs of the decoder
+                      layers off (``lora={"fused": True, "graphs": False}``): what the graphs save
     xpukit-fused-chunked
                       xpukit-fused-none with xpukit's chunked cross-entropy
                       (``xpukit.loading.chunked_loss.apply_chunked_loss``)
     unsloth           ``FastLanguageModel`` with ``use_gradient_checkpointing="unsloth"`` (skipped
                       with a note when unsloth is not installed)
     unsloth-nogc      unsloth with checkpointing off
+
+A step runs the plan's micro-batch (``micro_batch_run``) with gradient accumulation up to
+``--batch``, as ``Trainer`` does with ``training_args``; the other variants run the whole batch.
+``lora_grad_gb`` is the LoRA gradients' size: they are inside the measured ``activation_gb`` and in
+the plan's fixed part, not in its estimate.
 
 All use LoRA r=16/alpha=32 on all linear layers (dropout as xpukit's default) and bf16 autocast
 (fp32 on a CPU without native bf16). Each xpukit row also carries the plan's activation estimate
@@ -103,7 +107,7 @@ VARIANTS = (
     "xpukit-fused-liger",
     "xpukit-fused-gc",
     "xpukit-fused-offload",
-    "xpukit-fused-graphed",
+    "xpukit-fused-eager",
     "xpukit-fused-chunked",
     "unsloth",
     "unsloth-nogc",
@@ -121,7 +125,7 @@ FORCED: dict[str, dict[str, Any]] = {
     "xpukit-fused-liger": {"gradient_checkpointing": False, "liger": True, "fused": True},
     "xpukit-fused-gc": {"gradient_checkpointing": True, "liger": False, "fused": True},
     "xpukit-fused-offload": {"gradient_checkpointing": "offload", "liger": False, "fused": True},
-    "xpukit-fused-graphed": {"gradient_checkpointing": False, "liger": False, "fused": True},
+    "xpukit-fused-eager": {"fused": True, "graphs": False},
     "xpukit-fused-chunked": {"gradient_checkpointing": False, "liger": False, "fused": True},
 }
 PROFILE_STEPS = 3
@@ -303,8 +307,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     else:
         model, notes, plan = load_xpukit(args, variant, device, dtype)
     weights_mem = memory_allocated(device)
-    if variant == "xpukit-fused-graphed":
-        notes.append(graph_layers(model, args, dtype))
     if variant == "xpukit-fused-chunked":
         from xpukit.loading.chunked_loss import apply_chunked_loss
 
@@ -316,13 +318,20 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     optimizer = torch.optim.AdamW(trainable, lr=1e-4)
     model.train()
 
+    # The plan's micro-batch, as Trainer runs it through training_args (gradient accumulation).
+    micro = int(getattr(getattr(plan, "training", None), "micro_batch", None) or args.batch)
+    parts = ids.split(micro)
+
     def train_step() -> float:
-        with torch.autocast(device_type=device, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        total = 0.0
+        for part in parts:
+            with torch.autocast(device_type=device, dtype=getattr(torch, dtype), enabled=dtype != "float32"):
+                loss = model(input_ids=part, labels=part).loss / len(parts)
+            loss.backward()
+            total += float(loss.detach())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return total
 
     times, losses = [], []
     base = None
@@ -369,6 +378,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "liger": any(str(n).startswith("applied liger-kernel") for n in notes),
         "fused": any(str(n).startswith("fused LoRA:") and "nothing fused" not in str(n) for n in notes),
         "micro_batch": getattr(training, "micro_batch", None),
+        "micro_batch_run": micro,
+        "lora_grad_gb": round(sum(p.numel() * 4 for p in trainable) / 1e9, 3),
         "notes": [str(n) for n in notes],
         "versions": versions(),
         "date": time.strftime("%Y-%m-%d"),
@@ -457,58 +468,6 @@ def host_profile(train_step: Any, device: str, steps: int) -> list[list[Any]]:
         per_step = [round(own * 1e3 / steps, 2), round(calls / steps), round(cum * 1e3 / steps, 2)]
         rows.append([where[-110:], *per_step])
     return sorted(rows, key=lambda r: -r[1])[:25]
-
-
-def graph_layers(model: Any, args: argparse.Namespace, dtype: str) -> str:
-    """The experiment: each decoder layer's forward and backward as CUDA graphs, for this shape.
-
-    The layers get ``(hidden_states, cos, sin)`` and no mask (the bench's sequences have no
-    padding, so SDPA runs causal); any other call runs the layer eagerly.
-    """
-    import torch
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    decoder = base.model
-    layers = decoder.layers
-    device = next(model.parameters()).device
-    hidden = model.config.hidden_size
-    shape = (args.batch, args.seq, hidden)
-
-    class Inner(torch.nn.Module):
-        def __init__(self, layer: Any) -> None:
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, h: Any, cos: Any, sin: Any) -> Any:
-            return self.layer(h, attention_mask=None, position_embeddings=(cos, sin), use_cache=False)
-
-    positions = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.batch, -1)
-    with torch.autocast(device_type="cuda", dtype=getattr(torch, dtype), cache_enabled=False):
-        probe = torch.zeros(shape, device=device, dtype=getattr(torch, dtype))
-        cos, sin = decoder.rotary_emb(probe, positions)
-        samples = tuple(
-            (torch.randn(shape, device=device, dtype=probe.dtype, requires_grad=i > 0), cos, sin)
-            for i in range(len(layers))
-        )
-        graphed = torch.cuda.make_graphed_callables(tuple(Inner(layer) for layer in layers), samples)
-
-    class Graphed(torch.nn.Module):
-        def __init__(self, layer: Any, run: Any) -> None:
-            super().__init__()
-            self.layer = layer
-            self.run = run
-            self.attention_type = getattr(layer, "attention_type", "full_attention")
-
-        def forward(self, hidden_states: Any, attention_mask: Any = None, position_embeddings: Any = None,
-                    **kwargs: Any) -> Any:  # fmt: skip
-            if attention_mask is None and position_embeddings is not None and hidden_states.shape == shape:
-                return self.run(hidden_states, *position_embeddings)
-            return self.layer(hidden_states, attention_mask=attention_mask,
-                              position_embeddings=position_embeddings, **kwargs)  # fmt: skip
-
-    for i, run in enumerate(graphed):
-        layers[i] = Graphed(layers[i], run)
-    return f"bench experiment: {len(layers)} decoder layers captured as CUDA graphs for {shape}"
 
 
 def bnb_config(dtype: str) -> Any:

@@ -307,7 +307,8 @@ def _liger_decision(liger: bool, given: bool | None, ok: bool, why: str, fit_tex
     return Decision(
         name="liger",
         value=False,
-        reason="not needed to fit: the unfused loss is faster (H200: 28 % more tokens/s without it)",
+        reason="not needed to fit: the plain loss is faster (H200, 2 048 tokens × 151 936 words: "
+        "10.6 ms against 21.6 ms for liger's fused loss)",
         rejected=((True, "costs speed, and the step fits without it"),),
     )
 

@@ -38,8 +38,9 @@ from xpukit.kernels.lora_ops import (
     lora_shared_input,
     lora_swiglu_mlp,
 )
+from xpukit.planning.training.fused import SILU_NAMES, SWIGLU_MLP_TYPES, mlp_problem
 
-__all__ = ["SWIGLU_MLP_TYPES", "apply_fused_lora"]
+__all__ = ["SWIGLU_MLP_TYPES", "apply_fused_lora", "fused_everywhere"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 # Model types whose MLP forward is down_proj(act_fn(gate_proj(x)) * up_proj(x)) (transformers'
 # LlamaMLP and its copies in modeling_mistral, modeling_qwen2, modeling_qwen3).
-SWIGLU_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-_SILU = ("silu", "swish")
+
 _MARK = "_xpukit_fused_lora"
 
 
@@ -114,6 +114,15 @@ def apply_fused_lora(model: Any, *, insist: bool, liger: bool | None = None) -> 
         )
     logger.info("fused LoRA: %s", "; ".join(notes))
     return notes
+
+
+def fused_everywhere(model: Any) -> bool:
+    """Whether every decoder block of ``model`` runs its attention and MLP on the fused path."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    blocks = [m for _, m in base.named_modules() if _is_block(m)]
+    return bool(blocks) and all(
+        getattr(b.self_attn, _MARK, False) and getattr(b.mlp, _MARK, False) for b in blocks
+    )
 
 
 def _summary(n_blocks: int, fused_attn: int, fused_mlp: int, kept: dict[str, list[str]]) -> str:
@@ -206,10 +215,11 @@ def _projection_problem(layer: Any) -> str | None:
 def _mlp_shape_problem(mlp: Any, config: Any, model_type: str | None) -> str | None:
     import torch
 
-    if model_type not in SWIGLU_MLP_TYPES:
-        return f"model type {model_type!r} is not known to compute down(silu(gate(x)) * up(x))"
+    problem = mlp_problem(model_type)
+    if problem is not None:
+        return problem
     act, act_fn = getattr(config, "hidden_act", None), getattr(mlp, "act_fn", None)
-    if act not in _SILU or not callable(act_fn):
+    if act not in SILU_NAMES or not callable(act_fn):
         return f"activation {act!r}, not SiLU"
     probe = torch.linspace(-4, 4, 9)  # act_fn's class differs by version (nn.SiLU, SiLUActivation)
     with torch.no_grad():

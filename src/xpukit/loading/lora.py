@@ -191,9 +191,16 @@ def _new_adapters(
         no_liger = request.liger_given and request.liger is False
         notes += apply_fused_lora(peft_model, insist=insist, liger=False if no_liger else None)
     if graphs:
+        from xpukit.loading.fused_lora import fused_everywhere
         from xpukit.loading.layer_graphs import install_layer_graphs
 
-        notes.append(install_layer_graphs(peft_model))
+        if fused and fused_everywhere(peft_model):
+            notes.append(install_layer_graphs(peft_model))
+        else:  # the graphs were measured on whole fused blocks only
+            notes.append(
+                "CUDA graphs of the decoder layers: not installed (not every block runs the fused path, "
+                "where they were measured)"
+            )
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     notes.append(

@@ -270,9 +270,8 @@ def plan_load(
     decisions += list(training.decisions) if training is not None else []
     fused = decide_fused(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
     decisions += [fused] if fused is not None else []
-    graphs = decide_layer_graphs(
-        lora_request, fused=bool(fused is not None and fused.value), training=training, backend=main.backend
-    )
+    whole = fused_will_run(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
+    graphs = decide_layer_graphs(lora_request, fused=whole, training=training, backend=main.backend)
     decisions += [graphs] if graphs is not None else []
     new_adapters = lora_request is not None and lora_request.kind == "new"
     if seed is not None or new_adapters:

@@ -24,10 +24,31 @@ if TYPE_CHECKING:
     from xpukit.planning.model.facts import ModelFacts
     from xpukit.planning.training.lora_request import LoraRequest
 
-__all__ = ["FUSED_PROJECTIONS", "decide_fused", "fused_problem", "fused_will_run"]
+__all__ = [
+    "FUSED_PROJECTIONS",
+    "SILU_NAMES",
+    "SWIGLU_MLP_TYPES",
+    "decide_fused",
+    "fused_problem",
+    "fused_will_run",
+    "mlp_problem",
+]
 
 # The projections of a block the fused path computes (attention, then MLP).
 FUSED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Model types whose MLP is exactly down(silu(gate(x)) * up(x)) (their transformers modeling files);
+# loading checks the activation again on the module (loading/fused_lora.py).
+SWIGLU_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SILU_NAMES = ("silu", "swish")
+
+
+def mlp_problem(model_type: str | None) -> str | None:
+    """Why the fused path cannot compute this model type's MLP (its attention may still be fused)."""
+    if model_type not in SWIGLU_MLP_TYPES:
+        return f"model type {model_type!r} is not known to compute down(silu(gate(x)) * up(x))"
+    return None
+
+
 # Where the fused path is on without being asked: the devices whose training it was built for.
 _AUTO_BACKENDS = frozenset({"cuda", "xpu"})
 
@@ -70,13 +91,15 @@ def fused_problem(request: LoraRequest, facts: ModelFacts, quantization: str | N
 def fused_will_run(
     request: LoraRequest | None, facts: ModelFacts, *, quantization: str | None, backend: str
 ) -> bool:
-    """Whether :func:`decide_fused` turns the fused path on; never raises (for the estimate of a
-    layout that may still be replaced, where an insisted ``fused`` that cannot run is refused later)."""
+    """Whether :func:`decide_fused` turns the fused path on for whole blocks (attention and MLP);
+    never raises (for the estimate of a layout that may still be replaced, where an insisted
+    ``fused`` that cannot run is refused later)."""
     try:
         decision = decide_fused(request, facts, quantization=quantization, backend=backend)
     except InvalidRequestError:
         return False
-    return decision is not None and bool(decision.value)
+    full = mlp_problem(facts.model_type) is None  # attention-only fusion counts as unfused here
+    return decision is not None and bool(decision.value) and full
 
 
 def decide_fused(
@@ -107,6 +130,13 @@ def decide_fused(
             name="fused_lora", value=False, reason=f"peft's LoRA modules: {problem}",
             rejected=((True, problem),),
         )  # fmt: skip
+    partial = mlp_problem(facts.model_type)
+    if asked and partial:
+        raise InvalidRequestError(
+            f"lora={{'fused': True}} asks for xpukit's fused 4-bit LoRA path on every block, but the "
+            f"MLP cannot be fused: {partial}. Fix: drop 'fused' (the attention projections are fused "
+            "and the MLP keeps peft's modules, and the plan says so), or lora={'fused': False}."
+        )
     if asked:
         return Decision(
             name="fused_lora", value=True, source="user",
@@ -120,9 +150,14 @@ def decide_fused(
             f"{backend} (lora={{'fused': True}} uses it here too)",
             rejected=((True, f"not measured faster on {backend}"),),
         )  # fmt: skip
+    what = "4-bit projections and their adapters computed together per block"
+    if partial:
+        what = (
+            "the attention's 4-bit projections and their adapters computed together (the MLP keeps "
+            f"peft's modules: {partial})"
+        )
     return Decision(
         name="fused_lora", value=True,
-        reason="4-bit projections and their adapters computed together per block: one dequantisation "
-        "per weight in forward and one in backward, the LoRA term added in place (lora={'fused': False} "
-        "turns it off)",
+        reason=f"{what}: one dequantisation per weight in forward and one in backward, the LoRA term "
+        "added in place (lora={'fused': False} turns it off)",
     )  # fmt: skip

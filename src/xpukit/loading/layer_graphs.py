@@ -163,7 +163,11 @@ class LayerGraphs:
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             logger.warning(
-                "CUDA graphs of the decoder layers failed (%s); the layers run eagerly", self.failed
+                "CUDA graphs of the decoder layers failed (%s); the layers run eagerly. After a failed "
+                "capture torch may leave CUDA's random generator in capture mode: if CUDA random ops "
+                "then fail ('Offset increment outside graph capture'), restart with "
+                "lora={'graphs': False}",
+                self.failed,
             )
             return
         finally:

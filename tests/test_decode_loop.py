@@ -105,6 +105,20 @@ def test_greedy_is_token_identical_to_transformers(fast, reference, tokenizer, b
     assert fast.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want.tolist()
 
 
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_grouped_decode_attention_gives_the_same_tokens(tiny_model, reference, tokenizer, batch):
+    """What fast_decode runs on CUDA (the loop with grouped decode attention), eager on the CPU."""
+    from xpukit.loading.decode_attention import use_grouped_decode_attention
+
+    model = _model(tiny_model)
+    assert use_grouped_decode_attention(model) is not None
+    install_decode_loop(model, max_cache_len=256, compile_options=None)
+    inputs = _inputs(tokenizer, batch)  # left-padded: the mask matters
+    want = _transformers(reference, inputs, max_new_tokens=NEW, do_sample=False)
+    assert model.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want.tolist()
+    assert model.xpukit_last_decode["loop"] == "xpukit"
+
+
 @pytest.mark.parametrize(
     "wrong",
     [

@@ -181,6 +181,9 @@ def main() -> int:
     parser.add_argument(
         "--fused", default="", help="--finetune: also vary the fused path, e.g. 'off,on' (dropout 0 only)"
     )
+    parser.add_argument(
+        "--losses", default="", help="--finetune: also vary the loss, e.g. 'plain,chunked' (dropout 0 only)"
+    )
     parser.add_argument("--tokenizer", help="unsloth: a small local tokenizer (it always loads one)")
     parser.add_argument("--profile", action="store_true", help="torch.profiler breakdown (docstring)")
     parser.add_argument("--variant-child", help=argparse.SUPPRESS)
@@ -580,13 +583,20 @@ def finetune(args: argparse.Namespace) -> int:
     held_out, train_lines = lines[::10], [ln for i, ln in enumerate(lines) if i % 10]
     steps = args.steps if args.steps != 5 else 50
     for round_ in range(args.repeat):
-        settings: list[tuple[float, bool | None]] = [(float(d), None) for d in args.dropouts.split(",") if d]
-        settings += [(0.0, f == "on") for f in args.fused.split(",") if f]
-        for dropout, fused in settings[:: 1 if round_ % 2 == 0 else -1]:
+        settings: list[tuple[float, bool | None, str]] = [
+            (float(d), None, "plain") for d in args.dropouts.split(",") if d
+        ]
+        settings += [(0.0, f == "on", "plain") for f in args.fused.split(",") if f]
+        settings += [(0.0, None, loss) for loss in args.losses.split(",") if loss]
+        for dropout, fused, loss_kind in settings[:: 1 if round_ % 2 == 0 else -1]:
             lora: dict[str, Any] = {"lora_dropout": dropout}
             if fused is not None:
                 lora["fused"] = fused
             model = load_for_xpu(path, device=args.device or "cpu", quantize="4bit", lora=lora, seed=0)
+            if loss_kind == "chunked":
+                from xpukit.loading.chunked_loss import apply_chunked_loss
+
+                apply_chunked_loss(model.get_base_model())
             params = [p for p in model.parameters() if p.requires_grad]
             optimizer = torch.optim.AdamW(params, lr=1e-2)
             generator = torch.Generator().manual_seed(round_)
@@ -610,6 +620,7 @@ def finetune(args: argparse.Namespace) -> int:
                 held = float(model(**batch, labels=labels).loss)
             print(json.dumps({
                 "bench": "qlora-finetune", "round": round_, "lora_dropout": dropout, "fused": fused,
+                "loss": loss_kind,
                 "steps": steps,
                 "loss_first": losses[0], "loss_last10_mean": round(statistics.mean(losses[-10:]), 4),
                 "held_out_loss": round(held, 4), "tokens_per_s": round(tokens / seconds, 1),

@@ -167,3 +167,19 @@ def test_a_model_whose_mlp_cannot_be_fused_is_told_before_loading(tiny_models: A
     assert graphs.value is False and "fused 4-bit LoRA path" in graphs.reason
     with pytest.raises(InvalidRequestError, match=r"'fused': True.*MLP cannot be fused.*Fix"):
         plan_load(path, facts="h200", quantize="4bit", lora={"fused": True}, batch_size=2, seq_len=64)
+
+
+def test_off_in_a_launched_job() -> None:
+    """DDP/FSDP hook the parameters' gradient accumulators, which the capture's stand-ins bypass."""
+    from dataclasses import replace
+
+    from xpukit.machine.launch import parse_launch
+    from xpukit.machine.profiles import machine_profile
+
+    env = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    machine = replace(machine_profile("h200", 2), launch=parse_launch(env))
+    args: dict[str, Any] = {"facts": machine, "quantize": "4bit", "batch_size": 4, "seq_len": 512}
+    graphs = _decision(plan_load(reference_config("qwen3-8b"), lora=True, **args))
+    assert graphs.value is False and "launched job of 2 processes" in graphs.reason
+    with pytest.raises(InvalidRequestError, match="launched job"):
+        plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, **args)

@@ -271,7 +271,10 @@ def plan_load(
     fused = decide_fused(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
     decisions += [fused] if fused is not None else []
     whole = fused_will_run(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
-    graphs = decide_layer_graphs(lora_request, fused=whole, training=training, backend=main.backend)
+    world = machine.launch.world_size if machine.launch is not None else 1
+    graphs = decide_layer_graphs(
+        lora_request, fused=whole, training=training, backend=main.backend, world_size=world
+    )
     decisions += [graphs] if graphs is not None else []
     new_adapters = lora_request is not None and lora_request.kind == "new"
     if seed is not None or new_adapters:

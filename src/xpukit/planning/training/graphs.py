@@ -6,6 +6,8 @@ Qwen3-8B shape, 4-bit + fused LoRA, 4 × 512 tokens: 4 995 → 10 272 tokens/s, 
 It is on where that was measured: CUDA, the fused 4-bit LoRA path on whole blocks (attention and
 MLP; a model whose MLP keeps peft's modules does not qualify), no gradient checkpointing (a
 checkpointed layer recomputes inside backward, which the graphs do not capture).
+It is off in a launched job of several processes: DDP and FSDP hook each parameter's gradient
+accumulator, and the capture's stand-in parameters (loading/layer_graphs.py) bypass those.
 ``lora={"graphs": False}`` turns it off, ``lora={"graphs": True}`` insists (refused where it cannot
 run). docs/training.md "CUDA graphs of the decoder layers" has the rules.
 """
@@ -24,8 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["decide_layer_graphs", "layer_graphs_problem"]
 
 
-def layer_graphs_problem(fused: bool, training: TrainingPlan | None, backend: str) -> str | None:
+def layer_graphs_problem(
+    fused: bool, training: TrainingPlan | None, backend: str, world_size: int = 1
+) -> str | None:
     """Why the layers cannot run as CUDA graphs here (``None`` when they can)."""
+    if world_size > 1:
+        return (
+            f"a launched job of {world_size} processes: DDP and FSDP hook the parameters' gradient "
+            "accumulators, which the graphs' stand-in parameters bypass"
+        )
     if backend != "cuda":
         return (
             f"CUDA graphs of the decoder layers need CUDA (torch.cuda.make_graphed_callables), not {backend}"
@@ -38,7 +47,12 @@ def layer_graphs_problem(fused: bool, training: TrainingPlan | None, backend: st
 
 
 def decide_layer_graphs(
-    request: LoraRequest | None, *, fused: bool, training: TrainingPlan | None, backend: str
+    request: LoraRequest | None,
+    *,
+    fused: bool,
+    training: TrainingPlan | None,
+    backend: str,
+    world_size: int = 1,
 ) -> Decision | None:
     """The ``layer_graphs`` decision for new adapters (``None`` for no LoRA or a trained adapter).
 
@@ -50,7 +64,7 @@ def decide_layer_graphs(
     if request.graphs is False:
         return Decision(name="layer_graphs", value=False, source="user",
                         reason="lora={'graphs': False} given: the decoder layers run eagerly")  # fmt: skip
-    problem = layer_graphs_problem(fused, training, backend)
+    problem = layer_graphs_problem(fused, training, backend, world_size)
     if problem is not None:
         if request.graphs:
             raise InvalidRequestError(

@@ -63,6 +63,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from _kernels import ms_per_step_by_category  # bench/_kernels.py, beside this script
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _STARTED = time.perf_counter()  # the second process reports its start-up from here
 
@@ -423,7 +425,7 @@ def breakdown(
             device_ms_per_step=round(device_us / 1e3 / steps, 3),
             kernels_per_step=round(kernels / steps, 1),
             graph_launches_per_step=round(launches / steps, 2),
-            device_ms_per_step_by_category=_by_category(by_name, steps),
+            device_ms_per_step_by_category=ms_per_step_by_category(by_name, steps, digits=3),
             top_kernels_ms_per_step=[
                 [name[:100], round(us / 1e3 / steps, 3)]
                 for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
@@ -437,24 +439,6 @@ def breakdown(
         sync(args.device)
         out["ms_per_step_alone"] = round((time.perf_counter() - start) / REPLAY_STEPS * 1e3, 3)
     return out
-
-
-# Kernel-name fragments by category, checked in this order (lower-case).
-_CATEGORIES = (
-    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "matmul", "_mm_", "splitk")),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "mha", "efficient")),
-    ("copy", ("copy", "memcpy", "memset", "clone", "cat")),
-)
-
-
-def _by_category(by_name: dict[str, float], steps: int) -> dict[str, float]:
-    """Device milliseconds per step by kernel category (GEMM, attention, copies, other)."""
-    out: dict[str, float] = {}
-    for name, us in by_name.items():
-        low = name.lower()
-        category = next((c for c, frags in _CATEGORIES if any(f in low for f in frags)), "other")
-        out[category] = out.get(category, 0.0) + us
-    return {k: round(v / 1e3 / steps, 3) for k, v in sorted(out.items())}
 
 
 def copy_bandwidth(device: str) -> float | None:

@@ -88,6 +88,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _kernels import ms_per_step_by_category  # bench/_kernels.py, beside this script
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # bitsandbytes reaches for the Hub at import otherwise
 # On the CPU, peak memory is the RSS high-water mark: with a fixed mmap threshold every tensor buffer
 # is its own mapping, returned to the OS when freed, so RSS follows what torch holds.
@@ -390,26 +392,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-# Device-kernel name fragments by category, checked in this order (lower-case).
-KERNEL_CATEGORIES = (
-    ("dequant_4bit", ("kdequantize", "dequant", "nf4")),
-    ("gemm", ("gemm", "gemv", "cutlass", "cublas", "nvjet", "xmma", "matmul", "_mm_")),
-    ("attention", ("flash", "fmha", "attention", "sdpa", "mha")),
-    ("optimizer", ("multi_tensor_apply", "adam", "fused_adam")),
-    ("copy_cast", ("copy", "memcpy", "memset")),  # dtype casts are direct_copy_kernel on CUDA
-    ("elementwise", ("elementwise", "vectorized", "reduce", "silu", "swiglu", "rms", "norm", "softmax",
-                     "mul", "add", "sigmoid", "cross_entropy", "rope", "fill", "triton")),
-)  # fmt: skip
-
-
-def kernel_category(name: str) -> str:
-    low = name.lower()
-    for category, fragments in KERNEL_CATEGORIES:
-        if any(f in low for f in fragments):
-            return category
-    return "other"
-
-
 def profile_steps(train_step: Any, device: str, steps: int) -> dict[str, Any]:
     """Run ``steps`` training steps under torch.profiler; per-step kernel count and time by category."""
     import torch
@@ -425,13 +407,10 @@ def profile_steps(train_step: Any, device: str, steps: int) -> dict[str, Any]:
         synchronize(device)
         wall = time.perf_counter() - start
     kernels = [e for e in prof.events() if e.device_type == device_type]
-    by_category: dict[str, float] = {}
     by_name: dict[str, float] = {}
     intervals = []
     for event in kernels:
         us = event.time_range.elapsed_us()
-        category = kernel_category(event.name)
-        by_category[category] = by_category.get(category, 0.0) + us
         by_name[event.name] = by_name.get(event.name, 0.0) + us
         intervals.append((event.time_range.start, event.time_range.end))
     busy, end = 0.0, float("-inf")
@@ -443,10 +422,10 @@ def profile_steps(train_step: Any, device: str, steps: int) -> dict[str, Any]:
     return {
         "steps": steps,
         "wall_ms_per_step": round(wall * 1e3 / steps, 2),
-        "device_ms_per_step": round(sum(by_category.values()) / 1e3 / steps, 2),
+        "device_ms_per_step": round(sum(by_name.values()) / 1e3 / steps, 2),
         "gpu_busy_pct": round(100 * busy / 1e6 / wall, 1) if wall else None,
         "kernels_per_step": round(len(kernels) / steps),
-        "ms_per_step_by_category": {k: round(v / 1e3 / steps, 2) for k, v in sorted(by_category.items())},
+        "ms_per_step_by_category": ms_per_step_by_category(by_name, steps),
         "top_kernels_ms_per_step": [[name[:120], round(us / 1e3 / steps, 2)] for name, us in top],
     }
 

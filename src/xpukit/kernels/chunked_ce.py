@@ -18,6 +18,7 @@ The ``lm_head`` weight must be frozen (LoRA training); a trainable head keeps th
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 __all__ = ["IGNORE_INDEX", "chunked_linear_cross_entropy"]
@@ -25,7 +26,9 @@ __all__ = ["IGNORE_INDEX", "chunked_linear_cross_entropy"]
 IGNORE_INDEX = -100
 
 
+@functools.cache
 def _function() -> Any:
+    """Define the autograd function (needs torch; built once, as ``lora_ops._functions``)."""
     import torch
 
     class ChunkedLinearCrossEntropy(torch.autograd.Function):  # type: ignore[misc]
@@ -58,9 +61,6 @@ def _function() -> Any:
     return ChunkedLinearCrossEntropy
 
 
-_FUNCTION: Any = None
-
-
 def chunked_linear_cross_entropy(
     hidden: Any, weight: Any, labels: Any, *, chunk: int, num_items_in_batch: Any = None
 ) -> Any:
@@ -75,9 +75,6 @@ def chunked_linear_cross_entropy(
     """
     import torch
 
-    global _FUNCTION
-    if _FUNCTION is None:
-        _FUNCTION = _function()
     if weight.requires_grad:
         raise ValueError("chunked_linear_cross_entropy needs a frozen lm_head weight")
     dtype = weight.dtype
@@ -91,4 +88,4 @@ def chunked_linear_cross_entropy(
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
     with torch.autocast(hidden.device.type, enabled=False):
-        return _FUNCTION.apply(flat, weight.to(dtype), flat_labels, denominator, max(1, int(chunk)))
+        return _function().apply(flat, weight.to(dtype), flat_labels, denominator, max(1, int(chunk)))

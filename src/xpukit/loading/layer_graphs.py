@@ -45,12 +45,6 @@ __all__ = ["LayerGraphs", "install_layer_graphs"]
 logger = logging.getLogger(__name__)
 
 
-def torch_grad_enabled() -> bool:
-    import torch
-
-    return bool(torch.is_grad_enabled())
-
-
 class LayerGraphs:
     """The decoder layers of one model and their CUDA graphs (one captured shape).
 
@@ -186,8 +180,8 @@ class LayerGraphs:
             self._start(hidden_states, mask, kwargs.get("past_key_values"), rotary, kwargs)
         if not self._active or mask is not None or self._runs is None or rotary is None:
             out = self.forwards[index](hidden_states, *args, **kwargs)
-            if index == len(self.layers) - 1 and torch_grad_enabled():
-                self._remember(out)
+            if index == len(self.layers) - 1 and getattr(out, "requires_grad", False):
+                self._remember(out)  # a pass with an autograd graph
             return out
         out = self._runs[index](hidden_states, *rotary)
         if index == 0 and out.requires_grad:

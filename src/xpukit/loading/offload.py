@@ -3,7 +3,7 @@
 See docs/training.md "Offloaded checkpointing".
 
 With non-reentrant gradient checkpointing each decoder layer keeps only its input for backward. The
-model's ``forward`` runs inside :class:`HostOffload`, saved-tensor hooks that move every tensor saved
+model's ``forward`` runs inside saved-tensor hooks (:func:`_hooks`) that move every tensor saved
 outside the checkpointed regions (those layer inputs, the final norm's, the loss's) of at least
 :data:`MIN_BYTES` to host memory during the forward and bring it back when backward needs it. Inside
 a checkpointed region torch's own hooks take precedence (the innermost hooks win), so recomputation
@@ -28,7 +28,7 @@ from typing import Any
 
 from xpukit.machine.facts import DeviceFacts
 
-__all__ = ["MIN_BYTES", "HostOffload", "offload_saved_activations"]
+__all__ = ["MIN_BYTES", "offload_saved_activations"]
 
 MIN_BYTES = 1 << 20  # smaller saved tensors stay where they are
 
@@ -52,33 +52,13 @@ def _hooks(pin: bool) -> tuple[Any, Any]:
     return pack, unpack
 
 
-class HostOffload:
-    """A context in which tensors saved for backward wait in (pinned) host memory.
-
-    Args:
-        pin: pinned host memory and asynchronous copies (CUDA, XPU); ``False`` copies synchronously
-            into pageable memory (any other device).
-    """
-
-    def __init__(self, pin: bool) -> None:
-        import torch
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(*_hooks(pin))
-
-    def __enter__(self) -> HostOffload:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hooks.__exit__(*exc)
-
-
 def offload_saved_activations(model: Any, device: DeviceFacts) -> str:
-    """Run ``model.forward`` inside :class:`HostOffload` (pinned, asynchronous on CUDA/XPU); returns a
-    note."""
+    """Run ``model.forward`` inside the offloading hooks (pinned, asynchronous on CUDA/XPU); returns
+    a note."""
     import torch
 
     pin = device.backend in ("cuda", "xpu")
+    pack, unpack = _hooks(pin)
     forward = model.forward
     if getattr(forward, "_xpukit_offload", False):
         return "saved activations already offloaded to host memory"
@@ -87,7 +67,7 @@ def offload_saved_activations(model: Any, device: DeviceFacts) -> str:
     def offloaded(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        with HostOffload(pin):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             return forward(*args, **kwargs)
 
     offloaded._xpukit_offload = True  # type: ignore[attr-defined]

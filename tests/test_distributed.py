@@ -14,13 +14,16 @@ from typing import Any
 import pytest
 
 TRAIN = r"""
-import json, os, sys
+import atexit, json, os, sys
 import torch.distributed as dist
 from transformers import AutoTokenizer, DataCollatorForLanguageModeling, Trainer
 from xpukit import load_for_xpu, training_args
 from xpukit.demo.tiny import corpus_lines
 
 path, out = sys.argv[1], sys.argv[2]
+# Registered before training_args, so it runs after xpukit's exit hook (atexit is last-in, first-out).
+atexit.register(lambda: open(os.path.join(out, f"exit{os.environ['RANK']}"), "w").write(
+    str(dist.is_initialized())))
 model = load_for_xpu(path, lora=True)
 tok = AutoTokenizer.from_pretrained(path)
 data = [tok(t, truncation=True, max_length=32) for t in corpus_lines()[:8]]  # one step per epoch
@@ -84,6 +87,25 @@ def test_torchrun_two_ranks_train_in_sync_with_gloo(tiny_model: Path, tmp_path: 
     lora_b = [value for name, value in ranks[0]["trained"] if "lora_B" in name]
     assert lora_b and any(value != 0 for value in lora_b)  # lora_B starts at zero
     assert "CUDA_VISIBLE_DEVICES" in run.stderr  # the launcher warned about the export it removed
+    # training_args destroyed the process group at exit on both ranks (docs/distributed.md "The
+    # process group at exit"): Trainer leaves it up, and gloo can abort the exiting rank.
+    assert [(out / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"]
+
+
+def test_exit_hook_destroys_a_live_process_group_once() -> None:
+    import torch.distributed as dist
+
+    from xpukit.training import arguments
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.is_initialized()
+        arguments._destroy_process_group()
+        assert not dist.is_initialized()
+        arguments._destroy_process_group()  # a no-op once the group is gone (or the user destroyed it)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _check_ddp(ranks: list[dict[str, Any]], launcher: str) -> None:
@@ -115,3 +137,4 @@ def test_accelerate_launch_two_cpu_ranks(tiny_model: Path, tmp_path: Path) -> No
     )
     assert run.returncode == 0, run.stderr[-3000:]
     _check_ddp([json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)], "accelerate")
+    assert [(out / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"]

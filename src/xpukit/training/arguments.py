@@ -36,6 +36,7 @@ Constructing ``TrainingArguments`` initialises the XPU runtime (its ``__post_ini
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 from typing import TYPE_CHECKING, Any
@@ -115,8 +116,37 @@ def training_args(
         keywords, reasons = apply_strategy(strategy, model, device, keywords, kwargs, context.world_size)
         for reason in reasons:
             logger.info("training_args: %s", reason)
+    if context.world_size > 1:
+        _destroy_process_group_at_exit()
     _restore_repacked_4bit(model)
     return build_config(cls, keywords, kwargs)
+
+
+_EXIT_HOOK: list[bool] = []
+
+
+def _destroy_process_group_at_exit() -> None:
+    """Register, once per process, :func:`_destroy_process_group` to run at interpreter exit.
+
+    ``Trainer`` never destroys the process group its arguments start, and a rank that exits with a
+    gloo group alive can abort in its last instant (SIGABRT, "terminate called without an active
+    exception") while gloo's threads are torn down with the interpreter: docs/distributed.md "The
+    process group at exit". ``atexit`` runs while the interpreter is still whole.
+    """
+    if not _EXIT_HOOK:
+        atexit.register(_destroy_process_group)
+        _EXIT_HOOK.append(True)
+
+
+def _destroy_process_group() -> None:
+    """Destroy the default process group if one is still up (a no-op after the user's own call)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # exit must go on; say why the group stayed up
+        logger.warning("training_args: destroying the process group at exit failed: %s", exc)
 
 
 def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingContext:

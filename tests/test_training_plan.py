@@ -19,7 +19,7 @@ from xpukit.machine.profiles import device_profile
 from xpukit.planning.model.reference_models import reference_config
 from xpukit.planning.model.shape import ModelShape
 from xpukit.planning.training.activation_memory import activation_bytes
-from xpukit.planning.training.fit import plan_training
+from xpukit.planning.training.fit import micro_batches, plan_training
 from xpukit.planning.training.lora_request import resolve_lora
 from xpukit.training.keywords import TrainingContext, training_kwargs
 
@@ -137,6 +137,40 @@ def test_room_means_no_savers_and_a_budget_means_savers() -> None:
     assert tight.decision("gradient_checkpointing").value == "offload"
     assert tight.decision("micro_batch").value < 4
     assert tight.training.gradient_accumulation_steps * tight.training.micro_batch == 4
+
+
+def test_micro_batch_times_accumulation_is_the_batch_asked_for() -> None:
+    assert micro_batches(6) == [6, 3, 2, 1] and micro_batches(5) == [5, 1] and micro_batches(1) == [1]
+    shape = ModelShape(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
+                       vocab=151936, qk_norm=True)  # fmt: skip
+    request = resolve_lora(True, quantized=True)
+    assert request is not None
+    seen = set()
+    for batch in (5, 6, 7, 8, 12):
+        for budget_gb in [7 + i / 4 for i in range(12)]:
+            plan = plan_training(
+                shape, request, compute_dtype="bfloat16", backend="cuda", weights=int(6e9),
+                budget=int(budget_gb * 1e9), budget_rule="test", batch_size=batch, seq_len=2048,
+                max_positions=None, liger_available=(False, "not installed"), quantized=True,
+            )  # fmt: skip
+            # Trainer runs micro_batch × accumulation sequences a step: never another batch than asked.
+            assert plan.micro_batch * plan.gradient_accumulation_steps == batch, (batch, budget_gb)
+            seen.add((batch, plan.micro_batch))
+    assert (6, 3) in seen or (6, 2) in seen  # divisors that are not halvings are used
+    assert (5, 2) not in seen  # batch 5 at micro-batch 2 was 2 × 2 = 4 sequences
+
+
+def test_a_step_that_does_not_fit_warns_with_the_numbers_and_the_fix() -> None:
+    over = plan_load(reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True,
+                     batch_size=4, seq_len=2048, max_memory={0: "8GB"})  # fmt: skip
+    assert over.training is not None and not over.training.fits
+    [warning] = [w for w in over.warnings if w.startswith("training: a step")]
+    assert "may run out of device memory" in warning and "cuda:0" in warning
+    assert "seq_len=" in warning and "max_memory=" in warning  # the fixes
+    fits = plan_load(reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True,
+                     batch_size=4, seq_len=512)  # fmt: skip
+    assert fits.training is not None and fits.training.fits
+    assert not [w for w in fits.warnings if w.startswith("training: a step")]
 
 
 def test_user_choices_win() -> None:

@@ -240,6 +240,8 @@ def plan_load(
     )  # fmt: skip
     layout, lora_request, training = chosen.layout, chosen.lora, chosen.training
     warnings += chosen.warnings
+    if training is not None and (too_big := training.warning(main.torch_device)) is not None:
+        warnings.append(too_big)
     dtype_name = str(layout.dtype.value)
     distributed = plan_distributed(
         rank=rank,

@@ -39,6 +39,7 @@ __all__ = [
     "activation_bytes",
     "check_step_size",
     "liger_availability",
+    "micro_batches",
     "model_shape",
     "plan_training",
     "step_keywords",
@@ -114,6 +115,22 @@ class TrainingPlan:
         verdict = "fits" if self.fits else "does NOT fit even at micro-batch 1"
         lines.append(f"  chosen: {self._chosen()} ({verdict})")
         return lines
+
+    def warning(self, device: str) -> str | None:
+        """The load's warning when even the leanest step is estimated not to fit, else ``None``."""
+        if self.fits:
+            return None
+        left = format_bytes(max(self.budget - self.fixed, 0))
+        return (
+            f"training: a step of batch {self.batch_size} × {self.seq_len} tokens is estimated at "
+            f"{format_bytes(self.estimate['peak'])} of activations with the leanest plan "
+            f"({self._chosen()}), over the {left} left on {device} beside the weights, the LoRA state "
+            f"and the reserve ({format_bytes(self.fixed)} of a {format_bytes(self.budget)} budget: "
+            f"{self.budget_rule}), so it may run out of device memory (the estimate is within -3..+11 % "
+            'of the peaks measured on an H200: docs/training.md "The activation estimate"). Fix: a '
+            "shorter seq_len=, a larger max_memory= or a device with more memory (batch_size= does not "
+            "change it: the step already runs the smallest micro-batch)."
+        )
 
     def _chosen(self) -> str:
         return _option_text(self.loss, self.gradient_checkpointing, self.micro_batch, self.batch_size)
@@ -214,11 +231,10 @@ def plan_training(
         if p <= room:
             chosen = (lg, gc, batch)
             break
-    if chosen is None:  # the leanest option at ever smaller micro-batches
+    if chosen is None:  # the leanest option at the largest micro-batch that fits (1 at the least)
         lg, gc = min(ladder, key=lambda option: peak(option[0], option[1], batch))
-        micro = batch
-        while micro > 1 and peak(lg, gc, micro) > room:
-            micro = max(1, micro // 2)
+        smaller = micro_batches(batch)[1:]
+        micro = next((m for m in smaller if peak(lg, gc, m) <= room), smaller[-1] if smaller else batch)
         tried.append((_option_text(kind(lg), gc, micro, batch), peak(lg, gc, micro)))
         chosen = (lg, gc, micro)
     fused_ce, gc, micro = chosen
@@ -268,6 +284,13 @@ def plan_training(
         decisions=decisions,
         loss=loss,
     )
+
+
+def micro_batches(batch: int) -> list[int]:
+    """The micro-batches a step of ``batch`` sequences can be split into, largest first: the divisors
+    of ``batch``, so that micro-batch × accumulation steps is the batch asked for (batch 6: 6, 3, 2, 1;
+    a micro-batch of 4 would make it 4 or 8)."""
+    return [m for m in range(batch, 0, -1) if batch % m == 0]
 
 
 def _ladder(gc: bool | str | None, liger: bool | None, *, offload: bool) -> list[tuple[bool, bool | str]]:

@@ -92,7 +92,7 @@ def test_torchrun_two_ranks_train_in_sync_with_gloo(tiny_model: Path, tmp_path: 
     assert [(out / f"exit{r}").read_text() for r in (0, 1)] == ["False", "False"]
 
 
-def test_exit_hook_destroys_a_live_process_group_once() -> None:
+def test_exit_hook_destroys_a_live_gloo_group_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
     from xpukit.training import arguments
@@ -100,6 +100,10 @@ def test_exit_hook_destroys_a_live_process_group_once() -> None:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert dist.is_initialized()
+        with monkeypatch.context() as m:  # an NCCL/XCCL group is the user's to shut down
+            m.setattr(dist, "get_backend", lambda *a, **k: "nccl")
+            arguments._destroy_process_group()
+            assert dist.is_initialized()
         arguments._destroy_process_group()
         assert not dist.is_initialized()
         arguments._destroy_process_group()  # a no-op once the group is gone (or the user destroyed it)

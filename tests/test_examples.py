@@ -140,7 +140,9 @@ def test_notebook_runs(tmp_path: Path, demo_model: Path) -> None:
     nb = _notebook()
     client = NotebookClient(nb, km=km, timeout=TIMEOUT, resources={"metadata": {"path": str(tmp_path)}})
     client.execute(env=_env())
-    text = "\n".join(
+    # "".join: the kernel flushes stdout on a timer, so one print can arrive as several stream
+    # outputs ("before:" and the text after it); a newline between them broke the line apart.
+    text = "".join(
         out.get("text", "")
         for cell in nb.cells
         for out in cell.get("outputs", [])

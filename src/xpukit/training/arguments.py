@@ -126,7 +126,7 @@ _EXIT_HOOK: list[bool] = []
 
 
 def _destroy_process_group_at_exit() -> None:
-    """Register, once per process, :func:`_destroy_process_group` to run at interpreter exit.
+    """Register, once per process, :func:`_destroy_process_group` to run at interpreter exit (gloo).
 
     ``Trainer`` never destroys the process group its arguments start, and a rank that exits with a
     gloo group alive can abort in its last instant (SIGABRT, "terminate called without an active
@@ -139,9 +139,15 @@ def _destroy_process_group_at_exit() -> None:
 
 
 def _destroy_process_group() -> None:
-    """Destroy the default process group if one is still up (a no-op after the user's own call)."""
+    """Destroy the default gloo process group if it is still up (a no-op after the user's own call).
+
+    Only gloo: its teardown is local to the process. NCCL's and XCCL's shut down communicators that
+    other ranks may still be waiting in after this one failed, which is theirs to decide.
+    """
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    if dist.get_backend() != "gloo":
         return
     try:
         dist.destroy_process_group()

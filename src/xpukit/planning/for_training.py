@@ -92,10 +92,9 @@ def _why(attempt: Attempt) -> str:
         return attempt.layout.memory.verdict
     training = attempt.training
     assert training is not None
-    left = format_bytes(max(training.budget - training.fixed, 0))
     return (
         f"{format_bytes(training.estimate['peak'])} of activations at micro-batch {training.micro_batch} "
-        f"exceed the {left} left beside weights and LoRA state"
+        f"exceed the {format_bytes(training.room)} left beside weights and LoRA state"
     )
 
 

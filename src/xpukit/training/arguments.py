@@ -37,6 +37,7 @@ Constructing ``TrainingArguments`` initialises the XPU runtime (its ``__post_ini
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import sys
 from typing import TYPE_CHECKING, Any
@@ -122,9 +123,7 @@ def training_args(
     return build_config(cls, keywords, kwargs)
 
 
-_EXIT_HOOK: list[bool] = []
-
-
+@functools.cache  # once per process
 def _destroy_process_group_at_exit() -> None:
     """Register, once per process, :func:`_destroy_process_group` to run at interpreter exit (gloo).
 
@@ -133,9 +132,7 @@ def _destroy_process_group_at_exit() -> None:
     exception") while gloo's threads are torn down with the interpreter: docs/distributed.md "The
     process group at exit". ``atexit`` runs while the interpreter is still whole.
     """
-    if not _EXIT_HOOK:
-        atexit.register(_destroy_process_group)
-        _EXIT_HOOK.append(True)
+    atexit.register(_destroy_process_group)
 
 
 def _destroy_process_group() -> None:

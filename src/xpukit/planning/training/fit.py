@@ -99,6 +99,11 @@ class TrainingPlan:
         out["estimates"] = [{"option": o, "peak": b} for o, b in self.estimates]
         return out
 
+    @property
+    def room(self) -> int:
+        """Bytes left for the step's activations: the budget less the fixed part (0 when negative)."""
+        return max(self.budget - self.fixed, 0)
+
     def explain_lines(self) -> list[str]:
         """The "Training memory" section of :meth:`LoadPlan.explain`."""
         said = {True: "given", False: "default"}
@@ -108,7 +113,7 @@ class TrainingPlan:
             f'[{said[self.seq_given]}]; docs/training.md "The activation estimate")',
             f"  budget     {format_bytes(self.budget):>11}  {self.budget_rule}",
             f"  fixed      {format_bytes(self.fixed):>11}  {self.fixed_rule}",
-            f"  for steps  {format_bytes(max(self.budget - self.fixed, 0)):>11}  budget − fixed",
+            f"  for steps  {format_bytes(self.room):>11}  budget − fixed",
         ]
         for option, peak in self.estimates:
             lines.append(f"  {format_bytes(peak):>22}  activations with {option}")
@@ -120,12 +125,12 @@ class TrainingPlan:
         """The load's warning when even the leanest step is estimated not to fit, else ``None``."""
         if self.fits:
             return None
-        left = format_bytes(max(self.budget - self.fixed, 0))
         return (
             f"training: a step of batch {self.batch_size} × {self.seq_len} tokens is estimated at "
             f"{format_bytes(self.estimate['peak'])} of activations with the leanest plan "
-            f"({self._chosen()}), over the {left} left on {device} beside the weights, the LoRA state "
-            f"and the reserve ({format_bytes(self.fixed)} of a {format_bytes(self.budget)} budget: "
+            f"({self._chosen()}), over the {format_bytes(self.room)} left on {device} beside the "
+            f"weights, the LoRA state and the reserve ({format_bytes(self.fixed)} of a "
+            f"{format_bytes(self.budget)} budget: "
             f"{self.budget_rule}), so it may run out of device memory (the estimate is within -3..+11 % "
             'of the peaks measured on an H200: docs/training.md "The activation estimate"). Fix: a '
             "shorter seq_len=, a larger max_memory= or a device with more memory (batch_size= does not "
@@ -233,8 +238,7 @@ def plan_training(
             break
     if chosen is None:  # the leanest option at the largest micro-batch that fits (1 at the least)
         lg, gc = min(ladder, key=lambda option: peak(option[0], option[1], batch))
-        smaller = micro_batches(batch)[1:]
-        micro = next((m for m in smaller if peak(lg, gc, m) <= room), smaller[-1] if smaller else batch)
+        micro = next((m for m in micro_batches(batch) if peak(lg, gc, m) <= room), 1)
         tried.append((_option_text(kind(lg), gc, micro, batch), peak(lg, gc, micro)))
         chosen = (lg, gc, micro)
     fused_ce, gc, micro = chosen

@@ -14,7 +14,7 @@ Variants:
 * ``fast``: ``load_for_xpu(path, device=..., fast_decode=True, warmup=True)``: xpukit's decode loop;
 * ``fast-sdpa``: ``fast`` with transformers' SDPA attention in the decode step too (its
   ``repeat_kv`` copy of the cache) instead of xpukit's grouped decode attention
-  (``xpukit.loading.decode_attention``), to measure what that saves;
+  (``xpukit.loading.decode.attention``), to measure what that saves;
 * ``fast-hf``: the same load with xpukit's loop switched off (``model.xpukit_decode_loop.enabled =
   False``): transformers' ``generate`` with the same static cache and compile settings;
 * ``static`` / ``compiled`` (measurement aids, not what xpukit sets on a CPU): ``load_for_xpu``, then
@@ -131,7 +131,7 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
     if variant == "fast":
         return load_for_xpu(path, device=device, fast_decode=True, warmup=True)
     if variant == "fast-sdpa":  # fast, with transformers' SDPA in the decode step too
-        from xpukit.loading.decode import warm_up
+        from xpukit.loading.decode.fast_decode import warm_up
 
         model = load_for_xpu(path, device=device, fast_decode=True)
         model.config._attn_implementation = "sdpa"
@@ -139,7 +139,7 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)
         return model
     if variant == "fast-hf":
-        from xpukit.loading.decode import warm_up
+        from xpukit.loading.decode.fast_decode import warm_up
 
         model = load_for_xpu(path, device=device, fast_decode=True)
         loop = getattr(model, "xpukit_decode_loop", None)
@@ -149,7 +149,7 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         return model
     model = load_for_xpu(path, device=device)
     if variant == "loop":
-        from xpukit.loading.decode_loop import install_decode_loop
+        from xpukit.loading.decode.loop import install_decode_loop
 
         install_decode_loop(model, max_cache_len=cache_len, compile_options=None)
     if variant in {"static", "compiled"}:

@@ -19,7 +19,7 @@ Variants:
     xpukit-offload    ``{"gradient_checkpointing": "offload", "liger": False}``
     xpukit-fused      the plan's savers with the fused 4-bit LoRA path: ``lora={"fused": True}``
                       (until the plan knows that key: ``lora=True``, then
-                      ``xpukit.loading.fused_lora.apply_fused_lora(model, insist=True)``)
+                      ``xpukit.loading.training.fused_lora.apply_fused_lora(model, insist=True)``)
     xpukit-unfused    the plan's savers with the fused path off (``lora={"fused": False}``, or
                       ``lora=True`` while the plan does not know the key)
     xpukit-fused-none the fused path with the savers off
@@ -32,7 +32,7 @@ Variants:
                       layers off (``lora={"fused": True, "graphs": False}``): what the graphs save
     xpukit-fused-chunked
                       xpukit-fused-none with xpukit's chunked cross-entropy
-                      (``xpukit.loading.chunked_loss.apply_chunked_loss``)
+                      (``xpukit.loading.training.chunked_loss.apply_chunked_loss``)
     unsloth           ``FastLanguageModel`` with ``use_gradient_checkpointing="unsloth"`` (skipped
                       with a note when unsloth is not installed)
     unsloth-nogc      unsloth with checkpointing off
@@ -313,7 +313,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         model, notes, plan = load_xpukit(args, variant, device, dtype)
     weights_mem = memory_allocated(device)
     if variant == "xpukit-fused-chunked":
-        from xpukit.loading.chunked_loss import apply_chunked_loss
+        from xpukit.loading.training.chunked_loss import apply_chunked_loss
 
         notes.append(apply_chunked_loss(model.get_base_model()))
     generator = torch.Generator().manual_seed(1)
@@ -490,7 +490,7 @@ def load_xpukit(
     """xpukit's one call; the forced variants pin the savers (and the fused path) through lora=.
 
     Where the plan does not know ``lora={"fused": ...}`` yet, the key is dropped and the fused
-    variants call :func:`xpukit.loading.fused_lora.apply_fused_lora` on the loaded model.
+    variants call :func:`xpukit.loading.training.fused_lora.apply_fused_lora` on the loaded model.
     """
     from xpukit import load_for_xpu
     from xpukit.errors import InvalidRequestError
@@ -516,7 +516,7 @@ def load_xpukit(
     plan = model.xpukit_plan
     notes = [e.actual for e in plan.events if e.what == "lora"]
     if late_fuse:
-        from xpukit.loading.fused_lora import apply_fused_lora
+        from xpukit.loading.training.fused_lora import apply_fused_lora
 
         liger = isinstance(lora, dict) and lora.get("liger") is False
         notes += apply_fused_lora(model, insist=True, liger=False if liger else None)
@@ -573,7 +573,7 @@ def finetune(args: argparse.Namespace) -> int:
                 lora["fused"] = fused
             model = load_for_xpu(path, device=args.device or "cpu", quantize="4bit", lora=lora, seed=0)
             if loss_kind == "chunked":
-                from xpukit.loading.chunked_loss import apply_chunked_loss
+                from xpukit.loading.training.chunked_loss import apply_chunked_loss
 
                 apply_chunked_loss(model.get_base_model())
             params = [p for p in model.parameters() if p.requires_grad]

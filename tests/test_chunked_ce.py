@@ -57,7 +57,7 @@ def test_chunks_hold_the_configured_bytes() -> None:
 
 def test_a_lora_model_trains_the_same(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from xpukit import load_for_xpu
-    from xpukit.loading.chunked_loss import apply_chunked_loss
+    from xpukit.loading.training.chunked_loss import apply_chunked_loss
     from xpukit.planning.training import activation_memory
 
     monkeypatch.setattr(activation_memory, "CHUNK_BYTES", 4 * 1024 * 5)  # 5 tokens a chunk: several chunks
@@ -90,7 +90,7 @@ def test_a_lora_model_trains_the_same(tiny_model: Path, monkeypatch: pytest.Monk
 def test_models_that_change_their_logits_are_refused(tiny_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.chunked_loss import apply_chunked_loss, chunked_loss_problem
+    from xpukit.loading.training.chunked_loss import apply_chunked_loss, chunked_loss_problem
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     assert chunked_loss_problem(model) is None

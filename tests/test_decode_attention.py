@@ -35,7 +35,7 @@ def _inputs(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int) -> t
 def test_one_query_token_equals_transformers_sdpa(heads: int, kv_heads: int, float_mask: bool) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from xpukit.loading.decode_attention import grouped_decode_sdpa
+    from xpukit.loading.decode.attention import grouped_decode_sdpa
 
     module = _Module(heads // kv_heads)
     query, key, value, mask = _inputs(2, heads, kv_heads, 1, 10)
@@ -50,7 +50,7 @@ def test_one_query_token_equals_transformers_sdpa(heads: int, kv_heads: int, flo
 def test_grouped_path_makes_no_repeat_kv_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers.integrations.sdpa_attention as sdpa
 
-    from xpukit.loading.decode_attention import grouped_decode_sdpa
+    from xpukit.loading.decode.attention import grouped_decode_sdpa
 
     calls: list[int] = []
     original = sdpa.repeat_kv
@@ -67,7 +67,7 @@ def test_grouped_path_makes_no_repeat_kv_copy(monkeypatch: pytest.MonkeyPatch) -
 def test_special_calls_go_to_transformers(kwargs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers.integrations.sdpa_attention as sdpa
 
-    from xpukit.loading.decode_attention import grouped_decode_sdpa
+    from xpukit.loading.decode.attention import grouped_decode_sdpa
 
     seen: list[dict[str, Any]] = []
     monkeypatch.setattr(sdpa, "sdpa_attention_forward", lambda *a, **k: seen.append(k) or ("hf", None))
@@ -79,7 +79,7 @@ def test_special_calls_go_to_transformers(kwargs: dict[str, Any], monkeypatch: p
 def test_a_model_generates_the_same_tokens(tiny_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.decode_attention import NAME, use_grouped_decode_attention
+    from xpukit.loading.decode.attention import NAME, use_grouped_decode_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa").eval()
     ids = torch.randint(3, 500, (2, 9), generator=torch.Generator().manual_seed(1))
@@ -99,7 +99,7 @@ def test_a_model_generates_the_same_tokens(tiny_model: Path) -> None:
 def test_models_without_grouped_heads_keep_their_attention(tiny_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.decode_attention import use_grouped_decode_attention
+    from xpukit.loading.decode.attention import use_grouped_decode_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="eager")
     assert use_grouped_decode_attention(model) is None

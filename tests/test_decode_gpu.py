@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from xpukit.loading.decode_loop import install_decode_loop
+from xpukit.loading.decode.loop import install_decode_loop
 from xpukit.planning.device.decode import compile_settings
 
 pytestmark = pytest.mark.gpu

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from xpukit.loading import compile_cache, decode_loop
-from xpukit.loading.decode_loop import install_decode_loop
+from xpukit.loading.decode import compile_cache, decode_loop
+from xpukit.loading.decode.loop import install_decode_loop
 
 PROMPTS = [
     "the quick brown fox",
@@ -108,7 +108,7 @@ def test_greedy_is_token_identical_to_transformers(fast, reference, tokenizer, b
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_grouped_decode_attention_gives_the_same_tokens(tiny_model, reference, tokenizer, batch):
     """What fast_decode runs on CUDA (the loop with grouped decode attention), eager on the CPU."""
-    from xpukit.loading.decode_attention import use_grouped_decode_attention
+    from xpukit.loading.decode.attention import use_grouped_decode_attention
 
     model = _model(tiny_model)
     assert use_grouped_decode_attention(model) is not None

@@ -74,8 +74,8 @@ def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
 def test_grouped_attention_is_applied_and_recorded(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.decode import _grouped_attention
-    from xpukit.loading.decode_attention import NAME
+    from xpukit.loading.decode.fast_decode import _grouped_attention
+    from xpukit.loading.decode.attention import NAME
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa")
     event = _grouped_attention(model)
@@ -194,7 +194,7 @@ def test_compile_config_is_transformers_own(tiny_model, tokenizer):
 def test_a_compile_failure_in_the_warmup_falls_back(tiny_model, monkeypatch, caplog):
     import torch
 
-    from xpukit.loading.decode import warm_up
+    from xpukit.loading.decode.fast_decode import warm_up
 
     model = carry_out(_static_plan(tiny_model, compile_mode="default"))
     model.generation_config.compile_config._compile_all_devices = True  # compile here, as on a GPU

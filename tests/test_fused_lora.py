@@ -166,7 +166,7 @@ def _logits(model: Any) -> Any:
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "mistral"])
 @pytest.mark.parametrize("double_quant", [True, False], ids=["double-quant", "plain"])
 def test_fused_equals_peft(tiny_models: Mapping[str, Path], arch: str, double_quant: bool) -> None:
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     model = _peft(_load_4bit(tiny_models[arch], double_quant=double_quant))
     reference = _loss_and_grads(model)
@@ -181,7 +181,7 @@ def test_fused_equals_peft(tiny_models: Mapping[str, Path], arch: str, double_qu
 
 
 def test_gemma_keeps_peft_for_its_gelu_mlp(tiny_models: Mapping[str, Path]) -> None:
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     model = _peft(_load_4bit(tiny_models["gemma"]))
     reference = _loss_and_grads(model)
@@ -192,7 +192,7 @@ def test_gemma_keeps_peft_for_its_gelu_mlp(tiny_models: Mapping[str, Path]) -> N
 
 
 def test_phi3_fused_projections_keep_peft(tiny_models: Mapping[str, Path]) -> None:
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     model = _peft(_load_4bit(tiny_models["phi3"]))
     [note] = apply_fused_lora(model, insist=False)
@@ -214,7 +214,7 @@ def test_phi3_fused_projections_keep_peft(tiny_models: Mapping[str, Path]) -> No
     ids=["dropout", "dora", "lora_bias", "partial-targets"],
 )
 def test_each_fallback_is_recorded(tiny_model: Path, config: dict[str, Any], reason: str) -> None:
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     model = _peft(_load_4bit(tiny_model), **config)
     [note] = apply_fused_lora(model, insist=False)
@@ -228,7 +228,7 @@ def test_each_fallback_is_recorded(tiny_model: Path, config: dict[str, Any], rea
 
 
 def test_partial_targets_fuse_nothing_but_still_train_the_same(tiny_model: Path) -> None:
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     model = _peft(_load_4bit(tiny_model), target_modules=["q_proj", "v_proj"])
     reference = _loss_and_grads(model)
@@ -243,7 +243,7 @@ def test_other_base_layers_are_refused_with_the_reason(tiny_model: Path) -> None
     import torch
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.fused_lora import _projection_problem, apply_fused_lora
+    from xpukit.loading.training.fused_lora import _projection_problem, apply_fused_lora
 
     plain = _peft(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     [note] = apply_fused_lora(plain, insist=False)
@@ -259,7 +259,7 @@ def test_other_base_layers_are_refused_with_the_reason(tiny_model: Path) -> None
 def test_disable_adapter_and_stash_fallback(tiny_model: Path) -> None:
     import torch
 
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     base_logits = _logits(_load_4bit(tiny_model))
     model = _peft(_load_4bit(tiny_model))
@@ -284,7 +284,7 @@ def test_saved_adapter_loads_into_plain_peft(tiny_model: Path, tmp_path: Path) -
     import torch
     from peft import PeftModel
 
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     model = _peft(_load_4bit(tiny_model))
     model.save_pretrained(tmp_path / "unfused")
@@ -301,7 +301,7 @@ def test_saved_adapter_loads_into_plain_peft(tiny_model: Path, tmp_path: Path) -
 def test_merge_and_generate_after_fusing(tiny_model: Path) -> None:
     import torch
 
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     model = _peft(_load_4bit(tiny_model))
     prompt = _ids()[:1, :4]
@@ -318,7 +318,7 @@ def test_merge_and_generate_after_fusing(tiny_model: Path) -> None:
 def test_fused_mlp_supersedes_an_instance_forward(tiny_model: Path) -> None:
     """liger-kernel patches the MLP's forward on the instance before peft; the fused MLP replaces it,
     and falls back to it where the adapters are off."""
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     model = _load_4bit(tiny_model)
     calls: list[int] = []

@@ -185,7 +185,7 @@ def test_fused_model_vs_peft_bf16(tiny_model_factory: Callable[..., Path], liger
     from peft import LoraConfig, get_peft_model
 
     from xpukit.kernels.lora_ops import liger_swiglu_available
-    from xpukit.loading.fused_lora import apply_fused_lora
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     if liger and not liger_swiglu_available():
         pytest.skip("liger-kernel is not installed")

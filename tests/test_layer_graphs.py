@@ -66,7 +66,7 @@ def test_no_decision_without_new_adapters() -> None:
 def test_wrapped_layers_run_eagerly_off_cuda_and_give_the_same_result(tiny_model: Path) -> None:
     torch = pytest.importorskip("torch")
     from xpukit import load_for_xpu
-    from xpukit.loading.layer_graphs import install_layer_graphs
+    from xpukit.loading.training.layer_graphs import install_layer_graphs
 
     ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(3))
     results = []
@@ -96,7 +96,7 @@ def test_wrapped_layers_run_eagerly_off_cuda_and_give_the_same_result(tiny_model
 def test_capture_on_the_second_call_then_replays(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state machine on the CPU, with the capture faked: first call eager, second captures."""
     torch = pytest.importorskip("torch")
-    from xpukit.loading.layer_graphs import LayerGraphs
+    from xpukit.loading.training.layer_graphs import LayerGraphs
 
     layers = [torch.nn.Linear(4, 4) for _ in range(3)]
     graphs = LayerGraphs(layers)

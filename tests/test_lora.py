@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from xpukit.errors import InvalidRequestError, MissingExtraError
-from xpukit.loading.liger import decide_liger
+from xpukit.loading.training.liger import decide_liger
 from xpukit.loading.lora import apply_lora
 from xpukit.machine.profiles import device_profile
 from xpukit.planning.training.lora_request import DEFAULT_LORA, LoraRequest, resolve_lora
@@ -89,7 +89,7 @@ def test_lora_path_ok(tmp_path: Path) -> None:
 def test_resolve_imports_nothing_heavy() -> None:
     code = (
         "import sys; from xpukit.planning.training.lora_request import resolve_lora;"
-        "import xpukit.training.arguments, xpukit.loading.liger;"
+        "import xpukit.training.arguments, xpukit.loading.training.liger;"
         "resolve_lora(True, quantized=True); resolve_lora({'r': 4}, quantized=False);"
         "heavy = {'torch', 'transformers', 'peft', 'bitsandbytes'} & set(sys.modules); print(sorted(heavy))"
     )
@@ -136,7 +136,7 @@ def _fake_liger(monkeypatch: pytest.MonkeyPatch, apply: Any) -> None:
     """Stand in for liger-kernel (not installed here) with ``apply`` as its instance entry point."""
     import types
 
-    import xpukit.loading.liger as liger
+    import xpukit.loading.training.liger as liger
 
     package = types.ModuleType("liger_kernel")
     transformers_module = types.ModuleType("liger_kernel.transformers")
@@ -154,7 +154,7 @@ def test_liger_patches_the_instance_only(monkeypatch: pytest.MonkeyPatch, tiny_m
     from transformers import AutoModelForCausalLM
     from transformers.models.qwen3 import modeling_qwen3
 
-    from xpukit.loading.liger import apply_liger
+    from xpukit.loading.training.liger import apply_liger
 
     calls: list[dict[str, Any]] = []
 
@@ -178,7 +178,7 @@ def test_liger_patches_the_instance_only(monkeypatch: pytest.MonkeyPatch, tiny_m
 def test_liger_failure_is_a_recorded_fallback(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.liger import apply_liger
+    from xpukit.loading.training.liger import apply_liger
 
     def apply(*, model: Any, **kwargs: Any) -> None:
         raise RuntimeError("Triton compilation failed")

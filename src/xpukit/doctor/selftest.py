@@ -121,7 +121,7 @@ def _decode_check(torch: Any, name: str, backend: str) -> str:
     """
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from xpukit.loading.decode_loop import install_decode_loop
+    from xpukit.loading.decode.loop import install_decode_loop
     from xpukit.planning.device.decode import compile_settings
 
     config = Qwen3Config(

@@ -241,7 +241,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                 raise
             events += [LoadEvent(kind="applied", what="lora", actual=note) for note in notes]
     if plan.decode is not None:
-        from xpukit.loading.decode import apply_fast_decode, warm_up
+        from xpukit.loading.decode.fast_decode import apply_fast_decode, warm_up
 
         events += apply_fast_decode(model, plan)
         if warmup:

@@ -75,10 +75,10 @@ def apply_lora(
         quantized: the model's linear layers are 4/8-bit (bitsandbytes).
         device: the device the model is on.
         fused: for new adapters, route the 4-bit LoRA projections through the fused autograd
-            functions (:func:`xpukit.loading.fused_lora.apply_fused_lora`); what cannot be fused keeps
+            functions (:func:`xpukit.loading.training.fused_lora.apply_fused_lora`); what cannot be fused keeps
             peft's path and is recorded in the notes.
         graphs: for new adapters, CUDA graphs of the decoder layers
-            (:func:`xpukit.loading.layer_graphs.install_layer_graphs`), after the fused path.
+            (:func:`xpukit.loading.training.layer_graphs.install_layer_graphs`), after the fused path.
         fused_insist: with ``fused``, refuse (``InvalidRequestError``) when not every decoder block
             can be fused (``lora={"fused": True}``).
 
@@ -158,16 +158,16 @@ def _new_adapters(
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         notes.append("gradient checkpointing on (use_reentrant=False; input embeddings require grad)")
     if request.gradient_checkpointing == "offload":
-        from xpukit.loading.offload import offload_saved_activations
+        from xpukit.loading.training.offload import offload_saved_activations
 
         notes.append(offload_saved_activations(model, device))
-    from xpukit.loading.liger import apply_liger
+    from xpukit.loading.training.liger import apply_liger
 
     notes += apply_liger(model, device, wanted=request.liger, given=request.liger_given)
     if request.loss == "chunked":
         notes.append(_chunked_loss(model))
     if fused and request.liger is False and not request.liger_given:
-        from xpukit.loading.liger import apply_liger_norms
+        from xpukit.loading.training.liger import apply_liger_norms
 
         notes += apply_liger_norms(model, device)  # speed, not memory: docstring there
     try:
@@ -184,15 +184,15 @@ def _new_adapters(
             f"gradients ({changed} cast); frozen base weights stay float16"
         )
     if fused:
-        from xpukit.loading.fused_lora import apply_fused_lora
+        from xpukit.loading.training.fused_lora import apply_fused_lora
 
         # liger's SwiGLU inside the fused MLP is a speed choice, not the plan's memory saver: only the
         # user's own lora={"liger": False} keeps it out.
         no_liger = request.liger_given and request.liger is False
         notes += apply_fused_lora(peft_model, insist=insist, liger=False if no_liger else None)
     if graphs:
-        from xpukit.loading.fused_lora import fused_everywhere
-        from xpukit.loading.layer_graphs import install_layer_graphs
+        from xpukit.loading.training.fused_lora import fused_everywhere
+        from xpukit.loading.training.layer_graphs import install_layer_graphs
 
         if fused and fused_everywhere(peft_model):
             notes.append(install_layer_graphs(peft_model))
@@ -213,7 +213,7 @@ def _new_adapters(
 
 def _chunked_loss(model: Any) -> str:
     """xpukit's chunked cross-entropy on ``model``, or the note that the plain loss stays."""
-    from xpukit.loading.chunked_loss import apply_chunked_loss
+    from xpukit.loading.training.chunked_loss import apply_chunked_loss
 
     try:
         return apply_chunked_loss(model)

@@ -3,7 +3,7 @@
 Pure: the device, dtype, quantization, placement and the headroom's KV budget decide; nothing is read.
 The rules and the measurements behind them are in docs/decode.md "Rules"; transformers' own
 mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`` and
-``compile_config``) does the work, :mod:`xpukit.loading.decode` sets it on the loaded model.
+``compile_config``) does the work, :mod:`xpukit.loading.decode.fast_decode` sets it on the loaded model.
 
 * The static cache holds ``max_cache_len`` tokens per sequence: the KV part of the headroom
   (headroom minus its weight share and runtime reserve, docs/planning.md) divided by the KV bytes of

@@ -55,7 +55,7 @@ LORA_STATE_BYTES = 16
 # The order savers are tried in (fastest first); each set includes the ones before it.
 GC_OPTIONS: tuple[bool | str, ...] = (False, True, "offload")
 
-# Device types on which Triton, and so liger-kernel, runs (xpukit.loading.liger.TRITON_BACKENDS).
+# Device types on which Triton, and so liger-kernel, runs (xpukit.loading.training.liger.TRITON_BACKENDS).
 _TRITON_BACKENDS = ("cuda", "xpu")
 
 

@@ -1,6 +1,6 @@
 """Whether new LoRA adapters on a 4-bit base train through xpukit's fused path (pure).
 
-The fused path (``loading/fused_lora.py``, docs/planning.md "Fused LoRA") computes a decoder
+The fused path (``loading/training/fused_lora.py``, docs/planning.md "Fused LoRA") computes a decoder
 block's projections together with their adapters: each 4-bit weight dequantised once in forward and
 once in backward, the LoRA term added in place. It expresses exactly one shape of adapter: plain LoRA
 (no dropout, no DoRA, no bias adapters) on all seven projections of a block whose attention has
@@ -37,7 +37,7 @@ __all__ = [
 # The projections of a block the fused path computes (attention, then MLP).
 FUSED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Model types whose MLP is exactly down(silu(gate(x)) * up(x)) (their transformers modeling files);
-# loading checks the activation again on the module (loading/fused_lora.py).
+# loading checks the activation again on the module (loading/training/fused_lora.py).
 SWIGLU_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 SILU_NAMES = ("silu", "swish")
 
@@ -141,7 +141,7 @@ def decide_fused(
         return Decision(
             name="fused_lora", value=True, source="user",
             reason="lora={'fused': True} given: each block's 4-bit projections and adapters in fused "
-            "autograd functions (loading/fused_lora.py)",
+            "autograd functions (loading/training/fused_lora.py)",
         )  # fmt: skip
     if backend not in _AUTO_BACKENDS:
         return Decision(

@@ -1,13 +1,13 @@
 """Whether the decoder layers of a LoRA training run as CUDA graphs (pure).
 
-:mod:`xpukit.loading.layer_graphs` captures each decoder layer's forward and backward as CUDA graphs
+:mod:`xpukit.loading.training.layer_graphs` captures each decoder layer's forward and backward as CUDA graphs
 and replays them, which takes the host's Python out of a step that is bound by the host (H200,
 Qwen3-8B shape, 4-bit + fused LoRA, 4 × 512 tokens: 4 995 → 10 272 tokens/s, docs/benchmarks.md).
 It is on where that was measured: CUDA, the fused 4-bit LoRA path on whole blocks (attention and
 MLP; a model whose MLP keeps peft's modules does not qualify), no gradient checkpointing (a
 checkpointed layer recomputes inside backward, which the graphs do not capture).
 It is off in a launched job of several processes: DDP and FSDP hook each parameter's gradient
-accumulator, and the capture's stand-in parameters (loading/layer_graphs.py) bypass those.
+accumulator, and the capture's stand-in parameters (loading/training/layer_graphs.py) bypass those.
 ``lora={"graphs": False}`` turns it off, ``lora={"graphs": True}`` insists (refused where it cannot
 run). docs/training.md "CUDA graphs of the decoder layers" has the rules.
 """

@@ -19,7 +19,7 @@ every call that the adapter is still plain (one active adapter, not disabled, no
 LoRA modules in place) and otherwise calls the forward it replaced, so ``disable_adapter()``,
 ``merge_and_unload()`` and ``generate`` keep working.
 
-liger-kernel (applied before peft, :mod:`xpukit.loading.liger`) patches the MLP's ``forward`` with
+liger-kernel (applied before peft, :mod:`xpukit.loading.training.liger`) patches the MLP's ``forward`` with
 its SwiGLU; the fused MLP replaces that forward (the same arithmetic, with the adapters inside), so
 on a fused MLP the fused path wins. liger's RMSNorm and fused linear cross-entropy are untouched.
 """

@@ -1,7 +1,7 @@
 """xpukit's decode loop: static cache, one prefill, then one (compiled) step per token, no host sync.
 
 Reached through the model's own ``generate()`` (:func:`install_decode_loop` wraps it on the
-instance); :func:`xpukit.loading.decode_request.triage` decides per call whether this loop serves
+instance); :func:`xpukit.loading.decode.request.triage` decides per call whether this loop serves
 it, else transformers' ``generate`` runs unchanged. Which one ran is ``model.xpukit_last_decode``
 (docs/decode.md "How the loop works").
 
@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from xpukit.errors import InvalidRequestError
-from xpukit.loading import compile_cache
-from xpukit.loading.decode_request import DecodeRequest, triage
-from xpukit.loading.decode_step import choose, decode_step
+from xpukit.loading.decode import compile_cache
+from xpukit.loading.decode.request import DecodeRequest, triage
+from xpukit.loading.decode.step import choose, decode_step
 
 __all__ = ["CHECK_EVERY", "DecodeLoop", "install_decode_loop"]
 
@@ -357,7 +357,7 @@ def install_decode_loop(
 ) -> DecodeLoop:
     """Give ``model`` xpukit's decode loop behind its own ``generate`` (on this instance only).
 
-    ``model.generate(...)`` then asks :func:`~xpukit.loading.decode_request.triage` per call;
+    ``model.generate(...)`` then asks :func:`~xpukit.loading.decode.request.triage` per call;
     ``model.xpukit_decode_loop`` is the loop, ``model.xpukit_last_decode`` says which loop ran last.
     """
     import functools

@@ -1,6 +1,6 @@
 """Which loop serves a ``generate()`` call: xpukit's decode loop, or transformers' own.
 
-xpukit's loop (:mod:`xpukit.loading.decode_loop`) serves the common cases only: a decoder-only model,
+xpukit's loop (:mod:`xpukit.loading.decode.loop`) serves the common cases only: a decoder-only model,
 ``input_ids`` with an optional ``attention_mask`` (left padding), greedy or plain sampling with
 ``temperature`` / ``top_k`` / ``top_p``, EOS (one id or several), ``max_new_tokens`` / ``max_length``
 and ``min_new_tokens`` / ``min_length``. Every other argument, and every generation-config field

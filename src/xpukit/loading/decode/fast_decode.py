@@ -1,7 +1,7 @@
 """Carrying out ``fast_decode=True``: xpukit's decode loop, the generation config, and the warm-up.
 
 With a static cache planned, the model's ``generate`` is served by xpukit's decode loop
-(:mod:`xpukit.loading.decode_loop`) for the common cases; every other call goes to transformers'
+(:mod:`xpukit.loading.decode.loop`) for the common cases; every other call goes to transformers'
 ``generate``, which gets what :func:`xpukit.planning.device.decode.plan_decode` decided through
 ``model.generation_config`` (``pipeline()`` copies that config) (docs/decode.md "How it works"):
 
@@ -82,7 +82,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     else:
         config.disable_compile = True
         settings["disable_compile"] = True
-    from xpukit.loading.decode_loop import install_decode_loop
+    from xpukit.loading.decode.loop import install_decode_loop
 
     options = compile_settings(decode.compile_mode) if decode.compile and decode.compile_mode else None
     install_decode_loop(target, max_cache_len=int(decode.max_cache_len or 0), compile_options=options)
@@ -101,7 +101,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
 
 def _grouped_attention(model: Any) -> LoadEvent:
     """xpukit's grouped decode attention on ``model``, or the reason it keeps its own."""
-    from xpukit.loading.decode_attention import NAME, use_grouped_decode_attention
+    from xpukit.loading.decode.attention import NAME, use_grouped_decode_attention
 
     note = use_grouped_decode_attention(model)
     if note is not None:

@@ -1,6 +1,6 @@
 """The decode step of xpukit's loop: one token for every row, entirely on the device.
 
-:func:`decode_step` is what :class:`xpukit.loading.decode_loop.DecodeLoop` compiles (CUDA graphs on
+:func:`decode_step` is what :class:`xpukit.loading.decode.loop.DecodeLoop` compiles (CUDA graphs on
 CUDA): it reads and writes only fixed buffers, so one call is one graph replay, and nothing in it
 waits for the host. :func:`choose` applies transformers' processors in transformers' order
 (minimum-length EOS suppression, temperature, top-k, top-p) and draws on the device

@@ -251,3 +251,41 @@ def test_type_only_imports_are_read(tmp_path: Path) -> None:
         encoding="utf-8",
     )
     assert _imports(fake) == [(3, "xpukit.planning.loadplan")]
+
+
+# Sub-wings of loading: the training-speed code and the decode code are side by side; neither
+# imports the other, and neither imports the top of loading (load.py, lora.py) that calls them.
+LOADING_SUB_WINGS = ("xpukit.loading.training", "xpukit.loading.decode")
+LOADING_TOP = ("xpukit.loading.load", "xpukit.loading.lora")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in MODULES if _module_name(p).startswith(LOADING_SUB_WINGS)],
+    ids=_module_name,
+)
+def test_loading_sub_wings_stay_apart(path: Path) -> None:
+    importer = _module_name(path)
+    own = next(w for w in LOADING_SUB_WINGS if importer.startswith(w))
+    wrong = [
+        f"line {line}: {target}"
+        for line, target in _imports(path)
+        if (target.startswith(LOADING_SUB_WINGS) and not target.startswith(own))
+        or target.startswith(LOADING_TOP)
+    ]
+    assert wrong == [], f"{importer} imports a sibling sub-wing or the top of loading:\n" + "\n".join(wrong)
+
+
+def test_loading_has_its_sub_wings() -> None:
+    """The training-speed and decode modules live in their sub-wings, not loose in loading/."""
+    loose = {p.stem for p in (PACKAGE / "loading").glob("*.py")}
+    for moved in (
+        "fused_lora",
+        "layer_graphs",
+        "liger",
+        "chunked_loss",
+        "offload",
+        "decode_loop",
+        "compile_cache",
+    ):
+        assert moved not in loose, f"loading/{moved}.py belongs in a sub-wing (CONTRIBUTING.md)"

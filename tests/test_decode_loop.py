@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 
-from xpukit.loading.decode import compile_cache, decode_loop
+from xpukit.loading.decode import compile_cache
+from xpukit.loading.decode import loop as decode_loop
 from xpukit.loading.decode.loop import install_decode_loop
 
 PROMPTS = [

@@ -74,8 +74,8 @@ def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
 def test_grouped_attention_is_applied_and_recorded(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.decode.fast_decode import _grouped_attention
     from xpukit.loading.decode.attention import NAME
+    from xpukit.loading.decode.fast_decode import _grouped_attention
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, attn_implementation="sdpa")
     event = _grouped_attention(model)

@@ -129,7 +129,7 @@ def test_capture_on_the_second_call_then_replays(monkeypatch: pytest.MonkeyPatch
 
 def test_stand_in_parameters_route_their_gradients_to_the_real_ones() -> None:
     torch = pytest.importorskip("torch")
-    from xpukit.loading import layer_graphs
+    from xpukit.loading.training import layer_graphs
 
     layer = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
     layer[0].bias.requires_grad_(False)

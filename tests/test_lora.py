@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from xpukit.errors import InvalidRequestError, MissingExtraError
-from xpukit.loading.training.liger import decide_liger
 from xpukit.loading.lora import apply_lora
+from xpukit.loading.training.liger import decide_liger
 from xpukit.machine.profiles import device_profile
 from xpukit.planning.training.lora_request import DEFAULT_LORA, LoraRequest, resolve_lora
 

@@ -22,7 +22,7 @@ def _cuda() -> Any:
 
 def test_saved_tensors_wait_pinned_on_the_host() -> None:
     torch = _cuda()
-    from xpukit.loading import offload
+    from xpukit.loading.training import offload
 
     seen: list[Any] = []
     pack, unpack = offload._hooks(pin=True)
@@ -47,7 +47,7 @@ def test_saved_tensors_wait_pinned_on_the_host() -> None:
 def test_offloaded_checkpointing_trains_as_checkpointing(tiny_model: Any, monkeypatch: Any) -> None:
     torch = _cuda()
     from xpukit import load_for_xpu
-    from xpukit.loading import offload
+    from xpukit.loading.training import offload
 
     monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the tiny model's layer inputs are small
     grads = []

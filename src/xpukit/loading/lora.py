@@ -75,8 +75,8 @@ def apply_lora(
         quantized: the model's linear layers are 4/8-bit (bitsandbytes).
         device: the device the model is on.
         fused: for new adapters, route the 4-bit LoRA projections through the fused autograd
-            functions (:func:`xpukit.loading.training.fused_lora.apply_fused_lora`); what cannot be fused keeps
-            peft's path and is recorded in the notes.
+            functions (:func:`xpukit.loading.training.fused_lora.apply_fused_lora`); what cannot be
+            fused keeps peft's path and is recorded in the notes.
         graphs: for new adapters, CUDA graphs of the decoder layers
             (:func:`xpukit.loading.training.layer_graphs.install_layer_graphs`), after the fused path.
         fused_insist: with ``fused``, refuse (``InvalidRequestError``) when not every decoder block

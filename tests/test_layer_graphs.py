@@ -1,4 +1,4 @@
-"""CUDA graphs of the decoder layers: the decision (pure) and the wrappers' eager path (CPU)."""
+"""Graphs of the decoder layers: the decision (pure), the wrappers' state machine and eager path (CPU)."""
 
 from __future__ import annotations
 
@@ -23,13 +23,31 @@ def test_on_for_cuda_fused_qlora_without_checkpointing() -> None:
     assert plan.decision("fused_lora").value is True
     assert plan.training is not None and plan.training.gradient_checkpointing is False
     graphs = _decision(plan)
-    assert graphs.value is True and graphs.source == "auto" and "CUDA graphs" in graphs.reason
+    assert graphs.value is True and graphs.source == "auto"
+    assert "torch.cuda.make_graphed_callables" in graphs.reason and "13 043" in graphs.reason
+
+
+def test_on_for_intel_gpus_with_a_torch_that_has_xpu_graphs() -> None:
+    from dataclasses import replace
+
+    from xpukit.machine.profiles import machine_profile
+
+    args: dict[str, Any] = {"quantize": "4bit", "lora": True, "batch_size": 4, "seq_len": 512}
+    plan = plan_load(reference_config("qwen3-8b"), facts="max-1550", **args)
+    graphs = _decision(plan)
+    assert graphs.value is True and "torch.xpu.make_graphed_callables" in graphs.reason
+    assert "not yet run on an Intel GPU" in graphs.reason and "doctor --selftest" in graphs.reason
+    old = replace(machine_profile("max-1550"), torch_version="2.10.0+xpu")
+    graphs = _decision(plan_load(reference_config("qwen3-8b"), facts=old, **args))
+    assert graphs.value is False and "need torch >= 2.11" in graphs.reason and "2.10.0+xpu" in graphs.reason
+    with pytest.raises(InvalidRequestError, match=r"graphs': True.*need torch >= 2.11.*Fix"):
+        plan_load(reference_config("qwen3-8b"), facts=old, **(args | {"lora": {"graphs": True}}))
 
 
 @pytest.mark.parametrize(
     ("kwargs", "why"),
     [
-        ({"facts": "max-1550"}, "need CUDA"),
+        ({"facts": "cpu"}, "need CUDA or an Intel GPU"),
         ({"lora": {"fused": False}}, "fused 4-bit LoRA path"),
         ({"lora": {"gradient_checkpointing": True}}, "recomputes"),
     ],
@@ -53,8 +71,8 @@ def test_the_user_turns_it_off_or_insists() -> None:
     assert (off.value, off.source) == (False, "user") and "'graphs': False" in off.reason
     on = _decision(plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, **args))
     assert (on.value, on.source) == (True, "user") and "'graphs': True} given" in on.reason
-    with pytest.raises(InvalidRequestError, match=r"graphs': True.*need CUDA.*Fix"):
-        plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, **(args | {"facts": "max-1550"}))
+    with pytest.raises(InvalidRequestError, match=r"graphs': True.*need CUDA or an Intel GPU.*Fix"):
+        plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, **(args | {"facts": "cpu"}))
     with pytest.raises(InvalidRequestError, match="must be True or False"):
         resolve_lora({"graphs": "yes"}, quantized=True)
 
@@ -73,7 +91,7 @@ def test_wrapped_layers_run_eagerly_off_cuda_and_give_the_same_result(tiny_model
     for wrapped in (False, True):
         model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
         if wrapped:
-            assert "CUDA graphs of the" in install_layer_graphs(model)
+            assert "graphs of the 2 decoder layers" in install_layer_graphs(model)
         model.train()
         for _ in range(2):  # the second call of a shape is where CUDA would capture
             loss = model(input_ids=ids, labels=ids).loss
@@ -82,7 +100,7 @@ def test_wrapped_layers_run_eagerly_off_cuda_and_give_the_same_result(tiny_model
         if wrapped:
             graphs = model.xpukit_layer_graphs
             assert graphs.stats["eager"] == 2 and graphs.stats["graphed"] == 0 and graphs.key is None
-            assert graphs.eager_reasons == {"not a CUDA call with position embeddings": 2}
+            assert graphs.eager_reasons == {"not a CUDA/XPU call with position embeddings": 2}
             with torch.no_grad():
                 model(input_ids=ids)
             assert graphs.eager_reasons["no grad or eval mode"] == 1
@@ -93,38 +111,122 @@ def test_wrapped_layers_run_eagerly_off_cuda_and_give_the_same_result(tiny_model
     assert not any(".layer." in name for name in state)  # module names unchanged: adapters save as before
 
 
-def test_capture_on_the_second_call_then_replays(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The state machine on the CPU, with the capture faked: first call eager, second captures."""
-    torch = pytest.importorskip("torch")
+def _faked(monkeypatch: pytest.MonkeyPatch, layers: list[Any]) -> tuple[Any, list[tuple[Any, ...]]]:
+    """A LayerGraphs over plain layers whose capture is faked (CPU): replays are recorded."""
     from xpukit.loading.training.layer_graphs import LayerGraphs
 
-    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
     graphs = LayerGraphs(layers)
     graphs.forwards = [lambda h, *a, layer=layer, **k: layer(h) for layer in layers]
     monkeypatch.setattr(graphs, "_why_eager", lambda *a: None)  # as if on CUDA
-    replays: list[int] = []
+    replays: list[tuple[Any, ...]] = []
 
-    def fake_capture(hidden: Any, rotary: Any, key: Any) -> None:
-        graphs._runs = [lambda h, c, s, i=i: replays.append(i) or layers[i](h) for i in range(3)]
-        graphs.key = key
+    def fake_capture(hidden: Any, mask: Any, rotary: Any, key: Any) -> None:
+        def run(h: Any, c: Any, s: Any, *masks: Any, key: Any = key) -> Any:
+            replays.append(key)
+            for layer in layers:
+                h = layer(h)
+            return h
+
+        graphs._graphs[key] = run
         graphs.stats["captures"] += 1
 
     monkeypatch.setattr(graphs, "_capture", fake_capture)
+    return graphs, replays
+
+
+def test_first_call_eager_then_each_shape_captured_and_replayed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state machine on the CPU, with the capture faked: the first training call runs eagerly,
+    then each new shape (input and mask) is captured on first sight and replayed after."""
+    torch = pytest.importorskip("torch")
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    graphs, replays = _faked(monkeypatch, layers)
     rotary = (torch.zeros(1), torch.zeros(1))
 
-    def step(rows: int = 2) -> None:
-        h = torch.randn(rows, 4)
+    def step(rows: int = 2, mask: Any = None) -> Any:
+        h = x = torch.randn(rows, 4)
         for i in range(3):
-            h = graphs.forward(i, h, attention_mask=None, position_embeddings=rotary)
+            h = graphs.forward(i, h, attention_mask=mask, position_embeddings=rotary)
         h.sum().backward()
+        return x, h
 
     step()
-    assert graphs.eager_reasons == {"first call of this shape (captured on the next)": 1} and not replays
+    assert graphs.eager_reasons == {
+        "first training call (warms lazily built state; shapes are captured from the next)": 1
+    }
+    assert not replays
+    x, out = step()
     step()
-    step()
-    assert graphs.stats["captures"] == 1 and graphs.stats["graphed"] == 2 and replays == [0, 1, 2] * 2
-    step(rows=3)  # another shape: eager
-    assert graphs.eager_reasons["another shape, dtype or autocast state than the captured one"] == 1
+    assert graphs.stats["captures"] == 1 and graphs.stats["graphed"] == 2 and len(replays) == 2
+    torch.testing.assert_close(out, layers[2](layers[1](layers[0](x))))  # layers 1, 2 pass it on
+    step(rows=3)  # another shape: captured at once, then replayed
+    step(rows=3)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    step(rows=3, mask=mask)  # the same input shape with a mask: a shape of its own
+    assert graphs.stats["captures"] == 3 and graphs.stats["graphed"] == 5 and len(graphs.keys) == 3
+    assert graphs.keys[2][-1] == ((1, 1, 3, 3), torch.bool)
+
+
+def test_shapes_beyond_the_bound_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+    graphs, replays = _faked(monkeypatch, layers)
+    graphs.max_shapes = 2
+    rotary = (torch.zeros(1), torch.zeros(1))
+    for rows in (1, 1, 2, 3, 3, 1):
+        h = torch.randn(rows, 4)
+        for i in range(2):
+            h = graphs.forward(i, h, attention_mask=None, position_embeddings=rotary)
+        h.sum().backward()
+    assert graphs.stats["captures"] == 2 and graphs.eager_reasons["a shape beyond the 2 captured"] == 2
+    assert graphs.stats["graphed"] == 3 and len(replays) == 3
+
+
+def test_a_forward_before_the_previous_backward_runs_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from xpukit.loading.training.layer_graphs import LayerGraphs
+
+    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+    graphs, _ = _faked(monkeypatch, layers)
+    monkeypatch.setattr(graphs, "_why_eager", lambda *a: LayerGraphs._why_eager(graphs, *a))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")), raising=False)
+    rotary = (torch.zeros(1), torch.zeros(1))
+
+    def forward() -> Any:
+        h = torch.randn(2, 4)
+        for i in range(2):
+            h = graphs.forward(i, h, attention_mask=None, position_embeddings=rotary)
+        return h
+
+    for layer in layers:
+        layer.train()
+    forward().sum().backward()  # eager: the first training call
+    kept = forward()  # graphed, its backward not run yet
+    forward()  # must not reuse the graph's buffers while `kept` is alive
+    assert graphs.eager_reasons["a forward before the previous one's backward"] == 1
+    kept.sum().backward()
+    forward().sum().backward()
+    assert graphs.stats["graphed"] == 2
+
+
+def test_layers_of_several_attention_kinds_and_position_reading_kernels_run_eagerly(
+    tiny_model: Path,
+) -> None:
+    torch = pytest.importorskip("torch")
+    from xpukit.loading.training.layer_graphs import LayerGraphs
+
+    layers = [torch.nn.Linear(4, 4)]
+    hidden = torch.randn(2, 4)
+    rotary = (torch.zeros(1), torch.zeros(1))
+    sliding = LayerGraphs(layers, mask_kinds=2)
+    flash = LayerGraphs(layers, attention="flash_attention_2")
+    for graphs in (sliding, flash):
+        graphs._why_eager = graphs._why_eager  # the real rule
+    cuda = type("H", (), {"device": torch.device("cuda"), "shape": (2, 4)})()
+    assert "several attention kinds" in (sliding._why_eager(cuda, None, None, rotary, {}) or "")
+    assert "flash_attention_2" in (flash._why_eager(cuda, None, None, rotary, {}) or "")
+    assert LayerGraphs(layers)._why_eager(hidden, None, None, rotary, {}) == (
+        "not a CUDA/XPU call with position embeddings"
+    )
 
 
 def test_stand_in_parameters_route_their_gradients_to_the_real_ones() -> None:

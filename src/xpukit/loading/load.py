@@ -225,6 +225,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                 else:
                     fused = next((d for d in plan.decisions if d.name == "fused_lora"), None)
                     graphs = next((d for d in plan.decisions if d.name == "layer_graphs"), None)
+                    packing = next((d for d in plan.decisions if d.name == "packing"), None)
                     model, notes = apply_lora(
                         model,
                         plan.lora,
@@ -234,6 +235,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                         fused=bool(fused is not None and fused.value),
                         fused_insist=fused is not None and fused.source == "user" and bool(fused.value),
                         graphs=bool(graphs is not None and graphs.value),
+                        packing=int(packing.value) if packing is not None and packing.value else None,
                     )
             except XpukitError as exc:
                 del model  # the error (and its traceback's frames) must not keep the weights alive

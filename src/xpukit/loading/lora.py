@@ -59,6 +59,7 @@ def apply_lora(
     fused: bool = False,
     fused_insist: bool = False,
     graphs: bool = False,
+    packing: int | None = None,
 ) -> tuple[Any, list[str]]:
     """Carry out a :class:`LoraRequest` on a loaded model.
 
@@ -79,6 +80,9 @@ def apply_lora(
             fused keeps peft's path and is recorded in the notes.
         graphs: for new adapters, CUDA graphs of the decoder layers
             (:func:`xpukit.loading.training.layer_graphs.install_layer_graphs`), after the fused path.
+        packing: for new adapters, run padded training batches as one row of their real tokens,
+            padded to a multiple of this many tokens
+            (:func:`xpukit.loading.training.packing.install_packing`); ``None``: batches run as given.
         fused_insist: with ``fused``, refuse (``InvalidRequestError``) when not every decoder block
             can be fused (``lora={"fused": True}``).
 
@@ -103,7 +107,7 @@ def apply_lora(
         return _load_adapter(model, request)
     return _new_adapters(
         model, request, dtype=dtype, quantized=quantized, device=device, fused=fused, insist=fused_insist,
-        graphs=graphs,
+        graphs=graphs, packing=packing,
     )  # fmt: skip
 
 
@@ -131,6 +135,7 @@ def _new_adapters(
     fused: bool = False,
     graphs: bool = False,
     insist: bool = False,
+    packing: int | None = None,
 ) -> tuple[Any, list[str]]:
     import torch
     from peft import get_peft_model
@@ -201,6 +206,10 @@ def _new_adapters(
                 "CUDA graphs of the decoder layers: not installed (not every block runs the fused path, "
                 "where they were measured)"
             )
+    if packing is not None:
+        from xpukit.loading.training.packing import install_packing
+
+        notes.append(install_packing(peft_model, bucket=packing))
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     notes.append(

@@ -45,6 +45,7 @@ from xpukit.planning.training.fused import decide_fused, fused_will_run
 from xpukit.planning.training.graphs import decide_layer_graphs
 from xpukit.planning.training.lora_request import fit_lora_to_class
 from xpukit.planning.training.merge import parse_merge, plan_merge, replace_plan
+from xpukit.planning.training.packing import decide_packing
 from xpukit.planning.vocabulary import Decision
 
 __all__ = ["plan_load"]
@@ -275,9 +276,12 @@ def plan_load(
     whole = fused_will_run(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
     world = machine.launch.world_size if machine.launch is not None else 1
     graphs = decide_layer_graphs(
-        lora_request, fused=whole, training=training, backend=main.backend, world_size=world
-    )
+        lora_request, fused=whole, training=training, backend=main.backend, world_size=world,
+        torch_version=machine.torch_version,
+    )  # fmt: skip
     decisions += [graphs] if graphs is not None else []
+    packing = decide_packing(lora_request, mfacts, graphs=bool(graphs is not None and graphs.value))
+    decisions += [packing] if packing is not None else []
     new_adapters = lora_request is not None and lora_request.kind == "new"
     if seed is not None or new_adapters:
         decisions.append(seed_decision(seed, new_adapters=new_adapters))

@@ -1,21 +1,28 @@
-"""CUDA graphs of the decoder layers for LoRA training: the host's Python leaves the training step.
+"""Device graphs of the decoder layers for LoRA training: the host's Python leaves the training step.
 
 A 4-bit LoRA step of 2 048 tokens on an 8B model is bound by the host, not the device: on an H200
 the device was busy 31 % of the step (docs/benchmarks.md, QLoRA section), the rest is Python
 launching some 6 000 kernels one by one (autograd, peft, the fused functions, Triton's launcher).
-:func:`install_layer_graphs` captures every decoder layer's forward and backward as CUDA graphs
-(``torch.cuda.make_graphed_callables``, all layers in one call so they share one memory pool) and
+:func:`install_layer_graphs` captures the decoder layers' forward and backward as graphs
+(``torch.cuda.make_graphed_callables``; ``torch.xpu.make_graphed_callables`` on Intel GPUs) and
 replays them; the step then costs what the device needs (4 995 → 13 043 tokens/s, measured there).
 
 How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
 
 * Each layer's ``forward`` is wrapped on the instance (module names, saved adapters and merging are
-  unchanged). A model call replays the graphs only when it matches the captured one: grad enabled,
-  training mode, no attention mask (unpadded sequences: SDPA runs causal), no filled KV cache, the
-  same input shape, dtype, autocast state and ``requires_grad``. Anything else (evaluation,
-  ``generate``, padded batches, another shape) runs the layers eagerly, counted in :attr:`stats`.
-* The graphs capture the second call of one shape (the first runs eagerly and warms the kernels'
-  autotuning); one shape is kept, so the graphs' memory is one step's activations, as eagerly.
+  unchanged). The whole stack of layers is one captured callable: layer 0 replays it and returns the
+  last layer's output, the other layers pass that through. A model call replays a graph only when
+  it matches a captured one: grad enabled, training mode, no filled KV cache, SDPA or eager attention
+  with one mask for every layer (a 4-D mask tensor is a graph input, so padded and packed batches
+  replay too), the same input shape, mask shape, dtype, autocast state and ``requires_grad``.
+  Anything else (evaluation, ``generate``, attention kernels that read the positions) runs eagerly,
+  counted in :attr:`LayerGraphs.stats`.
+* Several shapes are kept (the buckets of packed rows, ``planning/training/packing.py``), up to
+  ``max_shapes``, all captured into one memory pool: passes never overlap (below), so a capture
+  reuses the activations' memory of the others and the pool stays about one step's activations,
+  plus each shape's input and output buffers. The first training call runs eagerly (it warms
+  lazily built state); a new shape after it is captured on first sight (the capture runs three
+  warm-up passes first, where the kernels' autotuning happens).
 * The capture runs on stand-in parameters: every trainable parameter of the layers is swapped, for
   the capture only, for a new leaf sharing its storage, and the gradients the graphs give those
   leaves are added to the real parameters' ``.grad`` (a post-accumulate hook). An autograd graph of
@@ -40,33 +47,54 @@ import weakref
 from collections import Counter
 from typing import Any
 
-__all__ = ["LayerGraphs", "install_layer_graphs"]
+__all__ = ["GRAPH_BACKENDS", "MAX_SHAPES", "LayerGraphs", "install_layer_graphs"]
 
 logger = logging.getLogger(__name__)
 
+# Device types whose torch module has make_graphed_callables and graph_pool_handle.
+GRAPH_BACKENDS = ("cuda", "xpu")
+# Shapes captured per model at most; a further shape runs eagerly.
+MAX_SHAPES = 8
+# Attention implementations that take everything they need from the mask and the rotary tensors.
+_MASK_ATTENTION = ("sdpa", "eager")
+
 
 class LayerGraphs:
-    """The decoder layers of one model and their CUDA graphs (one captured shape).
+    """The decoder layers of one model and their graphs (one per captured shape).
 
     Attributes:
         stats: passes run as graphs (``graphed``), eagerly (``eager``), and ``captures``.
         eager_reasons: why passes ran eagerly, counted.
         failed: why capturing failed (graphs are then off for this model), else ``None``.
-        key: the captured call's shape, dtype, autocast state and input ``requires_grad``.
+        keys: the captured calls' shapes, dtypes, autocast states and input ``requires_grad``.
+        max_shapes: how many shapes are captured at most.
     """
 
-    def __init__(self, layers: list[Any]) -> None:
+    def __init__(self, layers: list[Any], *, attention: str = "sdpa", mask_kinds: int = 1) -> None:
         self.layers = layers
         self.forwards = [layer.forward for layer in layers]
+        self.attention = attention
+        self.mask_kinds = mask_kinds
+        self.max_shapes = MAX_SHAPES
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
         self.failed: str | None = None
-        self.key: tuple[Any, ...] | None = None
-        self._runs: list[Any] | None = None
-        self._seen: tuple[Any, ...] | None = None
+        self._graphs: dict[tuple[Any, ...], Any] = {}
+        self._pool: Any = None
+        self._key: tuple[Any, ...] | None = None
+        self._warm = False
         self._active = False
         self._pending = False
         self._last_out: Any = None
+
+    @property
+    def keys(self) -> list[tuple[Any, ...]]:
+        return list(self._graphs)
+
+    @property
+    def key(self) -> tuple[Any, ...] | None:
+        """The first captured shape (``None`` before any capture)."""
+        return next(iter(self._graphs), None)
 
     # ---- one model call: decided at layer 0, followed by the others
     def _why_eager(
@@ -78,12 +106,16 @@ class LayerGraphs:
             return "capture failed"
         if not torch.is_grad_enabled() or not self.layers[0].training:
             return "no grad or eval mode"
-        if mask is not None:
-            return "an attention mask (padded batch)"
         if cache is not None and cache.get_seq_length() > 0:
             return "a filled KV cache"
-        if rotary is None or hidden.device.type != "cuda":
-            return "not a CUDA call with position embeddings"
+        if rotary is None or hidden.device.type not in GRAPH_BACKENDS:
+            return "not a CUDA/XPU call with position embeddings"
+        if self.attention not in _MASK_ATTENTION:
+            return f"attention {self.attention!r} reads per-call arguments the graphs do not carry"
+        if self.mask_kinds > 1:
+            return "layers of several attention kinds (sliding windows): one mask does not serve all"
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return f"an attention mask of type {type(mask).__name__}"
         if kwargs.get("output_attentions"):
             return "output_attentions"
         if getattr(self.layers[0], "gradient_checkpointing", False):
@@ -96,71 +128,77 @@ class LayerGraphs:
         """Whether the previous grad-enabled pass's autograd graph is still referenced."""
         return self._last_out is not None and self._last_out() is not None
 
-    def _call_key(self, hidden: Any) -> tuple[Any, ...]:
+    def _call_key(self, hidden: Any, mask: Any) -> tuple[Any, ...]:
         import torch
 
-        autocast = torch.is_autocast_enabled("cuda")
+        kind = hidden.device.type
+        autocast = torch.is_autocast_enabled(kind)
+        masked = None if mask is None else (tuple(mask.shape), mask.dtype)
         return (
             tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad, autocast,
-            torch.get_autocast_dtype("cuda") if autocast else None,
+            torch.get_autocast_dtype(kind) if autocast else None, masked,
         )  # fmt: skip
 
     def _start(self, hidden: Any, mask: Any, cache: Any, rotary: Any, kwargs: dict[str, Any]) -> None:
         why = self._why_eager(hidden, mask, cache, rotary, kwargs)
-        key = self._call_key(hidden) if why is None else None
-        if why is None and self._runs is None and key is not None:
-            if self._seen != key:
-                self._seen = key
-                why = "first call of this shape (captured on the next)"
+        key = self._call_key(hidden, mask) if why is None else None
+        if why is None and key is not None and key not in self._graphs:
+            if not self._warm:
+                self._warm = True
+                why = "first training call (warms lazily built state; shapes are captured from the next)"
+            elif len(self._graphs) >= self.max_shapes:
+                why = f"a shape beyond the {self.max_shapes} captured"
             else:
-                self._capture(hidden, rotary, key)
-                if self._runs is None:
+                self._capture(hidden, mask, rotary, key)
+                if key not in self._graphs:
                     why = "capture failed"
-        if why is None and key != self.key:
-            why = "another shape, dtype or autocast state than the captured one"
         self._active = why is None
         if why is not None:
             self.stats["eager"] += 1
             self.eager_reasons[why] += 1
         else:
+            self._key = key
             self.stats["graphed"] += 1
             self._pending = True
 
-    def _capture(self, hidden: Any, rotary: tuple[Any, Any], key: tuple[Any, ...]) -> None:
+    def _capture(self, hidden: Any, mask: Any, rotary: tuple[Any, Any], key: tuple[Any, ...]) -> None:
         import torch
 
+        kind = hidden.device.type
+        backend = getattr(torch, kind)
         cos, sin = (t.detach().clone() for t in rotary)
-        autocast = torch.is_autocast_enabled("cuda")
-        dtype = torch.get_autocast_dtype("cuda") if autocast else hidden.dtype
+        autocast = torch.is_autocast_enabled(kind)
+        dtype = torch.get_autocast_dtype(kind) if autocast else hidden.dtype
+        forwards = self.forwards
 
-        class Inner(torch.nn.Module):  # type: ignore[misc]
-            def __init__(self, layer: Any, forward: Any) -> None:
+        class Stack(torch.nn.Module):  # type: ignore[misc]
+            def __init__(self, layers: list[Any]) -> None:
                 super().__init__()
-                self.layer = layer  # its parameters are the graph's trainable inputs
-                self._forward = forward
+                self.layers = torch.nn.ModuleList(layers)  # their parameters are the graph's inputs
 
-            def forward(self, h: Any, c: Any, s: Any) -> Any:
-                return self._forward(h, attention_mask=None, position_embeddings=(c, s), use_cache=False)
+            def forward(self, h: Any, c: Any, s: Any, *masks: Any) -> Any:
+                m = masks[0] if masks else None
+                for fwd in forwards:
+                    h = fwd(h, attention_mask=m, position_embeddings=(c, s), use_cache=False)
+                return h
 
-        samples = tuple(
-            (torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
-             .requires_grad_(i > 0 or hidden.requires_grad), cos, sin)
-            for i in range(len(self.layers))
-        )  # fmt: skip
+        sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
+        samples = (sample.requires_grad_(hidden.requires_grad), cos, sin)
+        samples += () if mask is None else (mask.detach().clone(),)
+        if self._pool is None:
+            self._pool = backend.graph_pool_handle()
         swapped = _stand_ins(self.layers)
         try:
-            with torch.autocast("cuda", dtype=dtype, enabled=autocast, cache_enabled=False):
-                runs = torch.cuda.make_graphed_callables(
-                    tuple(Inner(layer, fwd) for layer, fwd in zip(self.layers, self.forwards, strict=True)),
-                    samples,
-                )
+            with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
+                run = backend.make_graphed_callables(Stack(self.layers), samples, pool=self._pool)
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             logger.warning(
-                "CUDA graphs of the decoder layers failed (%s); the layers run eagerly. After a failed "
-                "capture torch may leave CUDA's random generator in capture mode: if CUDA random ops "
+                "%s graphs of the decoder layers failed (%s); the layers run eagerly. After a failed "
+                "capture torch may leave the device's random generator in capture mode: if random ops "
                 "then fail ('Offset increment outside graph capture'), restart with "
                 "lora={'graphs': False}",
+                kind.upper(),
                 self.failed,
             )
             return
@@ -169,25 +207,29 @@ class LayerGraphs:
                 module._parameters[name] = real
         for _, _, real, stand_in in swapped:
             stand_in.register_post_accumulate_grad_hook(functools.partial(_add_to, real))
-        self._runs, self.key = list(runs), key
+        self._graphs[key] = run
         self.stats["captures"] += 1
 
     def forward(self, index: int, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-        """Layer ``index``'s forward: a graph replay when this call is graphed, else the layer's own."""
+        """Layer ``index``'s forward: at layer 0 the whole stack's replay when this call is graphed
+        (the other layers then pass its output on), else the layer's own forward."""
         mask = kwargs.get("attention_mask", args[0] if args else None)
         rotary = kwargs.get("position_embeddings")
         if index == 0:
             self._start(hidden_states, mask, kwargs.get("past_key_values"), rotary, kwargs)
-        if not self._active or mask is not None or self._runs is None or rotary is None:
+        if not self._active:
             out = self.forwards[index](hidden_states, *args, **kwargs)
             if index == len(self.layers) - 1 and getattr(out, "requires_grad", False):
                 self._remember(out)  # a pass with an autograd graph
             return out
-        out = self._runs[index](hidden_states, *rotary)
-        if index == 0 and out.requires_grad:
-            out.register_hook(self._backward_reached_first_layer)
-        if index == len(self.layers) - 1:
-            self._remember(out)
+        if index > 0:
+            return hidden_states  # already the last layer's output
+        cos, sin = rotary  # type: ignore[misc]  # set: this call is graphed
+        inputs = (hidden_states, cos, sin) + (() if mask is None else (mask,))
+        out = self._graphs[self._key](*inputs)  # type: ignore[index]
+        if out.requires_grad:
+            out.register_hook(self._backward_reached_the_stack)
+        self._remember(out)
         return out
 
     def _remember(self, out: Any) -> None:
@@ -195,7 +237,7 @@ class LayerGraphs:
         first = out[0] if isinstance(out, tuple) else out
         self._last_out = weakref.ref(first) if hasattr(first, "grad_fn") else None
 
-    def _backward_reached_first_layer(self, grad: Any) -> None:
+    def _backward_reached_the_stack(self, grad: Any) -> None:
         self._pending = False
 
 
@@ -226,18 +268,22 @@ def _add_to(real: Any, stand_in: Any) -> None:
 
 def install_layer_graphs(model: Any) -> str:
     """Wrap the decoder layers' ``forward`` of ``model`` (a PeftModel or transformers model) so that
-    matching training calls replay CUDA graphs; returns a note. ``model.xpukit_layer_graphs`` is the
-    :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs)."""
+    matching training calls replay device graphs; returns a note. ``model.xpukit_layer_graphs`` is
+    the :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
     if layers is None or not len(layers) or getattr(decoder, "rotary_emb", None) is None:
-        return "CUDA graphs of the decoder layers: not installed (no model.layers with rotary embeddings)"
-    graphs = LayerGraphs(list(layers))
+        return "graphs of the decoder layers: not installed (no model.layers with rotary embeddings)"
+    config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+    kinds = len(set(getattr(config, "layer_types", None) or ["full_attention"]))
+    attention = str(getattr(config, "_attn_implementation", None) or "sdpa")
+    graphs = LayerGraphs(list(layers), attention=attention, mask_kinds=kinds)
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(graphs.forward, index)
     model.xpukit_layer_graphs = graphs
     return (
-        f"CUDA graphs of the {len(layers)} decoder layers: forward and backward captured on the second "
-        "training call of one shape, replayed for matching calls (model.xpukit_layer_graphs.stats)"
+        f"graphs of the {len(layers)} decoder layers: forward and backward of the whole stack captured "
+        f"per training shape (up to {graphs.max_shapes}, one memory pool) from the second training "
+        "call, replayed for matching calls (model.xpukit_layer_graphs.stats)"
     )

@@ -1,11 +1,17 @@
-"""Whether the decoder layers of a LoRA training run as CUDA graphs (pure).
+"""Whether the decoder layers of a LoRA training run as device graphs (pure).
 
-:mod:`xpukit.loading.training.layer_graphs` captures each decoder layer's forward and backward as CUDA graphs
-and replays them, which takes the host's Python out of a step that is bound by the host (H200,
-Qwen3-8B shape, 4-bit + fused LoRA, 4 × 512 tokens: 4 995 → 10 272 tokens/s, docs/benchmarks.md).
-It is on where that was measured: CUDA, the fused 4-bit LoRA path on whole blocks (attention and
-MLP; a model whose MLP keeps peft's modules does not qualify), no gradient checkpointing (a
-checkpointed layer recomputes inside backward, which the graphs do not capture).
+:mod:`xpukit.loading.training.layer_graphs` captures the decoder layers' forward and backward as
+graphs and replays them, which takes the host's Python out of a step that is bound by the host
+(H200, Qwen3-8B shape, 4-bit + fused LoRA, 4 × 512 tokens: 4 995 → 10 272 tokens/s,
+docs/benchmarks.md). It is on where that was measured: CUDA, the fused 4-bit LoRA path on whole
+blocks (attention and MLP; a model whose MLP keeps peft's modules does not qualify), no gradient
+checkpointing (a checkpointed layer recomputes inside backward, which the graphs do not capture).
+
+On Intel GPUs the same capture runs through ``torch.xpu.make_graphed_callables`` (torch ≥ 2.11,
+docs/platform-notes.md "Graphs on Intel GPUs"); it is on there by the same rules, with the reason
+saying it was not run on an Intel GPU by this project (``xpukit doctor --selftest`` captures and
+replays one training layer so an owner can check). On an older torch it is off with that reason.
+
 It is off in a launched job of several processes: DDP and FSDP hook each parameter's gradient
 accumulator, and the capture's stand-in parameters (loading/training/layer_graphs.py) bypass those.
 ``lora={"graphs": False}`` turns it off, ``lora={"graphs": True}`` insists (refused where it cannot
@@ -23,22 +29,51 @@ if TYPE_CHECKING:
     from xpukit.planning.training.fit import TrainingPlan
     from xpukit.planning.training.lora_request import LoraRequest
 
-__all__ = ["decide_layer_graphs", "layer_graphs_problem"]
+__all__ = ["XPU_GRAPHS_TORCH", "decide_layer_graphs", "graph_api", "layer_graphs_problem"]
+
+# The first torch whose XPU build has torch.xpu.graph / make_graphed_callables.
+XPU_GRAPHS_TORCH = (2, 11)
+
+
+def _version(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    parts = text.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def graph_api(backend: str, torch_version: str | None) -> str | None:
+    """The graph API the layers would be captured with on ``backend`` (``None``: none there)."""
+    if backend == "cuda":
+        return "torch.cuda.make_graphed_callables"
+    version = _version(torch_version)
+    if backend == "xpu" and version is not None and version >= XPU_GRAPHS_TORCH:
+        return "torch.xpu.make_graphed_callables"
+    return None
 
 
 def layer_graphs_problem(
-    fused: bool, training: TrainingPlan | None, backend: str, world_size: int = 1
+    fused: bool,
+    training: TrainingPlan | None,
+    backend: str,
+    world_size: int = 1,
+    torch_version: str | None = None,
 ) -> str | None:
-    """Why the layers cannot run as CUDA graphs here (``None`` when they can)."""
+    """Why the layers cannot run as graphs here (``None`` when they can)."""
     if world_size > 1:
         return (
             f"a launched job of {world_size} processes: DDP and FSDP hook the parameters' gradient "
             "accumulators, which the graphs' stand-in parameters bypass"
         )
-    if backend != "cuda":
-        return (
-            f"CUDA graphs of the decoder layers need CUDA (torch.cuda.make_graphed_callables), not {backend}"
-        )
+    if backend == "xpu" and graph_api(backend, torch_version) is None:
+        need = ".".join(map(str, XPU_GRAPHS_TORCH))
+        api = "torch.xpu.make_graphed_callables"
+        return f"graphs on Intel GPUs need torch >= {need} ({api}), not {torch_version}"
+    if graph_api(backend, torch_version) is None:
+        return f"graphs of the decoder layers need CUDA or an Intel GPU (XPU), not {backend}"
     if not fused:
         return "they were measured on the fused 4-bit LoRA path only, which this plan does not take"
     if training is not None and training.gradient_checkpointing:
@@ -53,6 +88,7 @@ def decide_layer_graphs(
     training: TrainingPlan | None,
     backend: str,
     world_size: int = 1,
+    torch_version: str | None = None,
 ) -> Decision | None:
     """The ``layer_graphs`` decision for new adapters (``None`` for no LoRA or a trained adapter).
 
@@ -64,23 +100,29 @@ def decide_layer_graphs(
     if request.graphs is False:
         return Decision(name="layer_graphs", value=False, source="user",
                         reason="lora={'graphs': False} given: the decoder layers run eagerly")  # fmt: skip
-    problem = layer_graphs_problem(fused, training, backend, world_size)
+    problem = layer_graphs_problem(fused, training, backend, world_size, torch_version)
     if problem is not None:
         if request.graphs:
             raise InvalidRequestError(
-                f"lora={{'graphs': True}} asks for CUDA graphs of the decoder layers, but {problem}. "
+                f"lora={{'graphs': True}} asks for graphs of the decoder layers, but {problem}. "
                 "Fix: drop 'graphs' (the layers then run eagerly, and the plan says why), or train on "
-                "CUDA with quantize='4bit', the fused path and gradient_checkpointing=False."
+                "CUDA or an Intel GPU with quantize='4bit', the fused path and gradient_checkpointing=False."
             )
         return Decision(name="layer_graphs", value=False, reason=f"the layers run eagerly: {problem}",
                         rejected=((True, problem),))  # fmt: skip
     who = "lora={'graphs': True} given: " if request.graphs else ""
+    api = graph_api(backend, torch_version)
+    where = (
+        "the step is bound by the host: 4 995 → 13 043 tokens/s on an H200"
+        if backend == "cuda"
+        else "measured on CUDA (4 995 → 13 043 tokens/s on an H200); not yet run on an Intel GPU by "
+        "xpukit: `xpukit doctor --selftest` captures and replays one training layer"
+    )
     return Decision(
         name="layer_graphs",
         value=True,
         source="user" if request.graphs else "auto",
-        reason=f"{who}each decoder layer's forward and backward captured as CUDA graphs on the second "
-        "training call of one shape and replayed (the step is bound by the host: 4 995 → 13 043 tokens/s "
-        "on an H200); evaluation, padded batches and other shapes run eagerly (lora={'graphs': False} "
-        "turns it off)",
+        reason=f"{who}the decoder layers' forward and backward captured with {api} per training shape "
+        f"and replayed ({where}); evaluation and other attention kernels run eagerly "
+        "(lora={'graphs': False} turns it off)",
     )

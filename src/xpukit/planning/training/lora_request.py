@@ -67,7 +67,7 @@ LORA_CONFIG_KEYS: frozenset[str] = frozenset(
     }
 )  # fmt: skip
 # Keys of a lora= dict that steer xpukit rather than peft.
-_XPUKIT_KEYS = frozenset({"gradient_checkpointing", "liger", "fused", "graphs"})
+_XPUKIT_KEYS = frozenset({"gradient_checkpointing", "liger", "fused", "graphs", "packing"})
 # LoraConfig fields that describe the object, not the adapter.
 _NOT_KWARGS = frozenset({"peft_type", "auto_mapping", "peft_version"})
 _ALL_LINEAR = "all-linear"
@@ -99,6 +99,8 @@ class LoraRequest:
             :mod:`xpukit.planning.training.fused`).
         graphs: CUDA graphs of the decoder layers: ``None`` decides (on where measured), ``False``
             never, ``True`` insists (:mod:`xpukit.planning.training.graphs`).
+        packing: padded training batches run as one row of their real tokens: ``None`` decides,
+            ``False`` never, ``True`` insists (:mod:`xpukit.planning.training.packing`).
         loss: the training plan's loss (``"plain"``, ``"liger"``, ``"chunked"``); ``None`` before
             planning. ``"chunked"`` makes loading apply xpukit's chunked cross-entropy.
     """
@@ -114,6 +116,7 @@ class LoraRequest:
     liger_given: bool = False
     fused: bool | None = None
     graphs: bool | None = None
+    packing: bool | None = None
     loss: str | None = None
 
     def describe(self) -> str:
@@ -180,6 +183,7 @@ def _new(
     given: frozenset[str] = frozenset(),
     fused: bool | None = None,
     graphs: bool | None = None,
+    packing: bool | None = None,
 ) -> LoraRequest:
     gradient_checkpointing = quantized if gc is None else gc
     # Without a choice, plan_load's training plan decides by fit (the gradient_checkpointing decision);
@@ -197,6 +201,7 @@ def _new(
         liger_given=liger is not None,
         fused=fused,
         graphs=graphs,
+        packing=packing,
     )
 
 
@@ -206,8 +211,8 @@ def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
         hints = name_hints(bad, LORA_CONFIG_KEYS | _XPUKIT_KEYS)
         raise InvalidRequestError(
             f"lora= dict has unknown keys: {hints}. Valid keys are peft.LoraConfig's "
-            f"({', '.join(sorted(LORA_CONFIG_KEYS))}) and xpukit's gradient_checkpointing, liger, fused "
-            "and graphs. "
+            f"({', '.join(sorted(LORA_CONFIG_KEYS))}) and xpukit's gradient_checkpointing, liger, fused, "
+            "graphs and packing. "
             "A key only a newer peft knows can be passed as a peft.LoraConfig object instead."
         )
     options = dict(lora)
@@ -215,11 +220,13 @@ def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
     liger = options.pop("liger", None)
     fused = options.pop("fused", None)
     graphs = options.pop("graphs", None)
+    packing = options.pop("packing", None)
     for name, value in (
         ("gradient_checkpointing", gc),
         ("liger", liger),
         ("fused", fused),
         ("graphs", graphs),
+        ("packing", packing),
     ):
         offload = name == "gradient_checkpointing" and value == "offload"
         if value is not None and not isinstance(value, bool) and not offload:
@@ -232,7 +239,9 @@ def _from_dict(lora: dict[Any, Any], quantized: bool) -> LoraRequest:
         if options
         else "lora= given: xpukit's LoraConfig defaults (the dict sets only xpukit's options)"
     )
-    return _new({**DEFAULT_LORA, **options}, quantized, gc, liger, origin, frozenset(options), fused, graphs)
+    return _new(
+        {**DEFAULT_LORA, **options}, quantized, gc, liger, origin, frozenset(options), fused, graphs, packing
+    )
 
 
 def _check_numbers(options: dict[str, Any]) -> None:

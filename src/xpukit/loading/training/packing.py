@@ -1,0 +1,197 @@
+"""No compute on padding: a padded training batch runs through the decoder as its real tokens only.
+
+:func:`install_packing` wraps the forward of the decoder (``model.model``, the stack of layers under
+the causal LM head) on the instance, under peft's wrappers, the causal LM's loss and any library
+that patches the head (liger-kernel's fused loss, xpukit's chunked loss, TRL's fused LM head): the
+user's collator, the labels and the loss are untouched (docs/training.md "Packing: no compute on
+padding"). A training call whose batch is ``[B, L]`` with a 2-D ``attention_mask`` (any mix of right
+and left padding) runs the layers on one row of the real tokens:
+
+* the tokens where the mask is 1, example after example; ``position_ids`` restart at 0 for each
+  example and no mask is passed, so transformers builds a causal mask per example from the
+  positions (SDPA, eager and flex attention; the flash-attention kernels run them as
+  variable-length batches). With rotary positions an example computes exactly what it computes
+  alone;
+* the row is padded at its end to a multiple of ``bucket`` tokens (positions of their own, so the
+  tail is a separate sequence nobody attends to): steps then take one of a few shapes, and the
+  graphs of the layers (``layer_graphs``) replay instead of running eagerly;
+* the last hidden states go back to the batch's ``[B, L, H]`` layout, zeros at the padding, so the
+  head, the loss over the labels, ``num_items_in_batch`` and whatever reads the logits see the
+  shapes they expect. The loss is the padded batch's loss over the same targets; only a target
+  predicted from a padding position (left padding without masked labels) differs, as it was
+  computed from padding before.
+
+A batch that arrives already flattened (one row, ``position_ids``, no mask: TRL's
+``padding_free=True`` or ``DataCollatorWithFlattening``) is only padded to its bucket. Everything
+else runs unchanged and is counted with its reason in :attr:`Packing.passed`: evaluation and
+``generate``, a KV cache, a mask that is not one run of ones per row, position ids with a padded
+batch, per-layer outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from typing import Any
+
+__all__ = ["Packing", "install_packing"]
+
+_MARK = "_xpukit_packing"
+_OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
+
+
+class Packing:
+    """The packing wrapper of one decoder and what it did.
+
+    Attributes:
+        bucket: the packed row is padded to a multiple of this many tokens (1: not padded).
+        stats: ``packed`` calls, ``tokens`` (real tokens run), ``padding_removed`` (padding tokens
+            of the collator's batches not run through the layers), ``bucket_padding`` (tokens added
+            to reach a bucket), ``flattened_input`` (calls that arrived already flattened).
+        passed: calls that ran unchanged, counted by reason.
+    """
+
+    def __init__(self, forward: Any, *, bucket: int, pad_id: int) -> None:
+        self.forward = forward
+        self.bucket = max(int(bucket), 1)
+        self.pad_id = pad_id
+        self.stats: Counter[str] = Counter()
+        self.passed: Counter[str] = Counter()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        why = self._why_not(args, kwargs) if torch.is_grad_enabled() else "no grad (evaluation, generate)"
+        if why is not None:
+            self.passed[why] += 1
+            return self.forward(*args, **kwargs)
+        if kwargs.get("attention_mask") is None and kwargs.get("position_ids") is not None:
+            return self._bucketed(kwargs)
+        return self._packed(kwargs)
+
+    def _why_not(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        mask, positions, cache = (
+            kwargs.get("attention_mask"),
+            kwargs.get("position_ids"),
+            kwargs.get("past_key_values"),
+        )
+        if args:
+            return "positional arguments"
+        tokens = ids if ids is not None else embeds
+        if tokens is None or tokens.dim() != (2 if ids is not None else 3):
+            return "no [batch, length] input"
+        if cache is not None and cache.get_seq_length() > 0:
+            return "a filled KV cache"
+        if any(kwargs.get(flag) for flag in _OUTPUT_FLAGS):
+            return "per-layer outputs asked for"
+        if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != tuple(tokens.shape[:2])):
+            return "an attention mask that is not [batch, length]"
+        if positions is not None and (mask is not None or tokens.shape[0] != 1):
+            return "position_ids given with a padded batch"
+        return None
+
+    def _packed(self, kwargs: dict[str, Any]) -> Any:
+        import torch
+
+        mask = kwargs.get("attention_mask")
+        tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+        batch, length = tokens.shape[:2]
+        keep = torch.ones(batch, length, dtype=torch.bool) if mask is None else mask.detach().to("cpu") != 0
+        lengths = keep.sum(1)
+        starts = keep.to(torch.int8).argmax(1)
+        span = torch.arange(length)
+        if not torch.equal((span >= starts[:, None]) & (span < (starts + lengths)[:, None]), keep):
+            self.passed["an attention mask with gaps (not one run of ones per row)"] += 1
+            return self.forward(**kwargs)
+        index = keep.flatten().nonzero().squeeze(1)
+        lengths = lengths[lengths > 0]
+        total = int(index.numel())
+        firsts = torch.cumsum(lengths, 0) - lengths
+        positions = torch.arange(total) - torch.repeat_interleave(firsts, lengths)
+        index_dev = index.to(tokens.device, non_blocking=True)
+        flat = tokens.flatten(0, 1).index_select(0, index_dev)
+        out = self._run(kwargs, flat, positions.to(tokens.device, non_blocking=True))
+        self.stats["padding_removed"] += batch * length - total
+        hidden = out.last_hidden_state[0, :total]
+        full = hidden.new_zeros(batch * length, hidden.shape[-1]).index_copy(0, index_dev, hidden)
+        out["last_hidden_state"] = full.view(batch, length, -1)
+        return out
+
+    def _bucketed(self, kwargs: dict[str, Any]) -> Any:
+        """A batch already flattened by the collator: only padded to the bucket."""
+        tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+        total = int(tokens.shape[1])
+        self.stats["flattened_input"] += 1
+        out = self._run(kwargs, tokens[0], kwargs["position_ids"].reshape(-1))
+        out["last_hidden_state"] = out.last_hidden_state[:, :total]
+        return out
+
+    def _run(self, kwargs: dict[str, Any], tokens: Any, positions: Any) -> Any:
+        import torch
+
+        total = int(tokens.shape[0])
+        pad = -total % self.bucket
+        if pad:
+            filler = (
+                tokens.new_full((pad,), self.pad_id)
+                if tokens.dim() == 1
+                else tokens.new_zeros(pad, tokens.shape[1])
+            )
+            tokens = torch.cat([tokens, filler])
+            positions = torch.cat(
+                [positions, torch.arange(pad, device=positions.device, dtype=positions.dtype)]
+            )
+        rest = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "past_key_values")
+        }
+        rest["use_cache"] = False  # a cache would turn transformers' per-example masks off
+        name = "input_ids" if tokens.dim() == 1 else "inputs_embeds"
+        out = self.forward(**{name: tokens[None]}, position_ids=positions[None], attention_mask=None, **rest)
+        self.stats["packed"] += 1
+        self.stats["tokens"] += total
+        self.stats["bucket_padding"] += pad
+        return out
+
+
+def packing_target(model: Any) -> Any:
+    """The decoder whose forward is packed (``model.model`` of a causal LM), or ``None``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = getattr(base, "model", None)
+    return decoder if getattr(decoder, "layers", None) is not None else None
+
+
+def install_packing(model: Any, *, bucket: int = 1) -> str:
+    """Wrap the decoder under ``model`` (a PeftModel or a transformers causal LM) with
+    :class:`Packing`; returns a note. ``model.xpukit_packing`` is the wrapper (``stats``, ``passed``)."""
+    decoder = packing_target(model)
+    if decoder is None:
+        return "packing: not installed (no decoder with layers under the model's head)"
+    forward = decoder.forward
+    if getattr(forward, _MARK, None) is not None:
+        model.xpukit_packing = getattr(forward, _MARK)
+        return "packing already installed"
+    config = (
+        decoder.config.get_text_config() if hasattr(decoder.config, "get_text_config") else decoder.config
+    )
+    pad_id = next(
+        (int(v) for v in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None))
+         if isinstance(v, int) and v >= 0),
+        0,
+    )  # fmt: skip
+    packing = Packing(forward, bucket=bucket, pad_id=pad_id)
+
+    @functools.wraps(forward)
+    def packed(*args: Any, **kwargs: Any) -> Any:
+        return packing(*args, **kwargs)
+
+    setattr(packed, _MARK, packing)
+    decoder.forward = packed
+    model.xpukit_packing = packing
+    tail = f", the row padded to a multiple of {packing.bucket} tokens" if packing.bucket > 1 else ""
+    return (
+        "packing: the decoder layers run a padded training batch as one row of its real tokens, positions "
+        f"restarting per example{tail} (model.xpukit_packing.stats)"
+    )

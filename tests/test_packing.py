@@ -1,0 +1,274 @@
+"""Packing: a padded training batch runs as one row of its real tokens (decision and act, on the CPU).
+
+The proof is numerical, in float32 on tiny random models of several architectures: the packed batch
+gives each example what it gives alone (loss and every LoRA gradient), with right and left padding,
+bucket padding at the end, gradient accumulation through ``Trainer``, and TRL's ``SFTTrainer``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from xpukit.errors import InvalidRequestError
+from xpukit.planning.model.reference_models import reference_config
+from xpukit.planning.plan import plan_load
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+ARCHS = ["qwen3", "llama", "mistral", "gemma", "phi3"]
+LENGTHS = [5, 11, 3, 8]
+
+
+# ---- the decision (pure) ---------------------------------------------------------------------------
+
+
+def test_on_for_lora_training_with_a_bucket_only_where_the_layers_run_as_graphs() -> None:
+    args: dict[str, Any] = {"quantize": "4bit", "lora": True, "batch_size": 4, "seq_len": 512}
+    graphed = plan_load(reference_config("qwen3-8b"), facts="h200", **args)
+    assert graphed.decision("layer_graphs").value is True
+    packing = graphed.decision("packing")
+    assert packing.value == 256 and packing.source == "auto"
+    assert "real tokens" in packing.reason and "multiple of 256" in packing.reason
+    eager = plan_load(reference_config("qwen3-8b"), facts="h200", **(args | {"lora": {"graphs": False}}))
+    assert eager.decision("packing").value == 1 and "multiple of" not in eager.decision("packing").reason
+    assert all(d.name != "packing" for d in plan_load(reference_config("qwen3-8b"), facts="h200").decisions)
+
+
+def test_the_user_turns_it_off_or_insists_and_a_model_without_rotary_positions_is_refused(
+    tiny_models: Any,
+) -> None:
+    off = plan_load(tiny_models["qwen3"], facts="cpu", lora={"packing": False}).decision("packing")
+    assert (off.value, off.source) == (False, "user")
+    on = plan_load(tiny_models["qwen3"], facts="cpu", lora={"packing": True}).decision("packing")
+    assert (on.value, on.source) == (1, "user") and "'packing': True} given" in on.reason
+    gpt2 = plan_load(tiny_models["gpt2"], facts="cpu", lora=True).decision("packing")
+    assert gpt2.value is False and "no rotary position embeddings" in gpt2.reason
+    with pytest.raises(InvalidRequestError, match=r"'packing': True.*no rotary.*Fix"):
+        plan_load(tiny_models["gpt2"], facts="cpu", lora={"packing": True})
+    with pytest.raises(InvalidRequestError, match="must be True or False"):
+        plan_load(tiny_models["qwen3"], facts="cpu", lora={"packing": "yes"})
+
+
+# ---- the act: numbers --------------------------------------------------------------------------------
+
+
+def _lora_model(path: Path) -> Any:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    torch.manual_seed(1)  # non-zero adapters, so every LoRA gradient is exercised
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False
+    )
+    model = get_peft_model(model, config)
+    model.train()
+    return model
+
+
+def _batch(side: str, seed: int = 3, lengths: list[int] = LENGTHS) -> tuple[Any, Any, Any]:
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(5, 500, (len(lengths), width), generator=gen)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, :n] = 1 if side == "right" else 0
+        if side == "left":
+            mask[row, width - n :] = 1
+    ids = ids * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    if side == "left":  # in a left-padded row the first token is the target of a padding position
+        labels[torch.arange(len(lengths)), width - torch.tensor(lengths)] = -100
+    return ids, mask, labels
+
+
+def _alone(model: Any, ids: Any, mask: Any, labels: Any) -> Any:
+    """The mean loss over every example run alone (no padding), weighted by its targets."""
+    total, count = 0.0, 0
+    for row in range(ids.shape[0]):
+        keep = mask[row].bool()
+        x, y = ids[row][keep][None], labels[row][keep][None]
+        n = int((y[:, 1:] != -100).sum())
+        total = total + model(input_ids=x, labels=y).loss * n
+        count += n
+    return total / count
+
+
+def _lora_grads(model: Any) -> dict[str, Any]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _assert_same(loss: Any, want_loss: Any, grads: dict[str, Any], want: dict[str, Any]) -> None:
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == want.keys() and len(grads) > 0
+    for name, grad in grads.items():
+        scale = want[name].abs().max().clamp_min(1e-12)
+        assert float((grad - want[name]).abs().max() / scale) < 1e-4, name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_packed_batch_gives_each_example_what_it_gives_alone(tiny_models: Any, arch: str, side: str) -> None:
+    from xpukit.loading.training.packing import install_packing
+
+    path = tiny_models[arch]
+    ids, mask, labels = _batch(side)
+    alone = _lora_model(path)
+    want_loss = _alone(alone, ids, mask, labels)
+    want_loss.backward()
+    packed = _lora_model(path)
+    install_packing(packed, bucket=16)
+    out = packed(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    _assert_same(out.loss, want_loss, _lora_grads(packed), _lora_grads(alone))
+    stats = packed.xpukit_packing.stats
+    real = sum(LENGTHS)
+    assert stats["packed"] == 1 and stats["tokens"] == real
+    assert stats["padding_removed"] == len(LENGTHS) * max(LENGTHS) - real
+    assert stats["bucket_padding"] == -real % 16
+    assert tuple(out.logits.shape) == (*ids.shape, alone.config.vocab_size)
+
+
+def test_right_padded_batch_gives_the_padded_batchs_loss_gradients_and_logits(tiny_models: Any) -> None:
+    """With right padding the padded batch itself is the reference (its targets are the real ones)."""
+    from xpukit.loading.training.packing import install_packing
+
+    ids, mask, labels = _batch("right")
+    padded = _lora_model(tiny_models["qwen3"])
+    want = padded(input_ids=ids, attention_mask=mask, labels=labels)
+    want.loss.backward()
+    packed = _lora_model(tiny_models["qwen3"])
+    install_packing(packed)
+    out = packed(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(23))
+    again = padded(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(23))
+    torch.testing.assert_close(out.loss, again.loss, rtol=1e-5, atol=1e-6)  # a sum over the given count
+    packed.zero_grad()
+    out = packed(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    _assert_same(out.loss, want.loss, _lora_grads(packed), _lora_grads(padded))
+    real = mask.bool()
+    torch.testing.assert_close(out.logits[real], want.logits[real], rtol=1e-4, atol=1e-4)
+    assert tuple(out.logits.shape) == tuple(want.logits.shape)
+
+
+def test_calls_that_cannot_be_packed_run_unchanged_with_the_reason(tiny_models: Any) -> None:
+    from xpukit.loading.training.packing import install_packing
+
+    model = _lora_model(tiny_models["qwen3"])
+    install_packing(model)
+    ids, mask, labels = _batch("right")
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    model(input_ids=ids, attention_mask=mask)
+    cache = model.get_base_model().model  # a decode step with a filled cache
+    model.eval()
+    with torch.no_grad():
+        past = model(input_ids=ids[:1, :4], use_cache=True).past_key_values
+    model.train()
+    model(input_ids=ids[:1, 4:5], past_key_values=past, use_cache=True)
+    assert cache is not None
+    holes = mask.clone()
+    holes[1, 2] = 0
+    model(input_ids=ids, attention_mask=holes, labels=labels.masked_fill(holes == 0, -100))
+    passed = model.xpukit_packing.passed
+    assert passed["no grad (evaluation, generate)"] == 2 and passed["a filled KV cache"] == 1
+    assert passed["an attention mask with gaps (not one run of ones per row)"] == 1
+    assert model.xpukit_packing.stats["packed"] == 1  # the call without labels: the layers do not need them
+
+
+def test_an_already_flattened_batch_is_only_padded_to_its_bucket(tiny_models: Any) -> None:
+    """TRL's padding_free collator gives one row with positions restarting per example."""
+    from xpukit.loading.training.packing import install_packing
+
+    ids, mask, labels = _batch("right")
+    keep = mask.bool()
+    flat_ids, flat_labels = ids[keep][None], labels[keep][None].clone()
+    starts = torch.cumsum(torch.tensor(LENGTHS), 0) - torch.tensor(LENGTHS)
+    flat_labels[0, starts] = -100
+    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
+    plain = _lora_model(tiny_models["llama"])
+    # use_cache=False: with a cache transformers does not build per-example masks from the positions
+    want = plain(input_ids=flat_ids, labels=flat_labels, position_ids=positions, use_cache=False)
+    packed = _lora_model(tiny_models["llama"])
+    install_packing(packed, bucket=32)
+    out = packed(input_ids=flat_ids, labels=flat_labels, position_ids=positions)
+    torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
+    assert tuple(out.logits.shape[:2]) == tuple(flat_ids.shape)
+    stats = packed.xpukit_packing.stats
+    assert stats["flattened_input"] == 1 and stats["bucket_padding"] == 32 - sum(LENGTHS)
+
+
+def _examples(n: int, seed: int) -> list[dict[str, list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, 24, (n,), generator=gen).tolist()
+    return [{"input_ids": torch.randint(5, 500, (k,), generator=gen).tolist()} for k in lengths]
+
+
+def test_trainer_with_gradient_accumulation_trains_the_same_with_and_without_packing(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    """Trainer counts the targets over the accumulated padded batches (num_items_in_batch): packed
+    micro-batches give the same logged losses and the same trained adapter."""
+    from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast, Trainer
+
+    from xpukit import load_for_xpu, training_args
+
+    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    data = _examples(24, seed=5)
+    runs = []
+    for packing in (False, True):
+        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora={"packing": packing})
+        args = training_args(
+            model, output_dir=str(tmp_path / str(packing)), per_device_train_batch_size=4,
+            gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-3, logging_steps=1,
+            save_strategy="no", disable_tqdm=True, seed=0, data_seed=0, report_to=[],
+        )  # fmt: skip
+        collator = DataCollatorForLanguageModeling(tok, mlm=False)
+        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
+        trainer.train()
+        runs.append((model, [h["loss"] for h in trainer.state.log_history if "loss" in h]))
+    (plain, plain_losses), (packed, packed_losses) = runs
+    assert len(plain_losses) == 3
+    torch.testing.assert_close(torch.tensor(packed_losses), torch.tensor(plain_losses), rtol=1e-4, atol=1e-5)
+    assert not hasattr(plain, "xpukit_packing") or plain.xpukit_packing.stats["packed"] == 0
+    assert packed.xpukit_packing.stats["packed"] == 6  # 3 steps x 2 micro-batches
+    assert packed.xpukit_packing.stats["padding_removed"] > 0
+    want = {n: p.detach() for n, p in plain.named_parameters() if p.requires_grad}
+    for name, param in packed.named_parameters():
+        if param.requires_grad:
+            torch.testing.assert_close(param.detach(), want[name], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_sft_trainer_packs_padded_batches_and_buckets_flattened_ones(
+    tiny_model: Path, tmp_path: Path, padding_free: bool
+) -> None:
+    """TRL's SFTTrainer reads the logits for its token accuracy: they come back in the batch's shape."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    from xpukit import load_for_xpu, training_args
+
+    tok = PreTrainedTokenizerFast.from_pretrained(tiny_model)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
+    args = training_args(
+        model, config_class=SFTConfig, output_dir=str(tmp_path), per_device_train_batch_size=4,
+        max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True, report_to=[],
+        padding_free=padding_free, max_length=None if padding_free else 64,
+    )  # fmt: skip
+    data = Dataset.from_list(_examples(8, seed=7))
+    trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    trainer.train()
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logged) == 2 and all("mean_token_accuracy" in h for h in logged)
+    stats = model.xpukit_packing.stats
+    assert stats["packed"] == 2
+    assert stats["flattened_input" if padding_free else "padding_removed"] > 0

@@ -1,0 +1,326 @@
+"""QLoRA as users run it: ``Trainer`` / TRL's ``SFTTrainer`` over examples of different lengths.
+
+The headline benchmark (docs/benchmarks.md "Real runs"). A Qwen3-8B-shaped model with random
+weights (built once from a config, nothing downloaded), nf4 + LoRA r=16 on every linear layer, bf16;
+a dataset of random token ids whose lengths follow a chat-like distribution:
+
+    chat       log-normal, median 256 tokens, clipped to [32, 1024]
+    longtail   log-normal, median 384 tokens, wider, clipped to [32, 2048]
+    fixed      every example 512 tokens (the fixed-shape step, for reference)
+
+Each variant trains ``--steps`` optimizer steps of ``--batch`` examples in its own process (so peak
+memory is its own and unsloth's patches cannot leak), with the collator its trainer uses: an ordinary
+padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to the longest example,
+``attention_mask``, labels -100 on padding) and TRL's own for ``SFTTrainer``. Variants:
+
+    xpukit             load_for_xpu(quantize="4bit", lora=True, batch_size=, seq_len=) +
+                       training_args(model, ...) + transformers.Trainer
+    xpukit-sft         the same through TRL's SFTTrainer (training_args(config_class=SFTConfig))
+    xpukit-nopack      xpukit with lora={"packing": False}: the padded batches as the collator made them
+    unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
+                       unsloth's recommended set-up (it turns padding-free batches on for text SFT)
+    unsloth-trainer    unsloth + transformers.Trainer with the padding collator
+
+Reported per variant and round (one JSON line): non-padding tokens/s over the steps after
+``--warmup``, the step time's median and spread, peak memory (``max_memory_allocated`` since the
+model was loaded), the loss per step, and for xpukit the packing and graph counters
+(``model.xpukit_packing.stats``, ``model.xpukit_layer_graphs.stats``). Rounds interleave the
+variants (``--repeat``); the summary gives medians and ranges. ``--max-memory 8GB`` gives xpukit
+that budget (unsloth has none: its checkpointing is its memory setting).
+
+Usage::
+
+    python bench/bench_realrun.py --tiny --steps 6            # any device, a tiny shape (CPU check)
+    python bench/bench_realrun.py --data chat --repeat 3      # CUDA / XPU, Qwen3-8B shape
+    python bench/bench_realrun.py --data chat --max-memory 8GB --variants xpukit,unsloth
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import bench_qlora as qlora  # bench/bench_qlora.py, beside this script: model shapes and helpers
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VARIANTS = ("xpukit", "xpukit-sft", "xpukit-nopack", "unsloth", "unsloth-trainer")
+DATA = {  # median, sigma of log(length), low, high
+    "chat": (256, 0.6, 32, 1024),
+    "longtail": (384, 0.9, 32, 2048),
+    "fixed": (512, 0.0, 512, 512),
+}
+
+
+def lengths(kind: str, n: int, seed: int, scale: float = 1.0) -> list[int]:
+    import random
+
+    median, sigma, low, high = DATA[kind]
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        value = median * scale * (rng.lognormvariate(0.0, sigma) if sigma else 1.0)
+        out.append(int(min(max(value, low * scale), high * scale)))
+    return out
+
+
+def dataset(kind: str, n: int, vocab: int, seed: int, scale: float) -> list[dict[str, list[int]]]:
+    import random
+
+    rng = random.Random(seed + 1)
+    return [{"input_ids": [rng.randrange(5, vocab) for _ in range(k)]} for k in lengths(kind, n, seed, scale)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape that runs on CPU in seconds")
+    parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the widths)")
+    parser.add_argument("--data", default="chat", choices=sorted(DATA))
+    parser.add_argument("--batch", type=int, default=4, help="examples per optimizer step")
+    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per variant and round")
+    parser.add_argument("--warmup", type=int, default=5, help="steps not timed")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds of all variants, interleaved")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    parser.add_argument("--max-memory", help="xpukit's device budget, e.g. 8GB")
+    parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
+    parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
+    parser.add_argument("--model-cache", help="reuse (or build once into) this model directory")
+    parser.add_argument("--tokenizer", help="a small local tokenizer (default: the demo model's)")
+    parser.add_argument("--variant-child", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.seq = None  # bench_qlora's build_model reads it
+    if args.variant_child:
+        print(json.dumps(run_variant(args)), flush=True)
+        return 0
+    variants = [v for v in args.variants.split(",") if v]
+    if set(variants) - set(VARIANTS):
+        parser.error(
+            f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}"
+        )
+    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
+        model_dir = Path(args.model_cache) if args.model_cache else Path(tmp) / "model"
+        if not (model_dir / "config.json").is_file():
+            started = time.perf_counter()
+            shape = qlora.build_model(model_dir, args)
+            print(json.dumps({"bench": "realrun", "event": "built", "shape": shape,
+                              "seconds": round(time.perf_counter() - started, 1)}), flush=True)  # fmt: skip
+        rows: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+        failed = 0
+        for round_ in range(args.repeat):
+            for variant in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
+                row = run_child(args, variant, model_dir)
+                row["round"] = round_
+                print(json.dumps(row), flush=True)
+                failed += "error" in row
+                if "error" not in row and "skipped" not in row:
+                    rows[variant].append(row)
+        for variant, done in rows.items():
+            if done:
+                print(json.dumps(summary(variant, done)), flush=True)
+    return 1 if failed else 0
+
+
+def run_child(args: argparse.Namespace, variant: str, model_dir: Path) -> dict[str, Any]:
+    import importlib.util
+
+    if variant.startswith("unsloth") and importlib.util.find_spec("unsloth") is None:
+        return {"bench": "realrun", "variant": variant, "skipped": "unsloth is not installed"}
+    child = [
+        sys.executable,
+        __file__,
+        *sys.argv[1:],
+        "--variant-child",
+        variant,
+        "--model-dir",
+        str(model_dir),
+    ]
+    proc = subprocess.run(child, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+        return {"bench": "realrun", "variant": variant, "error": " | ".join(tail)}
+    return dict(json.loads(lines[-1]))
+
+
+def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"bench": "realrun", "summary": variant, "rounds": len(rows)}
+    for key in ("tokens_per_s", "peak_mem_gb", "step_ms_median", "loss_last"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            out[key] = statistics.median(values)
+            out[f"{key}_range"] = [min(values), max(values)]
+    for key in ("data", "micro_batch", "graphs", "packing", "plan"):
+        out[key] = rows[-1].get(key)
+    return out
+
+
+class Counting:
+    """A data collator wrapper that counts each batch's real (non-padding) tokens."""
+
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
+        self.tokens: list[int] = []
+
+    def __call__(self, features: Any) -> Any:
+        batch = self.collate(features)
+        mask = batch.get("attention_mask")
+        self.tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
+        return batch
+
+
+def run_variant(args: argparse.Namespace) -> dict[str, Any]:
+    if args.variant_child.startswith("unsloth"):
+        os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+        import unsloth  # noqa: F401  (before transformers, as unsloth requires)
+    import torch
+    from transformers import AutoTokenizer, DataCollatorForLanguageModeling, TrainerCallback
+
+    device = qlora.pick_device(args.device)
+    variant = args.variant_child
+    dtype = "bfloat16" if device != "cpu" else "float32"
+    tok_dir = args.tokenizer
+    if tok_dir is None:
+        from xpukit.demo.tiny import demo_model_dir
+
+        tok_dir = str(demo_model_dir())
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.pad_token = tok.pad_token or tok.eos_token
+    config = json.loads((Path(args.model_dir) / "config.json").read_text())
+    scale = 0.25 if args.tiny else 1.0
+    n = args.batch * args.steps
+    data = dataset(args.data, n, config["vocab_size"], seed=0, scale=scale)
+    longest = max(len(d["input_ids"]) for d in data)
+    out_dir = tempfile.mkdtemp(prefix="realrun-")
+    common = dict(output_dir=out_dir, max_steps=args.steps, logging_steps=1, save_strategy="no",
+                  report_to=[], disable_tqdm=True, learning_rate=2e-4, seed=0, data_seed=0,
+                  dataloader_num_workers=0)  # fmt: skip
+    plan: Any = None
+    if variant.startswith("xpukit"):
+        from xpukit import load_for_xpu, training_args
+
+        budget = {0 if device != "cpu" else "cpu": args.max_memory} if args.max_memory else None
+        lora: Any = {"packing": False} if variant == "xpukit-nopack" else True
+        model = load_for_xpu(args.model_dir, device=device, dtype=dtype, quantize="4bit", lora=lora, seed=0,
+                             batch_size=args.batch, seq_len=longest, max_memory=budget)  # fmt: skip
+        plan = model.xpukit_plan
+        if variant == "xpukit-sft":
+            from trl import SFTConfig
+
+            targs = training_args(model, config_class=SFTConfig, max_length=None, **common)
+        else:
+            targs = training_args(model, **common)
+    else:
+        model = load_unsloth(args, dtype, longest)
+        if variant == "unsloth":
+            from trl import SFTConfig
+
+            targs = SFTConfig(per_device_train_batch_size=args.batch, bf16=dtype == "bfloat16",
+                              max_length=None, **common)  # fmt: skip
+        else:
+            from transformers import TrainingArguments
+
+            targs = TrainingArguments(
+                per_device_train_batch_size=args.batch, bf16=dtype == "bfloat16", **common
+            )
+    micro = targs.per_device_train_batch_size
+    accumulate = targs.gradient_accumulation_steps
+    times: list[float] = []
+
+    class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            qlora.synchronize(device)
+            times.append(time.perf_counter())
+
+    if variant in ("xpukit-sft", "unsloth"):
+        from trl import SFTTrainer
+
+        trainer = SFTTrainer(model=model, args=targs, train_dataset=_as_dataset(data), processing_class=tok)
+    else:
+        from transformers import Trainer
+
+        collator = DataCollatorForLanguageModeling(tok, mlm=False)
+        trainer = Trainer(model=model, args=targs, train_dataset=data, data_collator=collator)
+    counting = Counting(trainer.data_collator)
+    trainer.data_collator = counting
+    trainer.add_callback(Clock())
+    qlora.synchronize(device)
+    qlora.reset_peak(device)
+    started = time.perf_counter()
+    trainer.train()
+    per_step = [sum(counting.tokens[i * accumulate : (i + 1) * accumulate]) for i in range(len(times))]
+    timed = slice(args.warmup, len(times))
+    steps = [b - a for a, b in zip(times[args.warmup - 1 : -1], times[args.warmup :], strict=True)]
+    peak, _ = qlora.peak_memory(device)
+    losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
+    row: dict[str, Any] = {
+        "bench": "realrun", "variant": variant, "data": args.data, "device": device,
+        "tokens_per_s": round(sum(per_step[timed]) / sum(steps), 1) if steps else None,
+        "step_ms_median": round(1000 * statistics.median(steps), 1) if steps else None,
+        "step_ms_range": [round(1000 * min(steps), 1), round(1000 * max(steps), 1)] if steps else None,
+        "real_tokens_per_step": round(statistics.mean(per_step), 1),
+        "peak_mem_gb": round(peak / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
+        "micro_batch": micro, "accumulation": accumulate, "losses": losses,
+        "loss_last": losses[-1] if losses else None, "max_memory": args.max_memory,
+        "versions": {**qlora.versions(), "trl": _version("trl")}, "date": time.strftime("%Y-%m-%d"),
+    }  # fmt: skip
+    if plan is not None:
+        row["plan"] = {d.name: str(d.value) for d in plan.decisions
+                       if d.name in ("gradient_checkpointing", "liger", "loss", "micro_batch", "fused_lora",
+                                     "layer_graphs", "packing")}  # fmt: skip
+    for attr, key in (("xpukit_packing", "packing"), ("xpukit_layer_graphs", "graphs")):
+        counters = getattr(model, attr, None)
+        if counters is not None:
+            row[key] = dict(counters.stats)
+            extra = getattr(counters, "eager_reasons", None) or getattr(counters, "passed", None)
+            row[f"{key}_other"] = dict(extra or {})
+    del trainer, model
+    torch.cuda.empty_cache() if device == "cuda" else None
+    return row
+
+
+def _as_dataset(data: list[dict[str, list[int]]]) -> Any:
+    from datasets import Dataset
+
+    return Dataset.from_list(data)
+
+
+def _version(name: str) -> str | None:
+    from xpukit._compat import installed_version
+
+    return installed_version(name)
+
+
+def load_unsloth(args: argparse.Namespace, dtype: str, longest: int) -> Any:
+    """unsloth's FastLanguageModel with its recommended checkpointing (imported before transformers)."""
+    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
+    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth-"))
+    import torch
+    from unsloth import FastLanguageModel
+
+    from xpukit.planning.training.lora_request import DEFAULT_LORA
+
+    model, _ = FastLanguageModel.from_pretrained(
+        args.model_dir, max_seq_length=longest, dtype=getattr(torch, dtype), load_in_4bit=True,
+        tokenizer_name=args.tokenizer or args.model_dir,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return FastLanguageModel.get_peft_model(
+        model, r=DEFAULT_LORA["r"], lora_alpha=DEFAULT_LORA["lora_alpha"],
+        lora_dropout=DEFAULT_LORA["lora_dropout"], use_gradient_checkpointing="unsloth",
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

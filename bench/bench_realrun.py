@@ -17,8 +17,12 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
                        training_args(model, ...) + transformers.Trainer
     xpukit-sft         the same through TRL's SFTTrainer (training_args(config_class=SFTConfig))
     xpukit-nopack      xpukit with lora={"packing": False}: the padded batches as the collator made them
+    xpukit-eager       xpukit with lora={"graphs": False}: what the graphs of the layers give
+    xpukit-liger       xpukit with lora={"liger": True}: liger's fused loss (memory) instead of the plain one
+    xpukit-adamw       xpukit with optim="adamw_torch_fused" instead of the plan's paged 8-bit AdamW
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
                        unsloth's recommended set-up (it turns padding-free batches on for text SFT)
+    unsloth-nogc       the same with unsloth's checkpointing off (its fastest setting, more memory)
     unsloth-trainer    unsloth + transformers.Trainer with the padding collator
 
 Reported per variant and round (one JSON line): non-padding tokens/s over the steps after
@@ -52,7 +56,15 @@ import bench_qlora as qlora  # bench/bench_qlora.py, beside this script: model s
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-VARIANTS = ("xpukit", "xpukit-sft", "xpukit-nopack", "unsloth", "unsloth-trainer")
+VARIANTS = (
+    "xpukit", "xpukit-sft", "xpukit-nopack", "xpukit-eager", "xpukit-liger", "xpukit-adamw",
+    "unsloth", "unsloth-nogc", "unsloth-trainer",
+)  # fmt: skip
+# lora= and training_args keywords of the xpukit variants beside the one call.
+XPUKIT_LORA: dict[str, Any] = {
+    "xpukit-nopack": {"packing": False}, "xpukit-eager": {"graphs": False}, "xpukit-liger": {"liger": True},
+}  # fmt: skip
+XPUKIT_ARGS: dict[str, dict[str, Any]] = {"xpukit-adamw": {"optim": "adamw_torch_fused"}}
 DATA = {  # median, sigma of log(length), low, high
     "chat": (256, 0.6, 32, 1024),
     "longtail": (384, 0.9, 32, 2048),
@@ -89,6 +101,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4, help="examples per optimizer step")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per variant and round")
     parser.add_argument("--warmup", type=int, default=5, help="steps not timed")
+    parser.add_argument("--log-every", type=int, default=5, help="logging_steps (each log syncs the device)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of all variants, interleaved")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     parser.add_argument("--max-memory", help="xpukit's device budget, e.g. 8GB")
@@ -202,7 +215,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     data = dataset(args.data, n, config["vocab_size"], seed=0, scale=scale)
     longest = max(len(d["input_ids"]) for d in data)
     out_dir = tempfile.mkdtemp(prefix="realrun-")
-    common = dict(output_dir=out_dir, max_steps=args.steps, logging_steps=1, save_strategy="no",
+    common = dict(output_dir=out_dir, max_steps=args.steps, logging_steps=args.log_every, save_strategy="no",
                   report_to=[], disable_tqdm=True, learning_rate=2e-4, seed=0, data_seed=0,
                   dataloader_num_workers=0)  # fmt: skip
     plan: Any = None
@@ -210,7 +223,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         from xpukit import load_for_xpu, training_args
 
         budget = {0 if device != "cpu" else "cpu": args.max_memory} if args.max_memory else None
-        lora: Any = {"packing": False} if variant == "xpukit-nopack" else True
+        lora: Any = XPUKIT_LORA.get(variant, True)
         model = load_for_xpu(args.model_dir, device=device, dtype=dtype, quantize="4bit", lora=lora, seed=0,
                              batch_size=args.batch, seq_len=longest, max_memory=budget)  # fmt: skip
         plan = model.xpukit_plan
@@ -219,10 +232,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
             targs = training_args(model, config_class=SFTConfig, max_length=None, **common)
         else:
-            targs = training_args(model, **common)
+            targs = training_args(model, **common, **XPUKIT_ARGS.get(variant, {}))
     else:
-        model = load_unsloth(args, dtype, longest)
-        if variant == "unsloth":
+        model = load_unsloth(args, dtype, longest, checkpointing=variant != "unsloth-nogc")
+        if variant in ("unsloth", "unsloth-nogc"):
             from trl import SFTConfig
 
             targs = SFTConfig(per_device_train_batch_size=args.batch, bf16=dtype == "bfloat16",
@@ -242,7 +255,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             qlora.synchronize(device)
             times.append(time.perf_counter())
 
-    if variant in ("xpukit-sft", "unsloth"):
+    if variant in ("xpukit-sft", "unsloth", "unsloth-nogc"):
         from trl import SFTTrainer
 
         trainer = SFTTrainer(model=model, args=targs, train_dataset=_as_dataset(data), processing_class=tok)
@@ -301,7 +314,7 @@ def _version(name: str) -> str | None:
     return installed_version(name)
 
 
-def load_unsloth(args: argparse.Namespace, dtype: str, longest: int) -> Any:
+def load_unsloth(args: argparse.Namespace, dtype: str, longest: int, *, checkpointing: bool) -> Any:
     """unsloth's FastLanguageModel with its recommended checkpointing (imported before transformers)."""
     os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
     os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth-"))
@@ -317,7 +330,7 @@ def load_unsloth(args: argparse.Namespace, dtype: str, longest: int) -> Any:
     torch.manual_seed(0)
     return FastLanguageModel.get_peft_model(
         model, r=DEFAULT_LORA["r"], lora_alpha=DEFAULT_LORA["lora_alpha"],
-        lora_dropout=DEFAULT_LORA["lora_dropout"], use_gradient_checkpointing="unsloth",
+        lora_dropout=DEFAULT_LORA["lora_dropout"], use_gradient_checkpointing="unsloth" if checkpointing else False,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )  # fmt: skip
 

@@ -258,10 +258,14 @@ def _stand_ins(layers: list[Any]) -> list[tuple[Any, str, Any, Any]]:
 
 
 def _add_to(real: Any, stand_in: Any) -> None:
-    """A stand-in's gradient goes to its real parameter (then the stand-in holds none)."""
+    """A stand-in's gradient goes to its real parameter (then the stand-in holds none).
+
+    The first gradient is copied: autograd may hand the stand-in the graph's own output buffer,
+    which the next replay overwrites (gradient accumulation would then add a later micro-batch's
+    gradient to itself)."""
     grad, stand_in.grad = stand_in.grad, None
     if real.grad is None:
-        real.grad = grad
+        real.grad = grad.clone()
     else:
         real.grad.add_(grad)
 

@@ -328,9 +328,10 @@ def load_unsloth(args: argparse.Namespace, dtype: str, longest: int, *, checkpoi
         tokenizer_name=args.tokenizer or args.model_dir,
     )  # fmt: skip
     torch.manual_seed(0)
+    gc: Any = "unsloth" if checkpointing else False
     return FastLanguageModel.get_peft_model(
         model, r=DEFAULT_LORA["r"], lora_alpha=DEFAULT_LORA["lora_alpha"],
-        lora_dropout=DEFAULT_LORA["lora_dropout"], use_gradient_checkpointing="unsloth" if checkpointing else False,
+        lora_dropout=DEFAULT_LORA["lora_dropout"], use_gradient_checkpointing=gc,
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     )  # fmt: skip
 

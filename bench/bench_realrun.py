@@ -168,7 +168,7 @@ def run_child(args: argparse.Namespace, variant: str, model_dir: Path) -> dict[s
 
 def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"bench": "realrun", "summary": variant, "rounds": len(rows)}
-    for key in ("tokens_per_s", "peak_mem_gb", "step_ms_median", "loss_last"):
+    for key in ("tokens_per_s", "tokens_per_s_steady", "peak_mem_gb", "step_ms_median", "loss_last"):
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
@@ -249,11 +249,14 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     micro = targs.per_device_train_batch_size
     accumulate = targs.gradient_accumulation_steps
     times: list[float] = []
+    captures: list[int] = []  # graphs captured so far, at each step's end
+    graphs = getattr(model, "xpukit_layer_graphs", None)
 
     class Clock(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, *a: Any, **k: Any) -> None:
             qlora.synchronize(device)
             times.append(time.perf_counter())
+            captures.append(graphs.stats["captures"] if graphs is not None else 0)
 
     if variant in ("xpukit-sft", "unsloth", "unsloth-nogc"):
         from trl import SFTTrainer
@@ -274,11 +277,16 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     per_step = [sum(counting.tokens[i * accumulate : (i + 1) * accumulate]) for i in range(len(times))]
     timed = slice(args.warmup, len(times))
     steps = [b - a for a, b in zip(times[args.warmup - 1 : -1], times[args.warmup :], strict=True)]
+    # Steady state: the timed steps that captured no new graph (a capture is paid once per shape).
+    steady = [k for k in range(args.warmup, len(times)) if captures[k] == captures[k - 1]]
+    steady_time = sum(times[k] - times[k - 1] for k in steady)
     peak, _ = qlora.peak_memory(device)
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
     row: dict[str, Any] = {
         "bench": "realrun", "variant": variant, "data": args.data, "device": device,
         "tokens_per_s": round(sum(per_step[timed]) / sum(steps), 1) if steps else None,
+        "tokens_per_s_steady": round(sum(per_step[k] for k in steady) / steady_time, 1) if steady else None,
+        "captures_timed": captures[-1] - captures[args.warmup - 1] if captures else 0,
         "step_ms_median": round(1000 * statistics.median(steps), 1) if steps else None,
         "step_ms_range": [round(1000 * min(steps), 1), round(1000 * max(steps), 1)] if steps else None,
         "real_tokens_per_step": round(statistics.mean(per_step), 1),

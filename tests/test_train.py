@@ -80,11 +80,23 @@ def test_ddp_backend_only_when_distributed(profile: str, torch_version: str, bac
         ("apple-m2", "0.50.2", "adamw_torch"),
     ],
 )
-def test_optimizer_for_quantised_models(profile: str, bnb: str | None, optim: str) -> None:
-    ctx = TrainingContext(quantized=True, bitsandbytes_version=bnb)
+def test_optimizer_for_quantised_models_under_memory_pressure(
+    profile: str, bnb: str | None, optim: str
+) -> None:
+    """Where the plan had to checkpoint, the paged 8-bit optimizer saves its few hundred MB."""
+    ctx = TrainingContext(quantized=True, bitsandbytes_version=bnb, gradient_checkpointing=True)
     assert training_kwargs(device_profile(profile), context=ctx)["optim"] == optim
     not_quantised = TrainingContext(quantized=False, bitsandbytes_version=bnb)
     assert training_kwargs(device_profile(profile), context=not_quantised)["optim"] == "adamw_torch"
+
+
+@pytest.mark.parametrize(
+    ("profile", "optim"),
+    [("h100", "adamw_torch_fused"), ("max-1550", "adamw_torch_fused"), ("cpu-bf16", "adamw_torch")],
+)
+def test_a_quantised_model_with_room_takes_the_fused_adamw(profile: str, optim: str) -> None:
+    ctx = TrainingContext(quantized=True, bitsandbytes_version="0.50.2", gradient_checkpointing=False)
+    assert training_kwargs(device_profile(profile), context=ctx)["optim"] == optim
 
 
 def test_gradient_checkpointing_is_non_reentrant() -> None:

@@ -312,9 +312,10 @@ _LORA_GRADS_GB = 43_646_976 * 4 / 1e9
 @pytest.mark.parametrize(
     ("lora", "liger", "measured_gb"),
     [
-        ({"fused": False}, True, 17.754),  # peft's modules, no savers
-        ({"fused": True, "liger": False}, True, 14.131),  # the fused path, no liger kernels
-        (True, True, 12.168),  # the default on the H200: fused + liger's RMSNorm
+        # measured unpacked (the fixed 4 x 512 step): packing off, so the plan keeps the plain loss
+        ({"fused": False, "packing": False}, True, 17.754),  # peft's modules, no savers
+        ({"fused": True, "liger": False, "packing": False}, True, 14.131),  # the fused path, no liger
+        ({"packing": False}, True, 12.168),  # the default on the H200: fused + liger's RMSNorm
         ({"liger": True, "gradient_checkpointing": False}, True, 8.650),  # + liger's fused loss
         ({"liger": False, "gradient_checkpointing": True}, True, 4.375),  # checkpointing
         ({"liger": True, "gradient_checkpointing": "offload"}, True, 1.058),  # offloaded + fused loss
@@ -337,3 +338,27 @@ def test_estimate_matches_the_h200_peaks(
     estimate = plan.training.estimate["peak"] / 1e9
     measured = measured_gb - _LORA_GRADS_GB
     assert abs(estimate - measured) / measured <= 0.15, (estimate, measured)
+
+
+def test_a_step_whose_logits_cross_the_arc_allocation_cap_takes_a_fused_loss() -> None:
+    """Arc GPUs refuse one allocation above 4 GiB (docs/platform-notes.md §6.5): the plain loss's fp32
+    logits of Qwen3-0.6B at 4 x 2 048 tokens are 4.98 GB, so the plan takes a fused loss there, says
+    why, and keeps the plain one where the logits fit under the cap or the card has none."""
+    from dataclasses import replace
+
+    from xpukit.machine.profiles import machine_profile
+    from xpukit.planning.training.allocation import RELAXED_VARIABLE
+
+    args: dict[str, Any] = {"quantize": "4bit", "lora": True, "batch_size": 4, "seq_len": 2048}
+    arc = plan_load(reference_config("qwen3-0.6b"), facts="arc-pro-b60", **args)
+    loss = arc.decision("loss")
+    assert loss.value in ("liger", "chunked") and "4.64 GiB tensor" in loss.reason  # 4.98 GB
+    assert RELAXED_VARIABLE in loss.reason
+    lifted = replace(machine_profile("arc-pro-b60"), env={RELAXED_VARIABLE: "1"})
+    lifted_loss = plan_load(reference_config("qwen3-0.6b"), facts=lifted, **args).decision("loss")
+    assert "allocation cap" not in lifted_loss.reason  # (the 24 GB card needs a fused loss to fit, here)
+    small = plan_load(reference_config("qwen3-0.6b"), facts="arc-pro-b60", **(args | {"seq_len": 1024}))
+    assert small.decision("loss").value == "plain"  # 2.49 GB of logits: under the cap
+    assert (
+        plan_load(reference_config("qwen3-0.6b"), facts="max-1550", **args).decision("loss").value == "plain"
+    )

@@ -40,12 +40,13 @@ from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import choose_model_class
 from xpukit.planning.model.facts import model_facts
 from xpukit.planning.model.source import read_config
+from xpukit.planning.training.allocation import allocation_cap
 from xpukit.planning.training.fit import check_step_size, training_plan_for
 from xpukit.planning.training.fused import decide_fused, fused_will_run
 from xpukit.planning.training.graphs import decide_layer_graphs
 from xpukit.planning.training.lora_request import fit_lora_to_class
 from xpukit.planning.training.merge import parse_merge, plan_merge, replace_plan
-from xpukit.planning.training.packing import decide_packing
+from xpukit.planning.training.packing import decide_packing, packing_problem
 from xpukit.planning.vocabulary import Decision
 
 __all__ = ["plan_load"]
@@ -228,10 +229,12 @@ def plan_load(
         request = fit_lora_to_class(request, class_choice, mfacts)  # task, head, VLM targets
         check_lora_targets(request, mfacts, enforce=not facts_given, warnings=said)
         fused = fused_will_run(request, mfacts, quantization=lay.quantization, backend=main.backend)
+        packed = request is not None and request.packing is not False and packing_problem(mfacts) is None
         train, request = training_plan_for(
             request, config=config, max_positions=mfacts.max_positions, memory=lay.memory,
             device=main, dtype=str(lay.dtype.value), batch_size=batch_size, seq_len=seq_len, fused=fused,
-            quantized=lay.quantization in {"4bit", "8bit"},
+            quantized=lay.quantization in {"4bit", "8bit"}, packed=packed,
+            allocation_cap=allocation_cap(main, machine.env),
         )  # fmt: skip
         return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
 

@@ -190,7 +190,9 @@ class LayerGraphs:
         swapped = _stand_ins(self.layers)
         try:
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
-                run = backend.make_graphed_callables(Stack(self.layers), samples, pool=self._pool)
+                run = backend.make_graphed_callables(
+                    Stack(self.layers), samples, num_warmup_iters=1, pool=self._pool
+                )
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             logger.warning(

@@ -291,6 +291,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_range": [round(1000 * min(steps), 1), round(1000 * max(steps), 1)] if steps else None,
         "real_tokens_per_step": round(statistics.mean(per_step), 1),
         "peak_mem_gb": round(peak / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
+        "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 2) if device == "cuda" else None,
         "micro_batch": micro, "accumulation": accumulate, "losses": losses,
         "loss_last": losses[-1] if losses else None, "max_memory": args.max_memory,
         "versions": {**qlora.versions(), "trl": _version("trl")}, "date": time.strftime("%Y-%m-%d"),

@@ -62,7 +62,7 @@ def test_what_fits_in_full_precision_stays_full_precision() -> None:
 
 def test_a_step_that_does_not_fit_beside_the_weights_also_takes_4bit() -> None:
     """Weights on the device, but no room for the step even at its leanest: 4-bit, said so."""
-    plan = plan_load(QWEN3_8B, facts="h200", lora=True, max_memory={0: "17GiB", "cpu": "64GiB"}, **STEP)
+    plan = plan_load(QWEN3_8B, facts="h200", lora=True, max_memory={0: "16.8GiB", "cpu": "64GiB"}, **STEP)
     assert plan.quantization == "4bit"
     assert "no quantize= given" in plan.decision("quantization").reason
     assert plan.training is not None and plan.training.fits

@@ -135,8 +135,11 @@ def test_room_means_no_savers_and_a_budget_means_savers() -> None:
     assert rejected == ["no savers", "chunked CE"]  # liger-kernel is not installed here
     tight = _plan(facts="h200", max_memory={0: "8GB"})
     assert tight.decision("gradient_checkpointing").value == "offload"
-    assert tight.decision("micro_batch").value < 4
-    assert tight.training.gradient_accumulation_steps * tight.training.micro_batch == 4
+    # the calibrated reserve keeps the whole batch (measured 7.74 GB on the H200: it fits 8 GB)
+    assert tight.decision("micro_batch").value == 4
+    tighter = _plan(facts="h200", max_memory={0: "7.3GB"})
+    assert tighter.decision("micro_batch").value < 4
+    assert tighter.training.gradient_accumulation_steps * tighter.training.micro_batch == 4
 
 
 def test_micro_batch_times_accumulation_is_the_batch_asked_for() -> None:
@@ -162,7 +165,7 @@ def test_micro_batch_times_accumulation_is_the_batch_asked_for() -> None:
 
 def test_a_step_that_does_not_fit_warns_with_the_numbers_and_the_fix() -> None:
     over = plan_load(reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True,
-                     batch_size=4, seq_len=2048, max_memory={0: "8GB"})  # fmt: skip
+                     batch_size=4, seq_len=8192, max_memory={0: "8GB"})  # fmt: skip
     assert over.training is not None and not over.training.fits
     [warning] = [w for w in over.warnings if w.startswith("training: a step")]
     assert "may run out of device memory" in warning and "cuda:0" in warning

@@ -91,8 +91,11 @@ def plan_load(
         kernels: ``"auto"``, ``True``, ``False``, or a ``KernelConfig`` (or its mapping dict).
         device_map: ``"auto"`` (xpukit decides), an accelerate strategy, a device, or a dict.
         max_memory: per-device weight budgets (``{0: "10GiB", "cpu": "30GiB"}``).
-        quantize: ``None``, ``"4bit"``, ``"8bit"``, ``"auto"``, a ``BitsAndBytesConfig``, or another
-            transformers quantization config (``QuantoConfig``, ``GPTQConfig``…), passed through.
+        quantize: ``None``, ``"4bit"``, ``"8bit"``, ``"auto"``, ``"nf4"``, a ``BitsAndBytesConfig``, or
+            another transformers quantization config (``QuantoConfig``, ``TorchAoConfig``…), passed
+            through. Without ``lora=``, ``4bit``/``8bit`` (and ``auto``'s 4-bit) take the device's
+            fastest weight-only format (torchao where it runs); with adapters, and for ``nf4``,
+            bitsandbytes (docs/planning.md "Quantization for inference").
         lora: ``None``, ``True``, a ``LoraConfig``, a dict of its arguments, or an adapter path; new
             adapters are checked against the model's modules here (this imports peft).
         offload: allow CPU offload when the model fits nowhere else (else :class:`PlanError`);
@@ -222,6 +225,7 @@ def plan_load(
             headroom=given_headroom,
             enforce_extras=not facts_given,
             warnings=said,
+            serve=lora is None and strategy is None,  # docs/planning.md "Quantization for inference"
         )
         request = lora_request_for(lora, quantized=lay.quantization is not None)
         request = fit_lora_to_class(request, class_choice, mfacts)  # task, head, VLM targets

@@ -1,5 +1,8 @@
 """bitsandbytes quantization requests: what was asked, whether this device and install can do it.
 
+* For a model loaded to run (no adapters), ``"4bit"`` / ``"8bit"`` / ``"auto"`` take the fastest
+  weight-only format of the device (torchao where it runs: :mod:`xpukit.planning.device.serve_quant`);
+  ``"nf4"`` or a ``BitsAndBytesConfig`` always means bitsandbytes, and so does every load with adapters.
 * ``"4bit"`` → ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
   bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=<plan dtype>)``; ``"8bit"`` →
   ``load_in_8bit=True``; a user ``BitsAndBytesConfig`` is used as given.
@@ -50,6 +53,7 @@ class QuantRequest:
 
     kind: str | None  # None | "4bit" | "8bit" | "auto" | "other" (a non-bitsandbytes config)
     user_config: Any = None  # a quantization config given by the user, used as is
+    bnb_asked: bool = False  # "nf4" or a BitsAndBytesConfig: bitsandbytes even without adapters
 
     @property
     def method(self) -> str | None:
@@ -78,16 +82,17 @@ def parse_quantize(value: object) -> QuantRequest:
             return QuantRequest(kind=None)
         if kind is None:
             raise InvalidRequestError(
-                f"quantize={value!r} is not a known quantization. Valid: None, '4bit' (nf4 + double quant), "
-                "'8bit' (LLM.int8), 'auto' (4-bit only when the model does not fit otherwise), or a "
+                f"quantize={value!r} is not a known quantization. Valid: None, '4bit' / '8bit' (the "
+                "device's fastest format to run, bitsandbytes to train), 'nf4' (bitsandbytes nf4 + double "
+                "quant, always), 'auto' (4-bit only when the model does not fit otherwise), or a "
                 "transformers.BitsAndBytesConfig."
             )
-        return QuantRequest(kind=kind)
+        return QuantRequest(kind=kind, bnb_asked=value.strip().lower() == "nf4")
     if type(value).__name__ == "BitsAndBytesConfig":
         if getattr(value, "load_in_4bit", False):
-            return QuantRequest(kind="4bit", user_config=value)
+            return QuantRequest(kind="4bit", user_config=value, bnb_asked=True)
         if getattr(value, "load_in_8bit", False):
-            return QuantRequest(kind="8bit", user_config=value)
+            return QuantRequest(kind="8bit", user_config=value, bnb_asked=True)
         raise InvalidRequestError(
             "quantize=BitsAndBytesConfig(...) loads neither 4-bit nor 8-bit; set load_in_4bit=True or "
             "load_in_8bit=True, or pass quantize=None."
@@ -105,10 +110,16 @@ def parse_quantize(value: object) -> QuantRequest:
 
 
 def bnb_config(values: dict[str, Any]) -> Any:
-    """A ``transformers.BitsAndBytesConfig`` from :func:`bnb_kwargs`-style keywords (dtypes by name).
+    """The transformers quantization config a plan's ``quantization_config`` dict describes.
 
+    :func:`bnb_kwargs`-style keywords (dtypes by name) give a ``BitsAndBytesConfig``; a torchao
+    format (``quant_method: torchao``, :mod:`xpukit.planning.device.serve_quant`) a ``TorchAoConfig``.
     Imports torch and transformers: for acting on a plan, never for deciding one.
     """
+    if values.get("quant_method") == "torchao":
+        from xpukit.planning.device.serve_quant import torchao_config
+
+        return torchao_config(values)
     import torch
     from transformers import BitsAndBytesConfig
 

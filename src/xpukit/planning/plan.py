@@ -34,7 +34,12 @@ from xpukit.planning.device.decode import check_fast_decode, plan_decode
 from xpukit.planning.device.distributed import parse_strategy, place_rank, plan_distributed, shard_candidates
 from xpukit.planning.device.layer_kernels import choose_kernels, parse_kernels
 from xpukit.planning.device.layout import plan_layout
-from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, parse_quantize
+from xpukit.planning.device.quantization import (
+    QuantRequest,
+    head_skip_modules,
+    parse_quantize,
+    recorded_request,
+)
 from xpukit.planning.for_training import Attempt, layout_for_training
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import choose_model_class
@@ -179,6 +184,9 @@ def plan_load(
         device_map=device_map, max_memory=max_memory,
     )  # fmt: skip
     config, source, name, consumed = read_config(model, kwargs)
+    if quantize is None and lora is None and (recorded := recorded_request(config)) is not None:
+        # A merged checkpoint written to load quantized (docs/planning.md "Quantization for inference").
+        quant = recorded
     machine, facts_given = machine_for(facts)
     if isinstance(device_map, dict):
         device_text = device_of_map(device_map, device_text, machine)

@@ -95,6 +95,7 @@ def plan_layout(
 
     def auto_4bit_problem() -> str | None:
         return None if four_torchao else _auto_4bit_problem(main, dtype)
+
     # A non-bitsandbytes config (quanto, torchao, GPTQ…) goes to from_pretrained unchanged; it is
     # sized by the bit width it states, else unquantized (an upper bound), which the plan says.
     other_bits = quantized_bits(quant.user_config) if kind == "other" else None
@@ -227,11 +228,13 @@ def plan_layout(
     quantization = fixed
     weights_key = f"{fixed}/{dtype}" if fixed else dtype
     quant_value: Any = None
-    quant_source: Literal["auto", "user", "fallback"] = "user" if kind in {"4bit", "8bit", "other"} else "auto"
+    quant_source: Literal["auto", "user", "fallback"] = (
+        "user" if kind in {"4bit", "8bit", "other"} else "auto"
+    )
     chosen_fmt = serve_fmt(fixed, dtype)
     if chosen_fmt is not None and chosen_fmt.library == "torchao":
         quantization, qconfig, quant_value = "torchao", chosen_fmt.config, chosen_fmt.label
-        quant_reason = _with_format(quant_reason, kind, chosen_fmt)
+        quant_reason = _with_format(quant_reason, quant, chosen_fmt)
         quant_rejected = (*quant_rejected, *chosen_fmt.rejected)
     elif fixed:
         qconfig = quant.user_config.to_dict() if quant.user_config is not None else bnb_kwargs(fixed, dtype)
@@ -240,7 +243,7 @@ def plan_layout(
         elif quant.bnb_asked:
             quant_reason = f"quantize='nf4' given: bitsandbytes nf4 + double quant, compute dtype {dtype}"
         elif chosen_fmt is not None:
-            quant_reason = _with_format(quant_reason, kind, chosen_fmt)
+            quant_reason = _with_format(quant_reason, quant, chosen_fmt)
             quant_rejected = (*quant_rejected, *chosen_fmt.rejected)
             if chosen_fmt.torchao_missing:  # torchao would run here, but is missing or too old
                 quant_source = "fallback"
@@ -313,10 +316,10 @@ def plan_layout(
     )
 
 
-def _with_format(reason: str, kind: str | None, fmt: ServeFormat) -> str:
+def _with_format(reason: str, quant: QuantRequest, fmt: ServeFormat) -> str:
     """The quantization reason with the format chosen for a load without adapters."""
-    if kind in {"4bit", "8bit"}:
-        return f"quantize={kind!r} given, a load to run (no adapters): {fmt.reason}"
+    if quant.kind in {"4bit", "8bit"}:
+        return f"quantize={quant.kind!r} {quant.origin}, a load to run (no adapters): {fmt.reason}"
     return f"{reason}; {fmt.reason}"
 
 

@@ -33,16 +33,22 @@ if TYPE_CHECKING:
 __all__ = [
     "BNB_MIN",
     "BNB_MIN_ARC_A_BF16",
+    "RECORDED_QUANTIZE_KEY",
     "QuantRequest",
     "bnb_config",
     "bnb_kwargs",
     "bnb_problem",
     "head_skip_modules",
     "parse_quantize",
+    "recorded_request",
 ]
 
 BNB_MIN = "0.48"  # first release with the native XPU (SYCL) backend and a working CPU 4-bit path
 BNB_MIN_ARC_A_BF16 = "0.50"  # Alchemist bf16 gemv_4bit fix (bitsandbytes#1942)
+
+# The config.json key where `xpukit merge --quantize` records the quantization to load with
+# (docs/planning.md "Quantization for inference").
+RECORDED_QUANTIZE_KEY = "xpukit_quantize"
 
 _NAMES = {"4bit": "4bit", "nf4": "4bit", "int4": "4bit", "8bit": "8bit", "int8": "8bit", "auto": "auto"}
 
@@ -54,6 +60,7 @@ class QuantRequest:
     kind: str | None  # None | "4bit" | "8bit" | "auto" | "other" (a non-bitsandbytes config)
     user_config: Any = None  # a quantization config given by the user, used as is
     bnb_asked: bool = False  # "nf4" or a BitsAndBytesConfig: bitsandbytes even without adapters
+    origin: str = "given"  # where the request came from, as the plan's reason says it
 
     @property
     def method(self) -> str | None:
@@ -107,6 +114,19 @@ def parse_quantize(value: object) -> QuantRequest:
         "'8bit', 'auto', a transformers.BitsAndBytesConfig, or another transformers quantization "
         "config (QuantoConfig, TorchAoConfig, GPTQConfig…), passed to from_pretrained unchanged."
     )
+
+
+def recorded_request(config: Any) -> QuantRequest | None:
+    """The quantization a merged checkpoint records for loads without adapters, or ``None``.
+
+    ``xpukit merge --quantize int4`` writes ``"xpukit_quantize": "4bit"`` into config.json; a load
+    with ``quantize`` left out takes it (``quantize="none"`` loads the checkpoint unquantized).
+    """
+    value = getattr(config, RECORDED_QUANTIZE_KEY, None)
+    if value not in {"4bit", "8bit"}:
+        return None
+    origin = f"recorded in the checkpoint (config.json {RECORDED_QUANTIZE_KEY})"
+    return QuantRequest(kind=str(value), origin=origin)
 
 
 def bnb_config(values: dict[str, Any]) -> Any:

@@ -32,8 +32,10 @@ __all__ = [
     "torchao_version",
 ]
 
-TORCHAO_MIN = "0.18"  # the release these rules were checked against (docs/planning.md "Quantization for inference")
-INT4_GROUP_SIZE = 128  # torchao's default group; a layer whose input width it does not divide stays unquantized
+# The release these rules were checked against (docs/planning.md "Quantization for inference").
+TORCHAO_MIN = "0.18"
+# torchao's default group; a layer whose input width it does not divide stays unquantized.
+INT4_GROUP_SIZE = 128
 _TORCHAO_FIX = "pip install 'xpukit[serve]'"
 
 # The torchao config classes xpukit names, and the modules they live in (torchao 0.18).
@@ -134,7 +136,7 @@ def _torchao_candidate(
     if backend == "cuda":
         capability = device.compute_capability
         if capability is not None and capability[0] < 8:
-            return None, f"tinygemm's int4 kernel needs compute capability 8.0, {device.name} has {capability}"
+            return None, f"tinygemm's int4 kernel needs compute capability 8.0, {device.name} is {capability}"
         if dtype != "bfloat16":
             return None, f"tinygemm's int4 kernel takes bfloat16 only, the plan computes in {dtype}"
         return _int4("tile_packed_to_4d", "Int4WeightOnlyConfig", "tinygemm kernel (tile-packed) on CUDA")
@@ -148,7 +150,8 @@ def _torchao_candidate(
                 f"on the CPU in {dtype} it measured slower than bitsandbytes nf4 (7.8 vs 1.9 ms for a "
                 '2048x2048 product at batch 1: docs/planning.md "Quantization for inference")'
             )
-        return _int4(None, "PrototypeInt4WeightOnlyConfig", "the CPU int4 kernel (_weight_int4pack_mm_for_cpu)")
+        kernel = "the CPU int4 kernel (_weight_int4pack_mm_for_cpu)"
+        return _int4(None, "PrototypeInt4WeightOnlyConfig", kernel)
     return None, "no torchao int4 kernel for MPS"
 
 
@@ -159,7 +162,7 @@ def _int4(
     if packing is not None:
         kwargs["int4_packing_format"] = packing
     label = f"torchao int4 ({packing or 'cpu'})"
-    why = f"{kernel}, groups of {INT4_GROUP_SIZE} (docs/planning.md \"Quantization for inference\")"
+    why = f'{kernel}, groups of {INT4_GROUP_SIZE} (docs/planning.md "Quantization for inference")'
     return (label, quant_type, kwargs, why), None
 
 

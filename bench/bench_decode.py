@@ -311,6 +311,11 @@ def main() -> None:
     parser.add_argument(
         "--deadline-s", type=float, help="skip variants that would start after this many seconds"
     )
+    parser.add_argument(
+        "--torchao-inductor-config",
+        action="store_true",
+        help="apply torchao's recommended inductor settings first (xpukit's torchao loads do not)",
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # the second process's model
     args = parser.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -336,6 +341,10 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
     transformers.utils.logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.torchao_inductor_config:
+        from torchao.quantization.utils import recommended_inductor_config_setter
+
+        recommended_inductor_config_setter()
     bandwidth, device_name = bandwidth_for(args.device, args.bandwidth)
     common = {
         "bench": "decode",
@@ -347,6 +356,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
         "versions": versions(),
         "new_tokens": args.new_tokens,
         "prompt_len": args.prompt_len,
+        "torchao_inductor_config": args.torchao_inductor_config,
     }
     if args.child is not None:
         print(json.dumps(common | child_row(args)), flush=True)

@@ -203,8 +203,12 @@ def _rel(a: Any, b: Any) -> float:
 def test_torchao_logits_close_to_full_precision(wide_model: Path, bits: str) -> None:
     import torch
 
+    from torch._inductor import config as inductor
+
     reference = _load(wide_model, None, "float32")
+    before = inductor.coordinate_descent_tuning
     model = _load(wide_model, bits)
+    assert inductor.coordinate_descent_tuning == before  # set_inductor_config=False: no process-wide change
     kind = {"8bit": "Int8Tensor", "4bit": "Int4OpaqueTensor"}[bits]
     assert model.xpukit_plan.quantization == "torchao"
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]

@@ -8,6 +8,8 @@ rules and the measurements behind them are in docs/planning.md "Quantization for
   (bfloat16 or float16) ``int4_packing_format="plain_int32"`` (oneDNN); the CPU in bfloat16
   ``PrototypeInt4WeightOnlyConfig`` (``_weight_int4pack_mm_for_cpu``). Group size 128.
 * torchao int8 weight-only (``Int8WeightOnlyConfig``, per row) on CUDA, XPU and the CPU.
+* ``set_inductor_config=False``: torchao's default would change inductor settings for the whole
+  process when the weights are quantized (docs/planning.md "Quantization for inference").
 * bitsandbytes (nf4 + double quant, LLM.int8) where none of these runs, or torchao is missing or
   too old: the fallback is recorded with what would fix it.
 
@@ -130,7 +132,7 @@ def _torchao_candidate(
         return (
             "torchao int8",
             "Int8WeightOnlyConfig",
-            {},
+            {"set_inductor_config": False},
             'int8 weights, one scale per row (docs/planning.md "Quantization for inference")',
         ), None
     if backend == "cuda":
@@ -158,7 +160,7 @@ def _torchao_candidate(
 def _int4(
     packing: str | None, quant_type: str, kernel: str
 ) -> tuple[tuple[str, str, dict[str, Any], str], None]:
-    kwargs: dict[str, Any] = {"group_size": INT4_GROUP_SIZE}
+    kwargs: dict[str, Any] = {"group_size": INT4_GROUP_SIZE, "set_inductor_config": False}
     if packing is not None:
         kwargs["int4_packing_format"] = packing
     label = f"torchao int4 ({packing or 'cpu'})"

@@ -202,7 +202,6 @@ def _rel(a: Any, b: Any) -> float:
 @pytest.mark.parametrize("bits", ["8bit", "4bit"])
 def test_torchao_logits_close_to_full_precision(wide_model: Path, bits: str) -> None:
     import torch
-
     from torch._inductor import config as inductor
 
     reference = _load(wide_model, None, "float32")

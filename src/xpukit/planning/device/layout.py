@@ -13,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from xpukit.errors import InvalidRequestError, PlanError
+from xpukit.errors import PlanError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
-from xpukit.machine.precision import normalize_dtype
 from xpukit.planning.budgets import (
     Headroom,
     Placement,
@@ -34,7 +33,7 @@ from xpukit.planning.device.given_layout import (
     given_budgets,
     given_map,
 )
-from xpukit.planning.device.quantization import QuantRequest, bnb_kwargs, bnb_problem, require_bnb
+from xpukit.planning.device.quantization import QuantRequest, auto_4bit_problem, bnb_kwargs, check_bnb
 from xpukit.planning.device.serve_quant import ServeFormat, serve_format, torchao_version
 from xpukit.planning.model.facts import ModelFacts, quantized_bits
 from xpukit.planning.vocabulary import Decision, MemoryEstimate
@@ -88,13 +87,13 @@ def plan_layout(
 
     asked_fmt = serve_fmt(kind, str(dtype_decision.value))
     if asked_fmt is None or asked_fmt.library != "torchao":
-        dtype_decision = _check_bnb(kind, quant, main, dtype_decision, enforce_extras, warnings)
+        dtype_decision = check_bnb(kind, quant, main, dtype_decision, enforce_extras, warnings)
     dtype = str(dtype_decision.value)
     four_fmt = serve_fmt("4bit", dtype)
     four_torchao = four_fmt is not None and four_fmt.library == "torchao"
 
-    def auto_4bit_problem() -> str | None:
-        return None if four_torchao else _auto_4bit_problem(main, dtype)
+    def four_bit_problem() -> str | None:  # why quantize="auto" cannot take 4-bit here
+        return None if four_torchao else auto_4bit_problem(main, dtype)
 
     # A non-bitsandbytes config (quanto, torchao, GPTQ…) goes to from_pretrained unchanged; it is
     # sized by the bit width it states, else unquantized (an upper bound), which the plan says.
@@ -139,7 +138,7 @@ def plan_layout(
                 quant_reason = "quantize='auto': not needed, the model fits the given device_map"
             else:
                 p4, fits4 = given_map(device_map, machine, weights("4bit"), head("4bit"))
-                problem = auto_4bit_problem() or (None if four_torchao else bnb_map_problem(device_map))
+                problem = four_bit_problem() or (None if four_torchao else bnb_map_problem(device_map))
                 if fits4 and problem is None:
                     placement, fits, fixed = p4, True, "4bit"
                     quant_reason = (
@@ -167,7 +166,7 @@ def plan_layout(
             if weights(None) <= total or "disk" in max_memory:
                 quant_reason = "quantize='auto': not needed, the weights fit the given max_memory"
             else:
-                problem = auto_4bit_problem()
+                problem = four_bit_problem()
                 if problem is None and weights("4bit") <= total:
                     fixed = "4bit"
                     quant_reason = (
@@ -187,7 +186,7 @@ def plan_layout(
             if fitted is not None:
                 quant_reason = "quantize='auto': not needed, the model fits as it is"
             else:
-                problem = auto_4bit_problem()
+                problem = four_bit_problem()
                 fit4 = fit(weights("4bit"), head("4bit"), candidates)
                 if fit4 is not None and problem is None:
                     fitted, fixed = fit4, "4bit"
@@ -321,58 +320,6 @@ def _with_format(reason: str, quant: QuantRequest, fmt: ServeFormat) -> str:
     if quant.kind in {"4bit", "8bit"}:
         return f"quantize={quant.kind!r} {quant.origin}, a load to run (no adapters): {fmt.reason}"
     return f"{reason}; {fmt.reason}"
-
-
-def _check_bnb(
-    kind: str | None,
-    quant: QuantRequest,
-    main: DeviceFacts,
-    dtype_decision: Decision,
-    enforce: bool,
-    warnings: list[str],
-) -> Decision:
-    """bitsandbytes usable for an explicit request; on Arc A with bnb < 0.50 switch to fp16 compute."""
-    if kind not in {"4bit", "8bit"}:
-        return dtype_decision
-    dtype = str(dtype_decision.value)
-    compute = dtype
-    if quant.user_config is not None:
-        # A user's config computes in its own dtype (transformers' default is float32).
-        compute = normalize_dtype(getattr(quant.user_config, "bnb_4bit_compute_dtype", None)) or "float32"
-    problem, fix = bnb_problem(main, kind, compute)
-    if fix and quant.user_config is not None:
-        warnings.append(
-            f"the given BitsAndBytesConfig computes 4-bit in bfloat16 on {main.name}: {problem}. Fix: "
-            "pip install 'bitsandbytes>=0.50', or bnb_4bit_compute_dtype=torch.float16"
-        )
-        return dtype_decision
-    if fix:
-        if dtype_decision.source == "user":
-            raise InvalidRequestError(
-                f"dtype='bfloat16' with quantize='4bit' on {main.name}: {problem}. Fix: pip install "
-                "'bitsandbytes>=0.50', or dtype='float16'."
-            )
-        return Decision(
-            name="dtype",
-            value=fix,
-            reason=f"{problem}, so 4-bit computes in fp16 (pip install 'bitsandbytes>=0.50' for bf16)",
-            rejected=(("bfloat16", str(problem)), *dtype_decision.rejected),
-        )
-    if problem and not fix:
-        if enforce:
-            require_bnb(kind)  # raises MissingExtraError with the fix
-        warnings.append(f"{problem} (planned anyway for the assumed machine)")
-    return dtype_decision
-
-
-def _auto_4bit_problem(main: DeviceFacts, dtype: str) -> str | None:
-    try:
-        problem, fix = bnb_problem(main, "4bit", dtype)
-    except InvalidRequestError as exc:  # MPS: no bitsandbytes backend
-        return str(exc).split(". Fix")[0]
-    if fix:
-        return f"{problem} (would compute in fp16)"
-    return problem
 
 
 def _no_fit(

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 from xpukit._compat import installed_version, is_installed, version_at_least
 from xpukit.errors import InvalidRequestError, MissingExtraError
 from xpukit.machine.facts import DeviceFacts
+from xpukit.machine.precision import normalize_dtype
+from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
     from xpukit.planning.model.facts import ModelFacts
@@ -35,9 +37,11 @@ __all__ = [
     "BNB_MIN_ARC_A_BF16",
     "RECORDED_QUANTIZE_KEY",
     "QuantRequest",
+    "auto_4bit_problem",
     "bnb_config",
     "bnb_kwargs",
     "bnb_problem",
+    "check_bnb",
     "head_skip_modules",
     "parse_quantize",
     "recorded_request",
@@ -220,3 +224,60 @@ def head_skip_modules(
     if "llm_int8_skip_modules" in config or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
         return config
     return {**config, "llm_int8_skip_modules": list(facts.quantization_skip)}
+
+
+def check_bnb(
+    kind: str | None,
+    quant: QuantRequest,
+    main: DeviceFacts,
+    dtype_decision: Decision,
+    enforce: bool,
+    warnings: list[str],
+) -> Decision:
+    """bitsandbytes usable for an explicit request; on Arc A with bnb < 0.50 switch to fp16 compute.
+
+    Returns the dtype decision (changed to fp16 when only that makes 4-bit work); a missing
+    bitsandbytes raises when ``enforce`` (this machine), else becomes a warning.
+    """
+    if kind not in {"4bit", "8bit"}:
+        return dtype_decision
+    dtype = str(dtype_decision.value)
+    compute = dtype
+    if quant.user_config is not None:
+        # A user's config computes in its own dtype (transformers' default is float32).
+        compute = normalize_dtype(getattr(quant.user_config, "bnb_4bit_compute_dtype", None)) or "float32"
+    problem, fix = bnb_problem(main, kind, compute)
+    if fix and quant.user_config is not None:
+        warnings.append(
+            f"the given BitsAndBytesConfig computes 4-bit in bfloat16 on {main.name}: {problem}. Fix: "
+            "pip install 'bitsandbytes>=0.50', or bnb_4bit_compute_dtype=torch.float16"
+        )
+        return dtype_decision
+    if fix:
+        if dtype_decision.source == "user":
+            raise InvalidRequestError(
+                f"dtype='bfloat16' with quantize='4bit' on {main.name}: {problem}. Fix: pip install "
+                "'bitsandbytes>=0.50', or dtype='float16'."
+            )
+        return Decision(
+            name="dtype",
+            value=fix,
+            reason=f"{problem}, so 4-bit computes in fp16 (pip install 'bitsandbytes>=0.50' for bf16)",
+            rejected=(("bfloat16", str(problem)), *dtype_decision.rejected),
+        )
+    if problem and not fix:
+        if enforce:
+            require_bnb(kind)  # raises MissingExtraError with the fix
+        warnings.append(f"{problem} (planned anyway for the assumed machine)")
+    return dtype_decision
+
+
+def auto_4bit_problem(main: DeviceFacts, dtype: str) -> str | None:
+    """Why ``quantize="auto"`` cannot take bitsandbytes 4-bit here, or ``None``."""
+    try:
+        problem, fix = bnb_problem(main, "4bit", dtype)
+    except InvalidRequestError as exc:  # MPS: no bitsandbytes backend
+        return str(exc).split(". Fix")[0]
+    if fix:
+        return f"{problem} (would compute in fp16)"
+    return problem

@@ -55,7 +55,7 @@ Usage::
     python bench/bench_decode.py --device cpu --shape tiny --new-tokens 32 --threads 1
     python bench/bench_decode.py --device cpu --shape small --variants raw,static,compiled --batch 1
     python bench/bench_decode.py --device cuda --shape qwen3-8b --batch 1 --repeat 1 \
-        --variants int4-fast,int4,nf4,int8,fast --model-dir /dev/shm/xpukit-bench --deadline-s 220
+        --variants int4-fast,int4,nf4,int8,fast --model-dir /dev/shm/xpukit-bench --deadline-s 150
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ Variants:
   (``xpukit.loading.decode.attention``), to measure what that saves;
 * ``fast-hf``: the same load with xpukit's loop switched off (``model.xpukit_decode_loop.enabled =
   False``): transformers' ``generate`` with the same static cache and compile settings;
+* quantized weights (docs/decode.md "Quantized models"): ``nf4`` is ``load_for_xpu(path,
+  quantize="nf4")`` (bitsandbytes); ``int4`` / ``int8`` are ``quantize="4bit"`` / ``"8bit"`` (the
+  device's fastest format: torchao where it runs, the row's ``quantization`` says which);
+  ``int4-fast`` / ``int8-fast`` add ``fast_decode=True, warmup=True`` (the row's ``fast_decode`` is
+  the plan's decision: where the plan does not take it, nothing changes);
 * ``static`` / ``compiled`` (measurement aids, not what xpukit sets on a CPU): ``load_for_xpu``, then
   a static cache of the same length as ``fast``, and for ``compiled`` transformers' compiled decoding
   forced on every device (``CompileConfig._compile_all_devices``); ``loop``: xpukit's decode loop,
@@ -36,6 +41,11 @@ warm-up and first call at each batch size, so only xpukit's compile cache can ma
 Caches: unless ``--keep-caches``, this process points ``XPUKIT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``
 and ``TRITON_CACHE_DIR`` at fresh directories under its temporary root, so every warm-up here is cold.
 ``--model-dir`` keeps the random-weight models between runs (an 8B shape takes a minute to write).
+Every row has ``weights_bytes`` (the stored bytes of the parameters, inner tensors of torchao's
+quantized ones included), and on CUDA/XPU ``memory_gb`` (allocated after the load and warm-up) and
+``peak_memory_gb`` (the most allocated from the load to the last call). ``--deadline-s`` skips the
+variants that would start after that many seconds (a ``skipped`` row each), so a bounded run still
+reports what it measured.
 
 Usage::
 
@@ -44,6 +54,8 @@ Usage::
         --second-process
     python bench/bench_decode.py --device cpu --shape tiny --new-tokens 32 --threads 1
     python bench/bench_decode.py --device cpu --shape small --variants raw,static,compiled --batch 1
+    python bench/bench_decode.py --device cuda --shape qwen3-8b --batch 1 --repeat 1 \
+        --variants int4-fast,int4,nf4,int8,fast --model-dir /dev/shm/xpukit-bench --deadline-s 150
 """
 
 from __future__ import annotations
@@ -90,7 +102,18 @@ SMALL_SHAPES: dict[str, dict[str, int]] = {
         "head_dim": 64,
     },
 }
-VARIANTS = ("raw", "xpukit", "fast", "fast-sdpa", "fast-hf", "static", "compiled", "loop")
+VARIANTS = (
+    "raw", "xpukit", "fast", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
+    "nf4", "int4", "int8", "int4-fast", "int8-fast",
+)  # fmt: skip
+# The quantized variants: quantize= and fast_decode (docs/decode.md "Quantized models").
+QUANTIZED = {
+    "nf4": ("nf4", False),
+    "int4": ("4bit", False),
+    "int8": ("8bit", False),
+    "int4-fast": ("4bit", True),
+    "int8-fast": ("8bit", True),
+}
 REPLAY_STEPS = 64
 
 
@@ -125,6 +148,11 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
     from xpukit.loading.load import load_for_xpu
     from xpukit.planning.plan import plan_load
 
+    if variant in QUANTIZED:
+        quantize, fast = QUANTIZED[variant]
+        if fast:
+            return load_for_xpu(path, device=device, quantize=quantize, fast_decode=True, warmup=True)
+        return load_for_xpu(path, device=device, quantize=quantize)
     if variant == "raw":
         dtype = getattr(torch, plan_load(path, device=device).dtype)
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
@@ -178,6 +206,29 @@ def cache_len(args: argparse.Namespace, path: Path) -> int:
     return -(-(args.prompt_len + args.new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
 
 
+def stored_bytes(tensor: Any) -> int:
+    """Bytes a tensor stores: a tensor subclass (torchao's quantized weights) counts its inner tensors."""
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is not None:
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return int(tensor.numel() * tensor.element_size())
+
+
+def memory(device: str, peak: bool = False, reset: bool = False) -> float | None:
+    """Allocated (or peak allocated) device memory in GB on CUDA/XPU; ``None`` elsewhere."""
+    import torch
+
+    kind = device.split(":")[0]
+    module = getattr(torch, kind, None) if kind in {"cuda", "xpu"} else None
+    if module is None:
+        return None
+    if reset:
+        module.reset_peak_memory_stats()
+        return None
+    return round((module.max_memory_allocated() if peak else module.memory_allocated()) / 1e9, 3)
+
+
 def sync(device: str) -> None:
     import torch
 
@@ -218,7 +269,7 @@ def bandwidth_for(device: str, given: float | None) -> tuple[float | None, str]:
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "accelerate", "xpukit"):
+    for dist in ("torch", "transformers", "accelerate", "xpukit", "torchao", "bitsandbytes"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
@@ -257,6 +308,14 @@ def main() -> None:
     )
     parser.add_argument("--model-dir", type=Path, help="build the random-weight models here and reuse them")
     parser.add_argument("--keep-caches", action="store_true", help="use the usual compile and xpukit caches")
+    parser.add_argument(
+        "--deadline-s", type=float, help="skip variants that would start after this many seconds"
+    )
+    parser.add_argument(
+        "--torchao-inductor-config",
+        action="store_true",
+        help="apply torchao's recommended inductor settings first (xpukit's torchao loads do not)",
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # the second process's model
     args = parser.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -282,6 +341,10 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
     transformers.utils.logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.torchao_inductor_config:
+        from torchao.quantization.utils import recommended_inductor_config_setter
+
+        recommended_inductor_config_setter()
     bandwidth, device_name = bandwidth_for(args.device, args.bandwidth)
     common = {
         "bench": "decode",
@@ -293,6 +356,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
         "versions": versions(),
         "new_tokens": args.new_tokens,
         "prompt_len": args.prompt_len,
+        "torchao_inductor_config": args.torchao_inductor_config,
     }
     if args.child is not None:
         print(json.dumps(common | child_row(args)), flush=True)
@@ -306,16 +370,21 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
         reference: dict[int, Any] = {}
         outputs: dict[tuple[str, int], Any] = {}
         for variant in variants:
+            if args.deadline_s and time.perf_counter() - _STARTED > args.deadline_s:
+                print(json.dumps(common | {"shape": shape, "variant": variant, "skipped": "deadline"}))
+                continue
+            memory(args.device, reset=True)
             start = time.perf_counter()
             model = load(variant, path, args.device, cache_len(args, path))
             load_s = time.perf_counter() - start
+            loaded_gb = memory(args.device)
             if (
                 variant in {"fast", "fast-sdpa", "fast-hf"}
                 and args.cache_len
                 and model.generation_config.cache_implementation
             ):
                 model.generation_config.max_cache_len = args.cache_len
-            weights = sum(p.numel() * p.element_size() for p in model.parameters())
+            weights = sum(stored_bytes(p) for p in model.parameters())
             plan = getattr(model, "xpukit_plan", None)
             events = list(plan.events if plan else []) + list(getattr(model, "xpukit_bench_warmup", []))
             warmup = next((e.actual for e in events if e.what == "warmup"), None)
@@ -349,6 +418,14 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
                     "warmup": warmup,
                     "note": getattr(model, "xpukit_bench_note", None),
                     "loop": (getattr(model, "xpukit_last_decode", None) or {}).get("loop", "transformers"),
+                    "quantization": plan.decision("quantization").value if plan else None,
+                    "fast_decode": (
+                        plan.decision("fast_decode").to_dict()
+                        if plan and any(d.name == "fast_decode" for d in plan.decisions)
+                        else None
+                    ),
+                    "memory_gb": loaded_gb,
+                    "peak_memory_gb": memory(args.device, peak=True),
                     "same_tokens_as_first_variant": bool(torch.equal(out.cpu(), reference[batch])),
                     "same_tokens_as": [
                         v
@@ -361,8 +438,8 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
                 print(json.dumps(row), flush=True)
             del model
             gc.collect()
-            if args.device.startswith("cuda"):
-                torch.cuda.empty_cache()
+            if args.device.startswith(("cuda", "xpu")):
+                getattr(torch, args.device.split(":")[0]).empty_cache()
         if args.second_process:
             print(json.dumps(common | second_process(args, shape, path)), flush=True)
 

@@ -104,9 +104,10 @@ def test_cache_length_follows_the_headroom_and_the_context():
 def test_not_compiled_for_bitsandbytes_or_a_split_model():
     from xpukit.machine.profiles import machine_profile
 
-    quantized = plan_load(reference_config("qwen3-8b"), facts="arc-b580", quantize="4bit", fast_decode=True)
+    quantized = plan_load(reference_config("qwen3-8b"), facts="arc-b580", quantize="nf4", fast_decode=True)
     decision = quantized.decision("fast_decode")
-    assert decision.value["compile"] is False and decision.value["static_cache"] is True
+    # Measured slower than plain generate: nothing changes (tests/test_serve_quant.py has the rest).
+    assert decision.value["compile"] is False and decision.value["static_cache"] is False
     assert decision.source == "fallback" and "bitsandbytes" in decision.reason
     assert quantized.decode is not None and quantized.decode.graph_batch_sizes == ()
     split = plan_load(reference_config("llama-3.1-70b"), facts=machine_profile("h200", 2), fast_decode=True)

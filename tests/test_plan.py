@@ -45,11 +45,18 @@ def fake_kernel(cache: Path, repo: str, version: int) -> None:
 
 @pytest.fixture
 def bnb(monkeypatch):
-    """Pretend a bitsandbytes version (or none) is installed, as package metadata would say."""
+    """Pretend a bitsandbytes version (or none) is installed, as package metadata would say.
+
+    torchao is hidden: these tests are about bitsandbytes, which a load without adapters takes only
+    where torchao's faster formats cannot run (tests/test_serve_quant.py).
+    """
 
     def set_version(version: str | None) -> None:
         import xpukit._compat as compat
+        import xpukit.planning.device.layout as layout
         import xpukit.planning.device.quantization as quantization
+
+        monkeypatch.setattr(layout, "torchao_version", lambda: None)
 
         for module in (compat, quantization):
             real_version = module.installed_version
@@ -488,7 +495,7 @@ def _no_network(*args, **kwargs):
 def test_cli_plan_json_and_text(capsys):
     from xpukit.cli.main import main
 
-    assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--json"]) == 0
+    assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "nf4", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["device_map"] == "xpu:0" and data["quantization"] == "4bit"
     assert data["machine"]["source"] == "profile:arc-b580"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from xpukit._compat import quiet_torchao_import
 from xpukit.errors import (
     DeviceSelectionError,
     DeviceUnavailableError,
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from xpukit.planning.vocabulary import Decision, LoadEvent
     from xpukit.select.devices import DeviceSelection, select_devices
     from xpukit.training.arguments import training_args
+
+quiet_torchao_import()  # docs/planning.md "Quantization for inference" (torchao's import noise)
 
 # Public name -> the module that defines it, imported on first attribute access.
 _LAZY = {

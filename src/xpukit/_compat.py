@@ -6,6 +6,7 @@ reach the Hub); versions come from the installed distributions' metadata.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from importlib import metadata
 from importlib.util import find_spec
@@ -19,6 +20,7 @@ __all__ = [
     "Extra",
     "installed_version",
     "is_installed",
+    "quiet_torchao_import",
     "require",
     "version_at_least",
 ]
@@ -42,7 +44,33 @@ EXTRAS: dict[str, Extra] = {
     "liger-kernel": Extra(package="liger-kernel", module="liger_kernel", extra="liger"),
     "matplotlib": Extra(package="matplotlib", module="matplotlib", extra="plot"),
     "deepspeed": Extra(package="deepspeed", module="deepspeed", extra="deepspeed"),
+    "torchao": Extra(package="torchao", module="torchao", extra="serve", minimum="0.18"),
 }
+
+
+class _TorchaoImportNoise(logging.Filter):
+    """Drops the records torchao 0.18 logs on import in a torch build without CUDA 9.0a.
+
+    transformers imports torchao whenever it is installed (``transformers/quantizers/auto.py``), and
+    torchao then logs ``Failed to load …/_C_mxfp8…so`` / ``_C_cutlass_90a…so`` (CUDA-only kernels
+    xpukit never uses) and torch logs one ``register_constant`` deprecation per torchao enum: noise
+    on every CPU or XPU run (docs/planning.md "Quantization for inference"). Anything else passes.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if record.name == "torchao":
+            cuda_only = "_C_mxfp8" in message or "_C_cutlass" in message
+            return not (message.startswith("Failed to load") and cuda_only)
+        return "register_constant() on Enum subclasses" not in message
+
+
+def quiet_torchao_import() -> None:
+    """Install :class:`_TorchaoImportNoise` on the two loggers (once; imports nothing)."""
+    for name in ("torchao", "torch.utils._pytree"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _TorchaoImportNoise) for f in log.filters):
+            log.addFilter(_TorchaoImportNoise())
 
 
 _FOUND: dict[str, str] = {}

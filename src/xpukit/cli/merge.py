@@ -24,7 +24,8 @@ def add_parser(sub: Any) -> None:
         epilog="Examples:\n"
         "  xpukit merge Qwen/Qwen3-8B out/adapter out/merged\n"
         "  xpukit merge ./base ./adapter ./merged --dtype bfloat16 --device cpu\n"
-        "  xpukit merge ./base ./lora-adapter ./merged --into original --json",
+        "  xpukit merge ./base ./lora-adapter ./merged --into original --json\n"
+        "  xpukit merge Qwen/Qwen3-8B out/adapter out/merged-int4 --quantize int4",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("base", metavar="BASE", help="the base model's directory or Hub id")
@@ -46,6 +47,12 @@ def add_parser(sub: Any) -> None:
         help="merge even when the adapter's tensors do not all fit BASE (it was trained on another "
         "base); the plan lists what does not fit",
     )
+    parser.add_argument(
+        "--quantize",
+        choices=("int4", "int8"),
+        help="record in OUT that it loads quantized: load_for_xpu(OUT) then quantizes the full-precision "
+        "weights to the device's fastest int4/int8 format as they load (quantize='none' opts out)",
+    )
     parser.add_argument("--json", action="store_true", help="print what was done as JSON")
     parser.set_defaults(run=run)
 
@@ -65,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         merge=args.into or True,
         force=args.force,
+        quantize=args.quantize,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
@@ -78,4 +86,6 @@ def run(args: argparse.Namespace) -> int:
         else "no tokenizer (none found)"
     )
     print(f"wrote {result.out}: {', '.join(result.files)}; {tokenizer}")
+    if result.quantize is not None:
+        print(f"loads quantized: load_for_xpu({str(result.out)!r}) takes quantize={result.quantize!r}")
     return 0

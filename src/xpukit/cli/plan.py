@@ -37,7 +37,11 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--kernels", default="auto", choices=("auto", "on", "off"), help="Hub kernels (use_kernels)"
     )
-    parser.add_argument("--quantize", help="4bit, 8bit or auto (4-bit only when needed to fit)")
+    parser.add_argument(
+        "--quantize",
+        help="4bit, 8bit (the device's fastest format without --lora), nf4 (bitsandbytes) or auto (4-bit "
+        "only when needed to fit)",
+    )
     parser.add_argument(
         "--assume",
         metavar="PROFILE[xN]",

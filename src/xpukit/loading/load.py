@@ -22,6 +22,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from xpukit._compat import require
 from xpukit.errors import DeviceUnavailableError, InvalidRequestError, XpukitError
 from xpukit.hub import hub_offline, hub_status, offline_guard
 from xpukit.loading.hub_kernels import (
@@ -146,6 +147,8 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
     check_runtime(plan)
     if plan.quantization in {"4bit", "8bit"}:
         require_bnb(plan.quantization)  # MissingExtraError naming the fix, before any weight is read
+    elif plan.quantization == "torchao":
+        require("torchao", f"quantization {plan.decision('quantization').value}")
     import transformers
 
     cls = (

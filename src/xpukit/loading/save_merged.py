@@ -4,7 +4,10 @@
 checkpoint declares (its config's ``dtype``, or ``torch_dtype`` in older files) unless another is
 asked, and writes the merged model with transformers' ``save_pretrained`` (safetensors, config,
 generation config) plus the tokenizer, from the adapter directory when it has one (tokens added in
-training), else from the base. Everything is written to a temporary sibling of ``out`` and renamed
+training), else from the base. ``quantize="int4"`` / ``"int8"`` records in config.json that the
+checkpoint loads quantized (docs/planning.md "Quantization for inference"): the weights stay in full
+precision on disk, and ``load_for_xpu(out)`` quantizes them to the device's fastest format as they
+load. Everything is written to a temporary sibling of ``out`` and renamed
 into place at the end, so a failure leaves no half-written checkpoint.
 """
 
@@ -19,9 +22,12 @@ from typing import Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.precision import DTYPES, normalize_dtype
+from xpukit.planning.device.quantization import RECORDED_QUANTIZE_KEY
 
 __all__ = ["MergeResult", "checkpoint_dtype", "save_merged"]
 
+# --quantize values -> the quantize= a load without adapters takes from the record.
+MERGE_QUANTIZE = {"int4": "4bit", "int8": "8bit"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -35,6 +41,7 @@ class MergeResult:
         dtype: the dtype its weights are stored in; ``dtype_reason`` why.
         tokenizer_from: the directory the tokenizer was copied from, or ``None`` when neither had one.
         plan: the plan the merge carried out (``model.xpukit_plan``).
+        quantize: the quantization recorded for loads without adapters (``4bit``/``8bit``), or ``None``.
     """
 
     out: Path
@@ -43,6 +50,7 @@ class MergeResult:
     dtype_reason: str
     tokenizer_from: str | None
     plan: Any = field(repr=False)
+    quantize: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (``xpukit merge --json``)."""
@@ -52,6 +60,7 @@ class MergeResult:
             "dtype": self.dtype,
             "dtype_reason": self.dtype_reason,
             "tokenizer_from": self.tokenizer_from,
+            "quantize": self.quantize,
             "plan": self.plan.to_dict(),
         }
 
@@ -80,6 +89,7 @@ def save_merged(
     device: Any = None,
     merge: Any = True,
     force: bool = False,
+    quantize: str | None = None,
 ) -> MergeResult:
     """Merge ``adapter`` into ``base`` and write the merged checkpoint to ``out``.
 
@@ -91,10 +101,12 @@ def save_merged(
         device: where to merge (default: the plan's device when the model fits, else the CPU).
         merge: ``True`` / ``"dequantized"`` / ``"original"`` (docs/training.md "Merging an adapter").
         force: merge an adapter whose tensors do not all fit the base (a warning on the plan).
+        quantize: ``"int4"`` / ``"int8"``: record in config.json that the checkpoint loads quantized
+            (``load_for_xpu(out)`` then takes ``quantize="4bit"`` / ``"8bit"``); default: nothing recorded.
 
     Raises:
         InvalidRequestError: ``out`` is not new or empty, or is the base or adapter directory; a bad
-            dtype; and every error of :func:`xpukit.load_for_xpu` with ``merge=``.
+            dtype or quantize; and every error of :func:`xpukit.load_for_xpu` with ``merge=``.
     """
     target = Path(out)
     for name, where in (("the base", base), ("the adapter", adapter)):
@@ -106,6 +118,14 @@ def save_merged(
             f"OUT={str(target)!r} already exists and is not an empty directory. Fix: pass a new directory, "
             "or remove that one first."
         )
+    recorded = None
+    if quantize is not None:
+        recorded = MERGE_QUANTIZE.get(str(quantize).strip().lower())
+        if recorded is None:
+            raise InvalidRequestError(
+                f"--quantize {quantize!r} is not a quantization a merged checkpoint records. Valid: "
+                f"{', '.join(MERGE_QUANTIZE)}. Default: none (the checkpoint loads in full precision)."
+            )
     if dtype is None:
         chosen, why = checkpoint_dtype(base)
     else:
@@ -125,6 +145,8 @@ def save_merged(
     partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
         try:
+            if recorded is not None:
+                setattr(model.config, RECORDED_QUANTIZE_KEY, recorded)  # read back by plan_load
             model.save_pretrained(partial)
         finally:
             del model  # an error must not keep the merged weights alive in its traceback
@@ -138,8 +160,9 @@ def save_merged(
         shutil.rmtree(partial, ignore_errors=True)
     files = tuple(sorted(p.name for p in target.iterdir()))
     return MergeResult(
-        out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan
-    )
+        out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan,
+        quantize=recorded,
+    )  # fmt: skip
 
 
 def _save_tokenizer(source: str, out: Path) -> None:

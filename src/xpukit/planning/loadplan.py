@@ -35,8 +35,9 @@ class LoadPlan:
         machine: the facts the plan was made for (detected, or a profile).
         device: the main device.
         dtype: ``bfloat16`` / ``float16`` / ``float32`` (also the 4-bit compute dtype).
-        quantization: ``4bit``, ``8bit`` (bitsandbytes), the ``quant_method`` of another given
-            quantization config (``quanto``, ``torchao``…, passed through unchanged), or ``None``.
+        quantization: ``4bit``, ``8bit`` (bitsandbytes), ``torchao`` (the format xpukit chose for a
+            load without adapters, or a given ``TorchAoConfig``), the ``quant_method`` of another
+            given quantization config (``quanto``…, passed through unchanged), or ``None``.
         quantization_config: the ``BitsAndBytesConfig`` keyword arguments (dtype as a name), or the
             user's config as a dict.
         attn_implementation: what ``from_pretrained`` gets (``sdpa``, ``eager``, a Hub kernel repo…).
@@ -196,7 +197,7 @@ class LoadPlan:
             kind = (
                 type(self.user_quantization_config).__name__
                 if self.user_quantization_config is not None
-                else "BitsAndBytesConfig"
+                else ("TorchAoConfig" if self.quantization == "torchao" else "BitsAndBytesConfig")
             )
             out["quantization_config"] = {kind: jsonable(self.quantization_config)}
         if self.use_kernels:

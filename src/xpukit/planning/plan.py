@@ -34,7 +34,12 @@ from xpukit.planning.device.decode import check_fast_decode, plan_decode
 from xpukit.planning.device.distributed import parse_strategy, place_rank, plan_distributed, shard_candidates
 from xpukit.planning.device.layer_kernels import choose_kernels, parse_kernels
 from xpukit.planning.device.layout import plan_layout
-from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, parse_quantize
+from xpukit.planning.device.quantization import (
+    QuantRequest,
+    head_skip_modules,
+    parse_quantize,
+    recorded_request,
+)
 from xpukit.planning.for_training import Attempt, layout_for_training
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import choose_model_class
@@ -93,8 +98,11 @@ def plan_load(
         kernels: ``"auto"``, ``True``, ``False``, or a ``KernelConfig`` (or its mapping dict).
         device_map: ``"auto"`` (xpukit decides), an accelerate strategy, a device, or a dict.
         max_memory: per-device weight budgets (``{0: "10GiB", "cpu": "30GiB"}``).
-        quantize: ``None``, ``"4bit"``, ``"8bit"``, ``"auto"``, a ``BitsAndBytesConfig``, or another
-            transformers quantization config (``QuantoConfig``, ``GPTQConfig``…), passed through.
+        quantize: ``None``, ``"4bit"``, ``"8bit"``, ``"auto"``, ``"nf4"``, a ``BitsAndBytesConfig``, or
+            another transformers quantization config (``QuantoConfig``, ``TorchAoConfig``…), passed
+            through. Without ``lora=``, ``4bit``/``8bit`` (and ``auto``'s 4-bit) take the device's
+            fastest weight-only format (torchao where it runs); with adapters, and for ``nf4``,
+            bitsandbytes (docs/planning.md "Quantization for inference").
         lora: ``None``, ``True``, a ``LoraConfig``, a dict of its arguments, or an adapter path; new
             adapters are checked against the model's modules here (this imports peft).
         offload: allow CPU offload when the model fits nowhere else (else :class:`PlanError`);
@@ -178,6 +186,9 @@ def plan_load(
         device_map=device_map, max_memory=max_memory,
     )  # fmt: skip
     config, source, name, consumed = read_config(model, kwargs)
+    if quantize is None and lora is None and (recorded := recorded_request(config)) is not None:
+        # A merged checkpoint written to load quantized (docs/planning.md "Quantization for inference").
+        quant = recorded
     machine, facts_given = machine_for(facts)
     if isinstance(device_map, dict):
         device_text = device_of_map(device_map, device_text, machine)
@@ -224,6 +235,7 @@ def plan_load(
             headroom=given_headroom,
             enforce_extras=not facts_given,
             warnings=said,
+            serve=lora is None and strategy is None,  # docs/planning.md "Quantization for inference"
         )
         request = lora_request_for(lora, quantized=lay.quantization is not None)
         request = fit_lora_to_class(request, class_choice, mfacts)  # task, head, VLM targets

@@ -11,11 +11,10 @@ bitsandbytes keeps offloaded modules unquantized in fp32 on the CPU (4–8× the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from xpukit.errors import InvalidRequestError, PlanError
+from xpukit.errors import PlanError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
-from xpukit.machine.precision import normalize_dtype
 from xpukit.planning.budgets import (
     Headroom,
     Placement,
@@ -34,7 +33,8 @@ from xpukit.planning.device.given_layout import (
     given_budgets,
     given_map,
 )
-from xpukit.planning.device.quantization import QuantRequest, bnb_kwargs, bnb_problem, require_bnb
+from xpukit.planning.device.quantization import QuantRequest, auto_4bit_problem, bnb_kwargs, check_bnb
+from xpukit.planning.device.serve_quant import ServeFormat, serve_format, torchao_version
 from xpukit.planning.model.facts import ModelFacts, quantized_bits
 from xpukit.planning.vocabulary import Decision, MemoryEstimate
 
@@ -68,13 +68,33 @@ def plan_layout(
     headroom: int | None,
     enforce_extras: bool,
     warnings: list[str],
+    serve: bool = False,
 ) -> Layout:
-    """Decide quantization, device_map and max_memory (see the module docstring)."""
+    """Decide quantization, device_map and max_memory (see the module docstring).
+
+    ``serve``: the model is loaded to run (no adapters, no training): ``4bit`` / ``8bit`` take the
+    device's fastest weight-only format (:func:`~xpukit.planning.device.serve_quant.serve_format`).
+    """
     kind = quant.kind
     if max_memory is not None:
         check_budget_keys(max_memory, machine)
-    dtype_decision = _check_bnb(kind, quant, main, dtype_decision, enforce_extras, warnings)
+    found_torchao = torchao_version() if serve and not quant.bnb_asked else None
+
+    def serve_fmt(q: str | None, compute: str) -> ServeFormat | None:
+        if not serve or quant.bnb_asked or q not in {"4bit", "8bit"} or facts.pre_quantized is not None:
+            return None
+        return serve_format(main, q, compute, found_torchao)
+
+    asked_fmt = serve_fmt(kind, str(dtype_decision.value))
+    if asked_fmt is None or asked_fmt.library != "torchao":
+        dtype_decision = check_bnb(kind, quant, main, dtype_decision, enforce_extras, warnings)
     dtype = str(dtype_decision.value)
+    four_fmt = serve_fmt("4bit", dtype)
+    four_torchao = four_fmt is not None and four_fmt.library == "torchao"
+
+    def four_bit_problem() -> str | None:  # why quantize="auto" cannot take 4-bit here
+        return None if four_torchao else auto_4bit_problem(main, dtype)
+
     # A non-bitsandbytes config (quanto, torchao, GPTQ…) goes to from_pretrained unchanged; it is
     # sized by the bit width it states, else unquantized (an upper bound), which the plan says.
     other_bits = quantized_bits(quant.user_config) if kind == "other" else None
@@ -118,7 +138,7 @@ def plan_layout(
                 quant_reason = "quantize='auto': not needed, the model fits the given device_map"
             else:
                 p4, fits4 = given_map(device_map, machine, weights("4bit"), head("4bit"))
-                problem = _auto_4bit_problem(main, dtype) or bnb_map_problem(device_map)
+                problem = four_bit_problem() or (None if four_torchao else bnb_map_problem(device_map))
                 if fits4 and problem is None:
                     placement, fits, fixed = p4, True, "4bit"
                     quant_reason = (
@@ -146,7 +166,7 @@ def plan_layout(
             if weights(None) <= total or "disk" in max_memory:
                 quant_reason = "quantize='auto': not needed, the weights fit the given max_memory"
             else:
-                problem = _auto_4bit_problem(main, dtype)
+                problem = four_bit_problem()
                 if problem is None and weights("4bit") <= total:
                     fixed = "4bit"
                     quant_reason = (
@@ -166,7 +186,7 @@ def plan_layout(
             if fitted is not None:
                 quant_reason = "quantize='auto': not needed, the model fits as it is"
             else:
-                problem = _auto_4bit_problem(main, dtype)
+                problem = four_bit_problem()
                 fit4 = fit(weights("4bit"), head("4bit"), candidates)
                 if fit4 is not None and problem is None:
                     fitted, fixed = fit4, "4bit"
@@ -206,10 +226,26 @@ def plan_layout(
     qconfig: dict[str, Any] | None = None
     quantization = fixed
     weights_key = f"{fixed}/{dtype}" if fixed else dtype
-    if fixed:
+    quant_value: Any = None
+    quant_source: Literal["auto", "user", "fallback"] = (
+        "user" if kind in {"4bit", "8bit", "other"} else "auto"
+    )
+    chosen_fmt = serve_fmt(fixed, dtype)
+    if chosen_fmt is not None and chosen_fmt.library == "torchao":
+        quantization, qconfig, quant_value = "torchao", chosen_fmt.config, chosen_fmt.label
+        quant_reason = _with_format(quant_reason, quant, chosen_fmt)
+        quant_rejected = (*quant_rejected, *chosen_fmt.rejected)
+    elif fixed:
         qconfig = quant.user_config.to_dict() if quant.user_config is not None else bnb_kwargs(fixed, dtype)
         if quant.user_config is not None:
             quant_reason = "quantize= given: your BitsAndBytesConfig, used as is"
+        elif quant.bnb_asked:
+            quant_reason = f"quantize='nf4' given: bitsandbytes nf4 + double quant, compute dtype {dtype}"
+        elif chosen_fmt is not None:
+            quant_reason = _with_format(quant_reason, quant, chosen_fmt)
+            quant_rejected = (*quant_rejected, *chosen_fmt.rejected)
+            if chosen_fmt.torchao_missing:  # torchao would run here, but is missing or too old
+                quant_source = "fallback"
     elif kind == "other":
         method = quant.method or type(quant.user_config).__name__
         quantization, qconfig = method, _config_dict(quant.user_config)
@@ -240,10 +276,10 @@ def plan_layout(
     decisions = [
         Decision(
             name="quantization",
-            value=quantization,
+            value=quant_value if quant_value is not None else quantization,
             reason=quant_reason,
             rejected=quant_rejected,
-            source="user" if kind in {"4bit", "8bit", "other"} else "auto",
+            source=quant_source,
         ),
         Decision(
             name="device_map",
@@ -279,56 +315,11 @@ def plan_layout(
     )
 
 
-def _check_bnb(
-    kind: str | None,
-    quant: QuantRequest,
-    main: DeviceFacts,
-    dtype_decision: Decision,
-    enforce: bool,
-    warnings: list[str],
-) -> Decision:
-    """bitsandbytes usable for an explicit request; on Arc A with bnb < 0.50 switch to fp16 compute."""
-    if kind not in {"4bit", "8bit"}:
-        return dtype_decision
-    dtype = str(dtype_decision.value)
-    compute = dtype
-    if quant.user_config is not None:
-        # A user's config computes in its own dtype (transformers' default is float32).
-        compute = normalize_dtype(getattr(quant.user_config, "bnb_4bit_compute_dtype", None)) or "float32"
-    problem, fix = bnb_problem(main, kind, compute)
-    if fix and quant.user_config is not None:
-        warnings.append(
-            f"the given BitsAndBytesConfig computes 4-bit in bfloat16 on {main.name}: {problem}. Fix: "
-            "pip install 'bitsandbytes>=0.50', or bnb_4bit_compute_dtype=torch.float16"
-        )
-        return dtype_decision
-    if fix:
-        if dtype_decision.source == "user":
-            raise InvalidRequestError(
-                f"dtype='bfloat16' with quantize='4bit' on {main.name}: {problem}. Fix: pip install "
-                "'bitsandbytes>=0.50', or dtype='float16'."
-            )
-        return Decision(
-            name="dtype",
-            value=fix,
-            reason=f"{problem}, so 4-bit computes in fp16 (pip install 'bitsandbytes>=0.50' for bf16)",
-            rejected=(("bfloat16", str(problem)), *dtype_decision.rejected),
-        )
-    if problem and not fix:
-        if enforce:
-            require_bnb(kind)  # raises MissingExtraError with the fix
-        warnings.append(f"{problem} (planned anyway for the assumed machine)")
-    return dtype_decision
-
-
-def _auto_4bit_problem(main: DeviceFacts, dtype: str) -> str | None:
-    try:
-        problem, fix = bnb_problem(main, "4bit", dtype)
-    except InvalidRequestError as exc:  # MPS: no bitsandbytes backend
-        return str(exc).split(". Fix")[0]
-    if fix:
-        return f"{problem} (would compute in fp16)"
-    return problem
+def _with_format(reason: str, quant: QuantRequest, fmt: ServeFormat) -> str:
+    """The quantization reason with the format chosen for a load without adapters."""
+    if quant.kind in {"4bit", "8bit"}:
+        return f"quantize={quant.kind!r} {quant.origin}, a load to run (no adapters): {fmt.reason}"
+    return f"{reason}; {fmt.reason}"
 
 
 def _no_fit(

@@ -1,5 +1,8 @@
 """bitsandbytes quantization requests: what was asked, whether this device and install can do it.
 
+* For a model loaded to run (no adapters), ``"4bit"`` / ``"8bit"`` / ``"auto"`` take the fastest
+  weight-only format of the device (torchao where it runs: :mod:`xpukit.planning.device.serve_quant`);
+  ``"nf4"`` or a ``BitsAndBytesConfig`` always means bitsandbytes, and so does every load with adapters.
 * ``"4bit"`` → ``BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
   bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=<plan dtype>)``; ``"8bit"`` →
   ``load_in_8bit=True``; a user ``BitsAndBytesConfig`` is used as given.
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 from xpukit._compat import installed_version, is_installed, version_at_least
 from xpukit.errors import InvalidRequestError, MissingExtraError
 from xpukit.machine.facts import DeviceFacts
+from xpukit.machine.precision import normalize_dtype
+from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
     from xpukit.planning.model.facts import ModelFacts
@@ -30,16 +35,24 @@ if TYPE_CHECKING:
 __all__ = [
     "BNB_MIN",
     "BNB_MIN_ARC_A_BF16",
+    "RECORDED_QUANTIZE_KEY",
     "QuantRequest",
+    "auto_4bit_problem",
     "bnb_config",
     "bnb_kwargs",
     "bnb_problem",
+    "check_bnb",
     "head_skip_modules",
     "parse_quantize",
+    "recorded_request",
 ]
 
 BNB_MIN = "0.48"  # first release with the native XPU (SYCL) backend and a working CPU 4-bit path
 BNB_MIN_ARC_A_BF16 = "0.50"  # Alchemist bf16 gemv_4bit fix (bitsandbytes#1942)
+
+# The config.json key where `xpukit merge --quantize` records the quantization to load with
+# (docs/planning.md "Quantization for inference").
+RECORDED_QUANTIZE_KEY = "xpukit_quantize"
 
 _NAMES = {"4bit": "4bit", "nf4": "4bit", "int4": "4bit", "8bit": "8bit", "int8": "8bit", "auto": "auto"}
 
@@ -50,6 +63,8 @@ class QuantRequest:
 
     kind: str | None  # None | "4bit" | "8bit" | "auto" | "other" (a non-bitsandbytes config)
     user_config: Any = None  # a quantization config given by the user, used as is
+    bnb_asked: bool = False  # "nf4" or a BitsAndBytesConfig: bitsandbytes even without adapters
+    origin: str = "given"  # where the request came from, as the plan's reason says it
 
     @property
     def method(self) -> str | None:
@@ -78,16 +93,17 @@ def parse_quantize(value: object) -> QuantRequest:
             return QuantRequest(kind=None)
         if kind is None:
             raise InvalidRequestError(
-                f"quantize={value!r} is not a known quantization. Valid: None, '4bit' (nf4 + double quant), "
-                "'8bit' (LLM.int8), 'auto' (4-bit only when the model does not fit otherwise), or a "
+                f"quantize={value!r} is not a known quantization. Valid: None, '4bit' / '8bit' (the "
+                "device's fastest format to run, bitsandbytes to train), 'nf4' (bitsandbytes nf4 + double "
+                "quant, always), 'auto' (4-bit only when the model does not fit otherwise), or a "
                 "transformers.BitsAndBytesConfig."
             )
-        return QuantRequest(kind=kind)
+        return QuantRequest(kind=kind, bnb_asked=value.strip().lower() == "nf4")
     if type(value).__name__ == "BitsAndBytesConfig":
         if getattr(value, "load_in_4bit", False):
-            return QuantRequest(kind="4bit", user_config=value)
+            return QuantRequest(kind="4bit", user_config=value, bnb_asked=True)
         if getattr(value, "load_in_8bit", False):
-            return QuantRequest(kind="8bit", user_config=value)
+            return QuantRequest(kind="8bit", user_config=value, bnb_asked=True)
         raise InvalidRequestError(
             "quantize=BitsAndBytesConfig(...) loads neither 4-bit nor 8-bit; set load_in_4bit=True or "
             "load_in_8bit=True, or pass quantize=None."
@@ -104,11 +120,30 @@ def parse_quantize(value: object) -> QuantRequest:
     )
 
 
-def bnb_config(values: dict[str, Any]) -> Any:
-    """A ``transformers.BitsAndBytesConfig`` from :func:`bnb_kwargs`-style keywords (dtypes by name).
+def recorded_request(config: Any) -> QuantRequest | None:
+    """The quantization a merged checkpoint records for loads without adapters, or ``None``.
 
+    ``xpukit merge --quantize int4`` writes ``"xpukit_quantize": "4bit"`` into config.json; a load
+    with ``quantize`` left out takes it (``quantize="none"`` loads the checkpoint unquantized).
+    """
+    value = getattr(config, RECORDED_QUANTIZE_KEY, None)
+    if value not in {"4bit", "8bit"}:
+        return None
+    origin = f"recorded in the checkpoint (config.json {RECORDED_QUANTIZE_KEY})"
+    return QuantRequest(kind=str(value), origin=origin)
+
+
+def bnb_config(values: dict[str, Any]) -> Any:
+    """The transformers quantization config a plan's ``quantization_config`` dict describes.
+
+    :func:`bnb_kwargs`-style keywords (dtypes by name) give a ``BitsAndBytesConfig``; a torchao
+    format (``quant_method: torchao``, :mod:`xpukit.planning.device.serve_quant`) a ``TorchAoConfig``.
     Imports torch and transformers: for acting on a plan, never for deciding one.
     """
+    if values.get("quant_method") == "torchao":
+        from xpukit.planning.device.serve_quant import torchao_config
+
+        return torchao_config(values)
     import torch
     from transformers import BitsAndBytesConfig
 
@@ -189,3 +224,60 @@ def head_skip_modules(
     if "llm_int8_skip_modules" in config or not (config.get("load_in_4bit") or config.get("load_in_8bit")):
         return config
     return {**config, "llm_int8_skip_modules": list(facts.quantization_skip)}
+
+
+def check_bnb(
+    kind: str | None,
+    quant: QuantRequest,
+    main: DeviceFacts,
+    dtype_decision: Decision,
+    enforce: bool,
+    warnings: list[str],
+) -> Decision:
+    """bitsandbytes usable for an explicit request; on Arc A with bnb < 0.50 switch to fp16 compute.
+
+    Returns the dtype decision (changed to fp16 when only that makes 4-bit work); a missing
+    bitsandbytes raises when ``enforce`` (this machine), else becomes a warning.
+    """
+    if kind not in {"4bit", "8bit"}:
+        return dtype_decision
+    dtype = str(dtype_decision.value)
+    compute = dtype
+    if quant.user_config is not None:
+        # A user's config computes in its own dtype (transformers' default is float32).
+        compute = normalize_dtype(getattr(quant.user_config, "bnb_4bit_compute_dtype", None)) or "float32"
+    problem, fix = bnb_problem(main, kind, compute)
+    if fix and quant.user_config is not None:
+        warnings.append(
+            f"the given BitsAndBytesConfig computes 4-bit in bfloat16 on {main.name}: {problem}. Fix: "
+            "pip install 'bitsandbytes>=0.50', or bnb_4bit_compute_dtype=torch.float16"
+        )
+        return dtype_decision
+    if fix:
+        if dtype_decision.source == "user":
+            raise InvalidRequestError(
+                f"dtype='bfloat16' with quantize='4bit' on {main.name}: {problem}. Fix: pip install "
+                "'bitsandbytes>=0.50', or dtype='float16'."
+            )
+        return Decision(
+            name="dtype",
+            value=fix,
+            reason=f"{problem}, so 4-bit computes in fp16 (pip install 'bitsandbytes>=0.50' for bf16)",
+            rejected=(("bfloat16", str(problem)), *dtype_decision.rejected),
+        )
+    if problem and not fix:
+        if enforce:
+            require_bnb(kind)  # raises MissingExtraError with the fix
+        warnings.append(f"{problem} (planned anyway for the assumed machine)")
+    return dtype_decision
+
+
+def auto_4bit_problem(main: DeviceFacts, dtype: str) -> str | None:
+    """Why ``quantize="auto"`` cannot take bitsandbytes 4-bit here, or ``None``."""
+    try:
+        problem, fix = bnb_problem(main, "4bit", dtype)
+    except InvalidRequestError as exc:  # MPS: no bitsandbytes backend
+        return str(exc).split(". Fix")[0]
+    if fix:
+        return f"{problem} (would compute in fp16)"
+    return problem

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ class MergeResult:
         dtype: the dtype its weights are stored in; ``dtype_reason`` why.
         tokenizer_from: the directory the tokenizer was copied from, or ``None`` when neither had one.
         plan: the plan the merge carried out (``model.xpukit_plan``).
+        seconds: the time it all took (the load, the merge and the writing).
     """
 
     out: Path
@@ -43,6 +45,7 @@ class MergeResult:
     dtype_reason: str
     tokenizer_from: str | None
     plan: Any = field(repr=False)
+    seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (``xpukit merge --json``)."""
@@ -52,6 +55,7 @@ class MergeResult:
             "dtype": self.dtype,
             "dtype_reason": self.dtype_reason,
             "tokenizer_from": self.tokenizer_from,
+            "seconds": round(self.seconds, 2),
             "plan": self.plan.to_dict(),
         }
 
@@ -96,6 +100,7 @@ def save_merged(
         InvalidRequestError: ``out`` is not new or empty, or is the base or adapter directory; a bad
             dtype; and every error of :func:`xpukit.load_for_xpu` with ``merge=``.
     """
+    start = time.perf_counter()
     target = Path(out)
     for name, where in (("the base", base), ("the adapter", adapter)):
         local = isinstance(where, str | os.PathLike) and Path(where).exists() and target.exists()
@@ -138,8 +143,9 @@ def save_merged(
         shutil.rmtree(partial, ignore_errors=True)
     files = tuple(sorted(p.name for p in target.iterdir()))
     return MergeResult(
-        out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan
-    )
+        out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan,
+        seconds=time.perf_counter() - start,
+    )  # fmt: skip
 
 
 def _save_tokenizer(source: str, out: Path) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xpukit._compat import installed_version
 from xpukit.errors import InvalidRequestError
 
 __all__ = ["RECORD_FILE", "BaseRecord", "parse_record", "read_base_record", "record_from"]
@@ -95,13 +96,11 @@ class BaseRecord:
 
 def record_from(quantization_config: dict[str, Any] | None, *, dtype: str, base_model: str) -> dict[str, Any]:
     """The JSON object to write: the loaded model's quantization config (``to_dict()``) and dtype."""
-    from xpukit import __version__
-
     # Through JSON: enums (transformers' QuantizationMethod is a str enum) become their values.
     config = json.loads(json.dumps(quantization_config, default=str)) if quantization_config else None
     return {
         "format": _FORMAT,
-        "written_by": f"xpukit {__version__}",
+        "written_by": f"xpukit {installed_version('xpukit') or '(source tree)'}",
         "about": "how the base model was held while this adapter trained; xpukit merge follows it",
         "base_model": base_model,
         "quantization": _kind(config),

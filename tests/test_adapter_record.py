@@ -4,6 +4,7 @@ and ``xpukit merge``'s short output (CPU, tiny Qwen3, float32)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 import logging
@@ -85,6 +86,8 @@ def test_trainers_checkpoints_carry_the_record(tiny_model: Path, tmp_path: Path)
     assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
     assert record is not None and record.quantization is None and record.dtype == "float32"
     assert any(RECORD_FILE in e.actual for e in model.xpukit_plan.events)
+    twin = copy.deepcopy(model)  # a copy saves itself, not the model it was copied from
+    assert twin.save_pretrained.model is twin and model.save_pretrained.model is model
 
 
 def test_merge_true_follows_the_record_of_a_full_precision_adapter(

@@ -21,30 +21,16 @@ from xpukit.planning.training.base_record import RECORD_FILE, parse_record, read
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
 
 
-def _adapter(base: Path, out: Path, *, quantize: str | None, seed: int = 0) -> Path:
-    """An adapter saved from a model xpukit loaded, its ``lora_B`` drawn from a fixed seed (as trained)."""
-    import torch
-
-    from xpukit import load_for_xpu
-
-    model = load_for_xpu(base, device="cpu", dtype="float32", quantize=quantize, lora=LORA, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
-def saved(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def saved(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, perturbed_adapter: Callable[..., Path]
+) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("recorded-adapters")
-    full = _adapter(tiny_model, root / "full", quantize=None)
+    full = perturbed_adapter(tiny_model, root / "full", quantize=None)
     bare = root / "no-record"  # the same adapter as if another tool had saved it
     shutil.copytree(full, bare)
     (bare / RECORD_FILE).unlink()
-    return {"full": full, "4bit": _adapter(tiny_model, root / "4bit", quantize="4bit"), "bare": bare}
+    return {"full": full, "4bit": perturbed_adapter(tiny_model, root / "4bit", quantize="4bit"), "bare": bare}
 
 
 def _logits(model: Any, base: Path) -> Any:

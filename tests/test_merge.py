@@ -21,30 +21,15 @@ import pytest
 
 from xpukit.errors import InvalidRequestError, PlanError, XpukitError
 
-LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
-
-
-def _perturbed_adapter(base: Path, out: Path, *, quantize: str | None, seed: int = 0) -> Path:
-    import torch
-
-    from xpukit import load_for_xpu
-
-    model = load_for_xpu(base, device="cpu", dtype="float32", quantize=quantize, lora=LORA, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    model.save_pretrained(out)
-    return out
-
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def adapters(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, perturbed_adapter: Callable[..., Path]
+) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("merge-adapters")
     return {
-        "qlora": _perturbed_adapter(tiny_model, root / "qlora", quantize="4bit"),
-        "lora": _perturbed_adapter(tiny_model, root / "lora", quantize=None),
+        "qlora": perturbed_adapter(tiny_model, root / "qlora", quantize="4bit"),
+        "lora": perturbed_adapter(tiny_model, root / "lora", quantize=None),
     }
 
 

@@ -215,6 +215,7 @@ def plan_load(
     adapter_check, record = check_saved_adapter(
         given_lora, config=config, model_class=class_choice.cls or class_choice.name, base=mfacts.name,
         force=force, merging=merge_request is not None, warnings=warnings,
+        trust_remote_code=bool(kwargs.get("trust_remote_code", False)),
     )  # fmt: skip
     dtype_decision = decide_dtype(dtype_req, main, warnings)
 

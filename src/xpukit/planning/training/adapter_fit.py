@@ -64,6 +64,7 @@ def check_adapter(
     force: bool,
     warnings: list[str],
     merging: bool = True,
+    trust_remote_code: bool = False,
 ) -> str:
     """Compare the adapter's tensors with the base's modules; what was found, in one line.
 
@@ -81,7 +82,7 @@ def check_adapter(
     if not file.is_file():
         return "adapter_model.safetensors not found: shapes not checked here (peft checks them at load)"
     tensors = read_safetensors_header(file)
-    problems = _problems(tensors, config, model_class)
+    problems = _problems(tensors, config, model_class, trust_remote_code)
     checked = len(tensors) - len(problems)
     named = str(saved.get("base_model_name_or_path") or "")
     other_name = bool(named) and not _same_model(named, base)
@@ -123,6 +124,7 @@ def check_saved_adapter(
     force: bool,
     merging: bool,
     warnings: list[str],
+    trust_remote_code: bool = False,
 ) -> tuple[str | None, BaseRecord | None]:
     """For ``lora=`` a trained adapter directory: :func:`check_adapter`'s line, and its base record.
 
@@ -138,17 +140,17 @@ def check_saved_adapter(
     path = str(request.adapter_path)
     check = check_adapter(
         path, request.config, config=config, model_class=model_class, base=base, force=force,
-        warnings=warnings, merging=merging,
+        warnings=warnings, merging=merging, trust_remote_code=trust_remote_code,
     )  # fmt: skip
     return check, read_base_record(path)
 
 
-def _problems(tensors: dict[str, Any], config: Any, model_class: Any) -> list[str]:
+def _problems(tensors: dict[str, Any], config: Any, model_class: Any, trust_remote_code: bool) -> list[str]:
     """What does not fit, one line per tensor; the meta-device model is gone when this returns (an
     error raised afterwards keeps no model alive in its traceback)."""
     from xpukit.planning.model.classes import build_meta_model
 
-    _, model = build_meta_model(config, model_class, trust_remote_code=False)
+    _, model = build_meta_model(config, model_class, trust_remote_code=trust_remote_code)
     modules = dict(model.named_modules())
     found = [_tensor_problem(key, info, modules) for key, info in sorted(tensors.items())]
     return [problem for problem in found if problem is not None]

@@ -217,3 +217,27 @@ def _train_losses(model: Any, args: Any, tok: Any, data: list[Any]) -> list[floa
 def train_losses() -> Callable[[Any, Any, Any, list[Any]], list[float]]:
     """``train_losses(model, args, tokenizer, data)``: run a causal-LM ``Trainer``, return its losses."""
     return _train_losses
+
+
+def _perturbed_adapter(base: Path, out: Path, *, quantize: str | None, seed: int = 0) -> Path:
+    import torch
+
+    from xpukit import load_for_xpu
+
+    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
+    model = load_for_xpu(base, device="cpu", dtype="float32", quantize=quantize, lora=lora, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def perturbed_adapter() -> Callable[..., Path]:
+    """``perturbed_adapter(base, out, *, quantize, seed=0)``: LoRA r=4 on ``base`` loaded by
+    ``load_for_xpu`` (float32, CPU), its ``lora_B`` drawn from ``seed`` (a trained adapter's B is far
+    from its zero start), saved to ``out`` by the model's ``save_pretrained``."""
+    return _perturbed_adapter

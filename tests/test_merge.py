@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -20,30 +21,15 @@ import pytest
 
 from xpukit.errors import InvalidRequestError, PlanError, XpukitError
 
-LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
-
-
-def _perturbed_adapter(base: Path, out: Path, *, quantize: str | None, seed: int = 0) -> Path:
-    import torch
-
-    from xpukit import load_for_xpu
-
-    model = load_for_xpu(base, device="cpu", dtype="float32", quantize=quantize, lora=LORA, seed=seed)
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    model.save_pretrained(out)
-    return out
-
 
 @pytest.fixture(scope="module")
-def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def adapters(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory, perturbed_adapter: Callable[..., Path]
+) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("merge-adapters")
     return {
-        "qlora": _perturbed_adapter(tiny_model, root / "qlora", quantize="4bit"),
-        "lora": _perturbed_adapter(tiny_model, root / "lora", quantize=None),
+        "qlora": perturbed_adapter(tiny_model, root / "qlora", quantize="4bit"),
+        "lora": perturbed_adapter(tiny_model, root / "lora", quantize=None),
     }
 
 
@@ -142,7 +128,8 @@ def test_merge_decision_source_and_reason(tiny_model: Path, adapters: dict[str, 
     plan = plan_load(tiny_model, facts="cpu", lora=adapters["qlora"], merge=True)
     decision = plan.decision("merge")
     assert decision.source == "user" and decision.value == "dequantized, cpu"
-    assert "merge=True, whose default is 'dequantized'" in decision.reason
+    assert "xpukit_base.json says the adapter trained with its base held in 4-bit (nf4" in decision.reason
+    assert plan.merge is not None and plan.merge.base_from == "record" and not plan.warnings
     assert "fit cpu alone" in decision.reason and "the plan's dtype decision" in decision.reason
     assert "all 28 tensors match" in decision.reason
     assert {v for v, _ in decision.rejected} == {"4bit", "original"}
@@ -278,7 +265,8 @@ REFUSALS = [
         "drop quantize=",
     ),
     ({"merge": True, "lora": "ADAPTER", "quantize": "auto"}, "quantize='auto'", "drop quantize="),
-    ({"lora": "ADAPTER", "force": True}, "merge= was not given", "merge=True, force=True"),
+    ({"lora": True, "force": True}, "names no adapter directory", "lora='adapter_dir', force=True"),
+    ({"merge": True, "lora": "ADAPTER", "trainable": True}, "no adapter left to train", "drop merge="),
     (
         {"merge": True, "lora": "ADAPTER", "strategy": "ddp"},
         "strategy='ddp'",
@@ -338,9 +326,14 @@ def test_cli_round_trip(bf16_base: Path, adapters: dict[str, Path], tmp_path: Pa
     out = tmp_path / "merged"
     proc = _cli(str(bf16_base), str(adapters["qlora"]), str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "dtype: bfloat16 (the base checkpoint's own dtype" in proc.stdout
-    assert "merge  " in proc.stdout and "dequantized, cpu" in proc.stdout
-    assert f"the tokenizer from {bf16_base}" in proc.stdout
+    said = " ".join(proc.stdout.split())  # unwrapped
+    assert "dtype bfloat16: the base checkpoint's own dtype" in said
+    assert "into the dequantised 4-bit base of" in said and "(as its xpukit_base.json says), on cpu" in said
+    assert f"the tokenizer from {bf16_base}" in said
+    assert "Plan for" not in proc.stdout and len(proc.stdout.splitlines()) < 15  # --explain prints it
+    # Other libraries' messages and progress bars only with --verbose.
+    assert "Loading weights" not in proc.stderr and "Writing model shards" not in proc.stderr
+    assert "[transformers]" not in proc.stderr and not re.search(r"^W\d{4} ", proc.stderr, re.M)
     names = {p.name for p in out.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= names
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
@@ -371,8 +364,19 @@ def test_cli_dtype_json_and_tokenizer_from_the_adapter(
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(bf16_base / name, adapter / name)
     out = tmp_path / "merged"
-    proc = _cli(str(bf16_base), str(adapter), str(out), "--dtype", "float32", "--into", "original", "--json")
+    proc = _cli(
+        str(bf16_base),
+        str(adapter),
+        str(out),
+        "--dtype",
+        "float32",
+        "--into",
+        "original",
+        "--json",
+        "--verbose",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Loading weights" in proc.stderr  # --verbose: transformers' own output, on stderr
     report = json.loads(proc.stdout)
     assert report["dtype"] == "float32" and report["dtype_reason"] == "asked (--dtype)"
     assert report["tokenizer_from"] == str(adapter)

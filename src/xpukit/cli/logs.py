@@ -8,6 +8,12 @@
   ``--verbose`` they print under their own logger names (``bitsandbytes.backends.cpu.ops: WARNING:
   …``), so nothing is hidden from someone who asks.
 
+torch and transformers print through handlers of their own (and transformers shows progress bars),
+and Python warnings (peft's) go straight to stderr, so none of them reaches the handlers above. A
+command that runs them and prints a summary of its own (``xpukit merge``) wraps that work in
+:func:`library_output`, which routes all three into the same records: collected without
+``--verbose``, printed under their own names with it (progress bars too).
+
 Everything is installed for one command and taken down after it (:func:`command_logging`), so calling
 ``xpukit.cli.main.main()`` twice in one process, or from a notebook, leaves logging as it was.
 """
@@ -16,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["KNOWN", "Collected", "KnownRecord", "command_logging", "notes_for"]
+__all__ = ["KNOWN", "Collected", "KnownRecord", "command_logging", "library_output", "notes_for"]
 
 XPUKIT_FORMAT = "xpukit: %(levelname)s: %(message)s"
 OTHER_FORMAT = "%(name)s: %(levelname)s: %(message)s"
@@ -110,3 +117,41 @@ def command_logging(verbose: bool) -> Iterator[Collected]:
         ours.setLevel(saved[2])
         ours.propagate = saved[3]
         ours.handlers = saved[4]
+
+
+# The libraries whose loggers print through their own handler (never reaching the root logger).
+_OWN_HANDLERS = ("torch", "transformers")
+
+
+@contextmanager
+def library_output(verbose: bool) -> Iterator[None]:
+    """torch's and transformers' log records, transformers' progress bars and Python warnings, routed
+    like other libraries' records for the work inside (module docstring); nothing changes with
+    ``verbose``. Imports torch and transformers (their handlers exist once they are imported)."""
+    if verbose:
+        yield
+        return
+    import torch  # noqa: F401  (installs the handler replaced below)
+    from transformers.utils import logging as hf_logging
+
+    saved = [(log, list(log.handlers), log.propagate) for log in map(logging.getLogger, _OWN_HANDLERS)]
+    for log, _, _ in saved:
+        log.handlers, log.propagate = [], True
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # huggingface_hub's bars too
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_to_record
+            yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        for log, handlers, propagate in saved:
+            log.handlers, log.propagate = handlers, propagate
+
+
+def _warning_to_record(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                       file: object = None, line: str | None = None) -> None:  # fmt: skip
+    """A Python warning as a record of the ``py.warnings`` logger (as ``logging.captureWarnings`` does)."""
+    text = warnings.formatwarning(message, category, filename, lineno, line)
+    logging.getLogger("py.warnings").warning("%s", text.rstrip())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import textwrap
 from typing import Any
 
 
@@ -16,16 +17,20 @@ def add_parser(sub: Any) -> None:
         description="Merge the LoRA adapter in ADAPTER (written by PeftModel.save_pretrained) into the "
         "full-precision weights of BASE and write a plain transformers checkpoint to OUT: safetensors "
         "weights in the base checkpoint's own dtype (or --dtype), config.json, generation_config.json, "
-        "and the tokenizer (ADAPTER's when it has one, else BASE's). By default the adapter is merged "
-        "into the base as 4-bit training saw it (quantised to nf4 and dequantised), which reproduces a "
-        "QLoRA-trained model; --into original merges into the checkpoint's own weights, for an adapter "
-        "trained on the full-precision base. Never into 4-bit weights. The merge runs on the device "
-        "when the model fits there, else on the CPU; the plan says which and why.",
+        "and the tokenizer (ADAPTER's when it has one, else BASE's). The adapter is merged into the base "
+        "as it trained against it: an adapter xpukit trained carries a record of how its base was held "
+        "(xpukit_base.json), and the merge follows it; without one, into the base as 4-bit training "
+        "saw it (quantised to nf4 and dequantised), which reproduces a QLoRA-trained model, with a "
+        "warning naming --into original, which merges into the checkpoint's own weights (for an adapter "
+        "trained on the full-precision base). Never into 4-bit weights. The merge runs on the device when "
+        "the model fits there, else on the CPU; --explain prints the plan that says which and why. "
+        "Prints a short summary; other libraries' messages and progress bars only with --verbose.",
         epilog="Examples:\n"
         "  xpukit merge Qwen/Qwen3-8B out/adapter out/merged\n"
         "  xpukit merge ./base ./adapter ./merged --dtype bfloat16 --device cpu\n"
         "  xpukit merge ./base ./lora-adapter ./merged --into original --json\n"
-        "  xpukit merge Qwen/Qwen3-8B out/adapter out/merged-int4 --quantize int4",
+        "  xpukit merge Qwen/Qwen3-8B out/adapter out/merged-int4 --quantize int4\n"
+        "  xpukit merge ./base ./adapter ./merged --explain --verbose",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("base", metavar="BASE", help="the base model's directory or Hub id")
@@ -38,8 +43,9 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--into",
         choices=("dequantized", "original"),
-        help="the weights to merge into: the dequantised 4-bit base (default, for QLoRA adapters) or "
-        "the original weights (for adapters trained on the full-precision base)",
+        help="the weights to merge into: the dequantised 4-bit base (for QLoRA adapters) or the "
+        "original weights (for adapters trained on the full-precision base); default: as the adapter's "
+        "xpukit_base.json records, else dequantized, with a warning",
     )
     parser.add_argument(
         "--force",
@@ -54,38 +60,82 @@ def add_parser(sub: Any) -> None:
         "weights to the device's fastest int4/int8 format as they load (quantize='none' opts out)",
     )
     parser.add_argument("--json", action="store_true", help="print what was done as JSON")
+    parser.add_argument(
+        "--explain", action="store_true", help="print the whole plan (every decision and its reasons) first"
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,  # `xpukit --verbose merge …` stays on
+        help="also show other libraries' messages and progress bars (as `xpukit --verbose merge`)",
+    )
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Merge, write OUT, print the plan and the files (or their JSON); bad input exits 1."""
+    """Merge, write OUT, print a summary (the plan with --explain; JSON with --json); bad input exits 1."""
+    from xpukit.cli.logs import library_output
     from xpukit.loading.save_merged import save_merged
 
-    if not getattr(args, "verbose", False):
+    verbose = bool(getattr(args, "verbose", False))
+    planner_log = logging.getLogger("xpukit.planning.plan")
+    level = planner_log.level
+    if not verbose:
         # The plan's warnings are part of what is printed; do not log them a second time.
-        logging.getLogger("xpukit.planning.plan").setLevel(logging.ERROR)
-    result = save_merged(
-        args.base,
-        args.adapter,
-        args.out,
-        dtype=args.dtype,
-        device=args.device,
-        merge=args.into or True,
-        force=args.force,
-        quantize=args.quantize,
-    )
+        planner_log.setLevel(logging.ERROR)
+    try:
+        with library_output(verbose):
+            result = save_merged(
+                args.base,
+                args.adapter,
+                args.out,
+                dtype=args.dtype,
+                device=args.device,
+                merge=args.into or True,
+                force=args.force,
+                quantize=args.quantize,
+            )
+    finally:
+        planner_log.setLevel(level)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
-    print(result.plan.explain())
-    print()
-    print(f"dtype: {result.dtype} ({result.dtype_reason})")
-    tokenizer = (
-        f"the tokenizer from {result.tokenizer_from}"
-        if result.tokenizer_from
-        else "no tokenizer (none found)"
-    )
-    print(f"wrote {result.out}: {', '.join(result.files)}; {tokenizer}")
-    if result.quantize is not None:
-        print(f"loads quantized: load_for_xpu({str(result.out)!r}) takes quantize={result.quantize!r}")
+    if args.explain:
+        print(result.plan.explain(), end="\n\n")
+    print("\n".join(summary(result, args.base)))
     return 0
+
+
+def summary(result: Any, base: str) -> list[str]:
+    """What ``xpukit merge`` prints without ``--explain``: warnings first, then what was merged into
+    what, where it was written, the dtype and the time."""
+    from xpukit.planning.training.base_record import RECORD_FILE
+
+    lines = []
+    for warning in result.plan.warnings:
+        lines += textwrap.wrap(
+            warning, 100, initial_indent="warning: ", subsequent_indent="  ", break_on_hyphens=False
+        )
+    merge = result.plan.merge
+    into = "the dequantised 4-bit base" if merge.base == "dequantized" else "the original weights"
+    why = {"record": f"as its {RECORD_FILE} says", "asked": f"--into {merge.base}", "default": "the default"}
+    tokenizer = (
+        f"the tokenizer from {result.tokenizer_from}" if result.tokenizer_from else "no tokenizer found"
+    )
+    said = [
+        f"merged {merge.adapter} into {into} of {base} ({why.get(merge.base_from, merge.base_from)}), on "
+        f"{merge.device}",
+        f"dtype {result.dtype}: {result.dtype_reason}",
+        f"wrote {result.out}: {', '.join(result.files)}; {tokenizer}",
+        f"took {result.seconds:.1f} s; --explain prints the plan",
+    ]
+    if result.quantize is not None:
+        said.insert(
+            3, f"loads quantized: load_for_xpu({str(result.out)!r}) takes quantize={result.quantize!r}"
+        )
+    for line in said:
+        lines += textwrap.wrap(
+            line, 100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False
+        )
+    return lines

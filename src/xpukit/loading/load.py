@@ -64,6 +64,7 @@ def load_for_xpu(
     seq_len: int | None = None,
     merge: Any = False,
     force: bool = False,
+    trainable: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> Any:
     """Load a model for inference the way :func:`xpukit.plan_load` plans it, and say what ran.
@@ -82,7 +83,10 @@ def load_for_xpu(
     for (checkpointing, offload, liger, micro-batch; docs/training.md "Training plan by fit").
     ``merge=True`` with ``lora=`` an adapter directory returns a plain transformers model with the
     adapter merged into full-precision base weights, as the plan's ``merge`` decision says
-    (docs/training.md "Merging an adapter").
+    (docs/training.md "Merging an adapter"). ``trainable=True`` with ``lora=`` an adapter directory
+    loads it to train further (docs/training.md "Training a saved adapter further"). A model loaded
+    with adapters to train writes, on ``save_pretrained`` (``Trainer``'s saves too), how its base is
+    held beside the adapter, which ``merge=True`` follows (:mod:`xpukit.loading.adapter_record`).
 
     Returns:
         The loaded ``PreTrainedModel`` (a ``PeftModel`` when ``lora`` was given, unless merged), with
@@ -127,6 +131,7 @@ def load_for_xpu(
             seq_len=seq_len,
             merge=merge,
             force=force,
+            trainable=trainable,
             **from_pretrained_kwargs,
         )
     return carry_out(plan, model_class=model_class, warmup=warmup)
@@ -244,6 +249,10 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                 del model  # the error (and its traceback's frames) must not keep the weights alive
                 _drop_frames(exc)
                 raise
+            if plan.merge is None and plan.lora.trains:
+                from xpukit.loading.adapter_record import record_on_save
+
+                notes.append(record_on_save(model, dtype=plan.dtype, base_model=str(plan.model)))
             events += [LoadEvent(kind="applied", what="lora", actual=note) for note in notes]
     if plan.decode is not None:
         from xpukit.loading.decode.fast_decode import apply_fast_decode, warm_up

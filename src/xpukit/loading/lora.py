@@ -67,7 +67,8 @@ def apply_lora(
     bitsandbytes CPU repacking, freezes the base weights, applies the dtype policy (module
     docstring), enables non-reentrant gradient checkpointing when asked, applies liger-kernel where
     it can run, then ``peft.get_peft_model``. For ``kind="adapter"``: ``PeftModel.from_pretrained``
-    with ``is_trainable=False`` and eval mode.
+    with ``is_trainable=False`` and eval mode; with ``request.trainable`` the same preparation as new
+    adapters, then ``PeftModel.from_pretrained(..., is_trainable=True)`` (its weights trainable).
 
     Args:
         model: a transformers ``PreTrainedModel``.
@@ -103,7 +104,7 @@ def apply_lora(
         raise InvalidRequestError(
             f"apply_lora(compute_dtype={compute_dtype!r}): expected bfloat16, float16 or float32."
         )
-    if request.kind == "adapter":
+    if request.kind == "adapter" and not request.trainable:
         return _load_adapter(model, request)
     return _new_adapters(
         model, request, dtype=dtype, quantized=quantized, device=device, fused=fused, insist=fused_insist,
@@ -138,13 +139,12 @@ def _new_adapters(
     packing: int | None = None,
 ) -> tuple[Any, list[str]]:
     import torch
-    from peft import get_peft_model
 
-    config = build_lora_config(request)
-    problem = targets_problem(
+    config = None if request.kind == "adapter" else build_lora_config(request)  # saved: plan_load checked it
+    problem = config and targets_problem(
         config, [n for n, _ in model.named_modules() if n], linear_module_names(model), type(model).__name__
     )
-    if problem is not None:  # before any change to the model
+    if problem:  # before any change to the model
         raise InvalidRequestError(problem)
     notes: list[str] = []
     notes += restore_trainable_4bit_layout(model)
@@ -176,8 +176,8 @@ def _new_adapters(
 
         notes += apply_liger_norms(model, device)  # speed, not memory: docstring there
     try:
-        peft_model = get_peft_model(model, config)
-    except ValueError as exc:
+        peft_model = _attach(model, request, config)
+    except (ValueError, KeyError, RuntimeError) as exc:
         raise InvalidRequestError(
             f"lora=: peft could not add adapters to this {type(model).__name__}: {exc}. The model has been "
             "prepared (frozen, checkpointing): reload it before trying another lora= setting."
@@ -212,12 +212,22 @@ def _new_adapters(
         notes.append(install_packing(peft_model, bucket=packing))
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
+    what = f"LoRA adapter {request.adapter_path}, trainable," if request.kind == "adapter" else "LoRA"
     notes.append(
-        f"LoRA on {targets}: {trainable:,} trainable of {total:,} parameters "
+        f"{what} on {targets}: {trainable:,} trainable of {total:,} parameters "
         f"({100 * trainable / max(total, 1):.2f} %)"
     )
     logger.info("LoRA applied: %s", "; ".join(notes))
     return peft_model, notes
+
+
+def _attach(model: Any, request: LoraRequest, config: Any) -> Any:
+    """New adapters (``get_peft_model``), or a saved adapter loaded trainable (``trainable=True``)."""
+    from peft import PeftModel, get_peft_model
+
+    if request.kind == "adapter":
+        return PeftModel.from_pretrained(model, request.adapter_path, is_trainable=True)
+    return get_peft_model(model, config)
 
 
 def _chunked_loss(model: Any) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class MergeResult:
         tokenizer_from: the directory the tokenizer was copied from, or ``None`` when neither had one.
         plan: the plan the merge carried out (``model.xpukit_plan``).
         quantize: the quantization recorded for loads without adapters (``4bit``/``8bit``), or ``None``.
+        seconds: the time it all took (the load, the merge and the writing).
     """
 
     out: Path
@@ -51,6 +53,7 @@ class MergeResult:
     tokenizer_from: str | None
     plan: Any = field(repr=False)
     quantize: str | None = None
+    seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (``xpukit merge --json``)."""
@@ -61,6 +64,7 @@ class MergeResult:
             "dtype_reason": self.dtype_reason,
             "tokenizer_from": self.tokenizer_from,
             "quantize": self.quantize,
+            "seconds": round(self.seconds, 2),
             "plan": self.plan.to_dict(),
         }
 
@@ -108,6 +112,7 @@ def save_merged(
         InvalidRequestError: ``out`` is not new or empty, or is the base or adapter directory; a bad
             dtype or quantize; and every error of :func:`xpukit.load_for_xpu` with ``merge=``.
     """
+    start = time.perf_counter()
     target = Path(out)
     for name, where in (("the base", base), ("the adapter", adapter)):
         local = isinstance(where, str | os.PathLike) and Path(where).exists() and target.exists()
@@ -162,6 +167,7 @@ def save_merged(
     return MergeResult(
         out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan,
         quantize=recorded,
+        seconds=time.perf_counter() - start,
     )  # fmt: skip
 
 

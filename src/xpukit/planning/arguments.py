@@ -210,12 +210,12 @@ def check_lora_targets(request: Any, facts: Any, *, enforce: bool, warnings: lis
         check_lora_request(request, facts)
 
 
-def lora_request_for(lora: Any, *, quantized: bool) -> Any:
-    if lora is None:
+def lora_request_for(lora: Any, *, quantized: bool, trainable: Any = False) -> Any:
+    if lora is None and trainable is False:
         return None
     from xpukit.planning.training.lora_request import resolve_lora
 
-    return resolve_lora(lora, quantized=quantized)
+    return resolve_lora(lora, quantized=quantized, trainable=trainable)
 
 
 def check_seed(seed: Any) -> int | None:

@@ -3,7 +3,7 @@
 A layout that is fine for inference can be a plan that crawls for training: bf16 weights partly
 offloaded to CPU memory are copied over the bus at every step of every micro-batch, and a step that
 fits only as offloaded checkpointing at micro-batch 1 is the slowest rung of the ladder. So, for new
-adapters (docs/planning.md "Training layout"):
+adapters, and for a saved adapter loaded with ``trainable=True`` (docs/planning.md "Training layout"):
 
 * With no ``quantize=`` given, when the full-precision weights do not fit the device together with
   the training memory (they are offloaded, or the training plan does not fit even at its leanest),
@@ -70,7 +70,7 @@ def layout_for_training(
         offload: ``offload=`` as given (``None``: not given).
         device: the training device, for messages.
     """
-    if first.lora is None or first.lora.kind != "new" or not first.crawls:
+    if first.lora is None or not first.lora.trains or not first.crawls:
         return first
     chosen, rejected_why = first, ""
     if not quantize_given and first.layout.quantization is None:

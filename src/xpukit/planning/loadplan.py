@@ -223,6 +223,8 @@ class LoadPlan:
         ]
         if self.machine.launch is not None:
             lines.append(_launch_line(self))
+        headline = self.merge.warning if self.merge is not None else None  # which weights: said first
+        lines += textwrap.wrap(headline or "", width, initial_indent="! ", subsequent_indent="  ")
         lines.append("")
         name_w = max(len(d.name) for d in self.decisions) + 2
         value_w = min(max(len(_short(d.value)) for d in self.decisions) + 2, 34)
@@ -254,9 +256,9 @@ class LoadPlan:
                 lines += textwrap.wrap(
                     f"{name} = {_short(value)}: {why}", width, initial_indent="  ", subsequent_indent="    "
                 )
-        if self.warnings:
+        if [w for w in self.warnings if w != headline]:
             lines += ["", "Warnings"]
-            for w in self.warnings:
+            for w in (w for w in self.warnings if w != headline):
                 lines += textwrap.wrap(w, width, initial_indent="  ! ", subsequent_indent="    ")
         target = repr(self.model) if self.model else f"<no weights: config {facts.name}>"
         lines += [

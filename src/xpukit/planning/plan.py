@@ -45,6 +45,7 @@ from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import choose_model_class
 from xpukit.planning.model.facts import model_facts
 from xpukit.planning.model.source import read_config
+from xpukit.planning.training.adapter_fit import check_saved_adapter
 from xpukit.planning.training.allocation import allocation_cap
 from xpukit.planning.training.fit import check_step_size, training_plan_for
 from xpukit.planning.training.fused import decide_fused, fused_will_run
@@ -81,6 +82,7 @@ def plan_load(
     seq_len: int | None = None,
     merge: Any = False,
     force: bool = False,
+    trainable: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> LoadPlan:
     """Plan how to load ``model`` for inference: device, dtype, placement, attention, kernels, 4-bit, LoRA.
@@ -132,8 +134,12 @@ def plan_load(
             base as 4-bit training saw it, ``"original"`` into the checkpoint's own weights; never into
             4-bit weights (``quantize=`` is refused). Placed by fit: the device, else the CPU. The
             plan's ``merge`` decision says which and why (docs/training.md "Merging an adapter").
-        force: with ``merge=``, merge an adapter whose tensors do not all fit the base (a warning
-            instead of :class:`InvalidRequestError`).
+        force: with ``lora=`` an adapter directory, load or merge it even when its tensors do not
+            all fit the base (a warning instead of :class:`InvalidRequestError`); every trained
+            adapter is checked against the base's modules before any weight is read.
+        trainable: with ``lora=`` an adapter directory, load it to train further: its weights
+            trainable, the training plan made for it as for new adapters (docs/training.md
+            "Training a saved adapter further"); default: loaded for inference.
         **from_pretrained_kwargs: passed to ``from_pretrained`` unchanged.
 
     Returns:
@@ -180,10 +186,11 @@ def plan_load(
     strategy = parse_strategy(strategy)
     fast_decode = check_fast_decode(fast_decode)
     batch_size, seq_len = check_step_size(batch_size, "batch_size"), check_step_size(seq_len, "seq_len")
-    lora_request_for(lora, quantized=quant.kind in {"4bit", "8bit"})  # validate before reading anything
+    # validated before reading anything
+    given_lora = lora_request_for(lora, quantized=quant.kind in {"4bit", "8bit"}, trainable=trainable)
     merge_request = parse_merge(
         merge, lora=lora, quantize=quantize, quant_kind=quant.kind, force=force, strategy=strategy,
-        device_map=device_map, max_memory=max_memory,
+        device_map=device_map, max_memory=max_memory, trainable=trainable,
     )  # fmt: skip
     config, source, name, consumed = read_config(model, kwargs)
     if quantize is None and lora is None and (recorded := recorded_request(config)) is not None:
@@ -217,6 +224,12 @@ def plan_load(
         )
 
     warnings: list[str] = []
+    # A trained adapter: its tensors against the base's modules, before any weight is read.
+    adapter_check, record = check_saved_adapter(
+        given_lora, config=config, model_class=class_choice.cls or class_choice.name, base=mfacts.name,
+        force=force, merging=merge_request is not None, warnings=warnings,
+        trust_remote_code=bool(kwargs.get("trust_remote_code", False)),
+    )  # fmt: skip
     dtype_decision = decide_dtype(dtype_req, main, warnings)
 
     def attempt(quant_request: QuantRequest) -> Attempt:
@@ -237,7 +250,7 @@ def plan_load(
             warnings=said,
             serve=lora is None and strategy is None,  # docs/planning.md "Quantization for inference"
         )
-        request = lora_request_for(lora, quantized=lay.quantization is not None)
+        request = lora_request_for(lora, quantized=lay.quantization is not None, trainable=trainable)
         request = fit_lora_to_class(request, class_choice, mfacts)  # task, head, VLM targets
         check_lora_targets(request, mfacts, enforce=not facts_given, warnings=said)
         fused = fused_will_run(request, mfacts, quantization=lay.quantization, backend=main.backend)
@@ -282,9 +295,18 @@ def plan_load(
     decisions = distributed.merged(decisions)
     decisions.insert(0, class_choice.decision)
     if lora_request is not None:
+        checked = f"; adapter check: {adapter_check}" if adapter_check else ""
         decisions.append(
-            Decision(name="lora", value=lora_request.describe(), reason=lora_request.reason, source="user")
+            Decision(
+                name="lora",
+                value=lora_request.describe(),
+                reason=lora_request.reason + checked,
+                source="user",
+            )
         )
+        if lora_request.trainable and record is not None:
+            mismatch = record.training_mismatch(layout.quantization)
+            warnings += [mismatch] if mismatch else []
     decisions += list(training.decisions) if training is not None else []
     fused = decide_fused(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
     decisions += [fused] if fused is not None else []
@@ -313,7 +335,7 @@ def plan_load(
         decisions.append(decode_decision)
     merge_plan = None if merge_request is None else plan_merge(
         merge_request, lora_request=lora_request, memory=layout.memory, main=main, machine=machine,
-        facts=mfacts, config=config, model_class=class_choice.cls or class_choice.name, dtype=dtype_name,
+        facts=mfacts, config=config, dtype=dtype_name, adapter_check=adapter_check or "", record=record,
         warnings=warnings,
     )  # fmt: skip
     for warning in warnings:

@@ -26,6 +26,9 @@ docs/known-issues.md "TrainingArguments: ddp_backend in a single process", docs/
 * ``optim``: ``paged_adamw_8bit`` for a quantised model where bitsandbytes has paged optimizers for
   the device (CUDA; XPU from bitsandbytes 0.50), else ``adamw_torch``.
 * ``report_to="none"`` unless given.
+* A model with parameters of which none requires a gradient (a trained adapter loaded for
+  inference, a merged model) is refused with the fix (``load_for_xpu(..., lora=DIR,
+  trainable=True)``) instead of ``Trainer.train()`` failing at its first step.
 * The user's keywords always win, except a combination that would fail, which is refused with the
   fix instead of transformers' ValueError on the first step.
 
@@ -95,8 +98,9 @@ def training_args(
         The ``TrainingArguments``. Building it initialises the XPU runtime (see the module docstring).
 
     Raises:
-        InvalidRequestError: a keyword combination that cannot work on this device, a model on a
-            device other than index 0 in a single process, a ``config_class`` that is not a
+        InvalidRequestError: a keyword combination that cannot work on this device, a model with
+            nothing to train (every parameter frozen), a model on a device other than index 0 in a
+            single process, a ``config_class`` that is not a
             ``TrainingArguments`` subclass, or a keyword that class does not have.
         DeviceUnavailableError: repacked 4-bit weights that could not be restored.
 
@@ -108,6 +112,7 @@ def training_args(
     from xpukit.training.config_class import build_config, check_config_class
 
     cls = check_config_class(config_class)
+    _refuse_nothing_to_train(model)
     device = _training_device(model, facts, use_cpu=bool(kwargs.get("use_cpu")))
     context = _context(model, facts)
     keywords = training_kwargs(device, context=context, **kwargs)
@@ -162,6 +167,36 @@ def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingCo
         bitsandbytes_version=installed_version("bitsandbytes"),
         compute_dtype=plan_dtype if isinstance(plan_dtype, str) else None,
         training=getattr(getattr(model, "xpukit_plan", None), "training", None),
+    )
+
+
+def _refuse_nothing_to_train(model: Any) -> None:
+    """Refuse a model whose every parameter is frozen: ``Trainer.train()`` would fail at its first step
+    with ``element 0 of tensors does not require grad``
+    (docs/training.md "Training a saved adapter further")."""
+    if model is None or not hasattr(model, "parameters"):
+        return
+    count = 0
+    for param in model.parameters():
+        if getattr(param, "requires_grad", True):
+            return
+        count += 1
+    if count == 0:
+        return
+    plan = getattr(model, "xpukit_plan", None)
+    lora = getattr(plan, "lora", None)
+    path = getattr(lora, "adapter_path", None) or "path/to/adapter"
+    loaded = (
+        f": load_for_xpu(..., lora={path!r}) loads a trained adapter frozen, for inference" if lora else ""
+    )
+    if lora is not None and getattr(plan, "merge", None) is not None:
+        loaded = f": merge=True merged {path!r} into a frozen plain model"
+    raise InvalidRequestError(
+        f"training_args: nothing in this {type(model).__name__} can train: all {count} parameter tensors are "
+        f"frozen (requires_grad=False){loaded}. Trainer.train() would fail at its first step (element 0 of "
+        f"tensors does not require grad). Fix: load_for_xpu(base, lora={path!r}, trainable=True) to train a "
+        "saved adapter further, lora=True for new adapters, or unfreeze what should train "
+        "(param.requires_grad_(True))."
     )
 
 

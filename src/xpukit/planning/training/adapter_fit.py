@@ -3,9 +3,12 @@
 :func:`check_adapter` reads the adapter's ``adapter_model.safetensors`` header (names, shapes) and
 builds the base on the meta device; every ``lora_A`` must match its module's input size, every
 ``lora_B`` its output size, and every other saved tensor (``modules_to_save``) the base's parameter
-of that name. A tensor that fits nothing is refused, because peft would either fail on it or drop it
-with a warning; a ``base_model_name_or_path`` naming another model while every shape fits is only a
-warning (docs/planning.md "Merge (`merge=`)").
+of that name. A tensor that fits nothing is refused, because peft would either fail on it (after the
+base's weights are loaded, with torch's size-mismatch dump) or drop it; a ``base_model_name_or_path``
+naming another model while every shape fits is only a warning (docs/planning.md "Merge (`merge=`)").
+Every path that takes a trained adapter (``lora=DIR`` for inference, ``trainable=True``,
+``merge=``) is checked this way by :func:`xpukit.planning.plan.plan_load` before any weight is read
+(:func:`check_saved_adapter`).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from xpukit.errors import InvalidRequestError
+from xpukit.planning.training.base_record import BaseRecord, read_base_record
 
-__all__ = ["check_adapter", "read_safetensors_header"]
+__all__ = ["check_adapter", "check_saved_adapter", "read_safetensors_header"]
 
 _LORA_SUFFIXES = {  # peft's saved tensor name → which side of the base module's weight it must match
     "lora_A.weight": "in",
@@ -59,11 +63,16 @@ def check_adapter(
     base: str,
     force: bool,
     warnings: list[str],
+    merging: bool = True,
+    trust_remote_code: bool = False,
 ) -> str:
     """Compare the adapter's tensors with the base's modules; what was found, in one line.
 
     The adapter's ``lora_A``/``lora_B`` shapes come from its safetensors header, the base's module
     shapes from the model built on the meta device; no weight is read.
+
+    ``merging``: the adapter is to be merged (the messages say merge and ``xpukit merge --force``),
+    else loaded (for inference or to train further).
 
     Raises:
         InvalidRequestError: a tensor names a module the base lacks or has another shape (unless
@@ -73,7 +82,7 @@ def check_adapter(
     if not file.is_file():
         return "adapter_model.safetensors not found: shapes not checked here (peft checks them at load)"
     tensors = read_safetensors_header(file)
-    problems = _problems(tensors, config, model_class)
+    problems = _problems(tensors, config, model_class, trust_remote_code)
     checked = len(tensors) - len(problems)
     named = str(saved.get("base_model_name_or_path") or "")
     other_name = bool(named) and not _same_model(named, base)
@@ -86,29 +95,62 @@ def check_adapter(
             f"tensors do not match the base's modules ({listed})" + (f"; {name_note}" if name_note else "")
         )
         if not force:
+            verb, how = ("merging", "merge") if merging else ("loading", "load")
+            cli = " (xpukit merge --force)" if merging else ""
             raise InvalidRequestError(
-                f"{message}. The adapter belongs to another base: merging it would fail or drop those "
+                f"{message}. The adapter belongs to another base: {verb} it would fail or drop those "
                 f"weights. Fix: pass the base it was trained on{f' ({named!r})' if named else ''}, or "
-                "force=True (xpukit merge --force) to merge what peft can."
+                f"force=True{cli} to {how} what peft can."
             )
         warnings.append(f"force=True: {message}")
         return f"force=True: {len(problems)} tensors do not match the base (see warnings)"
     summary = f"all {checked} tensors match the base's module shapes"
     if other_name:
         warnings.append(
-            f"lora={adapter!r}: {name_note}; every tensor shape matches, so it is merged (a local path "
-            "and a Hub id of the same model differ legitimately)"
+            f"lora={adapter!r}: {name_note}; every tensor shape matches, so it is "
+            f"{'merged' if merging else 'loaded'} (a local path and a Hub id of the same model differ "
+            "legitimately)"
         )
         return f"{summary}; {name_note} (a warning only)"
     return summary
 
 
-def _problems(tensors: dict[str, Any], config: Any, model_class: Any) -> list[str]:
+def check_saved_adapter(
+    request: Any,
+    *,
+    config: Any,
+    model_class: Any,
+    base: str,
+    force: bool,
+    merging: bool,
+    warnings: list[str],
+    trust_remote_code: bool = False,
+) -> tuple[str | None, BaseRecord | None]:
+    """For ``lora=`` a trained adapter directory: :func:`check_adapter`'s line, and its base record.
+
+    ``(None, None)`` for no LoRA or new adapters. Reads the adapter's safetensors header and
+    base record, never a weight.
+
+    Raises:
+        InvalidRequestError: the adapter does not fit the base (unless ``force``), or its base
+            record is malformed.
+    """
+    if request is None or request.kind != "adapter" or config is None:
+        return None, None
+    path = str(request.adapter_path)
+    check = check_adapter(
+        path, request.config, config=config, model_class=model_class, base=base, force=force,
+        warnings=warnings, merging=merging, trust_remote_code=trust_remote_code,
+    )  # fmt: skip
+    return check, read_base_record(path)
+
+
+def _problems(tensors: dict[str, Any], config: Any, model_class: Any, trust_remote_code: bool) -> list[str]:
     """What does not fit, one line per tensor; the meta-device model is gone when this returns (an
     error raised afterwards keeps no model alive in its traceback)."""
     from xpukit.planning.model.classes import build_meta_model
 
-    _, model = build_meta_model(config, model_class, trust_remote_code=False)
+    _, model = build_meta_model(config, model_class, trust_remote_code=trust_remote_code)
     modules = dict(model.named_modules())
     found = [_tensor_problem(key, info, modules) for key, info in sorted(tensors.items())]
     return [problem for problem in found if problem is not None]

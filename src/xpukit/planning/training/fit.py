@@ -302,7 +302,7 @@ def plan_training(
         fixed_rule=(
             f"weights {format_bytes(weights)} + LoRA state {format_bytes(LORA_STATE_BYTES * lora_params)} "
             f"({lora_params:,} params × {LORA_STATE_BYTES} B: weight, grad, AdamW) + reserve "
-            f"{format_bytes(reserve)} (calibrated, docs/training.md \"The activation estimate\")"
+            f'{format_bytes(reserve)} (calibrated, docs/training.md "The activation estimate")'
         ),
         estimate=estimate,
         estimates=tuple(tried),
@@ -425,12 +425,14 @@ def training_plan_for(
     packed: bool = False,
     allocation_cap: int | None = None,
 ) -> tuple[TrainingPlan | None, LoraRequest | None]:
-    """The training plan for new adapters, and the request updated to follow it.
+    """The training plan for adapters to train (new ones, or a saved one with ``trainable=True``), and
+    the request updated to follow it.
 
-    Returns ``(None, request)`` unchanged for no LoRA, a trained adapter, or a model whose config
-    has no decoder shape (then the request's own defaults stand: checkpointing for quantised models).
+    Returns ``(None, request)`` unchanged for no LoRA, an adapter loaded for inference, or a model
+    whose config has no decoder shape (then the request's own defaults stand: checkpointing for
+    quantised models).
     """
-    if request is None or request.kind != "new":
+    if request is None or not request.trains:
         return None, request
     shape = model_shape(config) if config is not None else None
     if shape is None:

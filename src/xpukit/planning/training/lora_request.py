@@ -78,7 +78,8 @@ class LoraRequest:
     """What ``lora=`` asked for, resolved and validated.
 
     Attributes:
-        kind: ``"new"`` (fresh trainable adapters) or ``"adapter"`` (a trained adapter for inference).
+        kind: ``"new"`` (fresh trainable adapters) or ``"adapter"`` (a trained adapter: for inference, or
+            to train further with ``trainable``).
         config: keyword arguments for ``peft.LoraConfig`` (for ``"adapter"``: the saved config, for
             display only).
         adapter_path: the adapter directory when ``kind == "adapter"``.
@@ -103,6 +104,7 @@ class LoraRequest:
             ``False`` never, ``True`` insists (:mod:`xpukit.planning.training.packing`).
         loss: the training plan's loss (``"plain"``, ``"liger"``, ``"chunked"``); ``None`` before
             planning. ``"chunked"`` makes loading apply xpukit's chunked cross-entropy.
+        trainable: for ``"adapter"``: loaded to train further (``trainable=True``), not for inference.
     """
 
     kind: Literal["new", "adapter"]
@@ -118,13 +120,20 @@ class LoraRequest:
     graphs: bool | None = None
     packing: bool | None = None
     loss: str | None = None
+    trainable: bool = False
+
+    @property
+    def trains(self) -> bool:
+        """Adapters to train: new ones, or a saved one loaded with ``trainable=True``."""
+        return self.kind == "new" or self.trainable
 
     def describe(self) -> str:
         """One line for the plan's explain table."""
         c = self.config
         if self.kind == "adapter":
             saved = f"r={c.get('r')}, targets {targets_text(c.get('target_modules'))}" if c else "saved"
-            return f"LoRA adapter {self.adapter_path} ({saved}), inference only"
+            use = "trained further (trainable=True)" if self.trainable else "inference only"
+            return f"LoRA adapter {self.adapter_path} ({saved}), {use}"
         gc = self.gradient_checkpointing if isinstance(self.gradient_checkpointing, str) else "off"
         gc = "on" if self.gradient_checkpointing is True else gc
         return (
@@ -133,7 +142,7 @@ class LoraRequest:
         )
 
 
-def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
+def resolve_lora(lora: object, *, quantized: bool, trainable: object = False) -> LoraRequest | None:
     """Validate ``lora=`` and resolve it to a :class:`LoraRequest` (no model, no peft import).
 
     Args:
@@ -142,19 +151,28 @@ def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
             ``gradient_checkpointing`` and ``liger`` keys); a ``peft.LoraConfig``; or the path of a
             trained adapter directory (loaded for inference).
         quantized: the base model is loaded in 4/8-bit (gradient checkpointing then defaults on).
+        trainable: with an adapter path, load it to train further (its weights trainable).
 
     Returns:
         The request, or ``None`` when no LoRA is wanted.
 
     Raises:
-        InvalidRequestError: an unknown key, a wrong type, or an adapter directory without
-            ``adapter_config.json``.
+        InvalidRequestError: an unknown key, a wrong type, an adapter directory without
+            ``adapter_config.json``, or ``trainable=True`` without an adapter path.
 
     Example::
 
         >>> resolve_lora(True, quantized=True).describe()
         'new LoRA r=16 alpha=32 dropout=0.0 all-linear, checkpointing on'
     """
+    if not isinstance(trainable, bool):
+        raise InvalidRequestError(f"trainable={trainable!r}: must be True or False.")
+    if trainable and not isinstance(lora, str | os.PathLike):
+        raise InvalidRequestError(
+            f"trainable=True with lora={lora!r}: trainable=True loads a saved adapter to train it further. "
+            "Fix: load_for_xpu(base, lora='path/to/adapter', trainable=True); new adapters (lora=True or a "
+            "config) are trainable already, so drop trainable= for them."
+        )
     if lora is None or lora is False:
         return None
     if lora is True:
@@ -162,7 +180,7 @@ def resolve_lora(lora: object, *, quantized: bool) -> LoraRequest | None:
     if isinstance(lora, dict):
         return _from_dict(lora, quantized)
     if isinstance(lora, str | os.PathLike):
-        return _from_path(Path(os.fspath(lora)))
+        return _from_path(Path(os.fspath(lora)), trainable)
     if type(lora).__name__ == "LoraConfig" and dataclasses.is_dataclass(lora):
         config = _config_kwargs(lora)
         _check_numbers(config)
@@ -259,7 +277,7 @@ def _check_numbers(options: dict[str, Any]) -> None:
         raise InvalidRequestError(f"lora={{'lora_dropout': {dropout!r}}}: must be in [0, 1).")
 
 
-def _from_path(path: Path) -> LoraRequest:
+def _from_path(path: Path, trainable: bool) -> LoraRequest:
     config_file = path / "adapter_config.json"
     if not path.is_dir():
         raise InvalidRequestError(
@@ -284,7 +302,11 @@ def _from_path(path: Path) -> LoraRequest:
         config=saved,
         adapter_path=str(path),
         gradient_checkpointing=False,
-        reason="a trained adapter directory: loaded for inference (eval mode, not trainable)",
+        reason="a trained adapter directory, trainable=True: its weights trainable, the training plan made "
+        "for it"
+        if trainable
+        else "a trained adapter directory: loaded for inference (eval mode, not trainable)",
+        trainable=trainable,
     )
 
 

@@ -12,7 +12,10 @@ adapter"):
   base quantised with xpukit's ``quantize="4bit"`` config, nf4 + double quantisation, and
   dequantised with bitsandbytes' own ``dequantize_4bit``), which reproduces a QLoRA-trained model;
   ``merge="original"`` merges into the checkpoint's own weights, right for an adapter trained on the
-  full-precision base. Nothing in a saved adapter says which base it was trained on.
+  full-precision base. peft's files do not say which base an adapter trained on; the record xpukit
+  writes beside the adapters it trains does (:mod:`xpukit.planning.training.base_record`), and
+  ``merge=True`` follows it. An adapter without one gets ``"dequantized"`` and a warning naming
+  ``merge="original"``; a ``merge=`` given against the record is done as asked, with a warning.
 - Never into 4-bit weights: peft's ``merge_and_unload`` on a 4-bit model re-quantises every merged
   weight. ``quantize=`` with ``merge=`` is refused with the fix.
 - Where: on the plan's device when the full-precision weights and headroom fit it alone, else on the
@@ -34,12 +37,13 @@ from typing import TYPE_CHECKING, Any
 from xpukit.errors import InvalidRequestError, PlanError
 from xpukit.planning.budgets import format_bytes, usable_memory
 from xpukit.planning.device.quantization import bnb_kwargs
-from xpukit.planning.training.adapter_fit import check_adapter
+from xpukit.planning.training.base_record import RECORD_FILE
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
     from xpukit.machine.facts import DeviceFacts, MachineFacts
     from xpukit.planning.model.facts import ModelFacts
+    from xpukit.planning.training.base_record import BaseRecord
     from xpukit.planning.vocabulary import MemoryEstimate
 
 __all__ = [
@@ -58,9 +62,9 @@ __all__ = [
 MERGE_BASES = ("dequantized", "original")
 DEFAULT_MERGE_BASE = "dequantized"
 _WHY_BASE = {
-    "dequantized": "the base as 4-bit training saw it: quantised with xpukit's quantize='4bit' (nf4, double "
-    "quantisation) and dequantised by bitsandbytes, so the merged model computes what the trained "
-    "4-bit + adapter model computed",
+    "dequantized": "the base as 4-bit training saw it: quantised with the recorded 4-bit settings, else "
+    "xpukit's quantize='4bit' (nf4, double quantisation), and dequantised by bitsandbytes, so the "
+    "merged model computes what the trained 4-bit + adapter model computed",
     "original": "the checkpoint's own full-precision weights: right for an adapter trained on the "
     "full-precision base (plain LoRA)",
 }
@@ -95,6 +99,10 @@ class MergePlan:
         adapter_check: what comparing the adapter with the base found.
         decision: the plan's ``merge`` decision.
         placement_reason: why the merge runs on ``device``.
+        base_from: who chose ``base``: ``"asked"`` (``merge="original"`` …), ``"record"`` (the
+            adapter's base record) or ``"default"`` (``merge=True`` and no record).
+        warning: what to know about that choice (no record; a choice against the record), shown at
+            the top of the plan; also among the plan's warnings.
     """
 
     base: str
@@ -106,11 +114,16 @@ class MergePlan:
     adapter_check: str
     decision: Decision
     placement_reason: str
+    base_from: str = "asked"
+    warning: str | None = None
 
     def describe(self) -> str:
         """One line: what is merged into what, where."""
         into = "the dequantised 4-bit base" if self.base == "dequantized" else "the original weights"
-        return f"{self.adapter} merged into {into} on {self.device} in {self.dtype}"
+        why = {"record": f" (as its {RECORD_FILE} says)", "default": " (the default: no record)"}
+        return (
+            f"{self.adapter} merged into {into}{why.get(self.base_from, '')} on {self.device} in {self.dtype}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -122,6 +135,8 @@ class MergePlan:
             "quantization_config": self.quantization_config,
             "moved_to_cpu": self.moved_to_cpu,
             "adapter_check": self.adapter_check,
+            "base_from": self.base_from,
+            "warning": self.warning,
             "describe": self.describe(),
         }
 
@@ -178,21 +193,23 @@ def parse_merge(
     strategy: str | None,
     device_map: object,
     max_memory: object,
+    trainable: object = False,
 ) -> MergeRequest | None:
     """Check ``merge=`` (and ``force=``) against the other arguments, before anything is read.
 
     Raises:
         InvalidRequestError: an unknown ``merge=`` value, no trained adapter path, ``quantize=``, a
-            distributed strategy, or a device_map / max_memory that splits the model.
+            distributed strategy, a device_map / max_memory that splits the model, ``trainable=True``,
+            or ``force=True`` without an adapter path.
     """
     if not isinstance(force, bool):
         raise InvalidRequestError(f"force={force!r}: must be True or False.")
     if merge is None or merge is False:
-        if force:
+        if force and not isinstance(lora, str | os.PathLike):
             raise InvalidRequestError(
-                "force=True skips the check that a LoRA adapter fits the base it is merged into, but "
-                "merge= was not given. Fix: load_for_xpu(base, lora='adapter_dir', merge=True, force=True), "
-                "or drop force."
+                f"force=True skips the check that a trained LoRA adapter fits the base, but lora={lora!r} "
+                "names no adapter directory. Fix: load_for_xpu(base, lora='adapter_dir', force=True) "
+                "(with merge=True to merge it), or drop force."
             )
         return None
     if merge is True:
@@ -225,6 +242,11 @@ def parse_merge(
             "serve the merged model in 4-bit, save it (xpukit merge BASE ADAPTER OUT) and load OUT with "
             "quantize='4bit'."
         )
+    if trainable is True:
+        raise InvalidRequestError(
+            f"{what} with trainable=True: a merged model has no adapter left to train. Fix: drop merge= to "
+            "train the adapter further, save it, then merge what you saved (xpukit merge BASE ADAPTER OUT)."
+        )
     if strategy is not None:
         raise InvalidRequestError(
             f"{what} with strategy={strategy!r}: a merge loads one model to serve or save, not a distributed "
@@ -248,14 +270,18 @@ def plan_merge(
     machine: MachineFacts,
     facts: ModelFacts,
     config: Any,
-    model_class: Any,
     dtype: str,
+    adapter_check: str,
+    record: BaseRecord | None,
     warnings: list[str],
 ) -> MergePlan:
     """The ``merge`` decision: into which weights, on which device, in which dtype (module docstring).
 
+    ``adapter_check`` is what :func:`xpukit.planning.training.adapter_fit.check_adapter` found;
+    ``record`` the adapter's base record, if it has one.
+
     Raises:
-        InvalidRequestError: the base is already quantized, or the adapter does not fit it.
+        InvalidRequestError: the base is already quantized.
         PlanError: the full-precision model fits neither the device nor the CPU (the numbers).
     """
     adapter = str(lora_request.adapter_path)
@@ -270,21 +296,20 @@ def plan_merge(
             f"merge=True needs the base's weights: {facts.name!r} is a bare config. Fix: pass the model's "
             "directory or Hub id."
         )
-    check = check_adapter(
-        adapter, lora_request.config, config=config, model_class=model_class, base=facts.name,
-        force=request.force, warnings=warnings,
-    )  # fmt: skip
+    base, base_from, asked, warning = _merge_base(request, record, adapter)
+    if warning is not None:
+        warnings.append(warning)
     need = memory.weights + memory.headroom
     sizes = f"{format_bytes(memory.weights)} of {dtype} weights + {format_bytes(memory.headroom)} headroom"
     moved = False
-    if main.backend == "cpu" or (memory.placement == "single" and not _bnb_cannot(request, main)):
+    if main.backend == "cpu" or (memory.placement == "single" and not _bnb_cannot(base, main)):
         device = main.torch_device
         where = f"{sizes} fit {device} alone"
     else:
         cpu = usable_memory(machine.cpu)
         why_not = (
             "bitsandbytes has no MPS backend to dequantise with"
-            if _bnb_cannot(request, main)
+            if _bnb_cannot(base, main)
             else f"{sizes} do not fit {main.torch_device} alone ({memory.verdict})"
         )
         if need > cpu.usable:
@@ -298,38 +323,70 @@ def plan_merge(
         where = (
             f"{why_not}: merged on the CPU ({format_bytes(cpu.usable)} usable), where the merged model stays"
         )
-    qconfig = bnb_kwargs("4bit", dtype) if request.base == "dequantized" else None
-    other = next(b for b in MERGE_BASES if b != request.base)
-    asked = (
-        f"merge={request.base!r}" if request.given else f"merge=True, whose default is {DEFAULT_MERGE_BASE!r}"
-    )
+    qconfig = None
+    if base == "dequantized":  # the recorded 4-bit settings, else xpukit's quantize="4bit" ones
+        four = record is not None and record.quantization == "4bit"
+        qconfig = record.merge_quantization(dtype) if four and record else bnb_kwargs("4bit", dtype)
+    other = next(b for b in MERGE_BASES if b != base)
     reason = (
-        f"{asked}: {adapter} merged with peft's merge_and_unload into {_WHY_BASE[request.base]}; a plain "
+        f"{asked}: {adapter} merged with peft's merge_and_unload into {_WHY_BASE[base]}; a plain "
         f"{facts.architecture} is returned. Where: {where}. dtype {dtype}: the plan's dtype decision. "
-        f"Adapter check: {check}"
+        f"Adapter check: {adapter_check}"
     )
     decision = Decision(
         name="merge",
-        value=f"{request.base}, {device}",
+        value=f"{base}, {device}",
         reason=reason,
         rejected=(("4bit", _WHY_NOT_4BIT), (other, _WHY_BASE[other])),
         source="user",
     )
     return MergePlan(
-        base=request.base,
+        base=base,
         device=device,
         dtype=dtype,
         adapter=adapter,
         quantization_config=qconfig,
         moved_to_cpu=moved,
-        adapter_check=check,
+        adapter_check=adapter_check,
         decision=decision,
         placement_reason=where,
+        base_from=base_from,
+        warning=warning,
     )
 
 
-def _bnb_cannot(request: MergeRequest, main: DeviceFacts) -> bool:
-    return request.base == "dequantized" and main.backend == "mps"
+def _merge_base(
+    request: MergeRequest, record: BaseRecord | None, adapter: str
+) -> tuple[str, str, str, str | None]:
+    """The weights to merge into, who chose them, the reason's opening, and a warning (or ``None``)."""
+    if request.given:
+        asked, warning = f"merge={request.base!r}", None
+        if record is not None and record.merge_base()[0] != request.base:
+            warning = (
+                f"merge={request.base!r} as asked, but {record.path} says the adapter trained with its "
+                f"base held {record.held()}: merge={record.merge_base()[0]!r} (or merge=True) reproduces "
+                "that model"
+            )
+        return request.base, "asked", asked, warning
+    if record is not None:
+        base, note = record.merge_base()
+        return (
+            base,
+            "record",
+            f"merge=True, and {record.path} says the adapter trained with its base held {record.held()}",
+            note,
+        )
+    warning = (
+        f"{adapter} has no {RECORD_FILE} (xpukit writes one when it saves an adapter it trained), so "
+        f"merge=True takes its default, {DEFAULT_MERGE_BASE!r}: right for an adapter trained on the 4-bit "
+        "base (QLoRA). An adapter trained on the full-precision base needs merge='original' "
+        "(xpukit merge --into original)"
+    )
+    return DEFAULT_MERGE_BASE, "default", f"merge=True, whose default is {DEFAULT_MERGE_BASE!r}", warning
+
+
+def _bnb_cannot(base: str, main: DeviceFacts) -> bool:
+    return base == "dequantized" and main.backend == "mps"
 
 
 def replace_plan(plan: Any, merge: MergePlan) -> Any:

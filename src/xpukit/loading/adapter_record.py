@@ -1,0 +1,65 @@
+"""The base record written beside an adapter xpukit trained (its format:
+:mod:`xpukit.planning.training.base_record`).
+
+:func:`record_on_save` gives a ``PeftModel`` that :func:`xpukit.load_for_xpu` loaded with trainable
+adapters its own ``save_pretrained``: peft's, then :data:`RECORD_FILE` beside each
+``adapter_config.json`` it wrote. ``Trainer`` (and TRL's trainers) save a ``PeftModel`` through its
+``save_pretrained``, so every checkpoint gets the record too. The record is what the loaded model
+really holds: its quantization config as transformers serialises it, and the dtype it computes in.
+
+The method is an instance of :class:`SaveWithRecord` (a module-level class, so the model can still
+be deep-copied, each copy saving itself, and pickled); it refers to the model, so the two are
+freed together by the garbage collector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from xpukit.planning.training.base_record import RECORD_FILE, parse_record, record_from
+
+__all__ = ["SaveWithRecord", "record_on_save", "write_record"]
+
+
+def record_on_save(model: Any, *, dtype: str, base_model: str) -> str:
+    """Make ``model.save_pretrained`` also write the base record; returns the note for the plan."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(getattr(base, "config", None), "quantization_config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        config = config.to_dict()
+    record = record_from(config if isinstance(config, dict) else None, dtype=dtype, base_model=base_model)
+    model.save_pretrained = SaveWithRecord(model, record)
+    return (
+        f"save_pretrained also writes {RECORD_FILE} beside the adapter: the base is held "
+        f"{parse_record(record, RECORD_FILE).held()}, which merge=True / xpukit merge follow"
+    )
+
+
+def write_record(directory: str | os.PathLike[str], record: dict[str, Any]) -> Path:
+    """Write ``record`` as ``directory/RECORD_FILE``."""
+    path = Path(directory) / RECORD_FILE
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+class SaveWithRecord:
+    """A model's ``save_pretrained``: peft's, then the base record beside each adapter it wrote."""
+
+    def __init__(self, model: Any, record: dict[str, Any]) -> None:
+        self.model = model
+        self.record = record
+
+    def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        if not kwargs.get("is_main_process", True):
+            return result  # peft wrote nothing in this process
+        names = kwargs.get("selected_adapters") or list(getattr(model, "peft_config", {}) or ["default"])
+        for name in names:
+            where = Path(save_directory) if name == "default" else Path(save_directory) / str(name)
+            if (where / "adapter_config.json").is_file():
+                write_record(where, self.record)
+        return result

@@ -212,6 +212,37 @@ def test_dtype_accepts_torch_dtypes_and_refuses_the_rest(shapes):
             plan_load(shapes["qwen3-0.6b"], facts="h100", dtype=bad)
 
 
+def test_a_keyword_typo_is_refused_before_any_weight_is_read(shapes, tiny_model, monkeypatch):
+    import transformers
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    from xpukit import load_for_xpu
+
+    for typo, right in (
+        ("quantise", "quantize"),
+        ("devcie", "device"),
+        ("ouput_loading_info", "output_loading_info"),
+    ):
+        with pytest.raises(InvalidRequestError, match=rf"Unknown keyword: {typo}=.*did you mean {right}\?"):
+            load_for_xpu(str(tiny_model), **{typo: "x"})
+    with pytest.raises(
+        InvalidRequestError, match="rope_theta"
+    ):  # not a Qwen3 config attribute in transformers 5
+        plan_load(shapes["qwen3-0.6b"], facts="h100", rope_theta=1e6)
+    # from_pretrained's own keywords (also those it only pops and ignores) and config attributes pass.
+    plan = plan_load(
+        str(tiny_model), facts="cpu", revision="main", low_cpu_mem_usage=True, use_cache=False, variant=None
+    )
+    assert plan.passthrough["low_cpu_mem_usage"] is True
+    assert (
+        plan_load(str(tiny_model), facts="cpu", trust_remote_code=True, anything=1).passthrough["anything"]
+        == 1
+    )
+
+
 def test_torch_dtype_alias_and_conflicts(shapes):
     plan = plan_load(shapes["qwen3-0.6b"], facts="h100", torch_dtype="float16")
     assert plan.dtype == "float16"

@@ -8,6 +8,7 @@ a Hub-backed choice is on the table — one bounded reachability check (:mod:`xp
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import MachineFacts
 from xpukit.planning.arguments import (
+    check_keywords,
     check_lora_targets,
     device_of_map,
     host_modules_reason,
@@ -150,6 +152,7 @@ def plan_load(
     class_name, seed, strategy, fast_decode = req.class_name, req.seed, req.strategy, req.fast_decode
     batch_size, seq_len, merge_request = req.batch_size, req.seq_len, req.merge
     config, source, name, consumed = read_config(model, kwargs)
+    check_keywords(kwargs, config, consumed, ours=_XPUKIT_KEYWORDS)
     machine, facts_given = machine_for(facts)
     if isinstance(device_map, dict):
         device_text = device_of_map(device_map, device_text, machine)
@@ -319,3 +322,9 @@ def plan_load(
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
+
+
+# plan_load's own keywords (load_for_xpu takes the same): the "did you mean" of check_keywords.
+_XPUKIT_KEYWORDS = tuple(
+    name for name, p in inspect.signature(plan_load).parameters.items() if p.kind is p.KEYWORD_ONLY
+)

@@ -528,6 +528,20 @@ def test_cli_plan_json_and_text(capsys):
     assert "max_memory argument" in text and "Rejected alternatives" in text
 
 
+def test_cli_plan_says_what_a_profile_is_and_offers_the_built_in_shapes(capsys, monkeypatch):
+    from xpukit.cli.main import main
+
+    assert main(["plan", "qwen3-8b", "--assume", "arc-b580"]) == 0
+    out = capsys.readouterr().out
+    # A recorded profile was described as "free memory reported by the runtime".
+    assert "recorded profile: its 12.00 GiB, all assumed free" in out and "reported by the runtime" not in out
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "qwen3-9b"]) == 1
+    err = capsys.readouterr().err
+    assert "hf download qwen3-9b" in err
+    assert "built-in shape, no download needed (did you mean qwen3-8b?)" in err
+
+
 def test_cli_plan_errors_exit_1(capsys):
     from xpukit.cli.main import main
 

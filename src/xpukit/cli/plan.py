@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import textwrap
@@ -146,9 +147,20 @@ def _plan(args: argparse.Namespace, request: dict[str, Any]) -> Any:
     kwargs = dict(request)
     rank = kwargs.pop("rank")
     model: Any = args.model
-    if local_model_dir(args.model) is None and args.model.lower() in REFERENCE_CONFIGS:
+    local = local_model_dir(args.model)
+    if local is None and args.model.lower() in REFERENCE_CONFIGS:
         model = reference_config(args.model)
-    return plan_load(model, facts=_facts(args.assume, rank) if rank else args.assume, **kwargs)
+    try:
+        return plan_load(model, facts=_facts(args.assume, rank) if rank else args.assume, **kwargs)
+    except InvalidRequestError as exc:
+        if local is not None or not isinstance(model, str) or args.model not in str(exc):
+            raise
+        # A Hub id whose config could not be read: the built-in shapes plan without any download.
+        close = difflib.get_close_matches(args.model.lower(), list(REFERENCE_CONFIGS), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise InvalidRequestError(
+            f"{exc} Or plan a built-in shape, no download needed{hint}: {', '.join(REFERENCE_CONFIGS)}."
+        ) from None
 
 
 def _print_profiles() -> None:

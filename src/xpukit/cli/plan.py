@@ -76,6 +76,12 @@ def add_parser(sub: Any) -> None:
         help="plan LoRA training (lora=True) of BATCH sequences of SEQ tokens, e.g. 4x512: the memory "
         "savers chosen by fit and the activation estimate (docs/training.md)",
     )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="the full plan: every reason, the memory and training estimates, the rejected "
+        "alternatives and the from_pretrained keywords (default: each choice with one line of reason)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
 
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({**plan.to_dict(), "notes": notes}, indent=2))
         return 0
-    print(plan.explain())
+    print(plan.explain(verbose=bool(getattr(args, "explain", False))))
     if notes:
         print("\nNotes (from other libraries' warnings, in xpukit's words; --verbose shows them)")
         for note in notes:

@@ -1,4 +1,6 @@
-"""Every ```python block of the README and docs/ runs on a CPU, offline, as a reader would run it.
+"""Every ```python block of the README and docs/ runs on a CPU, offline, as a reader would run it;
+so does every ``xpukit plan`` line on a built-in shape and every ``xpukit launch --dry-run`` line
+with a named backend (the command lines that need no device, no model download and no script).
 
 A page's blocks run in order in one fresh process (later blocks use what earlier ones made, as in
 the text), in an empty working directory, with the Hub ids the pages use standing for the suite's
@@ -9,8 +11,11 @@ block is tested unless its page says why not. Steps and lengths are the pages' o
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +70,39 @@ def test_the_pages_code_runs(page: Path, demo_model: Path, tmp_path: Path) -> No
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=280, env=env
     )
     assert proc.returncode == 0, f"{page.name}: a block failed\n{proc.stderr[-4000:]}"
+
+
+_SHELL_BLOCK = re.compile(r"^```(?:console|bash|sh|shell)\n(.*?)^```$", re.S | re.M)
+
+
+def command_lines() -> list[tuple[str, list[str]]]:
+    """``(where, argv)`` of the documented ``xpukit`` lines that run anywhere, offline."""
+    from xpukit.planning.model.reference_models import REFERENCE_CONFIGS
+
+    found = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for block in _SHELL_BLOCK.finditer(text):
+            for n, line in enumerate(block.group(1).splitlines()):
+                words = shlex.split(line.removeprefix("$ "), comments=True)
+                if words[:1] != ["xpukit"] or len(words) < 3 or ">" in words:
+                    continue
+                runs_anywhere = (words[1] == "plan" and words[2].lower() in REFERENCE_CONFIGS) or (
+                    words[1] == "launch" and "--dry-run" in words and "--backend" in words
+                )
+                if runs_anywhere:
+                    where = f"{page.name}:{text.count(chr(10), 0, block.start()) + 2 + n}"
+                    found.append((where, words[1:]))
+    return found
+
+
+def test_the_documented_command_lines_run() -> None:
+    from xpukit.cli.main import main
+
+    lines = command_lines()
+    assert len(lines) >= 6, lines  # the pattern still finds the pages' plan and launch lines
+    for where, argv in lines:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(argv)
+        assert code == 0, f"{where}: xpukit {shlex.join(argv)} exited {code}: {err.getvalue()[-2000:]}"

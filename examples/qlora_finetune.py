@@ -4,7 +4,8 @@
     python examples/qlora_finetune.py Qwen/Qwen3-0.6B --steps 200 --lr 2e-4
 
 ``load_for_xpu(..., quantize="4bit", lora=True)`` returns a ``peft.PeftModel`` (nf4 + double
-quantisation, compute in the device's dtype, gradient checkpointing on), and ``training_args``
+quantisation, compute in the device's dtype, gradient checkpointing where the step needs it to
+fit), and ``training_args``
 returns ``TrainingArguments`` whose precision and device settings work on this machine (bf16 where
 native, ``use_cpu`` on a CPU, a paged 8-bit optimizer where bitsandbytes has one). Everything else is
 plain transformers. The text is xpukit's small bundled corpus; use your own dataset instead.

@@ -130,7 +130,8 @@ PLANNING_LEVELS: dict[str, int] = {
     "xpukit.planning.loadplan": 4,
     "xpukit.planning.for_training": 4,
     "xpukit.planning.arguments": 4,
-    "xpukit.planning.plan": 5,
+    "xpukit.planning.request": 5,
+    "xpukit.planning.plan": 6,
 }
 
 

@@ -251,6 +251,26 @@ def test_cli_reports_bad_steps_as_one_line(capsys: pytest.CaptureFixture[str]) -
     assert err.startswith("xpukit demo: error:") and "steps=0" in err and "\n" not in err
 
 
+def test_cli_error_names_the_command_once(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--lr", "-1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("xpukit demo: error: learning_rate=-1.0 (--lr)") and err.count("xpukit demo") == 1
+
+
+def test_the_demos_plan_says_the_seed_it_runs_with(
+    demo_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import xpukit.demo.run as demo
+
+    plan, _ = demo._plan(str(demo_model), device="cpu", quantize=False, seed=0)
+    (seed,) = [d for d in plan.decisions if d.name == "seed"]
+    assert seed.value == 0 and "set_seed(0)" in seed.reason and "unseeded" not in seed.reason
+    assert plan.seed == 0  # what load_for_xpu(plan) applies
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "(default 0)" in " ".join(capsys.readouterr().out.split())
+
+
 def test_demo_modules_import_no_torch() -> None:
     code = (
         "import sys, xpukit.demo.run, xpukit.cli.demo\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import subprocess
@@ -567,6 +568,22 @@ def test_apply_sets_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     select_devices("0,1", backend="xpu").apply()
     assert os.environ["ZE_AFFINITY_MASK"] == "0,1"
     assert os.environ["ZE_ENABLE_PCI_ID_DEVICE_ORDER"] == "1"
+
+
+def test_apply_warns_when_it_replaces_an_exported_mask(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("ZE_AFFINITY_MASK", "2")
+    monkeypatch.setenv("ZE_ENABLE_PCI_ID_DEVICE_ORDER", "1")
+    with caplog.at_level(logging.WARNING, logger="xpukit.select.devices"):
+        select_devices("0", backend="xpu").apply()
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert "ZE_AFFINITY_MASK=2 was exported and is replaced by ZE_AFFINITY_MASK=0" in said
+    assert os.environ["ZE_AFFINITY_MASK"] == "0"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="xpukit.select.devices"):
+        select_devices("0", backend="xpu").apply()  # the same mask again: nothing to say
+    assert caplog.records == []
 
 
 def test_apply_is_refused_once_the_runtime_is_initialised(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -93,6 +93,56 @@ def test_misspelled_and_ignored_variables() -> None:
     assert codes(m, host()) == {"misspelled-variable": "warning", "hierarchy-ignored": "warning"}
 
 
+@pytest.mark.parametrize(
+    ("value", "fix"),
+    [
+        ("flat", "export ZE_FLAT_DEVICE_HIERARCHY=FLAT"),  # a case slip: the upper-case spelling
+        ("weird", "FLAT (every stack a device, the driver's default), COMPOSITE"),  # not WEIRD
+    ],
+)
+def test_ignored_hierarchy_suggests_a_valid_value(value: str, fix: str) -> None:
+    m = replace(machine_profile("arc-b580"), env={"ZE_FLAT_DEVICE_HIERARCHY": value})
+    (f,) = diagnose(m, host())
+    assert f.code == "hierarchy-ignored" and fix in f.fix and value.upper() not in f.fix.replace("FLAT", "")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "unreadable"),
+    [
+        ("ZE_AFFINITY_MASK", "garbage", True),
+        ("ZE_AFFINITY_MASK", "0,GPU-12ab", True),  # UUIDs are CUDA's
+        ("ZE_AFFINITY_MASK", "0.1,2", False),
+        ("CUDA_VISIBLE_DEVICES", "banana", True),
+        ("CUDA_VISIBLE_DEVICES", "0,x", True),
+        ("CUDA_VISIBLE_DEVICES", "1,GPU-8932f937", False),
+        ("CUDA_VISIBLE_DEVICES", "-1", False),  # hides every device on purpose
+        ("CUDA_VISIBLE_DEVICES", "", False),
+    ],
+)
+def test_an_unreadable_mask_is_reported(variable: str, value: str, unreadable: bool) -> None:
+    m = replace(machine_profile("arc-b580" if variable.startswith("ZE") else "h100"), env={variable: value})
+    report = run_doctor(machine=m, host=host())
+    found = {f.code: f for f in report.findings}
+    assert ("mask-unreadable" in found) is unreadable
+    if unreadable:
+        assert found["mask-unreadable"].severity == "warning" and variable in found["mask-unreadable"].fix
+        assert "OK: no known problem found" not in report.render()
+
+
+def test_one_verdict_line_and_selftest_before_it() -> None:
+    text = run_doctor(machine=machine_profile("cpu-bf16"), host=host()).render()
+    assert text.endswith("\nOK: no known problem found.") and "\nhealthy" not in text
+    checks = [{"ok": True, "device": "cpu", "check": "matmul-fp32", "detail": "1 ms"}]
+    report = replace(
+        run_doctor(machine=machine_profile("cpu-bf16"), host=host()),
+        extras={"selftest": {"summary": "1/1 checks passed", "checks": checks, "passed": True}},
+    )
+    lines = report.render().splitlines()
+    assert lines[-1] == "OK: no known problem found." and any("matmul-fp32" in line for line in lines[:-1])
+    failed = replace(report, extras={"selftest": {**report.extras["selftest"], "passed": False}})
+    assert failed.render().splitlines()[-1].startswith("NOT healthy: the selftest failed")
+
+
 def test_failed_enumeration_is_a_blocking_finding() -> None:
     m = replace(machine_profile("cpu"), notes=("cuda device enumeration failed: RuntimeError: boom",))
     assert codes(m, host())["probe-failed"] == "error"
@@ -211,7 +261,7 @@ def test_doctor_json_reports_this_machine_truthfully() -> None:
 def test_doctor_exit_code_and_selftest() -> None:
     out = _xpukit("doctor", "--selftest")
     assert out.returncode == 0, out.stderr
-    assert "matmul-fp32" in out.stdout and "healthy" in out.stdout
+    assert "matmul-fp32" in out.stdout and out.stdout.rstrip().splitlines()[-1].startswith("OK")
 
 
 @pytest.mark.gpu

@@ -782,6 +782,22 @@ CASES = [
         "refuses bf16",
         "drop use_cpu=False",
     ),
+    Case(
+        "train-output-dir-twice",
+        lambda _: __import__("xpukit").training_args("run-a", output_dir="run-b"),
+        InvalidRequestError,
+        "'run-a'",
+        "output_dir= names another",
+        "pass the model first",
+    ),
+    Case(
+        "load-keyword-typo",
+        _load("tiny", quantise="4bit"),
+        InvalidRequestError,
+        "quantise='4bit'",
+        "neither xpukit's",
+        "did you mean quantize?",
+    ),
 ]
 
 # argv, error fragments (asked, found, fix): each must exit 1 with one error line on stderr.
@@ -816,6 +832,16 @@ CLI_CASES = [
         "plan-no-offload",
         ["plan", "qwen3-8b", "--assume", "arc-b580", "--no-offload"],
         ("qwen3-8b", "usable", "offload=True"),
+    ),
+    (
+        "plan-rank",
+        ["plan", "qwen3-8b", "--assume", "arc-b580", "--rank", "0/0"],
+        ("'0/0'", "W >= 1", "e.g. 1/2"),
+    ),
+    (
+        "plan-train-syntax",
+        ["plan", "qwen3-8b", "--assume", "arc-b580", "--train", "4x"],
+        ("'4x'", "BATCHxSEQ", "4x512"),
     ),
     (
         "plan-missing-path",

@@ -103,6 +103,44 @@ def test_cli_help_lists_commands_without_heavy_imports() -> None:
     assert heavy == []
 
 
+def test_plan_cli_checks_every_argument_before_heavy_imports() -> None:
+    # `xpukit plan qwen3-8b --train 4x` took 5 s (transformers, torch, peft) to say the syntax is wrong.
+    bad = [
+        ["--train", "4x"],
+        ["--train", "0x512"],
+        ["--rank", "0/0"],
+        ["--rank", "3/2"],
+        ["--dtype", "fp8"],
+        ["--assume", "rtx-9090"],
+        ["--max-memory", "0=lots"],
+        ["--strategy", "zz"],
+        ["--quantize", "3bit"],
+        ["--headroom", "much"],
+        ["--device", "gpu"],
+    ]
+    code = (
+        "import sys, json, contextlib, io\n"
+        "from xpukit.cli.main import main\n"
+        "out = []\n"
+        f"for extra in {bad!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        out.append([main(['plan', 'qwen3-8b', *extra]), err.getvalue()])\n"
+        "listed = io.StringIO()\n"
+        "with contextlib.redirect_stdout(listed):\n"
+        "    out.append([main(['plan', '--assume', 'list']), listed.getvalue()])\n"
+        f"print(json.dumps([out, [m for m in {HEAVY!r} if m in sys.modules]]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    results, heavy = json.loads(proc.stdout)
+    assert heavy == []
+    *errors, (listed_code, listed) = results
+    for extra, (code_, err) in zip(bad, errors, strict=True):
+        assert code_ == 1 and err.startswith("xpukit plan: error:"), (extra, err)
+    assert "torchrun" not in errors[2][1] and "R one of 0..W-1" in errors[2][1]
+    assert listed_code == 0 and "arc-b580" in listed and "max-1550" in listed
+
+
 def test_cli_error_is_one_line_with_exit_1() -> None:
     code = (
         "import sys\n"

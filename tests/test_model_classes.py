@@ -304,6 +304,16 @@ def test_vlm_configs_put_lora_on_the_language_model_only(family: str) -> None:
 def test_a_config_without_architectures_keeps_the_causal_lm_default() -> None:
     from xpukit.planning.model.reference_models import reference_config
 
-    plan = plan_load(reference_config("qwen3-0.6b"), facts="arc-b580")
+    config = reference_config("qwen3-0.6b")
+    config.architectures = None  # a config built in code
+    plan = plan_load(config, facts="arc-b580")
     assert plan.model_class == "AutoModelForCausalLM"
     assert plan.decision("model_class").reason.startswith("the config names no architecture")
+
+
+def test_a_built_in_shape_names_its_architecture_as_the_hub_config_does() -> None:
+    from xpukit.planning.model.reference_models import reference_config
+
+    plan = plan_load(reference_config("qwen3-8b"), facts="arc-b580")  # it said "names no architecture"
+    assert plan.model_class == "AutoModelForCausalLM"
+    assert plan.decision("model_class").reason.startswith("the config's architectures names Qwen3ForCausalLM")

@@ -140,7 +140,7 @@ def test_unknown_free_memory_uses_the_stated_fraction(shapes):
     assert plan.device.free_memory is None
     assert budget.usable == int(plan.device.total_memory * 0.6)
     assert "cannot be queried" in budget.rule and "0.6" in budget.rule
-    assert "cannot be queried" in plan.explain()
+    assert "cannot be queried" in plan.explain(verbose=True)
 
 
 def test_offload_warning_points_at_4bit(shapes):
@@ -217,6 +217,37 @@ def test_dtype_accepts_torch_dtypes_and_refuses_the_rest(shapes):
     for bad in ("int8", torch.int8, "bfloat17"):
         with pytest.raises(InvalidRequestError, match="bfloat16"):
             plan_load(shapes["qwen3-0.6b"], facts="h100", dtype=bad)
+
+
+def test_a_keyword_typo_is_refused_before_any_weight_is_read(shapes, tiny_model, monkeypatch):
+    import transformers
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the weights were read")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    from xpukit import load_for_xpu
+
+    for typo, right in (
+        ("quantise", "quantize"),
+        ("devcie", "device"),
+        ("ouput_loading_info", "output_loading_info"),
+    ):
+        with pytest.raises(InvalidRequestError, match=rf"Unknown keyword: {typo}=.*did you mean {right}\?"):
+            load_for_xpu(str(tiny_model), **{typo: "x"})
+    with pytest.raises(
+        InvalidRequestError, match="rope_theta"
+    ):  # not a Qwen3 config attribute in transformers 5
+        plan_load(shapes["qwen3-0.6b"], facts="h100", rope_theta=1e6)
+    # from_pretrained's own keywords (also those it only pops and ignores) and config attributes pass.
+    plan = plan_load(
+        str(tiny_model), facts="cpu", revision="main", low_cpu_mem_usage=True, use_cache=False, variant=None
+    )
+    assert plan.passthrough["low_cpu_mem_usage"] is True
+    assert (
+        plan_load(str(tiny_model), facts="cpu", trust_remote_code=True, anything=1).passthrough["anything"]
+        == 1
+    )
 
 
 def test_torch_dtype_alias_and_conflicts(shapes):
@@ -392,6 +423,22 @@ def test_4bit_config_and_user_config(shapes, bnb):
 # --- the plan object -----------------------------------------------------------------------------
 
 
+def test_explain_is_short_by_default_and_full_on_request(shapes):
+    plan = plan_load(shapes[QWEN3_8B], facts="arc-b580", lora=True, batch_size=4, seq_len=512)
+    short, full = plan.explain(), plan.explain(verbose=True)
+    rows = [line for line in short.splitlines() if line.startswith("  ") and not line.startswith("  !")]
+    for d in plan.decisions:  # every choice, with one line of reason (a long value takes its own line)
+        (row,) = [r for r in rows if r.split()[0] == d.name]
+        assert len(row) <= 100
+    squeezed = "".join(full.split())  # the full form wraps every reason whole
+    assert all("".join(d.reason.split()) in squeezed for d in plan.decisions)
+    assert "Rejected alternatives" in full and "Rejected alternatives" not in short
+    assert "from_pretrained(" in full and "from_pretrained(" not in short
+    assert "Memory: " in short and "Training: batch 4 × seq 512" in short
+    assert all("".join(w.split()) in "".join(short.split()) for w in plan.warnings)  # warnings stay whole
+    assert len(short.splitlines()) <= 40 < len(full.splitlines())
+
+
 def test_plan_is_explained_serialised_and_frozen(shapes):
     import dataclasses
 
@@ -499,9 +546,28 @@ def test_cli_plan_json_and_text(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["device_map"] == "xpu:0" and data["quantization"] == "4bit"
     assert data["machine"]["source"] == "profile:arc-b580"
-    assert main(["plan", "qwen3-8b", "--assume", "max-1550x2", "--max-memory", "0=20GiB,1=20GiB"]) == 0
-    text = capsys.readouterr().out
-    assert "max_memory argument" in text and "Rejected alternatives" in text
+    spec = ["plan", "qwen3-8b", "--assume", "max-1550x2", "--max-memory", "0=20GiB,1=20GiB"]
+    assert main([*spec, "--explain"]) == 0
+    full = capsys.readouterr().out
+    assert "max_memory argument" in full and "Rejected alternatives" in full
+    assert main(spec) == 0  # the short form: the choices, one line of reason each
+    short = capsys.readouterr().out
+    assert "Rejected alternatives" not in short and "explain(verbose=True)" in short
+    assert len(short.splitlines()) < len(full.splitlines()) / 2
+
+
+def test_cli_plan_says_what_a_profile_is_and_offers_the_built_in_shapes(capsys, monkeypatch):
+    from xpukit.cli.main import main
+
+    assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--explain"]) == 0
+    out = capsys.readouterr().out
+    # A recorded profile was described as "free memory reported by the runtime".
+    assert "recorded profile: its 12.00 GiB, all assumed free" in out and "reported by the runtime" not in out
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["plan", "qwen3-9b"]) == 1
+    err = capsys.readouterr().err
+    assert "hf download qwen3-9b" in err
+    assert "built-in shape, no download needed (did you mean qwen3-8b?)" in err
 
 
 def test_cli_plan_errors_exit_1(capsys):

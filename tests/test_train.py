@@ -3,6 +3,7 @@ and a real QLoRA Trainer run whose loss falls."""
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import replace
 from pathlib import Path
@@ -277,6 +278,16 @@ def test_user_bf16_on_a_cpu_without_use_cpu_gets_it_added(tmp_path: Path) -> Non
     assert args.bf16 is True and args.use_cpu is True
 
 
+def test_a_string_first_is_the_output_directory_never_dropped(tmp_path: Path) -> None:
+    # As TrainingArguments("out") takes it; before, the string was taken as the model and dropped.
+    out = str(tmp_path / "my-run-dir")
+    args = training_args(out, facts=machine_profile("cpu"), max_steps=5)
+    assert args.output_dir == out and args.max_steps == 5 and args.use_cpu is True
+    assert training_args(tmp_path, facts=machine_profile("cpu")).output_dir == str(tmp_path)
+    with pytest.raises(InvalidRequestError, match=r"output_dir= names another\. Fix: pass the model first"):
+        training_args(out, facts=machine_profile("cpu"), output_dir="other")
+
+
 # ---------------------------------------------------------------------------------------------
 # A real QLoRA run: 4-bit + LoRA + Trainer with training_args, loss falls
 # ---------------------------------------------------------------------------------------------
@@ -425,3 +436,31 @@ def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path, train_losses
     losses = train_losses(model, args, tok, data)
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+@pytest.mark.parametrize(
+    ("profile", "flag", "slow"),
+    [
+        ("cpu", "bf16", True),  # no avx512_bf16/AMX: emulated
+        ("cpu-bf16", "bf16", False),
+        ("cpu-bf16", "fp16", True),  # fp16 on any CPU
+        ("t4", "bf16", True),
+        ("h100", "bf16", False),
+        ("t4", "fp16", False),
+    ],
+)
+def test_a_slow_precision_warns_as_load_for_xpu_does(
+    profile: str, flag: str, slow: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from xpukit.planning.device.choice import decide_dtype
+
+    device = device_profile(profile)
+    with caplog.at_level(logging.WARNING, logger="xpukit.training.keywords"):
+        training_kwargs(device, **{flag: True})
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    load_said: list[str] = []
+    decide_dtype({"bf16": "bfloat16", "fp16": "float16"}[flag], device, load_said)
+    assert bool(said) == slow == bool(load_said)
+    if slow:
+        assert said == [f"training_args({flag}=True): {load_said[0].removeprefix('dtype=')}"]
+        assert "only emulated (slow)" in said[0]

@@ -269,7 +269,7 @@ def test_a_chunked_plan_loads_with_the_chunked_loss(
 
 def test_explain_cli_and_training_args_follow_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     plan = _plan(facts="h200", max_memory={0: "8GB"})
-    text = plan.explain()
+    text = plan.explain(verbose=True)
     assert "Training memory (batch 4 [given] × seq 512 [given]" in text
     assert "activations with no savers" in text
     assert json.loads(json.dumps(plan.to_dict()))["training"]["micro_batch"] == plan.training.micro_batch
@@ -282,10 +282,27 @@ def test_explain_cli_and_training_args_follow_the_plan(capsys: pytest.CaptureFix
     )
     assert mine["per_device_train_batch_size"] == 2  # the user's keyword wins
     assert (
-        cli_main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--train", "4x512"]) == 0
+        cli_main(
+            [
+                "plan",
+                "qwen3-8b",
+                "--assume",
+                "arc-b580",
+                "--quantize",
+                "4bit",
+                "--train",
+                "4x512",
+                "--explain",
+            ]
+        )
+        == 0
     )
     out = capsys.readouterr().out
     assert "gradient_checkpointing" in out and "Training memory (batch 4" in out
+    assert (
+        cli_main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--train", "4x512"]) == 0
+    )
+    assert "Training: batch 4 × seq 512: " in capsys.readouterr().out  # the short form, one line
     assert cli_main(["plan", "qwen3-8b", "--assume", "arc-b580", "--train", "4by512"]) == 1
 
 

@@ -53,7 +53,9 @@ def add_parser(sub: Any) -> None:
         metavar="DIR",
         help="keep the trained adapter and tokenizer here (default: a temporary directory, removed)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the LoRA init and data order")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the LoRA initialisation and the data order (default 0)"
+    )
     parser.add_argument(
         "--json",
         action="store_true",

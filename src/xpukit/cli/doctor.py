@@ -55,8 +55,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=2))
     else:
         print(report.render())
-        if args.selftest:
-            for c in report.extras["selftest"]["checks"]:
-                print(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['device']:<7} {c['check']:<13} {c['detail']}")
     selftest_ok = report.extras.get("selftest", {}).get("passed", True)
     return 0 if report.healthy and selftest_ok else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import textwrap
@@ -28,7 +29,9 @@ def add_parser(sub: Any) -> None:
         "  xpukit plan ./my-model --device cpu",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("model", metavar="MODEL", help="model directory, Hub id, or built-in shape name")
+    parser.add_argument(
+        "model", metavar="MODEL", nargs="?", help="model directory, Hub id, or built-in shape name"
+    )
     parser.add_argument("--device", help="xpu, xpu:1, cuda, mps or cpu (default: the first available)")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: auto)")
     parser.add_argument(
@@ -46,7 +49,7 @@ def add_parser(sub: Any) -> None:
         "--assume",
         metavar="PROFILE[xN]",
         help="plan for recorded hardware instead of this machine, e.g. arc-b580, max-1550x2 "
-        "(`python -c 'import xpukit.machine.profiles as p; print(p.profile_names())'` lists them)",
+        "(`--assume list` lists the profiles)",
     )
     parser.add_argument(
         "--max-memory", metavar="SPEC", help="weights budget per device, e.g. 0=10GiB,1=10GiB,cpu=30GiB"
@@ -77,26 +80,42 @@ def add_parser(sub: Any) -> None:
         help="plan LoRA training (lora=True) of BATCH sequences of SEQ tokens, e.g. 4x512: the memory "
         "savers chosen by fit and the activation estimate (docs/training.md)",
     )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="the full plan: every reason, the memory and training estimates, the rejected "
+        "alternatives and the from_pretrained keywords (default: each choice with one line of reason)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the plan (or its JSON); a bad request or a plan that fits nowhere exits 1."""
+    """Print the plan (or its JSON); a bad request or a plan that fits nowhere exits 1.
+
+    Every argument is checked before anything heavy is imported (a built-in shape's config imports
+    transformers): a typo costs a fraction of a second.
+    """
+    if (args.assume or "").strip().lower() == "list":
+        _print_profiles()
+        return 0
+    if args.model is None:
+        raise InvalidRequestError("MODEL is missing: a model directory, a Hub id or a built-in shape.")
+    request = _request(args)
     planner_log = logging.getLogger("xpukit.planning.plan")
     level = planner_log.level
     if not getattr(args, "verbose", False):
         # The plan's warnings are part of what is printed; do not log them a second time.
         planner_log.setLevel(logging.ERROR)
     try:
-        plan = _plan(args)
+        plan = _plan(args, request)
     finally:
         planner_log.setLevel(level)
     notes = notes_for(getattr(args, "log_records", []), plan)
     if args.json:
         print(json.dumps({**plan.to_dict(), "notes": notes}, indent=2))
         return 0
-    print(plan.explain())
+    print(plan.explain(verbose=bool(getattr(args, "explain", False))))
     if notes:
         print("\nNotes (from other libraries' warnings, in xpukit's words; --verbose shows them)")
         for note in notes:
@@ -104,29 +123,63 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan(args: argparse.Namespace) -> Any:
+def _request(args: argparse.Namespace) -> dict[str, Any]:
+    """``plan_load``'s keywords from the arguments, every one checked (:func:`check_request`)."""
+    from xpukit.planning.request import check_request
+
+    rank = _rank(args.rank) if getattr(args, "rank", None) else None
+    kwargs: dict[str, Any] = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "attn": args.attn,
+        "kernels": {"on": True, "off": False}.get(args.kernels, "auto"),
+        "quantize": args.quantize,
+        "max_memory": parse_max_memory(args.max_memory) if args.max_memory else None,
+        "headroom": args.headroom,
+        "strategy": getattr(args, "strategy", None),
+        "fast_decode": bool(getattr(args, "fast_decode", False)),
+        **_train(getattr(args, "train", None)),
+    }
+    check_request({}, **kwargs)
+    if args.assume is not None:
+        from xpukit.machine.profiles import parse_assume
+
+        parse_assume(args.assume)
+    offload = False if args.no_offload else (True if getattr(args, "offload", False) else None)
+    return {**kwargs, "offload": offload, "rank": rank}
+
+
+def _plan(args: argparse.Namespace, request: dict[str, Any]) -> Any:
     from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
     from xpukit.planning.model.source import local_model_dir
     from xpukit.planning.plan import plan_load
 
+    kwargs = dict(request)
+    rank = kwargs.pop("rank")
     model: Any = args.model
-    if local_model_dir(args.model) is None and args.model.lower() in REFERENCE_CONFIGS:
+    local = local_model_dir(args.model)
+    if local is None and args.model.lower() in REFERENCE_CONFIGS:
         model = reference_config(args.model)
-    return plan_load(
-        model,
-        device=args.device,
-        dtype=args.dtype,
-        attn=args.attn,
-        kernels={"on": True, "off": False}.get(args.kernels, "auto"),
-        quantize=args.quantize,
-        max_memory=parse_max_memory(args.max_memory) if args.max_memory else None,
-        headroom=args.headroom,
-        offload=False if args.no_offload else (True if getattr(args, "offload", False) else None),
-        facts=_facts(args.assume, args.rank) if getattr(args, "rank", None) else args.assume,
-        strategy=getattr(args, "strategy", None),
-        fast_decode=bool(getattr(args, "fast_decode", False)),
-        **_train(getattr(args, "train", None)),
-    )
+    try:
+        return plan_load(model, facts=_facts(args.assume, rank) if rank else args.assume, **kwargs)
+    except InvalidRequestError as exc:
+        if local is not None or not isinstance(model, str) or args.model not in str(exc):
+            raise
+        # A Hub id whose config could not be read: the built-in shapes plan without any download.
+        close = difflib.get_close_matches(args.model.lower(), list(REFERENCE_CONFIGS), n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise InvalidRequestError(
+            f"{exc} Or plan a built-in shape, no download needed{hint}: {', '.join(REFERENCE_CONFIGS)}."
+        ) from None
+
+
+def _print_profiles() -> None:
+    from xpukit.machine.profiles import device_profile, profile_names
+
+    print("Recorded profiles for --assume NAME or NAMExN (N cards):")
+    for name in profile_names():
+        device = device_profile(name)
+        print(f"  {name:<13}{device.backend:<5} {device.name}")
 
 
 def _train(spec: str | None) -> dict[str, Any]:
@@ -139,18 +192,26 @@ def _train(spec: str | None) -> dict[str, Any]:
     return {"lora": True, "batch_size": int(batch), "seq_len": int(seq)}
 
 
-def _facts(assume: str | None, rank: str) -> Any:
+def _rank(spec: str) -> tuple[int, int]:
+    """``--rank 1/2`` → ``(1, 2)``: rank R of W processes, 0 <= R < W."""
+    r, sep, w = spec.partition("/")
+    if not sep or not r.strip().isdigit() or not w.strip().isdigit() or not int(r) < int(w):
+        raise InvalidRequestError(
+            f"--rank {spec!r}: use R/W with W >= 1 processes and R one of 0..W-1, e.g. 1/2 (rank 1 of a "
+            "2-process job)."
+        )
+    return int(r), int(w)
+
+
+def _facts(assume: str | None, rank: tuple[int, int]) -> Any:
     """The machine (a profile or this one) as rank R of W (``--rank R/W``)."""
     from dataclasses import replace
 
     from xpukit.machine.launch import LaunchFacts
     from xpukit.planning.device.choice import machine_for
 
-    r, sep, w = rank.partition("/")
-    if not sep or not r.strip().isdigit() or not w.strip().isdigit():
-        raise InvalidRequestError(f"--rank {rank!r}: use R/W, e.g. 1/2 (rank 1 of a 2-process job).")
     machine, _ = machine_for(assume)
-    return replace(machine, launch=LaunchFacts.assumed(int(r), int(w)))
+    return replace(machine, launch=LaunchFacts.assumed(*rank))
 
 
 def parse_max_memory(spec: str) -> dict[str, str]:

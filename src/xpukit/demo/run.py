@@ -188,7 +188,7 @@ def run_demo(
         output_dir: keep the trained adapter and tokenizer here; default: a temporary directory,
             removed at the end.
         plot: save the loss curve to this image file (needs the ``plot`` extra).
-        seed: seeds the LoRA initialisation and the data order.
+        seed: seeds the LoRA initialisation (the plan's ``seed`` decision says so) and the data order.
         stream: where the narrative and progress bar go; ``None`` runs quietly.
 
     Returns:
@@ -224,7 +224,7 @@ def run_demo(
             source = os.fspath(model)
         lr = learning_rate if learning_rate is not None else (_LR_EMBEDDED if embedded else _LR_PRETRAINED)
 
-        plan, quant_note = _plan(source, device=device, quantize=quantize)
+        plan, quant_note = _plan(source, device=device, quantize=quantize, seed=seed)
         say("", plan.explain(), "", f"Quantization: {plan.quantization or 'none'}; {quant_note}", "")
         if embedded and plan.device.backend == "cpu":
             cleanup.enter_context(one_cpu_thread())
@@ -233,8 +233,7 @@ def run_demo(
 
         from xpukit.loading.load import load_for_xpu
 
-        transformers.set_seed(seed)  # the LoRA initialisation draws from the global RNG
-        say("Loading ...")
+        say("Loading ...")  # the plan's seed: set_seed(seed) right before the LoRA adapters are made
         peft_model = load_for_xpu(plan)
         loaded_plan = peft_model.xpukit_plan
         fallbacks = tuple(f"{e.what}: {e.planned} -> {e.actual} ({e.cause})" for e in loaded_plan.fallbacks)
@@ -335,6 +334,7 @@ def _check_request(
     plot: str | os.PathLike[str] | None,
 ) -> Path | None:
     """Refuse bad arguments before anything is imported or loaded."""
+    # No "xpukit demo:" in front: the command line puts it there ("xpukit demo: error: ...").
     for name, value in (
         ("steps", steps),
         ("batch_size", batch_size),
@@ -342,10 +342,10 @@ def _check_request(
         ("log_every", log_every),
     ):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise InvalidRequestError(f"xpukit demo: {name}={value!r} must be a whole number of at least 1.")
+            raise InvalidRequestError(f"{name}={value!r} must be a whole number of at least 1.")
     if learning_rate is not None and not (isinstance(learning_rate, int | float) and 0 < learning_rate < 1):
         raise InvalidRequestError(
-            f"xpukit demo: learning_rate={learning_rate!r} must be a number between 0 and 1 "
+            f"learning_rate={learning_rate!r} (--lr) must be a number between 0 and 1 "
             "(LoRA on the embedded model: 1e-2; on a pretrained model: 1e-4 to 3e-4)."
         )
     if plot is None:
@@ -354,31 +354,35 @@ def _check_request(
     path = Path(plot).expanduser()
     if path.suffix.lower() not in _PLOT_SUFFIXES:
         raise InvalidRequestError(
-            f"xpukit demo --plot {os.fspath(plot)!r}: unknown image type {path.suffix or '(none)'!r}; "
+            f"plot={os.fspath(plot)!r}: unknown image type {path.suffix or '(none)'!r}; "
             f"use one of {', '.join(_PLOT_SUFFIXES)} (e.g. --plot loss.png)."
         )
     if not path.parent.is_dir():
         raise InvalidRequestError(
-            f"xpukit demo --plot {os.fspath(plot)!r}: the directory {str(path.parent)!r} does not exist."
+            f"plot={os.fspath(plot)!r}: the directory {str(path.parent)!r} does not exist."
         )
     return path
 
 
-def _plan(source: str, *, device: str | None, quantize: bool) -> tuple[Any, str]:
-    """The load plan, 4-bit where bitsandbytes can do it here, and a note saying why (or why not)."""
+def _plan(source: str, *, device: str | None, quantize: bool, seed: int = 0) -> tuple[Any, str]:
+    """The load plan, 4-bit where bitsandbytes can do it here, and a note saying why (or why not).
+
+    The seed is the plan's, so the plan says what runs: the LoRA initialisation seeded with it.
+    """
     from xpukit.planning.plan import plan_load
 
     if not quantize:
-        return plan_load(source, device=device, lora=True), "not asked (--no-quantize): LoRA on full weights"
+        plan = plan_load(source, device=device, lora=True, seed=seed)
+        return plan, "not asked (--no-quantize): LoRA on full weights"
     if not is_installed("bitsandbytes"):
         note = 'bitsandbytes is not installed (pip install "xpukit[quant]" for 4-bit): LoRA on full weights'
-        return plan_load(source, device=device, lora=True), note
+        return plan_load(source, device=device, lora=True, seed=seed), note
     try:
-        plan = plan_load(source, device=device, quantize="4bit", lora=True)
+        plan = plan_load(source, device=device, quantize="4bit", lora=True, seed=seed)
     except (MissingExtraError, InvalidRequestError) as exc:
         # bitsandbytes too old, or no backend for this device (MPS). Plan again without 4-bit: an
         # error that has nothing to do with quantisation is raised again by this second plan.
-        plan = plan_load(source, device=device, lora=True)
+        plan = plan_load(source, device=device, lora=True, seed=seed)
         return plan, f"4-bit not possible here ({exc}): LoRA on full weights"
     version = installed_version("bitsandbytes")
     return plan, f"bitsandbytes {version} nf4 with double quantisation, compute in {plan.dtype}"

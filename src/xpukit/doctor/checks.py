@@ -13,6 +13,7 @@ from typing import Literal
 from xpukit._compat import version_at_least
 from xpukit.doctor.host import HostFacts
 from xpukit.machine.facts import MachineFacts
+from xpukit.select.spec import HIERARCHIES, MASK_VARIABLE, unreadable_mask_entries
 
 __all__ = ["Finding", "Severity", "diagnose"]
 
@@ -185,15 +186,38 @@ def diagnose(machine: MachineFacts, host: HostFacts) -> list[Finding]:
                     fix=f"export {right}={machine.env[wrong]} (and unset {wrong})",
                 )
             )
+    for backend, variable in MASK_VARIABLE.items():
+        mask = machine.env.get(variable)
+        unreadable = unreadable_mask_entries(backend, mask) if mask is not None else []
+        if unreadable:
+            xpu = backend == "xpu"
+            valid = "indices '0,2' or tiles '0.1'" if xpu else "indices '0,2', 'GPU-…' or 'MIG-…' ids"
+            drops = "skips what it cannot use, silently" if xpu else "hides it and every entry after it"
+            add(
+                Finding(
+                    severity="warning",
+                    code="mask-unreadable",
+                    message=f"{variable}={mask!r} has entries the runtime cannot read "
+                    f"({', '.join(map(repr, unreadable[:3]))}); it {drops}, so other devices are "
+                    f"visible than meant. A mask lists {valid}, comma-separated.",
+                    fix=f"unset {variable}, or choose devices with `xpukit launch --devices SPEC -- CMD`",
+                )
+            )
     hierarchy = machine.env.get("ZE_FLAT_DEVICE_HIERARCHY")
-    if hierarchy is not None and hierarchy not in ("FLAT", "COMPOSITE", "COMBINED"):
+    if hierarchy is not None and hierarchy not in HIERARCHIES:
+        fix = (
+            f"export ZE_FLAT_DEVICE_HIERARCHY={hierarchy.strip().upper()}"
+            if hierarchy.strip().upper() in HIERARCHIES
+            else "export ZE_FLAT_DEVICE_HIERARCHY=FLAT (every stack a device, the driver's default), "
+            "COMPOSITE (every card a device, stacks as card.tile) or COMBINED; or unset it"
+        )
         add(
             Finding(
                 severity="warning",
                 code="hierarchy-ignored",
-                message=f"ZE_FLAT_DEVICE_HIERARCHY={hierarchy!r} is not one of FLAT, COMPOSITE, "
-                "COMBINED (upper case): the driver ignores it and uses its default.",
-                fix=f"export ZE_FLAT_DEVICE_HIERARCHY={hierarchy.upper()}",
+                message=f"ZE_FLAT_DEVICE_HIERARCHY={hierarchy!r} is not one of {', '.join(HIERARCHIES)} "
+                "(upper case): the driver ignores it and uses its default.",
+                fix=fix,
             )
         )
     if host.intel_igpu_present and len(host.intel_gpus) > 1:

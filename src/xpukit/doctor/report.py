@@ -60,14 +60,11 @@ class DoctorReport:
         ]
         for d in (*m.devices, m.cpu):
             free = f"{d.free_memory / gib:.1f} GiB free" if d.free_memory is not None else "free: unknown"
-            caps = ", ".join(
-                c for c, ok in (("bf16", d.native_bf16), ("fp16", d.fp16), ("fp64", d.fp64)) if ok
-            )
             cc = f", cc {d.compute_capability[0]}.{d.compute_capability[1]}" if d.compute_capability else ""
             kind = " integrated" if d.integrated and d.backend != "cpu" else ""
             lines.append(
                 f"  {d.torch_device:<7} {d.name} [{d.family}{kind}{cc}] "
-                f"{d.total_memory / gib:.1f} GiB, {free}; native: {caps or 'none'}"
+                f"{d.total_memory / gib:.1f} GiB, {free}; {_precisions(d)}"
             )
         pkgs = ", ".join(f"{k} {v}" for k, v in self.host.packages.items() if v is not None)
         lines.append(f"packages     {pkgs}")
@@ -84,17 +81,39 @@ class DoctorReport:
         for key, value in self.extras.items():
             if isinstance(value, dict) and "summary" in value:
                 lines.append(f"{key:<12} {value['summary']}")
+        for c in self.extras.get("selftest", {}).get("checks", ()):  # before the verdict
+            lines.append(f"  {'ok  ' if c['ok'] else 'FAIL'} {c['device']:<7} {c['check']:<13} {c['detail']}")
         lines.append("")
-        if not self.findings:
-            lines.append("OK: no known problem found.")
         for f in self.findings:
             mark = {"error": "ERROR", "warning": "WARN ", "info": "note "}[f.severity]
             lines.append(f"{mark} [{f.code}] {f.message}")
             if f.fix:
                 lines.append(f"      fix: {f.fix}")
-        lines.append("")
-        lines.append("healthy" if self.healthy else "NOT healthy: fix the errors above")
+        if self.findings:
+            lines.append("")
+        lines.append(self.verdict)
         return "\n".join(lines)
+
+    @property
+    def verdict(self) -> str:
+        """The report's last line: one verdict, the selftest included."""
+        if not self.healthy:
+            return "NOT healthy: fix the errors above."
+        if not self.extras.get("selftest", {}).get("passed", True):
+            return "NOT healthy: the selftest failed where the device's facts say it should pass."
+        if any(f.severity == "warning" for f in self.findings):
+            return "OK: nothing blocks the GPU; the warnings above may bite later."
+        return "OK: no known problem found" + (" (notes above)." if self.findings else ".")
+
+
+def _precisions(device: Any) -> str:
+    """What the device computes in natively, and what it only emulates (docs/platform-notes.md §3.5)."""
+    native = [n for n, ok in (("bf16", device.native_bf16), ("fp16", device.fp16)) if ok]
+    native += ["fp32"] + (["fp64"] if device.fp64 else [])
+    emulated = [n for n in ("bf16", "fp16") if n not in native]  # computed through fp32 (§3.5)
+    text = f"native: {', '.join(native)}"
+    text += f"; emulated (slow): {', '.join(emulated)}" if emulated else ""
+    return text + ("" if device.fp64 else "; no fp64")
 
 
 def run_doctor(*, machine: MachineFacts | None = None, host: HostFacts | None = None) -> DoctorReport:

@@ -26,6 +26,7 @@ __all__ = [
     "TrainingPrecision",
     "inference_dtype",
     "normalize_dtype",
+    "slow_precision",
     "training_precision",
     "training_precision_for_dtype",
 ]
@@ -96,6 +97,18 @@ def inference_dtype(device: DeviceFacts) -> DtypeChoice:
             ("float32", "twice the memory"),
         ),
     )
+
+
+def slow_precision(device: DeviceFacts, dtype: str) -> str | None:
+    """Why computing in ``dtype`` on ``device`` is slow (only emulated), or ``None`` when it is not.
+
+    bf16 without native bf16 (a CPU without avx512_bf16/AMX, Meteor Lake, a T4), and fp16 on any
+    CPU. One rule for ``load_for_xpu(dtype=...)`` and ``training_args(bf16=/fp16=)``, so both warn alike.
+    """
+    if (dtype == "bfloat16" and not device.native_bf16) or (dtype == "float16" and device.backend == "cpu"):
+        native = inference_dtype(device).dtype
+        return f"{dtype} on {device.name} is only emulated (slow); {native} is native here"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

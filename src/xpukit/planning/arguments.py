@@ -8,7 +8,11 @@ validated so that a typo is refused with the valid choices.
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
+import re
 import sys
+from collections.abc import Iterable
 from typing import Any
 
 from xpukit.errors import InvalidRequestError
@@ -19,6 +23,7 @@ from xpukit.planning.device.choice import DEVICE_PATTERN
 from xpukit.planning.vocabulary import Decision
 
 __all__ = [
+    "check_keywords",
     "check_lora_targets",
     "check_model_class",
     "check_seed",
@@ -246,3 +251,67 @@ def seed_decision(seed: int | None, *, new_adapters: bool) -> Decision:
         else f"seed={seed} given, but nothing random runs at this load (no new LoRA adapters): not applied"
     )
     return Decision(name="seed", value=seed, reason=reason, source="user")
+
+
+def check_keywords(
+    kwargs: dict[str, Any], config: Any, consumed: Iterable[str], *, ours: Iterable[str]
+) -> None:
+    """Refuse a keyword that is neither xpukit's, nor ``from_pretrained``'s, nor the config's, with the
+    closest names; before any weight is read (docs/planning.md "Keywords").
+
+    ``from_pretrained`` hands a keyword it does not know to the model's ``__init__``, which fails with
+    a ``TypeError`` after the checkpoint was opened (``quantise="4bit"``, ``devcie="cpu"``). A model
+    with its own code (``trust_remote_code=True``) may take any keyword: not checked.
+    """
+    keywords = _from_pretrained_keywords()
+    if keywords is None or kwargs.get("trust_remote_code"):
+        return
+    accepted, named = keywords
+    consumed = set(consumed)
+    unknown = [k for k in kwargs if k not in consumed and k not in accepted and not hasattr(config, k)]
+    if not unknown:
+        return
+    ours = sorted(ours)
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, list(dict.fromkeys([*ours, *sorted(named)])), n=2, cutoff=0.7)
+        parts.append(f"{key}={kwargs[key]!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    raise InvalidRequestError(
+        f"Unknown keyword{'s' if len(parts) > 1 else ''}: {', '.join(parts)}: neither xpukit's, nor "
+        f"from_pretrained's, nor an attribute of the {getattr(config, 'model_type', '') or 'model'} config, "
+        "so from_pretrained would pass it to the model's __init__, which fails with a TypeError. "
+        f"xpukit's keywords: {', '.join(ours)}."
+    )
+
+
+@functools.cache
+def _from_pretrained_keywords() -> tuple[frozenset[str], frozenset[str]] | None:
+    """What this transformers' ``from_pretrained`` (``PreTrainedModel``'s and the Auto classes') takes:
+    ``(accepted, named)``. ``named``: the signatures and the ``kwargs.pop("...")`` keys, offered as
+    "did you mean"; ``accepted`` adds every identifier-like string in their bodies (keys popped in a
+    loop, such as the ignored ``low_cpu_mem_usage``), so a keyword transformers takes is never refused.
+    ``None`` when the source cannot be read: then nothing is checked.
+    """
+    import ast
+    import textwrap
+
+    from transformers import PreTrainedModel
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
+
+    named: set[str] = set()
+    accepted: set[str] = set()
+    for method in (PreTrainedModel.from_pretrained, _BaseAutoModelClass.from_pretrained):
+        try:
+            source = textwrap.dedent(inspect.getsource(method))
+        except (OSError, TypeError):
+            return None
+        named |= set(inspect.signature(method).parameters) | set(
+            re.findall(r"kwargs\.pop\(\s*[\"'](\w+)", source)
+        )
+        accepted |= {
+            node.value
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier()
+        }
+    named -= {"kwargs", "model_args", "pretrained_model_name_or_path"}
+    return frozenset(named | accepted), frozenset(k for k in named if not k.startswith("_"))

@@ -131,6 +131,8 @@ def usable_memory(device: DeviceFacts) -> DeviceBudget:
     """The memory of ``device`` the plan may fill, and the rule that gave it."""
     if device.free_memory is not None:
         what = "available system memory" if device.backend == "cpu" else "free memory reported by the runtime"
+        if device.source != "detected":  # a recorded profile: nothing was asked of a runtime
+            what = f"recorded profile: its {format_bytes(device.total_memory)}, all assumed free"
         return DeviceBudget(
             device=device.torch_device,
             name=device.name,

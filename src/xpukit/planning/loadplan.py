@@ -209,8 +209,14 @@ class LoadPlan:
             out["config"] = f"<the given {type(self.config).__name__}>"
         return out
 
-    def explain(self, width: int = 100) -> str:
-        """A readable table: every choice, why, what was rejected, the memory, the kwargs, what ran."""
+    def explain(self, width: int = 100, *, verbose: bool = False) -> str:
+        """A readable table of the choices, the memory, the warnings and what ran.
+
+        Short by default: each choice with the first line of its reason, the memory and the training
+        step in one line each. ``verbose=True`` gives every reason in full, the memory and training
+        estimates, the rejected alternatives and the ``from_pretrained`` keywords
+        (``xpukit plan --explain``; docs/planning.md "Reading a plan").
+        """
         facts = self.model_facts
         params = (
             f"{facts.num_parameters / 1e9:.2f} B"
@@ -226,31 +232,15 @@ class LoadPlan:
         headline = self.merge.warning if self.merge is not None else None  # which weights: said first
         lines += textwrap.wrap(headline or "", width, initial_indent="! ", subsequent_indent="  ")
         lines.append("")
-        name_w = max(len(d.name) for d in self.decisions) + 2
-        value_w = min(max(len(_short(d.value)) for d in self.decisions) + 2, 34)
-        lines.append(f"  {'choice':<{name_w}}{'value':<{value_w}}why")
-        indent = 2 + name_w + value_w
-        for d in self.decisions:
-            value = _short(d.value)
-            tag = " (fallback)" if d.source == "fallback" else ""  # a user's choice says so in its reason
-            wrapped = textwrap.wrap(d.reason + tag, max(width - indent, 30)) or [""]
-            head = f"  {d.name:<{name_w}}{value:<{value_w}}"
-            if len(value) >= value_w:
-                lines.append(f"  {d.name:<{name_w}}{value}")
-                head = " " * indent
-            lines.append(head + wrapped[0])
-            lines += [" " * indent + w for w in wrapped[1:]]
-        lines += ["", "Memory"]
-        m = self.memory
-        lines.append(f"  weights    {format_bytes(m.weights):>11}  {m.weights_key}; {m.sizing}")
-        lines.append(f"  headroom   {format_bytes(m.headroom):>11}  {m.headroom_rule}")
-        for b in m.budgets:
-            budget = f"; max_memory {format_bytes(b.weights_budget)}" if b.weights_budget is not None else ""
-            lines.append(f"  {b.device:<10} {format_bytes(b.usable):>11}  usable: {b.rule}{budget}")
-        lines += textwrap.wrap(f"verdict: {m.verdict}", width, initial_indent="  ", subsequent_indent="    ")
-        lines += self.training.explain_lines() if self.training is not None else []
+        lines += self._decision_lines(width, verbose)
+        if verbose:
+            lines += self._memory_lines(width)
+            lines += self.training.explain_lines() if self.training is not None else []
+        else:
+            short = [_memory_line(self.memory)] + ([self.training.summary_line()] if self.training else [])
+            lines += [""] + [w for line in short for w in textwrap.wrap(line, width, subsequent_indent="  ")]
         rejected = [(d.name, v, why) for d in self.decisions for v, why in d.rejected]
-        if rejected:
+        if rejected and verbose:
             lines += ["", "Rejected alternatives"]
             for name, value, why in rejected:
                 lines += textwrap.wrap(
@@ -260,13 +250,14 @@ class LoadPlan:
             lines += ["", "Warnings"]
             for w in (w for w in self.warnings if w != headline):
                 lines += textwrap.wrap(w, width, initial_indent="  ! ", subsequent_indent="    ")
-        target = repr(self.model) if self.model else f"<no weights: config {facts.name}>"
-        lines += [
-            "",
-            f"{self.model_class or facts.auto_class}.from_pretrained({target}, **kwargs) with kwargs:",
-        ]
-        for key, value in self._kwargs_summary().items():
-            lines.append(f"  {key} = {json.dumps(value) if not isinstance(value, str) else value}")
+        if verbose:
+            target = repr(self.model) if self.model else f"<no weights: config {facts.name}>"
+            lines += [
+                "",
+                f"{self.model_class or facts.auto_class}.from_pretrained({target}, **kwargs) with kwargs:",
+            ]
+            for key, value in self._kwargs_summary().items():
+                lines.append(f"  {key} = {json.dumps(value) if not isinstance(value, str) else value}")
         if self.events:
             lines += ["", "What happened at load"]
             for e in self.events:
@@ -281,7 +272,63 @@ class LoadPlan:
                     initial_indent="  ",
                     subsequent_indent="    ",
                 )
+        if not verbose:
+            hint = (
+                "Every reason in full, the rejected alternatives and the from_pretrained keywords: "
+                "explain(verbose=True), or `xpukit plan --explain`."
+            )
+            lines += ["", *textwrap.wrap(hint, width)]
         return "\n".join(lines)
+
+    def _decision_lines(self, width: int, verbose: bool) -> list[str]:
+        """The table of choices: every reason wrapped in full, or its first line only."""
+        name_w = max(len(d.name) for d in self.decisions) + 2
+        value_w = min(max(len(_short(d.value)) for d in self.decisions) + 2, 34 if verbose else 26)
+        lines = [f"  {'choice':<{name_w}}{'value':<{value_w}}why"]
+        indent = 2 + name_w + value_w
+        room = max(width - indent, 30)
+        for d in self.decisions:
+            value = _short(d.value)
+            tag = " (fallback)" if d.source == "fallback" else ""  # a user's choice says so in its reason
+            wrapped = (
+                textwrap.wrap(d.reason + tag, room)
+                if verbose
+                else [_one_line(d.reason, room - len(tag)) + tag]
+            )
+            wrapped = wrapped or [""]
+            head = f"  {d.name:<{name_w}}{value:<{value_w}}"
+            if len(value) >= value_w:
+                lines.append(f"  {d.name:<{name_w}}{value}")
+                head = " " * indent
+            lines.append(head + wrapped[0])
+            lines += [" " * indent + w for w in wrapped[1:]]
+        return lines
+
+    def _memory_lines(self, width: int) -> list[str]:
+        m = self.memory
+        lines = ["", "Memory"]
+        lines.append(f"  weights    {format_bytes(m.weights):>11}  {m.weights_key}; {m.sizing}")
+        lines.append(f"  headroom   {format_bytes(m.headroom):>11}  {m.headroom_rule}")
+        for b in m.budgets:
+            budget = f"; max_memory {format_bytes(b.weights_budget)}" if b.weights_budget is not None else ""
+            lines.append(f"  {b.device:<10} {format_bytes(b.usable):>11}  usable: {b.rule}{budget}")
+        lines += textwrap.wrap(f"verdict: {m.verdict}", width, initial_indent="  ", subsequent_indent="    ")
+        return lines
+
+
+def _memory_line(m: MemoryEstimate) -> str:
+    weights = f"{format_bytes(m.weights)} of weights ({m.weights_key})"
+    return f"Memory: {weights} + {format_bytes(m.headroom)} headroom; {m.verdict}"
+
+
+def _one_line(text: str, room: int) -> str:
+    """``text`` in ``room`` characters: whole, else up to its last clause that fits, else to a word."""
+    if len(text) <= room:
+        return text
+    cut = max((text.rfind(sep, 0, room - 2) for sep in ("; ", ": ", ". ", ", ", " (")), default=-1)
+    if cut >= room // 2:
+        return text[:cut].rstrip(" ,;:.") + " …"
+    return textwrap.shorten(text, room, placeholder=" …")
 
 
 def _launch_line(plan: LoadPlan) -> str:

@@ -8,6 +8,7 @@ a Hub-backed choice is on the table — one bounded reachability check (:mod:`xp
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 from typing import Any
@@ -15,43 +16,33 @@ from typing import Any
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import MachineFacts
 from xpukit.planning.arguments import (
+    check_keywords,
     check_lora_targets,
-    check_model_class,
-    check_seed,
     device_of_map,
     host_modules_reason,
     lora_request_for,
-    normalize_dtype_arg,
-    normalize_max_memory,
-    parse_device,
-    reconcile,
     seed_decision,
 )
-from xpukit.planning.budgets import parse_size
-from xpukit.planning.device.attention import choose_attention, normalize_attn
-from xpukit.planning.device.choice import DEVICE_PATTERN, decide_dtype, machine_for, resolve_device
-from xpukit.planning.device.decode import check_fast_decode, plan_decode
-from xpukit.planning.device.distributed import parse_strategy, place_rank, plan_distributed, shard_candidates
-from xpukit.planning.device.layer_kernels import choose_kernels, parse_kernels
+from xpukit.planning.device.attention import choose_attention
+from xpukit.planning.device.choice import decide_dtype, machine_for, resolve_device
+from xpukit.planning.device.decode import plan_decode
+from xpukit.planning.device.distributed import place_rank, plan_distributed, shard_candidates
+from xpukit.planning.device.layer_kernels import choose_kernels
 from xpukit.planning.device.layout import plan_layout
-from xpukit.planning.device.quantization import (
-    QuantRequest,
-    head_skip_modules,
-    parse_quantize,
-    recorded_request,
-)
+from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, recorded_request
 from xpukit.planning.for_training import Attempt, layout_for_training
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import choose_model_class
 from xpukit.planning.model.facts import model_facts
 from xpukit.planning.model.source import read_config
+from xpukit.planning.request import check_request
 from xpukit.planning.training.adapter_fit import check_saved_adapter
 from xpukit.planning.training.allocation import allocation_cap
-from xpukit.planning.training.fit import check_step_size, training_plan_for
+from xpukit.planning.training.fit import training_plan_for
 from xpukit.planning.training.fused import decide_fused, fused_will_run
 from xpukit.planning.training.graphs import decide_layer_graphs
 from xpukit.planning.training.lora_request import fit_lora_to_class
-from xpukit.planning.training.merge import parse_merge, plan_merge, replace_plan
+from xpukit.planning.training.merge import plan_merge, replace_plan
 from xpukit.planning.training.packing import decide_packing, packing_problem
 from xpukit.planning.vocabulary import Decision
 
@@ -159,40 +150,21 @@ def plan_load(
         ('xpu:0', 'bfloat16')
     """
     kwargs = dict(from_pretrained_kwargs)
-    dtype, attn, quantize, kernels = reconcile(
-        kwargs, dtype=dtype, attn=attn, quantize=quantize, kernels=kernels
-    )
     # Everything that can be checked without reading anything is checked first.
-    dtype_req = normalize_dtype_arg(dtype)
-    attn = normalize_attn(attn)
-    quant = parse_quantize(quantize)
-    parse_kernels(kernels)
-    given_headroom = parse_size(headroom, "headroom") if headroom is not None else None
-    memory_limits = normalize_max_memory(max_memory)
-    device_text = parse_device(device)
-    if isinstance(device_map, str) and DEVICE_PATTERN.match(device_map.strip().lower()):
-        mapped = device_map.strip().lower()
-        if device_text is not None and device_text != mapped:
-            raise InvalidRequestError(
-                f"device={device!r} and device_map={device_map!r} disagree. Fix: pass one of them."
-            )
-        device_text = mapped
-    elif device_map is not None and not isinstance(device_map, (str, dict)):
-        raise InvalidRequestError(
-            f"device_map={device_map!r} must be 'auto', a device, an accelerate strategy or a dict."
-        )
-    class_name = check_model_class(model_class)
-    seed = check_seed(seed)
-    strategy = parse_strategy(strategy)
-    fast_decode = check_fast_decode(fast_decode)
-    batch_size, seq_len = check_step_size(batch_size, "batch_size"), check_step_size(seq_len, "seq_len")
-    # validated before reading anything
-    given_lora = lora_request_for(lora, quantized=quant.kind in {"4bit", "8bit"}, trainable=trainable)
-    merge_request = parse_merge(
-        merge, lora=lora, quantize=quantize, quant_kind=quant.kind, force=force, strategy=strategy,
-        device_map=device_map, max_memory=max_memory, trainable=trainable,
+    req = check_request(
+        kwargs, device=device, dtype=dtype, attn=attn, kernels=kernels, device_map=device_map,
+        max_memory=max_memory, quantize=quantize, lora=lora, headroom=headroom, model_class=model_class,
+        seed=seed, strategy=strategy, fast_decode=fast_decode, batch_size=batch_size, seq_len=seq_len,
+        merge=merge, force=force, trainable=trainable,
     )  # fmt: skip
+    attn, quantize, kernels, quant = req.attn, req.quantize, req.kernels, req.quant
+    dtype_req, given_headroom, memory_limits = req.dtype, req.headroom, req.max_memory
+    device_text = req.device_text
+    class_name, seed, strategy, fast_decode = req.class_name, req.seed, req.strategy, req.fast_decode
+    batch_size, seq_len, merge_request = req.batch_size, req.seq_len, req.merge
+    given_lora = req.lora
     config, source, name, consumed = read_config(model, kwargs)
+    check_keywords(kwargs, config, consumed, ours=_XPUKIT_KEYWORDS)
     if quantize is None and lora is None and (recorded := recorded_request(config)) is not None:
         # A merged checkpoint written to load quantized (docs/planning.md "Quantization for inference").
         quant = recorded
@@ -386,3 +358,9 @@ def plan_load(
 # ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
+
+
+# plan_load's own keywords (load_for_xpu takes the same): the "did you mean" of check_keywords.
+_XPUKIT_KEYWORDS = tuple(
+    name for name, p in inspect.signature(plan_load).parameters.items() if p.kind is p.KEYWORD_ONLY
+)

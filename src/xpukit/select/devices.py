@@ -17,6 +17,7 @@ before anything initialises the device runtime. The rules come from docs/platfor
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 from collections.abc import Mapping, Sequence
@@ -53,6 +54,8 @@ from xpukit.select.spec import (
 )
 
 __all__ = ["HIERARCHIES", "SELECTABLE_BACKENDS", "DeviceSelection", "select_devices"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -207,7 +210,8 @@ class DeviceSelection:
         """Set this selection in ``os.environ`` for the current process.
 
         Only works before the device runtime reads the variables (at its first initialisation).
-        Applying a selection that is already in effect is always allowed.
+        Applying a selection that is already in effect is always allowed. A different mask already
+        exported is replaced with a logged warning (``xpukit launch`` warns the same way).
 
         Raises:
             RuntimeAlreadyInitializedError: the XPU or CUDA runtime of this process is initialised,
@@ -224,6 +228,18 @@ class DeviceSelection:
                 "program would stay on the devices it has. Fix: select devices before the process "
                 f"starts: `{self.launch_hint()}`, or `{self.command_line(['python', 'train.py'])}`; in a "
                 "notebook, restart the kernel and call apply() before anything touches the device."
+            )
+        for name, (exported, used) in self.conflicts(os.environ).items():
+            # As `xpukit launch` warns: an exported mask replaced is a job moved to other devices.
+            now = f"replaced by {name}={used}" if used is not None else "removed"
+            logger.warning(
+                "select_devices(%r).apply(): %s=%s was exported and is %s in this process. Indices name the "
+                "machine's devices, not positions in the exported mask; if that mask was meant (a job "
+                "scheduler's, say), do not apply this selection.",
+                self.spec,
+                name,
+                exported,
+                now,
             )
         for name in self.unset:
             os.environ.pop(name, None)

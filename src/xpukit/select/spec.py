@@ -30,6 +30,7 @@ __all__ = [
     "parse_hierarchy",
     "parse_spec",
     "show",
+    "unreadable_mask_entries",
 ]
 
 SelectableBackend = Literal["xpu", "cuda"]
@@ -165,6 +166,19 @@ def _parse_token(token: object, where: str) -> list[Entry]:
         f"{where}: cannot read {reason}. Valid entries: an index '2', a range '0-3', a tile '0.1' "
         "(Intel, COMPOSITE mode), a GPU UUID 'GPU-…' or MIG id 'MIG-…' (CUDA), or 'all' alone."
     )
+
+
+def unreadable_mask_entries(backend: SelectableBackend, value: str) -> list[str]:
+    """The entries of an exported mask the runtime cannot read (docs/devices.md "How the two runtimes
+    read a mask"): ``ZE_AFFINITY_MASK`` takes indices and ``card.tile``; ``CUDA_VISIBLE_DEVICES``
+    indices, ``GPU-…`` UUIDs and ``MIG-…`` ids. Empty for a readable mask, and for CUDA's ways of
+    hiding every device (an empty value, or a negative first index such as ``-1``).
+    """
+    entries = [e.strip() for e in value.split(",")]
+    if backend == "cuda" and (not value.strip() or re.fullmatch(r"-[0-9]+", entries[0], re.ASCII)):
+        return []
+    readable = (_INDEX, _TILE) if backend == "xpu" else (_INDEX, _GPU_UUID, _MIG_ID)
+    return [e for e in entries if not any(r.fullmatch(e) for r in readable)]
 
 
 def _index(text: str, where: str) -> int:

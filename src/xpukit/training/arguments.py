@@ -42,6 +42,7 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +86,8 @@ def training_args(
     repacking is turned off on it (:func:`xpukit.loading.bnb_cpu.restore_trainable_4bit_layout`).
 
     Args:
-        model: the model to train (a ``PreTrainedModel`` or ``PeftModel``), optional.
+        model: the model to train (a ``PreTrainedModel`` or ``PeftModel``), optional. A string or
+            path here is the output directory, as ``TrainingArguments("out")`` takes it.
         facts: machine or device facts to use instead of detecting them.
         strategy: ``"auto"``, ``"ddp"``, ``"fsdp"`` (FSDP2) or ``"deepspeed"`` (ZeRO): adds that
             strategy's keywords (:mod:`xpukit.training.strategy`, docs/distributed.md); default none.
@@ -111,6 +113,8 @@ def training_args(
     """
     from xpukit.training.config_class import build_config, check_config_class
 
+    if isinstance(model, (str, os.PathLike)):  # training_args("out"), as TrainingArguments("out")
+        model, kwargs = None, _output_dir_given_first(model, kwargs)
     cls = check_config_class(config_class)
     _refuse_nothing_to_train(model)
     device = _training_device(model, facts, use_cpu=bool(kwargs.get("use_cpu")))
@@ -126,6 +130,18 @@ def training_args(
         _destroy_process_group_at_exit()
     _restore_repacked_4bit(model)
     return build_config(cls, keywords, kwargs)
+
+
+def _output_dir_given_first(output_dir: str | os.PathLike[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``training_args("out")``: the string is the output directory, never dropped (as documented in
+    docs/training.md, the ``training_args`` section)."""
+    if "output_dir" in kwargs:
+        raise InvalidRequestError(
+            f"training_args({os.fspath(output_dir)!r}, output_dir={kwargs['output_dir']!r}): a string first "
+            "is the output directory (as in TrainingArguments), and output_dir= names another. Fix: pass "
+            "the model first, training_args(model, output_dir=...), or one output directory."
+        )
+    return {**kwargs, "output_dir": os.fspath(output_dir)}
 
 
 @functools.cache  # once per process

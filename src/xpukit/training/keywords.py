@@ -17,6 +17,7 @@ from xpukit.machine.facts import DeviceFacts
 from xpukit.machine.precision import (
     TrainingPrecision,
     normalize_dtype,
+    slow_precision,
     training_precision,
     training_precision_for_dtype,
 )
@@ -192,7 +193,7 @@ def _refuse_impossible(device: DeviceFacts, user: dict[str, Any], pick: str) -> 
             'fp64, and this GPU has none ("Required aspect fp64 is not supported" on the first '
             f"step). Fix: drop fp16=True (xpukit picks {pick}), or use bf16=True."
         )
-    if user.get("bf16") and not device.native_bf16 and device.backend != "cpu":
-        logger.warning(
-            "training_args(bf16=True): %s has no native bf16, so it is emulated (slow).", device.name
-        )
+    for flag, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        slow = slow_precision(device, dtype) if user.get(flag) else None  # as load_for_xpu(dtype=) warns
+        if slow is not None:
+            logger.warning("training_args(%s=True): %s", flag, slow)

@@ -11,7 +11,7 @@ import re
 
 from xpukit.errors import DeviceSelectionError, DeviceUnavailableError, InvalidRequestError
 from xpukit.machine.facts import BACKENDS, DeviceFacts, MachineFacts
-from xpukit.machine.precision import inference_dtype
+from xpukit.machine.precision import inference_dtype, slow_precision
 from xpukit.planning.vocabulary import Decision
 
 __all__ = ["DEVICE_PATTERN", "INSTALL_FIX", "decide_dtype", "machine_for", "resolve_device"]
@@ -116,12 +116,9 @@ def decide_dtype(requested: str, device: DeviceFacts, warnings: list[str]) -> De
         choice = inference_dtype(device)
         return Decision(name="dtype", value=choice.dtype, reason=choice.reason, rejected=choice.rejected)
     reason = f"dtype={requested!r} given"
-    emulated = (requested == "bfloat16" and not device.native_bf16) or (
-        requested == "float16" and device.backend == "cpu"
-    )
-    if emulated:
-        native = inference_dtype(device).dtype
-        warning = f"dtype={requested} on {device.name} is only emulated (slow); {native} is native here"
+    slow = slow_precision(device, requested)
+    if slow is not None:
+        warning = f"dtype={slow}"
         warnings.append(warning)
         reason = f"dtype={requested!r} given; {warning}"
     return Decision(name="dtype", value=requested, reason=reason, source="user")

@@ -18,6 +18,7 @@ __all__ = ["REFERENCE_CONFIGS", "reference_config"]
 
 _QWEN3 = {
     "model_type": "qwen3",
+    "architectures": ["Qwen3ForCausalLM"],
     "vocab_size": 151936,
     "head_dim": 128,
     "hidden_act": "silu",
@@ -30,6 +31,7 @@ _QWEN3 = {
 }
 _LLAMA31 = {
     "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
     "vocab_size": 128256,
     "hidden_act": "silu",
     "max_position_embeddings": 131072,

@@ -122,6 +122,14 @@ class TrainingPlan:
         lines.append(f"  chosen: {self._chosen()} ({verdict})")
         return lines
 
+    def summary_line(self) -> str:
+        """The training plan in one line, for the short :meth:`LoadPlan.explain`."""
+        verdict = "fits" if self.fits else "does NOT fit even at micro-batch 1"
+        return (
+            f"Training: batch {self.batch_size} × seq {self.seq_len}: {self._chosen()} ({verdict}), "
+            f"{format_bytes(self.estimate['peak'])} of activations in the {format_bytes(self.room)} left"
+        )
+
     def warning(self, device: str) -> str | None:
         """The load's warning when even the leanest step is estimated not to fit, else ``None``."""
         if self.fits:

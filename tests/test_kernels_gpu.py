@@ -117,9 +117,9 @@ def test_fused_functions_bf16(which: str) -> None:
     _need_cuda_triton()
     import torch
 
-    from xpukit.kernels.lora_ops import liger_swiglu_available, lora_shared_input, lora_swiglu_mlp
+    from xpukit.kernels.lora_ops import liger_gate_available, lora_gated_mlp, lora_shared_input
 
-    if which == "mlp-liger" and not liger_swiglu_available():
+    if which == "mlp-liger" and not liger_gate_available():
         pytest.skip("liger-kernel is not installed")
     hidden, inter, tokens = 1024, 3072, 1024
     x = (torch.randn(2, tokens // 2, hidden, device="cuda") * 0.5).bfloat16().requires_grad_()
@@ -138,7 +138,7 @@ def test_fused_functions_bf16(which: str) -> None:
         projs = (_projection(inter, hidden, 4), _projection(inter, hidden, 5), _projection(hidden, inter, 6))
 
         def fn() -> Any:
-            return (lora_swiglu_mlp(x, *projs, torch.bfloat16, liger=which == "mlp-liger"),)
+            return (lora_gated_mlp(x, projs[:2], projs[2], torch.bfloat16, liger=which == "mlp-liger"),)
 
         def ref(bf16: bool) -> Any:
             gate, up = _plain(x, projs[0], bf16), _plain(x, projs[1], bf16)
@@ -184,10 +184,10 @@ def test_fused_model_vs_peft_bf16(tiny_model_factory: Callable[..., Path], liger
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from xpukit.kernels.lora_ops import liger_swiglu_available
+    from xpukit.kernels.lora_ops import liger_gate_available
     from xpukit.loading.training.fused_lora import apply_fused_lora
 
-    if liger and not liger_swiglu_available():
+    if liger and not liger_gate_available():
         pytest.skip("liger-kernel is not installed")
     path = tiny_model_factory(
         "qwen3",
@@ -228,6 +228,7 @@ def test_fused_model_vs_peft_bf16(tiny_model_factory: Callable[..., Path], liger
     loss_peft, grads_peft = step(model, bf16=True)
     notes = apply_fused_lora(model, insist=True, liger=liger)
     assert notes[0] == "fused LoRA: 3 decoder blocks (q/k/v, o, gate/up/down)"
+    assert "agrees with peft's block in bfloat16" in notes[1], notes  # the load-time check's tolerance
     loss_fused, grads_fused = step(model, bf16=True)
     assert abs(loss_fused - loss_fp32) <= 1e-2 * abs(loss_fp32), (loss_fused, loss_peft, loss_fp32)
     assert grads_fused.keys() == grads_peft.keys() and len(grads_peft) == 3 * 7 * 2

@@ -554,3 +554,71 @@ def test_functions_match_autograd(which: str) -> None:
     want = torch.autograd.grad(ref(), leaves)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=RTOL, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The load-time check: a block type that disagrees keeps peft's path, and an insisted one is refused
+# ---------------------------------------------------------------------------------------------
+
+
+def _scaled_mlp(model: Any) -> Any:
+    """A family the rules do not know: its MLP scales its output (the fused MLP would not)."""
+    for layer in model.model.layers:
+        mlp = layer.mlp
+
+        def scaled(x: Any, mlp: Any = mlp) -> Any:
+            return 1.5 * type(mlp).forward(mlp, x)
+
+        mlp.forward = scaled
+    return model
+
+
+def test_a_block_type_that_disagrees_keeps_peft(tiny_model: Path) -> None:
+    import torch
+
+    from xpukit.loading.training.fused_lora import apply_fused_lora, fused_everywhere
+
+    model = _peft(_scaled_mlp(_load_4bit(tiny_model)))
+    reference = _loss_and_grads(model)
+    lora_b = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    rng = torch.get_rng_state()
+    summary, check = apply_fused_lora(model, insist=False)
+    assert "DIFFERS from peft's block in float32: output" in check and "kept peft's path for Qwen3" in check
+    assert not fused_everywhere(model)
+    assert not any("forward" in vars(m) and m is not layer.mlp for layer in model.base_model.model.model.layers
+                   for m in layer.modules())  # fmt: skip
+    _assert_same_training(reference, _loss_and_grads(model))
+    # The check gave the LoRA B matrices random values for its run and put them back; it drew its
+    # random numbers from its own generator.
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, param in model.named_parameters():
+        if name in lora_b:
+            assert torch.equal(param, lora_b[name]), name
+    with pytest.raises(InvalidRequestError, match=r"does not compute what peft's modules compute: .*DIFFERS"):
+        apply_fused_lora(_peft(_scaled_mlp(_load_4bit(tiny_model))), insist=True)
+
+
+def test_the_check_reaches_the_plan_and_refuses_an_insisted_fused_path(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through load_for_xpu: the check's measurements are the plan's events; with a tolerance of 0
+    (a stand-in for a block that disagrees) the blocks keep peft's path, and lora={"fused": True}
+    is refused with the measured difference."""
+    from xpukit import load_for_xpu
+    from xpukit.loading.training import fused_check
+
+    def load(fused: bool | None) -> Any:
+        lora = {} if fused is None else {"fused": fused}
+        return load_for_xpu(tiny_model, device="cpu", dtype="float32", quantize="4bit", lora=lora)
+
+    def notes(model: Any) -> list[str]:
+        return [str(e.actual) for e in model.xpukit_plan.events if e.what == "lora"]
+
+    [check] = [n for n in notes(load(True)) if n.startswith("fused LoRA check: ")]
+    assert "agrees with peft's block in float32" in check
+    monkeypatch.setitem(fused_check.TOLERANCES, "float32", (0.0, 0.0))
+    with pytest.raises(
+        InvalidRequestError, match=r"fused.: True.*DIFFERS from peft's block .*tolerance 0e\+00"
+    ):
+        load(True)
+    assert not any(n.startswith("fused LoRA check: ") for n in notes(load(None)))  # off on the CPU

@@ -29,7 +29,7 @@ from xpukit.loading.training.fused_blocks import peft_path
 
 __all__ = ["BATCH", "TOKENS", "TOLERANCES", "BlockCheck", "block_key", "check_blocks", "describe"]
 
-BATCH, TOKENS = 2, 32
+BATCH, TOKENS = 1, 16
 # Relative L2 error allowed, (output and input gradient, each LoRA gradient), by compute dtype.
 # float32: the targets of docs/training.md; bf16/fp16: the rounding of the compute dtype, which the
 # two paths round differently (docs/training.md "The load-time check" has the measurements).

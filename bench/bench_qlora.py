@@ -2,7 +2,8 @@
 
 One LoRA training step (forward, backward, AdamW on the LoRA weights) of ``batch × seq`` tokens
 (default 4 × 512) on a Qwen3-8B-shaped model (``--shape``: or Llama-3.1-8B, Phi-4-mini, Gemma-3-4B's
-text model) with random weights built from a config (nothing is downloaded). Each variant runs in its own process, so peak memory is its own and liger-kernel's
+text model) with random weights built from a config (nothing is downloaded). Each variant runs in
+its own process, so peak memory is its own and liger-kernel's
 module-level patches cannot leak into the next variant; the variants are interleaved and the whole
 round repeated (``--repeat``), and each row reports the median over rounds with the spread.
 Prints one JSON line per variant and round, then one summary line per variant.

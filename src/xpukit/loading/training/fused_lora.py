@@ -108,7 +108,7 @@ def apply_fused_lora(model: Any, *, insist: bool, liger: bool | None = None, che
             patch_mlp(mlp, block.mlp, act=block.act, liger=liger_on)
     notes: list[str] = []
     if check and new:
-        notes.append(_prove(base, new, blocks, insist))
+        notes.append(_prove(base, new, blocks, insist, kept))
     notes.insert(0, _summary(blocks, kept))
     if any(b.mlp is not None for b in blocks) and liger_on and liger_gate_available():
         notes.append(
@@ -160,8 +160,11 @@ def _classify(block: _Block, kept: dict[str, list[str]]) -> None:
     block.mlp, block.act = shape, str(act)
 
 
-def _prove(base: Any, new: list[_Block], blocks: list[_Block], insist: bool) -> str:
-    """Check each newly fused block type; unfuse the types that disagree (or refuse, ``insist``)."""
+def _prove(
+    base: Any, new: list[_Block], blocks: list[_Block], insist: bool, kept: dict[str, list[str]]
+) -> str:
+    """Check each newly fused block type; unfuse the types that disagree (recorded in ``kept``), or
+    refuse them (``insist``)."""
     groups: dict[str, list[tuple[str, Any]]] = defaultdict(list)
     for block in new:
         groups[block_key(block.module)].append((block.name, block.module))
@@ -170,6 +173,7 @@ def _prove(base: Any, new: list[_Block], blocks: list[_Block], insist: bool) -> 
     for c in bad:
         for name, module in groups[c.kind]:
             unpatch(module)
+            kept["the load-time check: the fused block differs from peft's"].append(name)
             for block in blocks:
                 if block.name == name:
                     block.attention = block.mlp = None
@@ -179,8 +183,8 @@ def _prove(base: Any, new: list[_Block], blocks: list[_Block], insist: bool) -> 
             f"compute what peft's modules compute: {describe(bad)}. Use lora={{\"fused\": False}} (peft's "
             'path) or leave "fused" out (the blocks that agree are fused, the others keep peft\'s path).'
         )
-    kept = [f"kept peft's path for {c.kind}" for c in bad]
-    return "fused LoRA check: " + describe(checks) + (f"; {'; '.join(kept)}" if kept else "")
+    back = "".join(f"; kept peft's path for {c.kind}" for c in bad)
+    return "fused LoRA check: " + describe(checks) + back
 
 
 def _compute_dtype(block: _Block) -> Any:

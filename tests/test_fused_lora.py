@@ -322,7 +322,8 @@ def test_other_base_layers_are_refused_with_the_reason(tiny_model: Path) -> None
     import torch
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.training.fused_lora import _projection_problem, apply_fused_lora
+    from xpukit.loading.training.fused_blocks import _projection_problem
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     plain = _peft(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     [note] = apply_fused_lora(plain, insist=False)
@@ -413,11 +414,12 @@ def test_fused_mlp_supersedes_an_instance_forward(tiny_model: Path) -> None:
     reference = _loss_and_grads(model)
     assert len(calls) == 2
     apply_fused_lora(model, insist=True)
+    assert len(calls) == 3  # the load-time check's run of peft's block: the forward it replaced
     _assert_same_training(reference, _loss_and_grads(model))
-    assert len(calls) == 2  # the fused MLP ran, not the instance forward
+    assert len(calls) == 3  # the fused MLP ran, not the instance forward
     with model.disable_adapter():
         _logits(model)
-    assert len(calls) == 4
+    assert len(calls) == 5
 
 
 def test_apply_lora_fused_with_checkpointing(tiny_model: Path) -> None:

@@ -150,6 +150,11 @@ def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[Any, tuple[A
             raise _Captured
 
     handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks.values()]
+    # In train mode: bitsandbytes repacks a 4-bit weight for its CPU inference kernel on an eval-mode
+    # forward without gradients (docs/training.md
+    # "The CPU repacking trap (bitsandbytes ≥ 0.48 on avx512_bf16 CPUs)").
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
     try:
         with torch.no_grad():
             model(input_ids=ids, use_cache=False)
@@ -158,6 +163,8 @@ def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[Any, tuple[A
     finally:
         for handle in handles:
             handle.remove()
+        for module, mode in modes:
+            module.training = mode
     missing = set(wanted.values()) - set(inputs)
     if missing:
         raise RuntimeError(f"the forward did not reach {sorted(missing)}")

@@ -191,8 +191,8 @@ def _compute_dtype(block: _Block) -> Any:
     attn = block.module.self_attn
     part, shape = (attn, block.attention) if block.attention is not None else (block.module.mlp, block.mlp)
     assert shape is not None
-    layer = getattr(part, shape.projections[0])
-    return layer.get_base_layer().compute_dtype
+    base = getattr(part, shape.projections[0]).get_base_layer()
+    return base.compute_dtype or base.weight.quant_state.dtype  # None: bitsandbytes takes the input's
 
 
 def _model_type(base: Any) -> Any:

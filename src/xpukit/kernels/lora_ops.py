@@ -321,7 +321,9 @@ def _functions() -> Any:
                     weight, quant_state, scale, _ = ctx.specs[i]
                     a, b = cast[2 * i], cast[2 * i + 1]
                     mine = [(d, rows) for d, (j, rows) in zip(d_halves, parts, strict=True) if j == i]
-                    dab = sum(d @ b[rows] for d, rows in mine)  # the halves share x Aᵀ: dA sums them
+                    dab = mine[0][0] @ b[mine[0][1]]  # the halves of a gate_up_proj share x Aᵀ: dA sums
+                    for d, rows in mine[1:]:
+                        dab.addmm_(d, b[rows])
                     d_b = [_scaled_mm(d.t(), xas[i], scale) for d, _ in mine]
                     grads += [_scaled_mm(dab.t(), x2, scale), d_b[0] if len(d_b) == 1 else torch.cat(d_b)]
                     if ctx.needs_input_grad[0]:

@@ -77,6 +77,26 @@ def test_an_unknown_fused_value_is_refused() -> None:
         plan_load(QWEN3, facts="h200", lora={"fused": "yes"})
 
 
+@pytest.mark.parametrize(
+    ("arch", "head"),
+    [
+        ("gemma", "fused LoRA: 2 decoder blocks (q/k/v, o, gate/up/down with GELU (tanh))"),
+        ("phi3", "fused LoRA: 2 decoder blocks (qkv, o, gate_up/down)"),
+    ],
+)
+def test_load_for_xpu_fuses_other_families(tiny_models: Any, arch: str, head: str) -> None:
+    """The plan's rules and the load agree for GeGLU and stored fused projections: whole blocks,
+    proven at load, the check's measurements among the plan's events."""
+    from xpukit import load_for_xpu
+
+    model = load_for_xpu(
+        tiny_models[arch], device="cpu", dtype="float32", quantize="4bit", lora={"fused": True}
+    )
+    notes = [str(e.actual) for e in model.xpukit_plan.events if e.what == "lora"]
+    assert head in notes, notes
+    assert any(n.startswith("fused LoRA check: ") and "DIFFERS" not in n for n in notes), notes
+
+
 def test_load_for_xpu_carries_the_decision_out(tiny_model: Any) -> None:
     """lora={"fused": True} on the CPU reaches the fused path through the one call; False keeps peft."""
     from xpukit import load_for_xpu

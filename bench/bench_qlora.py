@@ -1,8 +1,9 @@
 """QLoRA memory and speed: the hand-written recipe vs xpukit's one call vs each saver forced vs unsloth.
 
 One LoRA training step (forward, backward, AdamW on the LoRA weights) of ``batch × seq`` tokens
-(default 4 × 512) on a Qwen3-8B-shaped model with random weights built from a config (nothing is
-downloaded). Each variant runs in its own process, so peak memory is its own and liger-kernel's
+(default 4 × 512) on a Qwen3-8B-shaped model (``--shape``: or Llama-3.1-8B, Phi-4-mini, Gemma-3-4B's
+text model) with random weights built from a config (nothing is downloaded). Each variant runs in
+its own process, so peak memory is its own and liger-kernel's
 module-level patches cannot leak into the next variant; the variants are interleaved and the whole
 round repeated (``--repeat``), and each row reports the median over rounds with the spread.
 Prints one JSON line per variant and round, then one summary line per variant.
@@ -65,6 +66,7 @@ Usage::
 
     python bench/bench_qlora.py                      # CUDA (or XPU): Qwen3-8B shape, 36 layers
     python bench/bench_qlora.py --layers 8           # the same widths, fewer layers
+    python bench/bench_qlora.py --shape gemma-3-4b   # another family: llama-3.1-8b, phi-4-mini, gemma-3-4b
     python bench/bench_qlora.py --tiny               # any device, a tiny shape (CPU check: ~2 min)
     python bench/bench_qlora.py --finetune --steps 50  # lora_dropout 0.05 vs 0 on the demo corpus
     python bench/bench_qlora.py --variants xpukit-fused,xpukit-unfused,unsloth-nogc --profile
@@ -146,6 +148,57 @@ QWEN3_8B = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
+# More families' shapes (``--shape``), from their config.json files; RoPE scaling is left out (it
+# changes no step's arithmetic cost) so the configs build under transformers 5.17 and 5.22 alike.
+LLAMA31_8B = {  # meta-llama/Llama-3.1-8B
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+PHI4_MINI = {  # microsoft/Phi-4-mini-instruct: stored qkv_proj and gate_up_proj, partial RoPE
+    "vocab_size": 200064,
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "partial_rotary_factor": 0.75,
+    "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "pad_token_id": 199999,
+}
+GEMMA3_4B = {  # google/gemma-3-4b-pt's text model: GeGLU (tanh), 5 sliding-window layers to 1 global
+    "vocab_size": 262208,
+    "hidden_size": 2560,
+    "intermediate_size": 10240,
+    "num_hidden_layers": 34,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 1024,
+    "max_position_embeddings": 131072,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+}
+SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3-8b": ("Qwen3Config", QWEN3_8B),
+    "llama-3.1-8b": ("LlamaConfig", LLAMA31_8B),
+    "phi-4-mini": ("Phi3Config", PHI4_MINI),
+    "gemma-3-4b": ("Gemma3TextConfig", GEMMA3_4B),
+}
 TINY = {
     "vocab_size": 4096,
     "hidden_size": 256,
@@ -164,6 +217,12 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny shape that runs on CPU in seconds")
+    parser.add_argument(
+        "--shape",
+        default="qwen3-8b",
+        choices=sorted(SHAPES),
+        help="the model family and size (random weights)",
+    )
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the widths)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, help="tokens per sequence (default 512; 128 with --tiny)")
@@ -282,20 +341,26 @@ def pick_device(requested: str | None) -> str:
 
 
 def build_model(out: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Random bf16 weights of the chosen shape, saved with transformers (built on the device: fast)."""
+    """Random bf16 weights of the chosen shape, saved with transformers (built on the device: fast).
+    ``--tiny`` keeps the family of ``--shape`` at the tiny widths."""
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    shape = dict(TINY if args.tiny else QWEN3_8B)
+    config_class, full = SHAPES[args.shape]
+    shape = {**full, **TINY} if args.tiny else dict(full)
     if args.layers:
         shape["num_hidden_layers"] = args.layers
+    if args.tiny and "pad_token_id" in shape:
+        shape["pad_token_id"] = 0
     device = pick_device(args.device)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=torch.bfloat16)
+        config = getattr(transformers, config_class)(**shape)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out, max_shard_size="4GB")
     del model
-    return shape
+    return {"shape": args.shape, **shape}
 
 
 def run_variant(args: argparse.Namespace) -> dict[str, Any]:
@@ -305,12 +370,15 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     device = pick_device(args.device)
     facts = device_facts(device)
     dtype = "bfloat16" if device != "cpu" or facts.native_bf16 else "float32"
+    load_started = time.perf_counter()
     if variant.startswith("unsloth"):
         model, notes, plan = load_unsloth(args, variant, dtype)
     elif variant == "recipe":
         model, notes, plan = load_recipe(args, facts, dtype)
     else:
         model, notes, plan = load_xpukit(args, variant, device, dtype)
+    synchronize(device)
+    load_s = time.perf_counter() - load_started  # the fused path's load-time check included
     weights_mem = memory_allocated(device)
     if variant == "xpukit-fused-chunked":
         from xpukit.loading.training.chunked_loss import apply_chunked_loss
@@ -365,6 +433,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": dtype,
         "layers": model.config.num_hidden_layers,
         "hidden": model.config.hidden_size,
+        "model_type": model.config.model_type,
+        "load_s": round(load_s, 2),
         "batch": args.batch,
         "seq": args.seq,
         "peak_mem_gb": round(peak / 1e9, 3),

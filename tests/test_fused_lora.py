@@ -172,35 +172,114 @@ def test_fused_equals_peft(tiny_models: Mapping[str, Path], arch: str, double_qu
     reference = _loss_and_grads(model)
     logits = _logits(model)
     notes = apply_fused_lora(model, insist=True)
-    assert notes == ["fused LoRA: 2 decoder blocks (q/k/v, o, gate/up/down)"]
-    assert apply_fused_lora(model, insist=True) == notes  # a second call changes nothing
+    assert notes[0] == "fused LoRA: 2 decoder blocks (q/k/v, o, gate/up/down)"
+    assert notes[1].startswith("fused LoRA check: ") and "agrees with peft's block in float32" in notes[1]
+    assert apply_fused_lora(model, insist=True) == notes[:1]  # a second call changes nothing
     _assert_same_training(reference, _loss_and_grads(model))
     import torch
 
     torch.testing.assert_close(_logits(model), logits, rtol=RTOL, atol=ATOL)  # eval, no_grad
 
 
-def test_gemma_keeps_peft_for_its_gelu_mlp(tiny_models: Mapping[str, Path]) -> None:
+# Tiny random-weight models of each family the fused path covers, built from transformers' config
+# classes (sizes as xpukit.demo.tiny's, plus what makes the family itself: multipliers, norms, NoPE
+# layers, sliding windows, fused projections, biases, experts).
+_SMALL = {
+    "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+    "initializer_range": 0.2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma1": ("GemmaConfig", {"head_dim": 16, "hidden_act": "gelu_pytorch_tanh"}),
+    "gemma2": ("Gemma2Config", {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"], "attn_implementation": "eager",
+    }),  # soft-capped attention logits: eager attention only
+    "gemma3": ("Gemma3TextConfig", {
+        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }),
+    "granite": ("GraniteConfig", {
+        "head_dim": 16, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.015625, "logits_scaling": 8.0,
+    }),
+    "olmo2": ("Olmo2Config", {}),  # q/k norms over the whole projection, post-norms
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),  # per-head q/k norms
+    "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layer_interval": 2}),  # NoPE layers
+    "mistral-swa": ("MistralConfig", {"head_dim": 16, "sliding_window": 8}),
+    "phi3": ("Phi3Config", {"original_max_position_embeddings": 512}),  # qkv_proj, gate_up_proj
+    "glm4": ("Glm4Config", {"head_dim": 16}),  # gate_up_proj, q/k/v with biases, post-norms
+    "qwen3-moe": ("Qwen3MoeConfig", {
+        "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+    }),
+    "mixtral": ("MixtralConfig", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2}),
+}  # fmt: skip
+MOE = ("qwen3-moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            import torch
+            import transformers
+
+            config_class, extra = FAMILIES[family]
+            extra = dict(extra)
+            attn = extra.pop("attn_implementation", "sdpa")
+            config = getattr(transformers, config_class)(**{**_SMALL, **extra})
+            config._attn_implementation = attn
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            built[family] = tmp_path_factory.mktemp(family)
+            model.save_pretrained(built[family])
+        return built[family]
+
+    return build
+
+
+def _relative(got: Any, want: Any) -> float:
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_fused_equals_peft(family_dir: Any, family: str) -> None:
+    """Every family: the loss within 1e-4 relative and every LoRA gradient within 1e-3 (relative L2)
+    of peft's, float32, the PyTorch path; the load-time check agrees."""
+    from xpukit.loading.training.fused_lora import apply_fused_lora, fused_everywhere
+
+    model = _peft(_load_4bit(family_dir(family)))
+    loss, grads = _loss_and_grads(model)
+    notes = apply_fused_lora(model, insist=True)
+    assert notes[1].startswith("fused LoRA check: ") and "DIFFERS" not in notes[1], notes
+    if family in MOE:
+        assert notes[0].startswith("fused LoRA: attention (q/k/v, o) in 2 and MLP (gate/up/down) in 0 of 2")
+        assert "mixture of experts" in notes[0] and not fused_everywhere(model)
+    else:
+        assert notes[0].startswith("fused LoRA: ") and "kept" not in notes[0] and fused_everywhere(model)
+    fused_loss, fused_grads = _loss_and_grads(model)
+    assert abs(float(fused_loss) / float(loss) - 1) < 1e-4
+    assert fused_grads.keys() == grads.keys() and grads
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        assert _relative(fused_grads[name], grad) < 1e-3, name
+
+
+def test_family_words_in_the_notes(family_dir: Any) -> None:
     from xpukit.loading.training.fused_lora import apply_fused_lora
 
-    model = _peft(_load_4bit(tiny_models["gemma"]))
-    reference = _loss_and_grads(model)
-    [note] = apply_fused_lora(model, insist=False)
-    assert note.startswith("fused LoRA: attention (q/k/v, o) in 2 and MLP (gate/up/down) in 0 of 2")
-    assert "MLP: model type 'gemma3_text' is not known to compute down(silu(gate(x)) * up(x))" in note
-    _assert_same_training(reference, _loss_and_grads(model))
-
-
-def test_phi3_fused_projections_keep_peft(tiny_models: Mapping[str, Path]) -> None:
-    from xpukit.loading.training.fused_lora import apply_fused_lora
-
-    model = _peft(_load_4bit(tiny_models["phi3"]))
-    [note] = apply_fused_lora(model, insist=False)
-    assert note.startswith("fused LoRA: nothing fused; kept peft's path for")
-    assert "unknown block shape: no q_proj/k_proj/v_proj (has o_proj, qkv_proj)" in note
-    assert "no gate_proj/up_proj" in note
-    with pytest.raises(InvalidRequestError, match=r'lora=\{"fused": False\}'):
-        apply_fused_lora(model, insist=True)
+    expected = {
+        "gemma3": "fused LoRA: 2 decoder blocks (q/k/v, o, gate/up/down with GELU (tanh))",
+        "phi3": "fused LoRA: 2 decoder blocks (qkv, o, gate_up/down)",
+    }
+    for family, head in expected.items():
+        notes = apply_fused_lora(_peft(_load_4bit(family_dir(family))), insist=True)
+        assert notes[0] == head
+        if family == "gemma3":  # a sliding-window layer and a global one: two block types checked
+            assert notes[1].count("agrees with peft's block") == 2, notes[1]
 
 
 @pytest.mark.parametrize(
@@ -217,7 +296,7 @@ def test_each_fallback_is_recorded(tiny_model: Path, config: dict[str, Any], rea
     from xpukit.loading.training.fused_lora import apply_fused_lora
 
     model = _peft(_load_4bit(tiny_model), **config)
-    [note] = apply_fused_lora(model, insist=False)
+    note = apply_fused_lora(model, insist=False)[0]
     assert "kept peft's path for" in note and reason in note, note
     forwards = {n for n, m in model.named_modules() if "forward" in vars(m)}
     with pytest.raises(InvalidRequestError, match=r"cannot fuse .*" + reason.split(" (")[0]) as err:
@@ -232,7 +311,7 @@ def test_partial_targets_fuse_nothing_but_still_train_the_same(tiny_model: Path)
 
     model = _peft(_load_4bit(tiny_model), target_modules=["q_proj", "v_proj"])
     reference = _loss_and_grads(model)
-    [note] = apply_fused_lora(model, insist=False)
+    note = apply_fused_lora(model, insist=False)[0]
     assert "attention: k_proj/o_proj: not adapted" in note and "MLP: gate_proj/up_proj/down_proj" in note
     _assert_same_training(reference, _loss_and_grads(model))
 
@@ -243,7 +322,8 @@ def test_other_base_layers_are_refused_with_the_reason(tiny_model: Path) -> None
     import torch
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.training.fused_lora import _projection_problem, apply_fused_lora
+    from xpukit.loading.training.fused_blocks import _projection_problem
+    from xpukit.loading.training.fused_lora import apply_fused_lora
 
     plain = _peft(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32))
     [note] = apply_fused_lora(plain, insist=False)
@@ -334,11 +414,12 @@ def test_fused_mlp_supersedes_an_instance_forward(tiny_model: Path) -> None:
     reference = _loss_and_grads(model)
     assert len(calls) == 2
     apply_fused_lora(model, insist=True)
+    assert len(calls) == 3  # the load-time check's run of peft's block: the forward it replaced
     _assert_same_training(reference, _loss_and_grads(model))
-    assert len(calls) == 2  # the fused MLP ran, not the instance forward
+    assert len(calls) == 3  # the fused MLP ran, not the instance forward
     with model.disable_adapter():
         _logits(model)
-    assert len(calls) == 4
+    assert len(calls) == 5
 
 
 def test_apply_lora_fused_with_checkpointing(tiny_model: Path) -> None:
@@ -367,6 +448,7 @@ def test_apply_lora_fused_with_checkpointing(tiny_model: Path) -> None:
     fused, notes = prepared(True)
     assert not any("fused LoRA" in n for n in plain_notes)
     assert "fused LoRA: 2 decoder blocks (q/k/v, o, gate/up/down)" in notes
+    assert any(n.startswith("fused LoRA check: ") and "agrees" in n for n in notes)
     _assert_same_training(_loss_and_grads(plain), _loss_and_grads(fused))
 
 
@@ -377,9 +459,9 @@ def test_apply_lora_fused_insist_refuses(tiny_models: Mapping[str, Path]) -> Non
 
     request = resolve_lora(True, quantized=True)
     assert request is not None
-    with pytest.raises(InvalidRequestError, match="qkv_proj"):
+    with pytest.raises(InvalidRequestError, match="no decoder block with self_attn and mlp"):
         apply_lora(
-            _load_4bit(tiny_models["phi3"]), request, compute_dtype="float32", quantized=True,
+            _load_4bit(tiny_models["gpt2"]), request, compute_dtype="float32", quantized=True,
             device=cpu_facts(), fused=True, fused_insist=True,
         )  # fmt: skip
 
@@ -408,18 +490,38 @@ def _plain(x: Any, p: Any) -> Any:
     import bitsandbytes.functional as bnb_functional
 
     w = bnb_functional.dequantize_4bit(p.weight, p.quant_state)
-    return x @ w.t() + p.scale * (x @ p.lora_A.t()) @ p.lora_B.t()
+    out = x @ w.t() + p.scale * (x @ p.lora_A.t()) @ p.lora_B.t()
+    return out if p.bias is None else out + p.bias
 
 
-@pytest.mark.parametrize("which", ["shared", "swiglu"])
+_ACTS = {
+    "silu": "silu",
+    "gelu_tanh": "gelu_tanh",
+    "gelu": "gelu",
+    "gate_up": "silu",
+    "gate_up-gelu_tanh-bias": "gelu_tanh",
+}
+
+
+@pytest.mark.parametrize("which", ["shared", "shared-bias", *_ACTS])
 def test_functions_match_autograd(which: str) -> None:
+    """Each function against autograd through peft's arithmetic on the same dequantised weights."""
+    import dataclasses
+
     import torch
 
-    from xpukit.kernels.lora_ops import lora_shared_input, lora_swiglu_mlp
+    from xpukit.kernels.lora_ops import lora_gated_mlp, lora_shared_input
 
     x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    if which == "shared":
+    bias = "bias" in which
+
+    def biased(p: Any, seed: int) -> Any:
+        g = torch.Generator().manual_seed(seed)
+        return dataclasses.replace(p, bias=torch.randn(p.lora_B.shape[0], generator=g) * 0.1) if bias else p
+
+    if which.startswith("shared"):
         projs = (_projection(64, 64, 1), _projection(32, 64, 2, nested=False), _projection(32, 64, 3))
+        projs = tuple(biased(p, i) for i, p in enumerate(projs))
 
         def fn() -> Any:
             return sum((o * (i + 1)).sum() for i, o in enumerate(lora_shared_input(x, projs, torch.float32)))
@@ -428,17 +530,102 @@ def test_functions_match_autograd(which: str) -> None:
             return sum((_plain(x, p) * (i + 1)).sum() for i, p in enumerate(projs))
 
     else:
-        projs = (_projection(128, 64, 4), _projection(128, 64, 5), _projection(64, 128, 6))
+        act = _ACTS[which]
+        functions = {
+            "silu": torch.nn.functional.silu,
+            "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+            "gelu": torch.nn.functional.gelu,
+        }
+        if which.startswith("gate_up"):  # one stored gate_up_proj: gate is the first half
+            projs = (biased(_projection(256, 64, 4), 4), biased(_projection(64, 128, 6), 6))
+        else:
+            projs = (_projection(128, 64, 4), _projection(128, 64, 5), _projection(64, 128, 6))
 
         def fn() -> Any:
-            return (lora_swiglu_mlp(x, *projs, torch.float32) ** 2).sum()
+            return (lora_gated_mlp(x, projs[:-1], projs[-1], torch.float32, act=act) ** 2).sum()
 
         def ref() -> Any:
-            gate, up = _plain(x, projs[0]), _plain(x, projs[1])
-            return (_plain(torch.nn.functional.silu(gate) * up, projs[2]) ** 2).sum()
+            if len(projs) == 2:
+                gate, up = _plain(x, projs[0]).chunk(2, dim=-1)
+            else:
+                gate, up = _plain(x, projs[0]), _plain(x, projs[1])
+            return (_plain(functions[act](gate) * up, projs[-1]) ** 2).sum()
 
     leaves = [x] + [t for p in projs for t in (p.lora_A, p.lora_B)]
     got = torch.autograd.grad(fn(), leaves)
     want = torch.autograd.grad(ref(), leaves)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=RTOL, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# The load-time check: a block type that disagrees keeps peft's path, and an insisted one is refused
+# ---------------------------------------------------------------------------------------------
+
+
+def _scaled_mlp(model: Any) -> Any:
+    """A family the rules do not know: its MLP scales its output (the fused MLP would not)."""
+    for layer in model.model.layers:
+        mlp = layer.mlp
+
+        def scaled(x: Any, mlp: Any = mlp) -> Any:
+            return 1.5 * type(mlp).forward(mlp, x)
+
+        mlp.forward = scaled
+    return model
+
+
+def test_a_block_type_that_disagrees_keeps_peft(tiny_model: Path) -> None:
+    import torch
+
+    from xpukit.loading.training.fused_lora import apply_fused_lora, fused_everywhere
+
+    model = _peft(_scaled_mlp(_load_4bit(tiny_model)))
+    reference = _loss_and_grads(model)
+    lora_b = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
+    rng = torch.get_rng_state()
+    summary, check = apply_fused_lora(model, insist=False)
+    assert summary == (
+        "fused LoRA: nothing fused; kept peft's path for model.layers.0 and 1 more (the load-time check: "
+        "the fused block differs from peft's)"
+    )
+    assert "DIFFERS from peft's block in float32: output" in check and "kept peft's path for Qwen3" in check
+    assert not fused_everywhere(model)
+    layers = model.base_model.model.model.layers
+    patched = [n for layer in layers for n, m in layer.named_modules() if "forward" in vars(m)]
+    assert patched == ["mlp", "mlp"]  # the family's own MLP forward, restored; nothing else
+    _assert_same_training(reference, _loss_and_grads(model))
+    # The check gave the LoRA B matrices random values for its run and put them back; it drew its
+    # random numbers from its own generator.
+    assert torch.equal(torch.get_rng_state(), rng)
+    for name, param in model.named_parameters():
+        if name in lora_b:
+            assert torch.equal(param, lora_b[name]), name
+    with pytest.raises(InvalidRequestError, match=r"does not compute what peft's modules compute: .*DIFFERS"):
+        apply_fused_lora(_peft(_scaled_mlp(_load_4bit(tiny_model))), insist=True)
+
+
+def test_the_check_reaches_the_plan_and_refuses_an_insisted_fused_path(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through load_for_xpu: the check's measurements are the plan's events; with a tolerance of 0
+    (a stand-in for a block that disagrees) the blocks keep peft's path, and lora={"fused": True}
+    is refused with the measured difference."""
+    from xpukit import load_for_xpu
+    from xpukit.loading.training import fused_check
+
+    def load(fused: bool | None) -> Any:
+        lora = {} if fused is None else {"fused": fused}
+        return load_for_xpu(tiny_model, device="cpu", dtype="float32", quantize="4bit", lora=lora)
+
+    def notes(model: Any) -> list[str]:
+        return [str(e.actual) for e in model.xpukit_plan.events if e.what == "lora"]
+
+    [check] = [n for n in notes(load(True)) if n.startswith("fused LoRA check: ")]
+    assert "agrees with peft's block in float32" in check
+    monkeypatch.setitem(fused_check.TOLERANCES, "float32", (0.0, 0.0))
+    with pytest.raises(
+        InvalidRequestError, match=r"fused.: True.*DIFFERS from peft's block .*tolerance 0e\+00"
+    ):
+        load(True)
+    assert not any(n.startswith("fused LoRA check: ") for n in notes(load(None)))  # off on the CPU

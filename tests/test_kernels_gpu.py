@@ -112,14 +112,16 @@ def _plain(x: Any, p: Any, bf16: bool) -> Any:
         return x @ w.t() + (x @ p.lora_A.t()) @ p.lora_B.t() * p.scale
 
 
-@pytest.mark.parametrize("which", ["qkv", "mlp-torch", "mlp-liger"])
+@pytest.mark.parametrize(
+    "which", ["qkv", "mlp-torch", "mlp-liger", "geglu-torch", "geglu-liger", "gate_up-liger"]
+)
 def test_fused_functions_bf16(which: str) -> None:
     _need_cuda_triton()
     import torch
 
-    from xpukit.kernels.lora_ops import liger_swiglu_available, lora_shared_input, lora_swiglu_mlp
+    from xpukit.kernels.lora_ops import liger_gate_available, lora_gated_mlp, lora_shared_input
 
-    if which == "mlp-liger" and not liger_swiglu_available():
+    if which.endswith("liger") and not liger_gate_available():
         pytest.skip("liger-kernel is not installed")
     hidden, inter, tokens = 1024, 3072, 1024
     x = (torch.randn(2, tokens // 2, hidden, device="cuda") * 0.5).bfloat16().requires_grad_()
@@ -135,14 +137,31 @@ def test_fused_functions_bf16(which: str) -> None:
             return tuple(_plain(x, p, bf16) for p in projs)
 
     else:
-        projs = (_projection(inter, hidden, 4), _projection(inter, hidden, 5), _projection(hidden, inter, 6))
+        act = "gelu_tanh" if which.startswith("geglu") else "silu"
+        liger = which.endswith("liger")
+        if which.startswith("gate_up"):  # Phi-3's stored gate_up_proj: gate is the first half
+            projs = (_projection(2 * inter, hidden, 4), _projection(hidden, inter, 6))
+        else:
+            projs = (
+                _projection(inter, hidden, 4),
+                _projection(inter, hidden, 5),
+                _projection(hidden, inter, 6),
+            )
 
         def fn() -> Any:
-            return (lora_swiglu_mlp(x, *projs, torch.bfloat16, liger=which == "mlp-liger"),)
+            return (lora_gated_mlp(x, projs[:-1], projs[-1], torch.bfloat16, act=act, liger=liger),)
 
         def ref(bf16: bool) -> Any:
-            gate, up = _plain(x, projs[0], bf16), _plain(x, projs[1], bf16)
-            return (_plain(torch.nn.functional.silu(gate) * up, projs[2], bf16),)
+            if len(projs) == 2:
+                gate, up = _plain(x, projs[0], bf16).chunk(2, dim=-1)
+            else:
+                gate, up = _plain(x, projs[0], bf16), _plain(x, projs[1], bf16)
+            gated = (
+                torch.nn.functional.silu(gate)
+                if act == "silu"
+                else torch.nn.functional.gelu(gate, approximate="tanh")
+            )
+            return (_plain(gated * up, projs[-1], bf16),)
 
     leaves = [x] + [t for p in projs for t in (p.lora_A, p.lora_B)]
     outs = {"fused": fn(), "peft": ref(True), "fp32": ref(False)}
@@ -176,26 +195,42 @@ def _load_4bit_cuda(path: Path, compute: Any) -> Any:
     )
 
 
-@pytest.mark.parametrize("liger", [False, True], ids=["torch-swiglu", "liger-swiglu"])
-def test_fused_model_vs_peft_bf16(tiny_model_factory: Callable[..., Path], liger: bool) -> None:
-    """A small Qwen3 (wider than the CPU tests' so the matmuls are real) in nf4 on CUDA under bf16
-    autocast: the loss and every LoRA gradient of the fused path against peft's, same weights."""
+# The families beside Qwen3: Gemma 3 (GeGLU, sliding-window layers), Phi-3 (qkv_proj, gate_up_proj).
+_GPU_FAMILIES = {
+    "qwen3": ("fused LoRA: 3 decoder blocks (q/k/v, o, gate/up/down)", 7),
+    "gemma": ("fused LoRA: 3 decoder blocks (q/k/v, o, gate/up/down with GELU (tanh))", 7),
+    "phi3": ("fused LoRA: 3 decoder blocks (qkv, o, gate_up/down)", 4),
+}
+
+
+@pytest.mark.parametrize("arch", list(_GPU_FAMILIES))
+@pytest.mark.parametrize("liger", [False, True], ids=["torch-gate", "liger-gate"])
+def test_fused_model_vs_peft_bf16(tiny_model_factory: Callable[..., Path], liger: bool, arch: str) -> None:
+    """A small model of each family (wider than the CPU tests' so the matmuls are real) in nf4 on
+    CUDA under bf16 autocast: the loss and every LoRA gradient of the fused path against peft's,
+    same weights; the load-time check agrees in bf16."""
     _need_cuda_triton()
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from xpukit.kernels.lora_ops import liger_swiglu_available
+    from xpukit.kernels.lora_ops import liger_gate_available
     from xpukit.loading.training.fused_lora import apply_fused_lora
 
-    if liger and not liger_swiglu_available():
+    if liger and not liger_gate_available():
         pytest.skip("liger-kernel is not installed")
+    head, per_block = _GPU_FAMILIES[arch]
     path = tiny_model_factory(
-        "qwen3",
+        arch,
         hidden_size=256,
         intermediate_size=768,
         num_attention_heads=4,
         head_dim=64,
         num_hidden_layers=3,
+        **(
+            {"layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
+            if arch == "gemma"
+            else {}
+        ),
     )
     ids = torch.randint(
         0, 1000, (4, 128), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)
@@ -227,10 +262,11 @@ def test_fused_model_vs_peft_bf16(tiny_model_factory: Callable[..., Path], liger
     model = peft_model(torch.bfloat16)
     loss_peft, grads_peft = step(model, bf16=True)
     notes = apply_fused_lora(model, insist=True, liger=liger)
-    assert notes[0] == "fused LoRA: 3 decoder blocks (q/k/v, o, gate/up/down)"
+    assert notes[0] == head
+    assert "agrees with peft's block in bfloat16" in notes[1] and "DIFFERS" not in notes[1], notes
     loss_fused, grads_fused = step(model, bf16=True)
     assert abs(loss_fused - loss_fp32) <= 1e-2 * abs(loss_fp32), (loss_fused, loss_peft, loss_fp32)
-    assert grads_fused.keys() == grads_peft.keys() and len(grads_peft) == 3 * 7 * 2
+    assert grads_fused.keys() == grads_peft.keys() and len(grads_peft) == 3 * per_block * 2
     for name, grad in grads_peft.items():
         assert grads_fused[name].dtype == grad.dtype == torch.float32, name
         _as_accurate(grads_fused[name], grad, grads_fp32[name], name)

@@ -258,13 +258,14 @@ def test_stand_in_parameters_route_their_gradients_to_the_real_ones() -> None:
     torch.testing.assert_close(real[0].grad, want[0])  # the stand-ins' grads were not routed: unchanged
 
 
-def test_a_model_whose_mlp_cannot_be_fused_is_told_before_loading(tiny_models: Any) -> None:
-    """Gemma's MLP is not SwiGLU: the plan says the fused path is partial, refuses an insisted one
-    before any weight is read, and keeps the layer graphs off (measured on whole fused blocks)."""
-    path = tiny_models["gemma"]
+def test_a_model_whose_mlp_cannot_be_fused_is_told_before_loading(tiny_model_factory: Any) -> None:
+    """A ReLU-gated MLP is not one the fused path computes: the plan says the fused path is partial,
+    refuses an insisted one before any weight is read, and keeps the layer graphs off (measured on
+    whole fused blocks)."""
+    path = tiny_model_factory("gemma", hidden_activation="relu")
     plan = plan_load(path, facts="h200", quantize="4bit", lora=True, batch_size=2, seq_len=64)
     fused = plan.decision("fused_lora")
-    assert fused.value is True and "the MLP keeps peft's modules" in fused.reason and "gemma" in fused.reason
+    assert fused.value is True and "the MLP keeps peft's modules" in fused.reason and "'relu'" in fused.reason
     graphs = _decision(plan)
     assert graphs.value is False and "fused 4-bit LoRA path" in graphs.reason
     with pytest.raises(InvalidRequestError, match=r"'fused': True.*MLP cannot be fused.*Fix"):

@@ -7,5 +7,5 @@ reverse.
 - :mod:`xpukit.kernels.nf4`: ``dequantize_nf4`` (Triton on CUDA/XPU, bitsandbytes elsewhere) and its
   plain PyTorch reference, bit-identical to bitsandbytes' ``dequantize_4bit`` for nf4.
 - :mod:`xpukit.kernels.lora_ops`: autograd functions computing 4-bit projections together with their
-  LoRA adapters (one projection; q/k/v over a shared input; gate/up/down with SwiGLU).
+  LoRA adapters (one projection; q/k/v over a shared input; a gated MLP: SwiGLU or GeGLU, gate/up or gate_up).
 """

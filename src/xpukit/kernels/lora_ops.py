@@ -14,18 +14,22 @@ the small ``x Aᵀ`` (``tokens × r``).
 - :func:`lora_linear`: one projection (``o_proj``).
 - :func:`lora_shared_input`: several projections of one input (q/k/v): ``x`` is saved once and ``dx``
   is accumulated in one buffer.
-- :func:`lora_swiglu_mlp`: ``down(silu(gate(x)) * up(x))`` in one function. It saves ``x``, ``gate``
-  and ``up`` and recomputes ``silu(gate) * up`` in backward (elementwise, cheap); peft's module path
-  keeps ``gate``, ``silu(gate)``, ``up`` and their product as well. Recomputing ``gate``/``up``
-  themselves would save two more ``tokens × intermediate`` tensors at the price of two dequantisations
-  and two large matmuls, so it is not done.
+- :func:`lora_gated_mlp`: ``down(act(gate(x)) * up(x))`` in one function, ``act`` SiLU (SwiGLU) or
+  GELU, exact or tanh-approximated (GeGLU); ``gate`` and ``up`` are two projections, or the two
+  halves of one stored ``gate_up_proj`` (Phi-3, GLM-4) with one adapter whose ``x Aᵀ`` they share.
+  It saves ``x``, ``gate`` and ``up`` and recomputes ``act(gate) * up`` in backward (elementwise,
+  cheap); peft's module path keeps ``gate``, ``act(gate)``, ``up`` and their product as well.
+  Recomputing ``gate``/``up`` themselves would save two more ``tokens × intermediate`` tensors at the
+  price of two dequantisations and two large matmuls, so it is not done.
 
-The SwiGLU elementwise step (``silu(gate) * up`` and its backward) runs in liger-kernel's Triton
-kernels (``liger_kernel.ops.swiglu``: one kernel each way; the backward writes the gradients of
-``gate`` and ``up`` over their saved tensors, so a function's backward can run only once) when
-``liger=True`` and the tensors are on CUDA/XPU, and in plain PyTorch otherwise (``liger=False``, the
-reference). liger computes it in fp32 and rounds once; PyTorch rounds ``silu(gate)`` before the
-product, so under bf16 the two differ by bf16 rounding.
+A base layer's bias (GLM-4's q/k/v) is added to its output; it is frozen, so it has no gradient.
+
+The gated step (``act(gate) * up`` and its backward) runs in liger-kernel's Triton kernels
+(``liger_kernel.ops.swiglu`` for SiLU, ``liger_kernel.ops.geglu`` for tanh-approximated GELU: one
+kernel each way; the backward writes the gradients of ``gate`` and ``up`` over their saved tensors,
+so a function's backward can run only once) when ``liger=True`` and the tensors are on CUDA/XPU, and
+in plain PyTorch otherwise (``liger=False``, the reference). liger computes it in fp32 and rounds
+once; PyTorch rounds ``act(gate)`` before the product, so under bf16 the two differ by bf16 rounding.
 
 Precision: the matmuls run in the base layer's compute dtype (bitsandbytes' ``compute_dtype``, bf16
 under bf16) with autocast off inside. The adapters are cast to that dtype once per forward and the
@@ -45,18 +49,34 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Projection", "liger_swiglu_available", "lora_linear", "lora_shared_input", "lora_swiglu_mlp"]
+__all__ = [
+    "GATE_ACTIVATIONS",
+    "Projection",
+    "liger_gate_available",
+    "lora_gated_mlp",
+    "lora_linear",
+    "lora_shared_input",
+]
+
+# The gating activations of :func:`lora_gated_mlp`.
+GATE_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 
 
 @dataclass(frozen=True, slots=True)
 class Projection:
-    """One 4-bit projection with its adapter: the frozen weight, the trainable ``A``/``B``, the scale."""
+    """One 4-bit projection with its adapter: the frozen weight, the trainable ``A``/``B``, the scale,
+    and the base layer's frozen bias (``None`` for none)."""
 
     weight: Any  # bitsandbytes Params4bit (packed uint8)
     quant_state: Any
     lora_A: torch.Tensor  # r × in
     lora_B: torch.Tensor  # out × r
     scale: float
+    bias: torch.Tensor | None = None
+
+
+def _specs(projs: tuple[Projection, ...]) -> tuple[tuple[Any, Any, float, Any], ...]:
+    return tuple((p.weight, p.quant_state, float(p.scale), p.bias) for p in projs)
 
 
 def lora_linear(x: torch.Tensor, proj: Projection, dtype: torch.dtype) -> torch.Tensor:
@@ -70,62 +90,85 @@ def lora_shared_input(
 ) -> tuple[torch.Tensor, ...]:
     """The projections of one input (q, k, v), each with its adapter; outputs in ``x``'s dtype."""
     adapters = [t for p in projs for t in (p.lora_A, p.lora_B)]
-    specs = tuple((p.weight, p.quant_state, float(p.scale)) for p in projs)
-    return tuple(_functions().SharedInput.apply(x, dtype, specs, *adapters))
+    return tuple(_functions().SharedInput.apply(x, dtype, _specs(projs), *adapters))
 
 
-def lora_swiglu_mlp(
+def lora_gated_mlp(
     x: torch.Tensor,
-    gate: Projection,
-    up: Projection,
+    gate_up: tuple[Projection, ...],
     down: Projection,
     dtype: torch.dtype,
     *,
+    act: str = "silu",
     liger: bool = False,
 ) -> torch.Tensor:
-    """``down(silu(gate(x)) * up(x))`` with the three adapters; returned in ``x``'s dtype.
+    """``down(act(gate(x)) * up(x))`` with the adapters; returned in ``x``'s dtype.
 
-    ``liger``: run the SwiGLU step in liger-kernel's Triton kernels where they can run (module
+    ``gate_up``: ``(gate, up)``, or ``(gate_up,)`` whose output's first half is ``gate`` and second
+    half ``up`` (transformers' ``chunk(2, dim=-1)``). ``act``: one of :data:`GATE_ACTIVATIONS`.
+    ``liger``: run the gated step in liger-kernel's Triton kernels where they can run (module
     docstring); PyTorch otherwise.
     """
-    adapters = [t for p in (gate, up, down) for t in (p.lora_A, p.lora_B)]
-    specs = tuple((p.weight, p.quant_state, float(p.scale)) for p in (gate, up, down))
-    use_liger = liger and x.device.type in ("cuda", "xpu") and liger_swiglu_available()
-    out: torch.Tensor = _functions().SwiGLU.apply(x, dtype, specs, use_liger, *adapters)
+    if act not in GATE_ACTIVATIONS or len(gate_up) not in (1, 2):
+        raise ValueError(
+            f"lora_gated_mlp: act={act!r} ({GATE_ACTIVATIONS}), {len(gate_up)} input projections"
+        )
+    projs = (*gate_up, down)
+    adapters = [t for p in projs for t in (p.lora_A, p.lora_B)]
+    use_liger = liger and x.device.type in ("cuda", "xpu") and act != "gelu" and liger_gate_available()
+    out: torch.Tensor = _functions().GatedMLP.apply(x, dtype, _specs(projs), act, use_liger, *adapters)
     return out
 
 
 @functools.cache
-def liger_swiglu_available() -> bool:
-    """Whether liger-kernel's SwiGLU kernels import (they need triton)."""
+def liger_gate_available() -> bool:
+    """Whether liger-kernel's SwiGLU and GeGLU kernels import (they need triton)."""
     try:
+        from liger_kernel.ops.geglu import geglu_backward, geglu_forward  # noqa: F401
         from liger_kernel.ops.swiglu import swiglu_backward, swiglu_forward  # noqa: F401
     except Exception:  # not installed, no triton, or another layout of liger
         return False
     return True
 
 
-def _silu_mul(gate: torch.Tensor, up: torch.Tensor, liger: bool) -> torch.Tensor:
+def _act_mul(gate: torch.Tensor, up: torch.Tensor, act: str, liger: bool) -> torch.Tensor:
+    """``act(gate) * up``."""
     if liger:
-        from liger_kernel.ops.swiglu import swiglu_forward
+        if act == "silu":
+            from liger_kernel.ops.swiglu import swiglu_forward
 
-        return swiglu_forward(gate, up)[2]
+            return swiglu_forward(gate, up)[2]
+        from liger_kernel.ops.geglu import geglu_forward
+
+        return geglu_forward(gate, up)[2]
     import torch
 
-    return torch.nn.functional.silu(gate).mul_(up)
+    if act == "silu":
+        return torch.nn.functional.silu(gate).mul_(up)
+    return torch.nn.functional.gelu(gate, approximate="tanh" if act == "gelu_tanh" else "none").mul_(up)
 
 
-def _silu_mul_backward(
-    gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, liger: bool
+def _act_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor, act: str, liger: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of ``silu(gate) * up`` for ``dh``; liger's kernel overwrites ``gate`` and ``up``."""
+    """Gradients of ``act(gate) * up`` for ``dh``; liger's kernels overwrite ``gate`` and ``up``."""
     if liger:
-        from liger_kernel.ops.swiglu import swiglu_backward
+        if act == "silu":
+            from liger_kernel.ops.swiglu import swiglu_backward
 
-        d_gate, d_up = swiglu_backward(gate, up, dh)
+            d_gate, d_up = swiglu_backward(gate, up, dh)
+        else:
+            from liger_kernel.ops.geglu import geglu_backward
+
+            d_gate, d_up = geglu_backward(gate, up, dh)
         return d_gate, d_up
     import torch
 
+    if act != "silu":
+        approximate = "tanh" if act == "gelu_tanh" else "none"
+        d_up = dh * torch.nn.functional.gelu(gate, approximate=approximate)
+        d_gate = torch.ops.aten.gelu_backward(dh.mul_(up), gate, approximate=approximate)
+        return d_gate, d_up
     sig = torch.sigmoid(gate)
     silu = gate * sig
     d_up = dh * silu
@@ -149,6 +192,14 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b, beta=0, alpha=scale)
 
 
+def _gate_up_parts(n_in: int, out_features: int) -> tuple[tuple[int, slice], tuple[int, slice]]:
+    """Where ``gate`` and ``up`` come from: (input projection, its output rows)."""
+    if n_in == 2:
+        return (0, slice(None)), (1, slice(None))
+    half = out_features // 2
+    return (0, slice(0, half)), (0, slice(half, None))
+
+
 @functools.cache
 def _functions() -> Any:
     """Define the autograd functions (needs torch; built once)."""
@@ -165,9 +216,11 @@ def _functions() -> Any:
                 x2 = x.reshape(-1, x.shape[-1]).to(dtype)
                 cast = [t.to(dtype) for t in adapters]
                 outs, lora_in = [], []
-                for i, (weight, quant_state, scale) in enumerate(specs):
+                for i, (weight, quant_state, scale, bias) in enumerate(specs):
                     a, b = cast[2 * i], cast[2 * i + 1]
                     y = x2 @ _dequant(weight, quant_state, dtype).t()
+                    if bias is not None:
+                        y.add_(bias.to(dtype))
                     xa = x2 @ a.t()
                     y.addmm_(xa, b.t(), alpha=scale)
                     outs.append(y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype))
@@ -186,7 +239,7 @@ def _functions() -> Any:
             adapter_grads: list[torch.Tensor | None] = []
             dx = None
             with torch.autocast(x2.device.type, enabled=False):
-                for i, (weight, quant_state, scale) in enumerate(ctx.specs):
+                for i, (weight, quant_state, scale, _) in enumerate(ctx.specs):
                     a, b = cast[2 * i], cast[2 * i + 1]
                     grad = grads[i]
                     if grad is None:  # an output that was not used
@@ -206,68 +259,89 @@ def _functions() -> Any:
                 dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
             return (dx, None, None, *adapter_grads)
 
-    class SwiGLU(torch.autograd.Function):  # type: ignore[misc]
-        """``down(silu(gate(x)) * up(x))`` with the three adapters (:func:`lora_swiglu_mlp`)."""
+    class GatedMLP(torch.autograd.Function):  # type: ignore[misc]
+        """``down(act(gate(x)) * up(x))`` with the adapters (:func:`lora_gated_mlp`)."""
 
         @staticmethod
         def forward(
-            ctx: Any, x: torch.Tensor, dtype: torch.dtype, specs: Any, liger: bool, *adapters: torch.Tensor
-        ) -> Any:
+            ctx: Any, x: torch.Tensor, dtype: torch.dtype, specs: Any, act: str, liger: bool,
+            *adapters: torch.Tensor,
+        ) -> Any:  # fmt: skip
+            n_in = len(specs) - 1
             with torch.autocast(x.device.type, enabled=False):
                 x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-                ag, bg, au, bu, ad, bd = (t.to(dtype) for t in adapters)
-                (wg4, qg, sg), (wu4, qu, su), (wd4, qd, sd) = specs
-                gate = x2 @ _dequant(wg4, qg, dtype).t()
-                xag = x2 @ ag.t()
-                gate.addmm_(xag, bg.t(), alpha=sg)
-                up = x2 @ _dequant(wu4, qu, dtype).t()
-                xau = x2 @ au.t()
-                up.addmm_(xau, bu.t(), alpha=su)
-                h = _silu_mul(gate, up, liger)
+                cast = [t.to(dtype) for t in adapters]
+                xas = [x2 @ cast[2 * i].t() for i in range(n_in)]
+                halves: list[torch.Tensor] = []
+                w, held = x2, -1  # the dequantised weight of input projection `held`
+                for i, rows in _gate_up_parts(n_in, cast[1].shape[0]):
+                    weight, quant_state, scale, bias = specs[i]
+                    if held != i:
+                        w, held = _dequant(weight, quant_state, dtype), i
+                    y = x2 @ w[rows].t()
+                    if bias is not None:
+                        y.add_(bias[rows].to(dtype))
+                    y.addmm_(xas[i], cast[2 * i + 1][rows].t(), alpha=scale)
+                    halves.append(y)
+                del w
+                gate, up = halves
+                h = _act_mul(gate, up, act, liger)
+                wd4, qd, sd, bias_d = specs[-1]
+                ad, bd = cast[-2], cast[-1]
                 y = h @ _dequant(wd4, qd, dtype).t()
+                if bias_d is not None:
+                    y.add_(bias_d.to(dtype))
                 ha = h @ ad.t()
                 y.addmm_(ha, bd.t(), alpha=sd)
-            ctx.save_for_backward(x2, gate, up, xag, xau, ha, ag, bg, au, bu, ad, bd)
+            ctx.save_for_backward(x2, gate, up, ha, *xas, *cast)
             ctx.specs, ctx.dtype, ctx.x_shape, ctx.x_dtype = specs, dtype, x.shape, x.dtype
-            ctx.adapter_dtypes, ctx.liger = [t.dtype for t in adapters], liger
+            ctx.adapter_dtypes, ctx.act, ctx.liger = [t.dtype for t in adapters], act, liger
             return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> Any:
-            x2, gate, up, xag, xau, ha, ag, bg, au, bu, ad, bd = ctx.saved_tensors
-            (wg4, qg, sg), (wu4, qu, su), (wd4, qd, sd) = ctx.specs
-            dtypes = ctx.adapter_dtypes
+            n_in = len(ctx.specs) - 1
+            x2, gate, up, ha, *rest = ctx.saved_tensors
+            xas, cast = rest[:n_in], rest[n_in:]
+            wd4, qd, sd, _ = ctx.specs[-1]
+            ad, bd = cast[-2], cast[-1]
             with torch.autocast(x2.device.type, enabled=False):
                 dy = grad.reshape(-1, bd.shape[0]).to(ctx.dtype)
                 dyb = dy @ bd
-                d_ad = _scaled_mm(dyb.t(), _silu_mul(gate, up, ctx.liger), sd)  # h, recomputed
+                d_ad = _scaled_mm(dyb.t(), _act_mul(gate, up, ctx.act, ctx.liger), sd)  # h, recomputed
                 d_bd = _scaled_mm(dy.t(), ha, sd)
                 dh = dy @ _dequant(wd4, qd, ctx.dtype)
                 dh.addmm_(dyb, ad, alpha=sd)
-                d_gate, d_up = _silu_mul_backward(gate, up, dh, ctx.liger)
+                d_halves = _act_mul_backward(gate, up, dh, ctx.act, ctx.liger)
                 del dh
                 grads: list[torch.Tensor] = []
                 dx: torch.Tensor | None = None
-                for d, xa, a, b, w4, qs, s in (
-                    (d_gate, xag, ag, bg, wg4, qg, sg),
-                    (d_up, xau, au, bu, wu4, qu, su),
-                ):
-                    dab = d @ b
-                    grads += [_scaled_mm(dab.t(), x2, s), _scaled_mm(d.t(), xa, s)]
+                parts = _gate_up_parts(n_in, cast[1].shape[0])
+                for i in range(n_in):
+                    weight, quant_state, scale, _ = ctx.specs[i]
+                    a, b = cast[2 * i], cast[2 * i + 1]
+                    mine = [(d, rows) for d, (j, rows) in zip(d_halves, parts, strict=True) if j == i]
+                    dab = mine[0][0] @ b[mine[0][1]]  # the halves of a gate_up_proj share x Aᵀ: dA sums
+                    for d, rows in mine[1:]:
+                        dab.addmm_(d, b[rows])
+                    d_b = [_scaled_mm(d.t(), xas[i], scale) for d, _ in mine]
+                    grads += [_scaled_mm(dab.t(), x2, scale), d_b[0] if len(d_b) == 1 else torch.cat(d_b)]
                     if ctx.needs_input_grad[0]:
-                        w = _dequant(w4, qs, ctx.dtype)
-                        dx = d @ w if dx is None else dx.addmm_(d, w)
-                        dx.addmm_(dab, a, alpha=s)
+                        w = _dequant(weight, quant_state, ctx.dtype)
+                        for d, rows in mine:
+                            dx = d @ w[rows] if dx is None else dx.addmm_(d, w[rows])
+                        assert dx is not None
+                        dx.addmm_(dab, a, alpha=scale)
             grads += [d_ad, d_bd]
-            adapter_grads = [g.to(dt) for g, dt in zip(grads, dtypes, strict=True)]
+            adapter_grads = [g.to(dt) for g, dt in zip(grads, ctx.adapter_dtypes, strict=True)]
             if dx is not None:
                 dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-            return (dx, None, None, None, *adapter_grads)
+            return (dx, None, None, None, None, *adapter_grads)
 
     class _Functions:
         pass
 
     functions = _Functions()
     functions.SharedInput = SharedInput  # type: ignore[attr-defined]
-    functions.SwiGLU = SwiGLU  # type: ignore[attr-defined]
+    functions.GatedMLP = GatedMLP  # type: ignore[attr-defined]
     return functions

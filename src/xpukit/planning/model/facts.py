@@ -79,6 +79,10 @@ class ModelFacts:
         quantization_skip: modules bitsandbytes leaves unquantized beside its defaults (the head).
         language_model: a VLM's language model module path; ``language_linear_layers`` its linear
             layer names (LoRA's default targets there; docs/planning.md "Model class (`model_class=`)").
+        mlp_activation: the (text) config's MLP activation name (``hidden_activation`` where it is
+            set, as Gemma 2/3 name it, else ``hidden_act``), when it says.
+        num_experts: experts per mixture-of-experts block (``num_experts`` / ``num_local_experts``),
+            0 for a dense model.
     """
 
     name: str
@@ -106,6 +110,8 @@ class ModelFacts:
     quantization_skip: tuple[str, ...] = ()
     language_model: str | None = None
     language_linear_layers: tuple[str, ...] = ()
+    mlp_activation: str | None = None
+    num_experts: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_bytes", dict(self.weight_bytes))
@@ -154,6 +160,8 @@ class ModelFacts:
             "notes": list(self.notes),
             "head_modules": list(self.head_modules),
             "language_model": self.language_model,
+            "mlp_activation": self.mlp_activation,
+            "num_experts": self.num_experts,
         }
 
 
@@ -255,6 +263,8 @@ def _read_facts(
         module_names=module_names,
         config_dtype=str(config_dtype).removeprefix("torch.") if config_dtype is not None else None,
         notes=tuple(notes),
+        mlp_activation=_mlp_activation(text),
+        num_experts=int(getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None) or 0),
         **by_class,
     )
 
@@ -282,6 +292,11 @@ def quantized_bits(quant: Any) -> int | None:
         if match and 1 <= int(match[1]) <= 16:
             return int(match[1])
     return None
+
+
+def _mlp_activation(text: Any) -> str | None:
+    act = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
+    return act if isinstance(act, str) else None
 
 
 def _linear_layers(model: PreTrainedModel) -> tuple[str, ...]:

@@ -2,10 +2,12 @@
 
 The fused path (``loading/training/fused_lora.py``, docs/planning.md "Fused LoRA") computes a decoder
 block's projections together with their adapters: each 4-bit weight dequantised once in forward and
-once in backward, the LoRA term added in place. It expresses exactly one shape of adapter: plain LoRA
-(no dropout, no DoRA, no bias adapters) on all seven projections of a block whose attention has
-q/k/v/o_proj and whose MLP has gate/up/down_proj, over bitsandbytes 4-bit weights. Anything else keeps
-peft's own modules, and the decision says why.
+once in backward, the LoRA term added in place. It expresses plain LoRA (no dropout, no DoRA, no bias
+adapters) over bitsandbytes 4-bit weights on the block shapes below, one rule per shape
+(:data:`ATTENTION_SHAPES`, :data:`MLP_SHAPES`, the gating activations of :data:`GATE_ACTIVATIONS`).
+From the config alone the plan says which of them it expects to fuse; loading then proves each
+distinct block type against peft's own block before it trains through it
+(``loading/training/fused_check.py``). Anything else keeps peft's own modules, and the decision says why.
 
 ``lora={"fused": False}`` turns it off; ``lora={"fused": True}`` insists, on any device, the CPU
 included, and is refused with the reason where the model cannot be fused. Without either, it is on
@@ -15,6 +17,7 @@ was not measured faster (it is the same arithmetic in fewer, larger operations).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
@@ -25,41 +28,150 @@ if TYPE_CHECKING:
     from xpukit.planning.training.lora_request import LoraRequest
 
 __all__ = [
-    "FUSED_PROJECTIONS",
-    "SILU_NAMES",
-    "SWIGLU_MLP_TYPES",
+    "ATTENTION_SHAPES",
+    "GATE_ACTIVATIONS",
+    "MLP_SHAPES",
+    "BlockShape",
+    "FusedBlocks",
     "decide_fused",
+    "fused_blocks",
     "fused_problem",
     "fused_will_run",
-    "mlp_problem",
 ]
 
-# The projections of a block the fused path computes (attention, then MLP).
-FUSED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Model types whose MLP is exactly down(silu(gate(x)) * up(x)) (their transformers modeling files);
-# loading checks the activation again on the module (loading/training/fused_lora.py).
-SWIGLU_MLP_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-SILU_NAMES = ("silu", "swish")
+
+@dataclass(frozen=True, slots=True)
+class BlockShape:
+    """One block shape the fused path computes: the projections it needs and what it does with them."""
+
+    part: str  # "attention" or "MLP"
+    projections: tuple[str, ...]
+    computes: str
 
 
-def mlp_problem(model_type: str | None) -> str | None:
-    """Why the fused path cannot compute this model type's MLP (its attention may still be fused)."""
-    if model_type not in SWIGLU_MLP_TYPES:
-        return f"model type {model_type!r} is not known to compute down(silu(gate(x)) * up(x))"
-    return None
+# One rule per shape; the first whose projections the model has applies.
+ATTENTION_SHAPES = (
+    BlockShape(
+        "attention", ("q_proj", "k_proj", "v_proj", "o_proj"),
+        "q/k/v in one function over their shared input, o_proj in another",
+    ),
+    BlockShape(
+        "attention", ("qkv_proj", "o_proj"),
+        "the stored qkv_proj (one adapter on the fused weight, as peft puts it) and o_proj, one "
+        "function each",
+    ),
+)  # fmt: skip
+MLP_SHAPES = (
+    BlockShape("MLP", ("gate_proj", "up_proj", "down_proj"), "down(act(gate(x)) * up(x)) in one function"),
+    BlockShape(
+        "MLP", ("gate_up_proj", "down_proj"),
+        "down(act(gate) * up) in one function, gate and up the halves of the stored gate_up_proj",
+    ),
+)  # fmt: skip
+# The gating activations the fused MLP computes, by the config's name (transformers' ACT2FN):
+# SiLU (SwiGLU: Llama, Mistral, Qwen, Granite, OLMo 2, SmolLM3, Phi-3, GLM-4) and GELU, exact or
+# tanh-approximated (GeGLU: Gemma 1-3).
+GATE_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu": "gelu",
+}
+_ACTIVATION_WORDS = {
+    "silu": "SiLU (SwiGLU)",
+    "gelu_tanh": "tanh-approximated GELU (GeGLU)",
+    "gelu": "GELU (GeGLU)",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class FusedBlocks:
+    """What the plan expects the fused path to compute in each decoder block, read from the config.
+
+    ``attention``/``mlp``: the matching :class:`BlockShape`, ``None`` where no rule applies (then
+    ``attention_problem``/``mlp_problem`` says why); ``activation``: the fused MLP's gating activation
+    (a value of :data:`GATE_ACTIVATIONS`); ``experts``: the MLP is a mixture of experts.
+    """
+
+    attention: BlockShape | None
+    mlp: BlockShape | None
+    activation: str | None
+    attention_problem: str | None
+    mlp_problem: str | None
+    experts: bool = False
+
+    @property
+    def whole(self) -> bool:
+        """Attention and MLP both fused (what the activation estimate and layer graphs count)."""
+        return self.attention is not None and self.mlp is not None
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        return tuple(p for s in (self.attention, self.mlp) if s is not None for p in s.projections)
+
+    def expected(self) -> str:
+        """Which parts of each block the plan expects to fuse, and how, in words."""
+        parts = []
+        if self.attention is not None:
+            parts.append(f"attention: {self.attention.computes}")
+        if self.mlp is not None:
+            act = _ACTIVATION_WORDS.get(self.activation or "", self.activation)
+            parts.append(f"MLP: {self.mlp.computes}, act = {act}")
+        else:
+            parts.append(f"the MLP keeps peft's modules ({self.mlp_problem})")
+        return "; ".join(parts)
+
+
+def fused_blocks(facts: ModelFacts) -> FusedBlocks:
+    """Match the model's linear layers and config to one attention and one MLP rule (pure)."""
+    names = set(facts.linear_layers)
+    attention = next((s for s in ATTENTION_SHAPES if set(s.projections) <= names), None)
+    attention_problem = None
+    if attention is None:
+        wanted = " or ".join("/".join(s.projections) for s in ATTENTION_SHAPES)
+        attention_problem = f"{facts.architecture} has no {wanted}"
+    experts = facts.num_experts > 0
+    activation = GATE_ACTIVATIONS.get(facts.mlp_activation or "")
+    mlp = next((s for s in MLP_SHAPES if set(s.projections) <= names), None)
+    mlp_problem = None
+    if experts:
+        mlp, mlp_problem = (
+            None,
+            (
+                f"a mixture of {facts.num_experts} experts: their weights are 3-D parameters, which "
+                "bitsandbytes does not quantise and peft adapts as parameters; they run transformers' "
+                "expert code with peft's adapters"
+            ),
+        )
+    elif mlp is None:
+        wanted = " or ".join("/".join(s.projections) for s in MLP_SHAPES)
+        mlp_problem = f"{facts.architecture} has no {wanted}"
+    elif activation is None:
+        mlp, mlp_problem = (
+            None,
+            (
+                f"activation {facts.mlp_activation!r} is not one the fused MLP computes "
+                f"({', '.join(sorted(GATE_ACTIVATIONS))})"
+            ),
+        )
+    return FusedBlocks(
+        attention=attention, mlp=mlp, activation=activation if mlp is not None else None,
+        attention_problem=attention_problem, mlp_problem=mlp_problem, experts=experts,
+    )  # fmt: skip
 
 
 # Where the fused path is on without being asked: the devices whose training it was built for.
 _AUTO_BACKENDS = frozenset({"cuda", "xpu"})
 
 
-def _targets_all(targets: Any, linear_layers: tuple[str, ...]) -> bool:
+def _targets_all(targets: Any, wanted: tuple[str, ...], linear_layers: tuple[str, ...]) -> bool:
     if targets == "all-linear":
         return True
     if isinstance(targets, str):  # a regex: cannot be told from the names alone
         return False
     names = set(targets or ())
-    return set(FUSED_PROJECTIONS) <= names or (not names and bool(linear_layers))
+    return set(wanted) <= names or (not names and bool(linear_layers))
 
 
 def fused_problem(request: LoraRequest, facts: ModelFacts, quantization: str | None) -> str | None:
@@ -74,16 +186,13 @@ def fused_problem(request: LoraRequest, facts: ModelFacts, quantization: str | N
         return "use_dora=True (DoRA's magnitude vector is not in the fused path)"
     if config.get("bias", "none") != "none" or config.get("lora_bias"):
         return "bias adapters (bias= / lora_bias=) are not in the fused path"
-    missing = [p for p in FUSED_PROJECTIONS if p not in facts.linear_layers]
-    if missing:
-        return (
-            f"{facts.architecture} has no {', '.join(missing)}: its blocks are not the q/k/v/o + "
-            "gate/up/down shape the fused path computes"
-        )
-    if not _targets_all(config.get("target_modules"), facts.linear_layers):
+    blocks = fused_blocks(facts)
+    if blocks.attention_problem is not None:
+        return f"{blocks.attention_problem}: its blocks are not a shape the fused path computes"
+    if not _targets_all(config.get("target_modules"), blocks.projections, facts.linear_layers):
         return (
             f"target_modules={config.get('target_modules')!r} does not adapt all of "
-            f"{', '.join(FUSED_PROJECTIONS)}"
+            f"{', '.join(blocks.projections)}"
         )
     return None
 
@@ -98,8 +207,8 @@ def fused_will_run(
         decision = decide_fused(request, facts, quantization=quantization, backend=backend)
     except InvalidRequestError:
         return False
-    full = mlp_problem(facts.model_type) is None  # attention-only fusion counts as unfused here
-    return decision is not None and bool(decision.value) and full
+    # attention-only fusion counts as unfused here
+    return decision is not None and bool(decision.value) and fused_blocks(facts).whole
 
 
 def decide_fused(
@@ -130,18 +239,19 @@ def decide_fused(
             name="fused_lora", value=False, reason=f"peft's LoRA modules: {problem}",
             rejected=((True, problem),),
         )  # fmt: skip
-    partial = mlp_problem(facts.model_type)
-    if asked and partial:
+    blocks = fused_blocks(facts)
+    if asked and blocks.mlp is None and not blocks.experts:
         raise InvalidRequestError(
             f"lora={{'fused': True}} asks for xpukit's fused 4-bit LoRA path on every block, but the "
-            f"MLP cannot be fused: {partial}. Fix: drop 'fused' (the attention projections are fused "
-            "and the MLP keeps peft's modules, and the plan says so), or lora={'fused': False}."
+            f"MLP cannot be fused: {blocks.mlp_problem}. Fix: drop 'fused' (the attention projections "
+            "are fused and the MLP keeps peft's modules, and the plan says so), or lora={'fused': False}."
         )
+    expected = f"{blocks.expected()}; each distinct block type is checked against peft's block at load"
     if asked:
         return Decision(
             name="fused_lora", value=True, source="user",
-            reason="lora={'fused': True} given: each block's 4-bit projections and adapters in fused "
-            "autograd functions (loading/training/fused_lora.py)",
+            reason=f"lora={{'fused': True}} given: each block's 4-bit projections and adapters in fused "
+            f"autograd functions (loading/training/fused_lora.py): {expected}",
         )  # fmt: skip
     if backend not in _AUTO_BACKENDS:
         return Decision(
@@ -150,14 +260,9 @@ def decide_fused(
             f"{backend} (lora={{'fused': True}} uses it here too)",
             rejected=((True, f"not measured faster on {backend}"),),
         )  # fmt: skip
-    what = "4-bit projections and their adapters computed together per block"
-    if partial:
-        what = (
-            "the attention's 4-bit projections and their adapters computed together (the MLP keeps "
-            f"peft's modules: {partial})"
-        )
     return Decision(
         name="fused_lora", value=True,
-        reason=f"{what}: one dequantisation per weight in forward and one in backward, the LoRA term "
-        "added in place (lora={'fused': False} turns it off)",
+        reason="4-bit projections and their adapters computed together per block, one dequantisation "
+        f"per weight in forward and one in backward, the LoRA term added in place ({expected}; "
+        "lora={'fused': False} turns it off)",
     )  # fmt: skip

@@ -1,0 +1,239 @@
+"""The load-time proof of the fused LoRA path: each distinct decoder-block type against peft's block.
+
+docs/training.md "The load-time check". For the first block of each distinct type (the block's,
+attention's and MLP's classes and the per-layer attention settings: sliding window, RoPE on or off,
+layer type), :func:`check_blocks`:
+
+1. runs the model on a small random batch of token ids (:data:`BATCH` × :data:`TOKENS`), without
+   gradients, up to that block, and keeps the block's real inputs (hidden states, position
+   embeddings, mask);
+2. gives the block's LoRA ``B`` matrices random values for the check (peft starts them at zero, which
+   would hide the adapter term and every ``A`` gradient), restored afterwards;
+3. runs the block in eval mode (no dropout) once on peft's path and once on the fused path, with a
+   backward of one random projection of the output, and compares the output, the input's gradient
+   and every LoRA gradient of the block as relative L2 errors ``‖fused − peft‖ / ‖peft‖``
+   against :data:`TOLERANCES` for the block's compute dtype.
+
+It draws its random numbers from its own generator, so the caller's RNG (data order, dropout) is
+untouched, and changes nothing it does not restore.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from xpukit.loading.training.fused_blocks import peft_path
+
+__all__ = ["BATCH", "TOKENS", "TOLERANCES", "BlockCheck", "block_key", "check_blocks", "describe"]
+
+BATCH, TOKENS = 1, 16
+# Relative L2 error allowed, (output and input gradient, each LoRA gradient), by compute dtype.
+# float32: the targets of docs/training.md; bf16/fp16: the rounding of the compute dtype, which the
+# two paths round differently (docs/training.md "The load-time check" has the measurements).
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (1e-4, 1e-3),
+    "bfloat16": (3e-2, 6e-2),
+    "float16": (5e-3, 1e-2),
+}
+_ATTENTION_SETTINGS = ("is_sliding", "sliding_window", "use_rope", "layer_type", "attention_type")
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCheck:
+    """One block type's check: where, how many blocks share it, the errors and the verdict."""
+
+    kind: str
+    first: str
+    blocks: int
+    dtype: str
+    output_error: float
+    gradient_error: float
+    worst: str  # the gradient with the largest error
+    tolerance: tuple[float, float]
+    seconds: float
+    error: str | None = None  # the check could not run
+
+    @property
+    def agrees(self) -> bool:
+        return (
+            self.error is None
+            and self.output_error <= self.tolerance[0]
+            and self.gradient_error <= self.tolerance[1]
+        )
+
+    def text(self) -> str:
+        if self.error is not None:
+            return f"{self.kind} ({self.blocks} blocks): the check could not run ({self.error})"
+        verdict = "agrees with" if self.agrees else "DIFFERS from"
+        return (
+            f"{self.kind} ({self.blocks} blocks, first {self.first}) {verdict} peft's block in {self.dtype}: "
+            f"output {self.output_error:.1e}, worst gradient {self.gradient_error:.1e} ({self.worst}); "
+            f"tolerance {self.tolerance[0]:.0e} / {self.tolerance[1]:.0e}; {1e3 * self.seconds:.0f} ms"
+        )
+
+
+def block_key(block: Any) -> str:
+    """What makes two blocks the same type for the check, in words."""
+    attn, mlp = block.self_attn, block.mlp
+    settings = [f"{a}={getattr(o, a)}" for o in (block, attn) for a in _ATTENTION_SETTINGS if hasattr(o, a)]
+    names = f"{type(block).__name__}({type(attn).__name__}, {type(mlp).__name__})"
+    return names + (f" [{', '.join(dict.fromkeys(settings))}]" if settings else "")
+
+
+class _Captured(Exception):
+    pass
+
+
+def check_blocks(model: Any, groups: dict[str, list[tuple[str, Any]]], dtype: Any) -> list[BlockCheck]:
+    """Check the first block of each group (``{key: [(name, block), ...]}``) of ``model`` (the
+    transformers model under peft, patched); ``dtype``: the compute dtype."""
+    import torch
+
+    started = time.perf_counter()
+    firsts = {key: members[0] for key, members in groups.items()}
+    try:
+        inputs = _capture(model, {id(b): key for key, (_, b) in firsts.items()})
+    except Exception as exc:  # a model this forward does not fit: nothing is proven
+        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+        return [_failed(key, members, dtype, reason) for key, members in groups.items()]
+    capture_s = (time.perf_counter() - started) / max(len(firsts), 1)
+    checks = []
+    generator = torch.Generator().manual_seed(0)
+    for key, (name, block) in firsts.items():
+        t0 = time.perf_counter()
+        try:
+            out_err, grad_err, worst = _compare(block, *inputs[key], generator)
+        except Exception as exc:
+            checks.append(_failed(key, groups[key], dtype, f"{type(exc).__name__}: {str(exc)[:200]}"))
+            continue
+        seconds = capture_s + time.perf_counter() - t0
+        checks.append(
+            BlockCheck(
+                kind=key, first=name, blocks=len(groups[key]), dtype=_dtype_name(dtype),
+                output_error=out_err, gradient_error=grad_err, worst=worst,
+                tolerance=TOLERANCES.get(_dtype_name(dtype), TOLERANCES["bfloat16"]), seconds=seconds,
+            )
+        )  # fmt: skip
+    return checks
+
+
+def _failed(key: str, members: list[tuple[str, Any]], dtype: Any, reason: str) -> BlockCheck:
+    tol = TOLERANCES.get(_dtype_name(dtype), TOLERANCES["bfloat16"])
+    nan = float("nan")
+    return BlockCheck(key, members[0][0], len(members), _dtype_name(dtype), nan, nan, "", tol, 0.0, reason)
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]]:
+    """Run ``model`` on random ids until every wanted block has been reached; their inputs."""
+    import torch
+
+    embeddings = model.get_input_embeddings()
+    device = embeddings.weight.device
+    ids = torch.randint(
+        0, embeddings.num_embeddings, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    inputs: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
+    blocks = {id(m): m for m in model.modules() if id(m) in wanted}
+
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        key = wanted[id(module)]
+        if key not in inputs:
+            inputs[key] = (module, args, dict(kwargs))
+        if len(inputs) == len(wanted):
+            raise _Captured
+
+    handles = [b.register_forward_pre_hook(hook, with_kwargs=True) for b in blocks.values()]
+    # In train mode: bitsandbytes repacks a 4-bit weight for its CPU inference kernel on an eval-mode
+    # forward without gradients (docs/training.md
+    # "The CPU repacking trap (bitsandbytes ≥ 0.48 on avx512_bf16 CPUs)").
+    modes = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in modes:
+            module.training = mode
+    missing = set(wanted.values()) - set(inputs)
+    if missing:
+        raise RuntimeError(f"the forward did not reach {sorted(missing)}")
+    return inputs
+
+
+def _compare(
+    block: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generator: Any
+) -> tuple[float, float, str]:
+    """(output/input-gradient error, worst LoRA-gradient error, its name) of fused against peft."""
+    import torch
+
+    assert module is block
+    if args:
+        hidden, rest = args[0], args[1:]
+    else:
+        hidden, rest = kwargs.pop("hidden_states"), ()
+    params = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
+    saved = {n: p.detach().clone() for n, p in params if "lora_B" in n}
+    was_training = block.training
+    try:
+        with torch.no_grad():
+            for n, p in params:
+                if n in saved:
+                    rank = p.shape[-1] if p.dim() > 1 else 1
+                    noise = torch.randn(p.shape, generator=generator) * (0.02 / rank**0.5)
+                    p.copy_(noise.to(p.dtype))
+        block.eval()
+        seed = None
+        results = []
+        for fused in (False, True):
+            x = hidden.detach().clone().requires_grad_()
+            with _maybe_peft(block, not fused):
+                out = block(x, *rest, **kwargs)
+                out = out[0] if isinstance(out, tuple) else out
+                if seed is None:
+                    seed = torch.randn(out.shape, generator=generator).to(out.device, torch.float32)
+                loss = (out.float() * seed).sum()
+                grads = torch.autograd.grad(loss, [x] + [p for _, p in params], allow_unused=True)
+            results.append((out.detach().float(), [g if g is None else g.float() for g in grads]))
+    finally:
+        block.train(was_training)
+        with torch.no_grad():
+            for n, p in params:
+                if n in saved:
+                    p.copy_(saved[n])
+    (ref_out, ref_grads), (out, got) = results
+    out_err = max(_rel(out, ref_out), _rel(got[0], ref_grads[0]))
+    worst, worst_name = 0.0, ""
+    for (name, _), g, r in zip(params, got[1:], ref_grads[1:], strict=True):
+        err = _rel(g, r)
+        if err > worst or not worst_name:
+            worst, worst_name = err, name
+    return out_err, worst, worst_name
+
+
+def _maybe_peft(block: Any, on: bool) -> Any:
+    import contextlib
+
+    return peft_path(block) if on else contextlib.nullcontext()
+
+
+def _rel(got: Any, ref: Any) -> float:
+    if got is None or ref is None:
+        return 0.0 if got is None and ref is None else float("inf")
+    denom = float(ref.norm())
+    diff = float((got - ref).norm())
+    return diff / denom if denom > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def describe(checks: Iterable[BlockCheck]) -> str:
+    return "; ".join(c.text() for c in checks)

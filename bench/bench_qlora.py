@@ -293,12 +293,15 @@ def main() -> int:
     return 1 if failed else 0
 
 
-def run_child(args: argparse.Namespace, variant: str, model_dir: Path) -> dict[str, Any]:
+def run_child(
+    args: argparse.Namespace, variant: str, model_dir: Path, *, script: str = __file__, bench: str = "qlora"
+) -> dict[str, Any]:
+    """Run one variant of ``script`` (this bench, or another that reuses it) in its own process."""
     if variant.startswith("unsloth") and importlib.util.find_spec("unsloth") is None:
-        return {"bench": "qlora", "variant": variant, "skipped": "unsloth is not installed"}
+        return {"bench": bench, "variant": variant, "skipped": "unsloth is not installed"}
     child = [
         sys.executable,
-        __file__,
+        script,
         *sys.argv[1:],
         "--variant-child",
         variant,
@@ -308,22 +311,31 @@ def run_child(args: argparse.Namespace, variant: str, model_dir: Path) -> dict[s
     proc = subprocess.run(child, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        return {"bench": "qlora", "variant": variant, "error": " | ".join(tail)}
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
+        return {"bench": bench, "variant": variant, "error": " | ".join(tail)}
     return dict(json.loads(lines[-1]))
 
 
-def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median and spread over the rounds of one variant."""
-    out: dict[str, Any] = {"bench": "qlora", "summary": variant, "rounds": len(rows)}
-    for key in ("tokens_per_s", "peak_mem_gb", "activation_gb", "loss_first", "kernels_per_step"):
+SUMMED = ("tokens_per_s", "peak_mem_gb", "activation_gb", "loss_first", "kernels_per_step")
+KEPT = ("estimate_gb", "gradient_checkpointing", "liger", "fused", "micro_batch", "device", "mem_kind")
+
+
+def summary(
+    variant: str,
+    rows: list[dict[str, Any]],
+    *,
+    bench: str = "qlora",
+    summed: tuple[str, ...] = SUMMED,
+    kept: tuple[str, ...] = KEPT,
+) -> dict[str, Any]:
+    """Median and spread over the rounds of one variant (``summed``), and the last round's ``kept``."""
+    out: dict[str, Any] = {"bench": bench, "summary": variant, "rounds": len(rows)}
+    for key in summed:
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
             out[key] = statistics.median(values)
             out[f"{key}_range"] = [min(values), max(values)]
-    for key in (
-        "estimate_gb", "gradient_checkpointing", "liger", "fused", "micro_batch", "device", "mem_kind",
-    ):  # fmt: skip
+    for key in kept:
         out[key] = rows[-1].get(key)
     return out
 

@@ -45,7 +45,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -145,37 +144,13 @@ def main() -> int:
 
 
 def run_child(args: argparse.Namespace, variant: str, model_dir: Path) -> dict[str, Any]:
-    import importlib.util
-
-    if variant.startswith("unsloth") and importlib.util.find_spec("unsloth") is None:
-        return {"bench": "realrun", "variant": variant, "skipped": "unsloth is not installed"}
-    child = [
-        sys.executable,
-        __file__,
-        *sys.argv[1:],
-        "--variant-child",
-        variant,
-        "--model-dir",
-        str(model_dir),
-    ]
-    proc = subprocess.run(child, capture_output=True, text=True)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-        return {"bench": "realrun", "variant": variant, "error": " | ".join(tail)}
-    return dict(json.loads(lines[-1]))
+    return qlora.run_child(args, variant, model_dir, script=__file__, bench="realrun")
 
 
 def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"bench": "realrun", "summary": variant, "rounds": len(rows)}
-    for key in ("tokens_per_s", "tokens_per_s_steady", "peak_mem_gb", "step_ms_median", "loss_last"):
-        values = [r[key] for r in rows if r.get(key) is not None]
-        if values:
-            out[key] = statistics.median(values)
-            out[f"{key}_range"] = [min(values), max(values)]
-    for key in ("data", "micro_batch", "graphs", "packing", "plan"):
-        out[key] = rows[-1].get(key)
-    return out
+    summed = ("tokens_per_s", "tokens_per_s_steady", "peak_mem_gb", "step_ms_median", "loss_last")
+    kept = ("data", "micro_batch", "graphs", "packing", "plan")
+    return qlora.summary(variant, rows, bench="realrun", summed=summed, kept=kept)
 
 
 class Counting:

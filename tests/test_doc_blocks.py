@@ -83,7 +83,8 @@ def command_lines() -> list[tuple[str, list[str]]]:
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
         for block in _SHELL_BLOCK.finditer(text):
-            for n, line in enumerate(block.group(1).splitlines()):
+            body = block.group(1).replace("\\\n", " ")  # a command continued over lines is one line
+            for n, line in enumerate(body.splitlines()):
                 words = shlex.split(line.removeprefix("$ "), comments=True)
                 if words[:1] != ["xpukit"] or len(words) < 3 or ">" in words:
                     continue

@@ -110,7 +110,53 @@ def _device_checks(torch: Any, device: DeviceFacts) -> list[CheckResult]:
             device.free_memory_known,
         )
         check("decode", lambda: _decode_check(torch, name, device.backend))
+        check("layer-graphs", lambda: _graphs_check(torch, name))
     return out
+
+
+def _graphs_check(torch: Any, name: str) -> str:
+    """One LoRA training layer captured as a device graph and replayed (``lora={"graphs": ...}``),
+    against the same layer eager: the losses and LoRA gradients of the third step (the second is
+    captured, the third replayed; docs/training.md "CUDA graphs of the decoder layers")."""
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        return 'skipped: peft is not installed (pip install "xpukit[lora]")'
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from xpukit.loading.training.layer_graphs import install_layer_graphs
+
+    config = Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    runs = []
+    for graphed in (False, True):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+            lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+            lora.init_lora_weights = False
+            model = get_peft_model(model, lora).to(name).train()
+            ids = torch.randint(3, 512, (2, 16)).to(name)
+        if graphed:
+            install_layer_graphs(model)
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        runs.append((float(loss.detach()), grads.cpu(), model))
+    (loss_a, grad_a, _), (loss_b, grad_b, model) = runs
+    stats = model.xpukit_layer_graphs.stats
+    if stats["graphed"] < 2:
+        reasons = dict(model.xpukit_layer_graphs.eager_reasons)
+        raise RuntimeError(f"the layer was not replayed: {dict(stats)}, eager because {reasons}")
+    err = float((grad_a - grad_b).norm() / grad_a.norm())
+    if abs(loss_a - loss_b) > 1e-4 * abs(loss_a) or err > 1e-3:
+        raise ArithmeticError(f"graphed loss {loss_b:.6f} vs eager {loss_a:.6f}, gradients {err:.1e} apart")
+    return f"captured and replayed: loss and LoRA gradients equal eager ({err:.1e} relative)"
 
 
 def _decode_check(torch: Any, name: str, backend: str) -> str:

@@ -294,5 +294,5 @@ def test_the_doctor_selftest_layer_graph_check_says_why_nothing_replayed_off_cud
     torch = pytest.importorskip("torch")
     from xpukit.doctor.selftest import _graphs_check
 
-    with pytest.raises(RuntimeError, match="not replayed.*not a CUDA/XPU call"):
+    with pytest.raises(RuntimeError, match=r"not replayed.*not a CUDA/XPU call"):
         _graphs_check(torch, "cpu")

@@ -24,6 +24,7 @@ from xpukit.planning.budgets import HEADROOM_FIXED, format_bytes
 from xpukit.planning.model.shape import ModelShape, model_shape
 from xpukit.planning.training.activation_memory import activation_bytes, dequant_transient, lora_parameters
 from xpukit.planning.training.allocation import cap_text, logits_bytes
+from xpukit.planning.training.fit_reasons import PACKED_LOSS, gc_decision, liger_decision, loss_decision
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
@@ -278,9 +279,9 @@ def plan_training(
     elif fused_ce and packed_loss:
         why_fused = PACKED_LOSS
     decisions = (
-        _gc_decision(gc, user_gc, fit_text, tried),
-        _liger_decision(liger, user_liger, liger_ok, liger_why, fit_text, why_fused),
-        _loss_decision(
+        gc_decision(gc, user_gc, fit_text, tried),
+        liger_decision(liger, user_liger, liger_ok, liger_why, fit_text, why_fused),
+        loss_decision(
             loss, "lora={'liger': False} given" if user_liger is False else liger_why, why_fused or fit_text
         ),
         Decision(
@@ -335,18 +336,6 @@ def _ladder(gc: bool | str | None, liger: bool | None, *, offload: bool) -> list
     return [(ce, g) for g in gcs for ce in losses]
 
 
-def _gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[str, int]]) -> Decision:
-    if given:
-        return Decision(name="gradient_checkpointing", value=gc, source="user",
-                        reason=f"lora={{'gradient_checkpointing': {gc!r}}} given; {fit_text}")  # fmt: skip
-    if gc == "offload":
-        what = "on, saved activations offloaded to host memory (asynchronous pinned copies on CUDA/XPU)"
-    else:
-        what = "on (non-reentrant)" if gc else "off: the fastest"
-    rejected = tuple((option, f"needs {format_bytes(b)}") for option, b in tried[:-1])
-    return Decision(name="gradient_checkpointing", value=gc, reason=f"{what}; {fit_text}", rejected=rejected)
-
-
 # What the training plan keeps free beside weights, LoRA state and the activation estimate. Calibrated
 # on the H200 (docs/training.md "The activation estimate"): weights + LoRA state + the estimate gave the
 # measured max_memory_allocated peaks of every rung within -3..+11 % with no reserve at all (the 8 GB
@@ -354,55 +343,6 @@ def _gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[s
 # (the allocator's rounding, library workspaces). The 10 % of the weights it also held before is in
 # no measured peak, and made the plan split a batch that fits (4 x 512 of the 8B shape under 8 GB).
 TRAINING_RESERVE = HEADROOM_FIXED
-
-# Why the fused loss is taken first when packing is on (docs/training.md "Packing: no compute on padding").
-PACKED_LOSS = (
-    "with packing the head still runs over the collator's padded batch, where the plain loss keeps logits "
-    "for the padding too; liger's fused loss kept the step time and saved 3.7 GB there (H200 real run, "
-    "Qwen3-8B shape: 226 ms a step both, peak 19.36 → 15.66 GB)"
-)
-
-
-def _liger_decision(
-    liger: bool, given: bool | None, ok: bool, why: str, fit_text: str, why_fused: str | None = None
-) -> Decision:
-    if given is not None:
-        reason = f"lora={{'liger': {given!r}}} given" + (
-            "" if ok or not given else f", but {why}: loading records the fallback"
-        )
-        return Decision(
-            name="liger", value=liger, reason=reason, source="user" if liger == given else "fallback"
-        )
-    if not ok:
-        return Decision(name="liger", value=False, reason=why)
-    if liger:
-        reason = why_fused or f"fused linear cross-entropy needed to fit: {fit_text}"
-        return Decision(name="liger", value=True, reason=reason)
-    return Decision(
-        name="liger",
-        value=False,
-        reason="not needed to fit: the plain loss is faster (H200, 2 048 tokens × 151 936 words: "
-        "10.6 ms against 21.6 ms for liger's fused loss)",
-        rejected=((True, "costs speed, and the step fits without it"),),
-    )
-
-
-def _loss_decision(loss: str, liger_why: str, fit_text: str) -> Decision:
-    """Which loss: plain when it fits (the fastest), else a fused cross-entropy (docs/training.md
-    "Chunked cross-entropy"; H200 bench_loss, 2 048 tokens × 151 936 words: plain 10.6 ms and
-    3.75 GB, chunked 13.7 ms and 0.82 GB, liger 21.6 ms and 0.04 GB)."""
-    if loss == "plain":
-        rejected = (("chunked", "not needed to fit"), ("liger", "not needed to fit"))
-        return Decision(name="loss", value="plain", rejected=rejected,
-                        reason="lm_head + transformers' cross-entropy: the fastest, and it fits")  # fmt: skip
-    if loss == "liger":
-        why = f"liger-kernel's fused linear cross-entropy (no logits kept): {fit_text}"
-        return Decision(name="loss", value="liger", reason=why)
-    return Decision(
-        name="loss", value="chunked",
-        reason=f"xpukit's chunked cross-entropy (one chunk's logits at a time), since liger's cannot be "
-        f"used ({liger_why}): {fit_text}",
-    )  # fmt: skip
 
 
 def check_step_size(value: Any, name: str) -> int | None:

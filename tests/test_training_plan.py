@@ -17,7 +17,7 @@ from xpukit.cli.main import main as cli_main
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.profiles import device_profile
 from xpukit.planning.model.reference_models import reference_config
-from xpukit.planning.model.shape import ModelShape
+from xpukit.planning.model.shape import ModelShape, model_shape
 from xpukit.planning.training.activation_memory import activation_bytes
 from xpukit.planning.training.fit import micro_batches, plan_training
 from xpukit.planning.training.lora_request import resolve_lora
@@ -382,3 +382,23 @@ def test_a_step_whose_logits_cross_the_arc_allocation_cap_takes_a_fused_loss() -
     assert (
         plan_load(reference_config("qwen3-0.6b"), facts="max-1550", **args).decision("loss").value == "plain"
     )
+
+
+def test_the_graphs_buffers_are_in_the_estimate_one_shape_or_a_packed_rows_buckets() -> None:
+    """Beside one step's activations (shared by every captured shape in one pool) the graphs hold
+    each shape's stack input, output and their gradients: one shape for fixed steps, at most 8
+    buckets of 256 tokens for packed rows."""
+    from xpukit.planning.training.activation_memory import graph_buffer_bytes
+
+    args: dict[str, Any] = {"facts": "h200", "quantize": "4bit", "batch_size": 4, "seq_len": 512}
+    packed = plan_load(reference_config("qwen3-8b"), lora=True, **args).training
+    fixed = plan_load(reference_config("qwen3-8b"), lora={"packing": False}, **args).training
+    off = plan_load(reference_config("qwen3-8b"), lora={"graphs": False}, **args).training
+    assert packed is not None and fixed is not None and off is not None
+    one_shape = 4 * 2048 * 4096 * 2  # 4 x bucket x hidden x bf16
+    assert fixed.estimate["graph_buffers"] == one_shape
+    buckets = 2048 + 1792 + 1536 + 1280 + 1024 + 768 + 512 + 256  # the 8 largest a step can take
+    assert packed.estimate["graph_buffers"] == 4 * buckets * 4096 * 2
+    assert "graph_buffers" not in off.estimate
+    shape = model_shape(reference_config("qwen3-8b"))
+    assert shape is not None and graph_buffer_bytes(shape, 300, compute_bytes=2) == 4 * (512 + 256) * 4096 * 2

@@ -40,7 +40,7 @@ from xpukit.planning.training.adapter_fit import check_saved_adapter
 from xpukit.planning.training.allocation import allocation_cap
 from xpukit.planning.training.fit import training_plan_for
 from xpukit.planning.training.fused import decide_fused, fused_will_run
-from xpukit.planning.training.graphs import decide_layer_graphs
+from xpukit.planning.training.graphs import decide_layer_graphs, layer_graphs_problem
 from xpukit.planning.training.lora_request import fit_lora_to_class
 from xpukit.planning.training.merge import plan_merge, replace_plan
 from xpukit.planning.training.packing import decide_packing, packing_problem
@@ -227,11 +227,16 @@ def plan_load(
         check_lora_targets(request, mfacts, enforce=not facts_given, warnings=said)
         fused = fused_will_run(request, mfacts, quantization=lay.quantization, backend=main.backend)
         packed = request is not None and request.packing is not False and packing_problem(mfacts) is None
+        world = machine.launch.world_size if machine.launch is not None else 1
+        graphs = (  # the layers may run as graphs (the decision below also needs no checkpointing)
+            request is not None and request.graphs is not False
+            and layer_graphs_problem(fused, None, main.backend, world, machine.torch_version) is None
+        )  # fmt: skip
         train, request = training_plan_for(
             request, config=config, max_positions=mfacts.max_positions, memory=lay.memory,
             device=main, dtype=str(lay.dtype.value), batch_size=batch_size, seq_len=seq_len, fused=fused,
             quantized=lay.quantization in {"4bit", "8bit"}, packed=packed,
-            allocation_cap=allocation_cap(main, machine.env),
+            allocation_cap=allocation_cap(main, machine.env), graphs=graphs,
         )  # fmt: skip
         return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
 

@@ -47,14 +47,16 @@ import weakref
 from collections import Counter
 from typing import Any
 
+from xpukit.planning.training.activation_memory import GRAPH_SHAPES
+
 __all__ = ["GRAPH_BACKENDS", "MAX_SHAPES", "LayerGraphs", "install_layer_graphs"]
 
 logger = logging.getLogger(__name__)
 
 # Device types whose torch module has make_graphed_callables and graph_pool_handle.
 GRAPH_BACKENDS = ("cuda", "xpu")
-# Shapes captured per model at most; a further shape runs eagerly.
-MAX_SHAPES = 8
+# Shapes captured per model at most; a further shape runs eagerly (counted in the plan's estimate).
+MAX_SHAPES = GRAPH_SHAPES
 # Attention implementations that take everything they need from the mask and the rotary tensors.
 _MASK_ATTENTION = ("sdpa", "eager")
 

@@ -150,3 +150,20 @@ def activation_bytes(
         layers = per_layer * shape.layers
         peak = layers + final_norm + loss
     return {"per_layer": per_layer, "layers": layers, "loss": loss, "peak": peak}
+
+
+# The graphs of the layers keep at most this many step shapes, the packed rows' buckets of this many
+# tokens (loading/training/layer_graphs.py imports them; docs/training.md "CUDA graphs of the decoder
+# layers").
+GRAPH_SHAPES = 8
+GRAPH_BUCKET = 256
+
+
+def graph_buffer_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int) -> int:
+    """What the captured graphs hold beside one step's activations: per captured shape the stack's
+    input, output and their two gradients (``4 × bucket × hidden`` elements), for the largest
+    :data:`GRAPH_SHAPES` buckets a step of up to ``tokens`` tokens can take. The activations
+    themselves are shared across shapes in one memory pool, so they are counted once, as eagerly."""
+    largest = -(-tokens // GRAPH_BUCKET) * GRAPH_BUCKET
+    buckets = [b for b in range(largest, 0, -GRAPH_BUCKET)][:GRAPH_SHAPES]
+    return 4 * sum(buckets) * shape.hidden * compute_bytes

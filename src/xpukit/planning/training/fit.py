@@ -22,7 +22,12 @@ from xpukit._compat import installed_version, is_installed
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.budgets import HEADROOM_FIXED, format_bytes
 from xpukit.planning.model.shape import ModelShape, model_shape
-from xpukit.planning.training.activation_memory import activation_bytes, dequant_transient, lora_parameters
+from xpukit.planning.training.activation_memory import (
+    activation_bytes,
+    dequant_transient,
+    graph_buffer_bytes,
+    lora_parameters,
+)
 from xpukit.planning.training.allocation import cap_text, logits_bytes
 from xpukit.planning.training.fit_reasons import PACKED_LOSS, gc_decision, liger_decision, loss_decision
 from xpukit.planning.vocabulary import Decision
@@ -180,6 +185,7 @@ def plan_training(
     quantized: bool = False,
     packed: bool = False,
     allocation_cap: int | None = None,
+    graphs: bool = False,
 ) -> TrainingPlan:
     """Choose the fastest set of memory savers whose estimated peak fits (module docstring).
 
@@ -226,13 +232,22 @@ def plan_training(
         # checkpointing, where they were measured (H200, docs/training.md "The activation
         # estimate"); the checkpointed rungs keep the unfused terms, which the 8 GB budget runs fit.
         measured = not gc
-        return activation_bytes(
+        out = activation_bytes(
             shape, micro * seq, compute_bytes=a, lora_r=int(request.config.get("r", 16)),
             targets=request.config.get("target_modules"), dropout=dropout,
             mask_bytes=1 if backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=fused_ce,
             fused_lora=fused and measured, dequant_bytes=dequant, chunked_loss=kind(fused_ce) == "chunked",
             kernel_norms=measured and (kind(fused_ce) == "liger" or fused_norms),
         )  # fmt: skip
+        if graphs and not gc:  # the graphs' own buffers: one shape, or a packed row's buckets
+            tokens = micro * seq
+            held = (
+                graph_buffer_bytes(shape, tokens, compute_bytes=a)
+                if packed
+                else 4 * tokens * shape.hidden * a
+            )
+            out = {**out, "graph_buffers": held, "peak": out["peak"] + held}
+        return out
 
     def peak(fused_ce: bool, gc: bool | str, micro: int) -> int:
         return estimate_for(fused_ce, gc, micro)["peak"]
@@ -372,6 +387,7 @@ def training_plan_for(
     quantized: bool = False,
     packed: bool = False,
     allocation_cap: int | None = None,
+    graphs: bool = False,
 ) -> tuple[TrainingPlan | None, LoraRequest | None]:
     """The training plan for adapters to train (new ones, or a saved one with ``trainable=True``), and
     the request updated to follow it.
@@ -409,6 +425,7 @@ def training_plan_for(
         quantized=quantized,
         packed=packed,
         allocation_cap=allocation_cap,
+        graphs=graphs,
     )
     updated = replace(
         request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger, loss=plan.loss

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
+from xpukit.planning.training.activation_memory import GRAPH_BUCKET  # one captured graph shape each
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
@@ -26,10 +27,6 @@ if TYPE_CHECKING:
     from xpukit.planning.training.lora_request import LoraRequest
 
 __all__ = ["GRAPH_BUCKET", "decide_packing", "packing_problem"]
-
-# Tokens per bucket when the layers run as CUDA graphs: each bucket is one captured shape
-# (docs/training.md "Packing: no compute on padding" has the trade-off and its measurement).
-GRAPH_BUCKET = 256
 
 
 def packing_problem(facts: ModelFacts) -> str | None:

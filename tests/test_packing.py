@@ -272,3 +272,22 @@ def test_sft_trainer_packs_padded_batches_and_buckets_flattened_ones(
     stats = model.xpukit_packing.stats
     assert stats["packed"] == 2
     assert stats["flattened_input" if padding_free else "padding_removed"] > 0
+
+
+def test_packing_under_gradient_checkpointing_gives_the_unpacked_loss_and_gradients(tiny_model: Path) -> None:
+    """The checkpointed layers recompute inside backward on the packed row (the budget rungs)."""
+    from xpukit import load_for_xpu
+
+    ids, mask, labels = _batch("right")
+    results = []
+    for packing in (False, True):
+        model = load_for_xpu(
+            tiny_model, device="cpu", dtype="float32", seed=0,
+            lora={"packing": packing, "gradient_checkpointing": True},
+        )  # fmt: skip
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        results.append((out.loss.detach(), _lora_grads(model)))
+    (want_loss, want), (loss, grads) = results
+    _assert_same(loss, want_loss, grads, want)

@@ -272,25 +272,33 @@ def main() -> int:
                               "seconds": round(time.perf_counter() - started, 1)}), flush=True)  # fmt: skip
         if not variants:  # --variants '': only build the model (into --model-cache)
             return 0
-        rows: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-        failed = 0
-        for round_ in range(args.repeat):
-            order = variants[round_ % len(variants) :] + variants[: round_ % len(variants)]
-            for variant in order:
-                row = run_child(args, variant, model_dir)
-                row["round"] = round_
-                profile = row.pop("profile", None)
-                print(json.dumps(row), flush=True)
-                if profile is not None:
-                    print(json.dumps({"bench": "qlora", "profile": variant, "round": round_, **profile}))
-                if "error" in row:
-                    failed += 1
-                elif "skipped" not in row:
-                    rows[variant].append(row)
-        for variant, done in rows.items():
-            if done:
-                print(json.dumps(summary(variant, done)), flush=True)
+        failed = interleaved_rounds(args, variants, lambda v: run_child(args, v, model_dir), summary, "qlora")
     return 1 if failed else 0
+
+
+def interleaved_rounds(
+    args: argparse.Namespace, variants: list[str], run: Any, summarize: Any, bench: str
+) -> int:
+    """``--repeat`` rounds of every variant (each round starts one variant later), a JSON line per run
+    (its ``profile`` on a line of its own), then a summary line per variant; returns the failures."""
+    rows: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    failed = 0
+    for round_ in range(args.repeat):
+        for variant in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
+            row = run(variant)
+            row["round"] = round_
+            profile = row.pop("profile", None)
+            print(json.dumps(row), flush=True)
+            if profile is not None:
+                print(json.dumps({"bench": bench, "profile": variant, "round": round_, **profile}))
+            if "error" in row:
+                failed += 1
+            elif "skipped" not in row:
+                rows[variant].append(row)
+    for variant, done in rows.items():
+        if done:
+            print(json.dumps(summarize(variant, done)), flush=True)
+    return failed
 
 
 def run_child(

@@ -1,8 +1,9 @@
 """QLoRA as users run it: ``Trainer`` / TRL's ``SFTTrainer`` over examples of different lengths.
 
-The headline benchmark (docs/benchmarks.md "Real runs"). A Qwen3-8B-shaped model with random
-weights (built once from a config, nothing downloaded), nf4 + LoRA r=16 on every linear layer, bf16;
-a dataset of random token ids whose lengths follow a chat-like distribution:
+The headline benchmark (docs/benchmarks.md "Real runs"). A Qwen3-8B-shaped model (``--shape`` for
+bench_qlora's other families) with random weights (built once from a config, nothing downloaded),
+nf4 + LoRA r=16 on every linear layer, bf16; a dataset of random token ids whose lengths follow a
+chat-like distribution:
 
     chat       log-normal, median 256 tokens, clipped to [32, 1024]
     longtail   log-normal, median 384 tokens, wider, clipped to [32, 2048]
@@ -37,6 +38,7 @@ Usage::
     python bench/bench_realrun.py --tiny --steps 6            # any device, a tiny shape (CPU check)
     python bench/bench_realrun.py --data chat --repeat 3      # CUDA / XPU, Qwen3-8B shape
     python bench/bench_realrun.py --data chat --max-memory 8GB --variants xpukit,unsloth
+    python bench/bench_realrun.py --shape gemma-3-4b --variants xpukit,unsloth-nogc
 """
 
 from __future__ import annotations
@@ -95,6 +97,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny shape that runs on CPU in seconds")
+    parser.add_argument(
+        "--shape", default="qwen3-8b", choices=sorted(qlora.SHAPES), help="the model family and size"
+    )
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the widths)")
     parser.add_argument("--data", default="chat", choices=sorted(DATA))
     parser.add_argument("--batch", type=int, default=4, help="examples per optimizer step")
@@ -127,19 +132,9 @@ def main() -> int:
             shape = qlora.build_model(model_dir, args)
             print(json.dumps({"bench": "realrun", "event": "built", "shape": shape,
                               "seconds": round(time.perf_counter() - started, 1)}), flush=True)  # fmt: skip
-        rows: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-        failed = 0
-        for round_ in range(args.repeat):
-            for variant in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
-                row = run_child(args, variant, model_dir)
-                row["round"] = round_
-                print(json.dumps(row), flush=True)
-                failed += "error" in row
-                if "error" not in row and "skipped" not in row:
-                    rows[variant].append(row)
-        for variant, done in rows.items():
-            if done:
-                print(json.dumps(summary(variant, done)), flush=True)
+        failed = qlora.interleaved_rounds(
+            args, variants, lambda v: run_child(args, v, model_dir), summary, "realrun"
+        )
     return 1 if failed else 0
 
 

@@ -27,8 +27,8 @@ from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
     from xpukit.planning.device.layout import Layout
-    from xpukit.planning.training.fit import TrainingPlan
     from xpukit.planning.training.lora_request import LoraRequest
+    from xpukit.planning.training.training_plan import TrainingPlan
 
 __all__ = ["Attempt", "layout_for_training"]
 

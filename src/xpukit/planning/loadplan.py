@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from xpukit.machine.facts import DeviceFacts, MachineFacts
     from xpukit.planning.device.decode import DecodePlan
     from xpukit.planning.model.facts import ModelFacts
-    from xpukit.planning.training.fit import TrainingPlan
     from xpukit.planning.training.merge import MergePlan
+    from xpukit.planning.training.training_plan import TrainingPlan
 
 __all__ = ["LoadPlan"]
 
@@ -58,7 +58,7 @@ class LoadPlan:
         decode: what ``fast_decode=True`` sets on the generation config
             (:class:`xpukit.planning.device.decode.DecodePlan`), or ``None`` when not asked.
         training: the memory savers for new LoRA adapters, chosen by fit
-            (:class:`xpukit.planning.training.fit.TrainingPlan`); ``None`` without new adapters.
+            (:class:`xpukit.planning.training.training_plan.TrainingPlan`); ``None`` without new adapters.
         merge: where and into which weights ``merge=True`` merges the adapter
             (:class:`xpukit.planning.training.merge.MergePlan`); ``None`` without ``merge=``.
     """

@@ -40,10 +40,10 @@ from xpukit.planning.training.adapter_fit import check_saved_adapter
 from xpukit.planning.training.allocation import allocation_cap
 from xpukit.planning.training.fit import training_plan_for
 from xpukit.planning.training.fused import decide_fused, fused_will_run
-from xpukit.planning.training.graphs import decide_layer_graphs, layer_graphs_problem
+from xpukit.planning.training.graphs import decide_layer_graphs, graphs_possible
 from xpukit.planning.training.lora_request import fit_lora_to_class
 from xpukit.planning.training.merge import plan_merge, replace_plan
-from xpukit.planning.training.packing import decide_packing, packing_problem
+from xpukit.planning.training.packing import decide_packing, packing_wanted
 from xpukit.planning.vocabulary import Decision
 
 __all__ = ["plan_load"]
@@ -203,6 +203,7 @@ def plan_load(
         trust_remote_code=bool(kwargs.get("trust_remote_code", False)),
     )  # fmt: skip
     dtype_decision = decide_dtype(dtype_req, main, warnings)
+    world = machine.launch.world_size if machine.launch is not None else 1  # processes of a launched job
 
     def attempt(quant_request: QuantRequest) -> Attempt:
         """A layout with the training plan made for it (new adapters), and its warnings."""
@@ -226,16 +227,13 @@ def plan_load(
         request = fit_lora_to_class(request, class_choice, mfacts)  # task, head, VLM targets
         check_lora_targets(request, mfacts, enforce=not facts_given, warnings=said)
         fused = fused_will_run(request, mfacts, quantization=lay.quantization, backend=main.backend)
-        packed = request is not None and request.packing is not False and packing_problem(mfacts) is None
-        world = machine.launch.world_size if machine.launch is not None else 1
-        graphs = (  # the layers may run as graphs (the decision below also needs no checkpointing)
-            request is not None and request.graphs is not False
-            and layer_graphs_problem(fused, None, main.backend, world, machine.torch_version) is None
-        )  # fmt: skip
+        graphs = graphs_possible(
+            request, fused=fused, backend=main.backend, world_size=world, torch_version=machine.torch_version
+        )
         train, request = training_plan_for(
             request, config=config, max_positions=mfacts.max_positions, memory=lay.memory,
             device=main, dtype=str(lay.dtype.value), batch_size=batch_size, seq_len=seq_len, fused=fused,
-            quantized=lay.quantization in {"4bit", "8bit"}, packed=packed,
+            quantized=lay.quantization in {"4bit", "8bit"}, packed=packing_wanted(request, mfacts),
             allocation_cap=allocation_cap(main, machine.env), graphs=graphs,
         )  # fmt: skip
         return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
@@ -288,7 +286,6 @@ def plan_load(
     fused = decide_fused(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
     decisions += [fused] if fused is not None else []
     whole = fused_will_run(lora_request, mfacts, quantization=layout.quantization, backend=main.backend)
-    world = machine.launch.world_size if machine.launch is not None else 1
     graphs = decide_layer_graphs(
         lora_request, fused=whole, training=training, backend=main.backend, world_size=world,
         torch_version=machine.torch_version,

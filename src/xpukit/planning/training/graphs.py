@@ -26,10 +26,10 @@ from xpukit.errors import InvalidRequestError
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
-    from xpukit.planning.training.fit import TrainingPlan
     from xpukit.planning.training.lora_request import LoraRequest
+    from xpukit.planning.training.training_plan import TrainingPlan
 
-__all__ = ["XPU_GRAPHS_TORCH", "decide_layer_graphs", "graph_api", "layer_graphs_problem"]
+__all__ = ["XPU_GRAPHS_TORCH", "decide_layer_graphs", "graph_api", "graphs_possible", "layer_graphs_problem"]
 
 # The first torch whose XPU build has torch.xpu.graph / make_graphed_callables.
 XPU_GRAPHS_TORCH = (2, 11)
@@ -79,6 +79,17 @@ def layer_graphs_problem(
     if training is not None and training.gradient_checkpointing:
         return "gradient checkpointing recomputes each layer inside backward, which the graphs do not capture"
     return None
+
+
+def graphs_possible(
+    request: LoraRequest | None, *, fused: bool, backend: str, world_size: int, torch_version: str | None
+) -> bool:
+    """Whether the layers may run as graphs, before the training plan (which may still checkpoint, and
+    then :func:`decide_layer_graphs` turns them off): the plan counts the graphs' buffers then."""
+    return (
+        request is not None and request.kind == "new" and request.graphs is not False
+        and layer_graphs_problem(fused, None, backend, world_size, torch_version) is None
+    )  # fmt: skip
 
 
 def decide_layer_graphs(

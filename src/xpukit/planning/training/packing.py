@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from xpukit.planning.model.facts import ModelFacts
     from xpukit.planning.training.lora_request import LoraRequest
 
-__all__ = ["GRAPH_BUCKET", "decide_packing", "packing_problem"]
+__all__ = ["GRAPH_BUCKET", "decide_packing", "packing_problem", "packing_wanted"]
 
 
 def packing_problem(facts: ModelFacts) -> str | None:
@@ -39,6 +39,14 @@ def packing_problem(facts: ModelFacts) -> str | None:
             "example is not known to give each example what it computes alone"
         )
     return None
+
+
+def packing_wanted(request: LoraRequest | None, facts: ModelFacts) -> bool:
+    """Whether padded batches will run packed (the decision below says so with its bucket and why)."""
+    return (
+        request is not None and request.kind == "new" and request.packing is not False
+        and packing_problem(facts) is None
+    )  # fmt: skip
 
 
 def decide_packing(request: LoraRequest | None, facts: ModelFacts, *, graphs: bool) -> Decision | None:

@@ -123,14 +123,11 @@ def _graphs_check(torch: Any, name: str) -> str:
     if importlib.util.find_spec("peft") is None:
         return 'skipped: peft is not installed (pip install "xpukit[lora]")'
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     from xpukit.loading.training.layer_graphs import install_layer_graphs
 
-    config = Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
-    )  # fmt: skip
+    config = _tiny_config(layers=1)
     runs = []
     for graphed in (False, True):
         with torch.random.fork_rng(devices=[]):
@@ -165,23 +162,12 @@ def _decode_check(torch: Any, name: str, backend: str) -> str:
     A tiny random qwen3 in float32 (seeded without touching the caller's RNG), batch 2, 16 greedy
     tokens; ``reduce-overhead`` (CUDA graphs) on CUDA, ``default`` on XPU (docs/decode.md "XPU").
     """
-    from transformers import AutoModelForCausalLM, Qwen3Config
+    from transformers import AutoModelForCausalLM
 
     from xpukit.loading.decode.loop import install_decode_loop
     from xpukit.planning.device.decode import compile_settings
 
-    config = Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-        tie_word_embeddings=True,
-    )
+    config = _tiny_config(layers=2, initializer_range=0.2)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -209,6 +195,17 @@ def _decode_check(torch: Any, name: str, backend: str) -> str:
     return (
         f"compiled mode={mode}: tokens equal eager; first call {first:.1f} s, then {per_token:.2f} ms/token"
     )
+
+
+def _tiny_config(*, layers: int, **extra: Any) -> Any:
+    """The selftests' tiny Qwen3 (512 words, hidden 64), random weights built on the spot."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        tie_word_embeddings=True, **extra,
+    )  # fmt: skip
 
 
 def _sync(torch: Any, device: DeviceFacts) -> None:

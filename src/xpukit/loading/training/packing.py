@@ -70,16 +70,12 @@ class Packing:
         return self._packed(kwargs)
 
     def _why_not(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
-        mask, positions, cache = (
-            kwargs.get("attention_mask"),
-            kwargs.get("position_ids"),
-            kwargs.get("past_key_values"),
-        )
         if args:
             return "positional arguments"
-        tokens = ids if ids is not None else embeds
-        if tokens is None or tokens.dim() != (2 if ids is not None else 3):
+        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        cache = kwargs.get("past_key_values")
+        tokens = _tokens(kwargs)
+        if tokens is None or tokens.dim() != (2 if kwargs.get("input_ids") is not None else 3):
             return "no [batch, length] input"
         if cache is not None and cache.get_seq_length() > 0:
             return "a filled KV cache"
@@ -94,8 +90,7 @@ class Packing:
     def _packed(self, kwargs: dict[str, Any]) -> Any:
         import torch
 
-        mask = kwargs.get("attention_mask")
-        tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+        mask, tokens = kwargs.get("attention_mask"), _tokens(kwargs)
         batch, length = tokens.shape[:2]
         keep = torch.ones(batch, length, dtype=torch.bool) if mask is None else mask.detach().to("cpu") != 0
         lengths = keep.sum(1)
@@ -120,7 +115,7 @@ class Packing:
 
     def _bucketed(self, kwargs: dict[str, Any]) -> Any:
         """A batch already flattened by the collator: only padded to the bucket."""
-        tokens = kwargs["input_ids"] if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]
+        tokens = _tokens(kwargs)
         total = int(tokens.shape[1])
         self.stats["flattened_input"] += 1
         out = self._run(kwargs, tokens[0], kwargs["position_ids"].reshape(-1))
@@ -156,7 +151,13 @@ class Packing:
         return out
 
 
-def packing_target(model: Any) -> Any:
+def _tokens(kwargs: dict[str, Any]) -> Any:
+    """The call's ``input_ids`` (``[B, L]``), else its ``inputs_embeds`` (``[B, L, H]``), else ``None``."""
+    ids = kwargs.get("input_ids")
+    return ids if ids is not None else kwargs.get("inputs_embeds")
+
+
+def _decoder(model: Any) -> Any:
     """The decoder whose forward is packed (``model.model`` of a causal LM), or ``None``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
@@ -166,7 +167,7 @@ def packing_target(model: Any) -> Any:
 def install_packing(model: Any, *, bucket: int = 1) -> str:
     """Wrap the decoder under ``model`` (a PeftModel or a transformers causal LM) with
     :class:`Packing`; returns a note. ``model.xpukit_packing`` is the wrapper (``stats``, ``passed``)."""
-    decoder = packing_target(model)
+    decoder = _decoder(model)
     if decoder is None:
         return "packing: not installed (no decoder with layers under the model's head)"
     forward = decoder.forward

@@ -4,7 +4,7 @@ A 4-bit LoRA step of 2 048 tokens on an 8B model is bound by the host, not the d
 the device was busy 31 % of the step (docs/benchmarks.md, QLoRA section), the rest is Python
 launching some 6 000 kernels one by one (autograd, peft, the fused functions, Triton's launcher).
 :func:`install_layer_graphs` captures the decoder layers' forward and backward as graphs
-(``torch.cuda.make_graphed_callables``; ``torch.xpu.make_graphed_callables`` on Intel GPUs) and
+(``torch.cuda.graph``; ``torch.xpu.graph`` on Intel GPUs; :mod:`.graph_capture`) and
 replays them; the step then costs what the device needs (4 995 → 13 043 tokens/s, measured there).
 
 How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
@@ -20,17 +20,14 @@ How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
 * Several shapes are kept (the buckets of packed rows, ``planning/training/packing.py``), up to
   ``max_shapes``, all captured into one memory pool: passes never overlap (below), so a capture
   reuses the activations' memory of the others and the pool stays about one step's activations,
-  plus each shape's input and output buffers. The first training call runs eagerly (it warms
-  lazily built state); a new shape after it is captured on first sight (the capture runs three
-  warm-up passes first, where the kernels' autotuning happens).
-* The capture runs on stand-in parameters: every trainable parameter of the layers is swapped, for
-  the capture only, for a new leaf sharing its storage, and the gradients the graphs give those
-  leaves are added to the real parameters' ``.grad`` (a post-accumulate hook). An autograd graph of
-  an earlier step that is still referenced (a loop that keeps last step's ``loss`` while the next
-  forward runs) keeps the real parameters' gradient accumulators, made on the default stream; a
-  capture through them has to wait for the default stream, which invalidates it (seen on an H200:
-  ``cudaErrorStreamCaptureInvalidated``). The optimizer updates the shared storage in place, so the
-  graphs read the current values.
+  plus each shape's input and output buffers. The adapters' gradients are one set of buffers for
+  all shapes (:class:`.graph_capture.SharedGrads`; ``.grad`` are views of them), not one per shape.
+  The first training call runs eagerly (it warms lazily built state); a new shape after it is
+  captured on first sight (after one warm-up pass, where the kernels' autotuning happens).
+* The capture runs on stand-in parameters (:class:`.graph_capture.StandIns`: new leaves on the
+  same storage, in place only while the capture runs), so an earlier step's autograd graph that is
+  still referenced cannot invalidate it; the backward graph adds their gradients into the shared
+  buffers, which the real parameters' ``.grad`` are.
 * A graph's buffers hold one pass at a time: a second forward before the first one's backward (two
   forwards, one backward) runs eagerly, as does everything while that first pass is alive. A pass
   whose outputs are dropped without backward frees the graphs for the next one.
@@ -47,13 +44,14 @@ import weakref
 from collections import Counter
 from typing import Any
 
+from xpukit.loading.training.graph_capture import GraphBackend, SharedGrads, StandIns, capture
 from xpukit.planning.training.activation_memory import GRAPH_SHAPES
 
 __all__ = ["GRAPH_BACKENDS", "MAX_SHAPES", "LayerGraphs", "install_layer_graphs"]
 
 logger = logging.getLogger(__name__)
 
-# Device types whose torch module has make_graphed_callables and graph_pool_handle.
+# Device types whose torch module has a graph class, graph() and graph_pool_handle().
 GRAPH_BACKENDS = ("cuda", "xpu")
 # Shapes captured per model at most; a further shape runs eagerly (counted in the plan's estimate).
 MAX_SHAPES = GRAPH_SHAPES
@@ -72,7 +70,9 @@ class LayerGraphs:
         max_shapes: how many shapes are captured at most.
     """
 
-    def __init__(self, layers: list[Any], *, attention: str = "sdpa", mask_kinds: int = 1) -> None:
+    def __init__(
+        self, layers: list[Any], *, attention: str = "sdpa", mask_kinds: int = 1, backend: Any = None
+    ) -> None:
         self.layers = layers
         self.forwards = [layer.forward for layer in layers]
         self.attention = attention
@@ -83,6 +83,10 @@ class LayerGraphs:
         self.failed: str | None = None
         self._graphs: dict[tuple[Any, ...], Any] = {}
         self._pool: Any = None
+        self._stand_ins: StandIns | None = None  # the capture's leaves (graph_capture.StandIns)
+        self._grads: SharedGrads | None = None  # the adapters' gradients, shared by every shape
+        # The device's graph API (graph_capture.GraphBackend); the CPU tests pass a stand-in.
+        self.backend = backend
         self._key: tuple[Any, ...] | None = None
         self._warm = False
         self._active = False
@@ -110,7 +114,7 @@ class LayerGraphs:
             return "no grad or eval mode"
         if cache is not None and cache.get_seq_length() > 0:
             return "a filled KV cache"
-        if rotary is None or hidden.device.type not in GRAPH_BACKENDS:
+        if rotary is None or (hidden.device.type not in GRAPH_BACKENDS and self.backend is None):
             return "not a CUDA/XPU call with position embeddings"
         if self.attention not in _MASK_ATTENTION:
             return f"attention {self.attention!r} reads per-call arguments the graphs do not carry"
@@ -167,34 +171,30 @@ class LayerGraphs:
         import torch
 
         kind = hidden.device.type
-        backend = getattr(torch, kind)
+        backend = self._backend(kind)
         cos, sin = (t.detach().clone() for t in rotary)
         autocast = torch.is_autocast_enabled(kind)
         dtype = torch.get_autocast_dtype(kind) if autocast else hidden.dtype
         forwards = self.forwards
 
-        class Stack(torch.nn.Module):  # type: ignore[misc]
-            def __init__(self, layers: list[Any]) -> None:
-                super().__init__()
-                self.layers = torch.nn.ModuleList(layers)  # their parameters are the graph's inputs
-
-            def forward(self, h: Any, c: Any, s: Any, *masks: Any) -> Any:
-                m = masks[0] if masks else None
-                for fwd in forwards:
-                    h = fwd(h, attention_mask=m, position_embeddings=(c, s), use_cache=False)
-                return h
+        def stack(h: Any, c: Any, s: Any, *masks: Any) -> Any:
+            m = masks[0] if masks else None
+            for fwd in forwards:
+                h = fwd(h, attention_mask=m, position_embeddings=(c, s), use_cache=False)
+            return h
 
         sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
         samples = (sample.requires_grad_(hidden.requires_grad), cos, sin)
         samples += () if mask is None else (mask.detach().clone(),)
         if self._pool is None:
-            self._pool = backend.graph_pool_handle()
-        swapped = _stand_ins(self.layers)
+            self._pool = backend.pool()
+        if self._stand_ins is None or self._grads is None:
+            self._stand_ins = StandIns(self.layers)
+            self._grads = SharedGrads(self._stand_ins.real)
+        stand_ins, grads = self._stand_ins, self._grads
         try:
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
-                run = backend.make_graphed_callables(
-                    Stack(self.layers), samples, num_warmup_iters=1, pool=self._pool
-                )
+                run = capture(stack, samples, stand_ins, grads, backend=backend, pool=self._pool)
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             logger.warning(
@@ -206,13 +206,13 @@ class LayerGraphs:
                 self.failed,
             )
             return
-        finally:
-            for module, name, real, _ in swapped:
-                module._parameters[name] = real
-        for _, _, real, stand_in in swapped:
-            stand_in.register_post_accumulate_grad_hook(functools.partial(_add_to, real))
         self._graphs[key] = run
         self.stats["captures"] += 1
+
+    def _backend(self, kind: str) -> Any:
+        if self.backend is None:
+            self.backend = GraphBackend(kind)
+        return self.backend
 
     def forward(self, index: int, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         """Layer ``index``'s forward: at layer 0 the whole stack's replay when this call is graphed
@@ -243,35 +243,6 @@ class LayerGraphs:
 
     def _backward_reached_the_stack(self, grad: Any) -> None:
         self._pending = False
-
-
-def _stand_ins(layers: list[Any]) -> list[tuple[Any, str, Any, Any]]:
-    """Swap every trainable parameter of ``layers`` for a new leaf on the same storage; returns
-    ``(module, name, real, stand_in)`` for putting them back."""
-    import torch
-
-    swapped = []
-    for layer in layers:
-        for module in layer.modules():
-            for name, param in list(module._parameters.items()):
-                if param is not None and param.requires_grad:
-                    stand_in = torch.nn.Parameter(param.detach(), requires_grad=True)
-                    module._parameters[name] = stand_in
-                    swapped.append((module, name, param, stand_in))
-    return swapped
-
-
-def _add_to(real: Any, stand_in: Any) -> None:
-    """A stand-in's gradient goes to its real parameter (then the stand-in holds none).
-
-    The first gradient is copied: autograd may hand the stand-in the graph's own output buffer,
-    which the next replay overwrites (gradient accumulation would then add a later micro-batch's
-    gradient to itself)."""
-    grad, stand_in.grad = stand_in.grad, None
-    if real.grad is None:
-        real.grad = grad.clone()
-    else:
-        real.grad.add_(grad)
 
 
 def install_layer_graphs(model: Any) -> str:

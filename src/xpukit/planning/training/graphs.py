@@ -7,7 +7,7 @@ docs/benchmarks.md). It is on where that was measured: CUDA, the fused 4-bit LoR
 blocks (attention and MLP; a model whose MLP keeps peft's modules does not qualify), no gradient
 checkpointing (a checkpointed layer recomputes inside backward, which the graphs do not capture).
 
-On Intel GPUs the same capture runs through ``torch.xpu.make_graphed_callables`` (torch ≥ 2.11,
+On Intel GPUs the same capture runs through ``torch.xpu.graph`` (torch ≥ 2.11,
 docs/platform-notes.md "Graphs on Intel GPUs"); it is on there by the same rules, with the reason
 saying it was not run on an Intel GPU by this project (``xpukit doctor --selftest`` captures and
 replays one training layer so an owner can check). On an older torch it is off with that reason.
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["XPU_GRAPHS_TORCH", "decide_layer_graphs", "graph_api", "graphs_possible", "layer_graphs_problem"]
 
-# The first torch whose XPU build has torch.xpu.graph / make_graphed_callables.
+# The first torch whose XPU build has torch.xpu.graph and XPUGraph.
 XPU_GRAPHS_TORCH = (2, 11)
 
 
@@ -48,10 +48,10 @@ def _version(text: str | None) -> tuple[int, int] | None:
 def graph_api(backend: str, torch_version: str | None) -> str | None:
     """The graph API the layers would be captured with on ``backend`` (``None``: none there)."""
     if backend == "cuda":
-        return "torch.cuda.make_graphed_callables"
+        return "torch.cuda.graph"
     version = _version(torch_version)
     if backend == "xpu" and version is not None and version >= XPU_GRAPHS_TORCH:
-        return "torch.xpu.make_graphed_callables"
+        return "torch.xpu.graph"
     return None
 
 
@@ -70,7 +70,7 @@ def layer_graphs_problem(
         )
     if backend == "xpu" and graph_api(backend, torch_version) is None:
         need = ".".join(map(str, XPU_GRAPHS_TORCH))
-        api = "torch.xpu.make_graphed_callables"
+        api = "torch.xpu.graph"
         return f"graphs on Intel GPUs need torch >= {need} ({api}), not {torch_version}"
     if graph_api(backend, torch_version) is None:
         return f"graphs of the decoder layers need CUDA or an Intel GPU (XPU), not {backend}"

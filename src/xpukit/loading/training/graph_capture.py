@@ -1,0 +1,255 @@
+"""One callable's forward and backward as two device graphs, its parameters' gradients accumulated
+into one set of buffers that every captured shape shares.
+
+``torch.cuda.make_graphed_callables`` (and ``torch.xpu``'s) gives each captured callable its own
+static buffer for every parameter's gradient. :mod:`xpukit.loading.training.layer_graphs` captures
+the decoder stack once per training shape, so that held one copy of the adapters' gradients per
+shape: 175 MB each for an 8B model's LoRA r=16 in float32, over 1 GB with 6 shapes, and the first
+gradient had to be cloned out of the graph's buffer every step. Here the backward graph adds each
+gradient into a flat buffer per dtype that all shapes share, and the parameters' ``.grad`` are views
+of that buffer, so the gradients exist once, as in eager training (docs/training.md "CUDA graphs of
+the decoder layers").
+
+How ``.grad`` stays what autograd would give:
+
+* before a replay of the backward, a parameter whose ``.grad`` is ``None`` (``zero_grad`` with
+  ``set_to_none=True``, as ``Trainer`` does) gets its view zeroed, and after it ``.grad`` is that view;
+* a parameter whose ``.grad`` is its view accumulates in the graph (gradient accumulation, or a
+  ``zero_grad(set_to_none=False)`` that zeroed the view in place);
+* a parameter whose ``.grad`` is some other tensor (an eager pass put it there) gets its view zeroed,
+  and the replay's gradient is then added to that tensor.
+
+The capture follows ``make_graphed_callables``: warm-up passes on a side stream, then the forward and
+the backward captured into the caller's memory pool. A graph captures ``body()`` once and replays its
+kernels; the bodies keep their results on a small state object, so a backend that re-runs the body
+instead of replaying (the CPU tests' stand-in for a device) computes the same thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+__all__ = ["GraphBackend", "SharedGrads", "StandIns", "capture"]
+
+
+class GraphBackend:
+    """The graph API of one torch device module (``torch.cuda`` or ``torch.xpu``)."""
+
+    def __init__(self, kind: str) -> None:
+        import torch
+
+        self.kind = kind
+        self.module = getattr(torch, kind)
+        self.graph_class = getattr(self.module, "CUDAGraph" if kind == "cuda" else f"{kind.upper()}Graph")
+
+    def new_graph(self) -> Any:
+        return self.graph_class()
+
+    def pool(self) -> Any:
+        return self.module.graph_pool_handle()
+
+    def capture(self, graph: Any, body: Callable[[], None], pool: Any) -> None:
+        with self.module.graph(graph, pool=pool):
+            body()
+
+    def synchronize(self) -> None:
+        self.module.synchronize()
+
+    def side_stream(self) -> Any:
+        return self.module.stream(self.module.Stream())
+
+
+class StandIns:
+    """A new leaf for every trainable parameter of ``modules``, on the same storage, put in the
+    parameters' place only while a capture's bodies run.
+
+    An autograd graph of an earlier step that is still referenced (a loop that keeps last step's
+    ``loss`` while the next forward runs) keeps the real parameters' gradient accumulators, made on
+    the default stream; a capture through them has to wait for that stream, which invalidates it
+    (seen on an H200: ``cudaErrorStreamCaptureInvalidated``). The optimizer updates the shared
+    storage in place, so the graphs read the current values.
+    """
+
+    def __init__(self, modules: Sequence[Any]) -> None:
+        import torch
+
+        self.swaps: list[tuple[Any, str, Any, Any]] = []  # (module, name, real, stand-in)
+        for top in modules:
+            for module in top.modules():
+                for name, param in list(module._parameters.items()):
+                    if param is not None and param.requires_grad:
+                        stand_in = torch.nn.Parameter(param.detach(), requires_grad=True)
+                        self.swaps.append((module, name, param, stand_in))
+
+    @property
+    def real(self) -> list[Any]:
+        return [real for _, _, real, _ in self.swaps]
+
+    @property
+    def leaves(self) -> list[Any]:
+        return [stand_in for *_, stand_in in self.swaps]
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        for module, name, _, stand_in in self.swaps:
+            module._parameters[name] = stand_in
+        try:
+            yield
+        finally:
+            for module, name, real, _ in self.swaps:
+                module._parameters[name] = real
+
+
+class SharedGrads:
+    """One flat gradient buffer per dtype for ``params``; each parameter's gradient is a view of it."""
+
+    def __init__(self, params: Sequence[Any]) -> None:
+        import torch
+
+        self.params = list(params)
+        groups: dict[tuple[Any, Any], list[int]] = {}
+        for index, param in enumerate(self.params):
+            groups.setdefault((param.dtype, param.device), []).append(index)
+        self.flats: list[Any] = []
+        self.views: list[Any] = [None] * len(self.params)
+        for (dtype, device), members in groups.items():
+            flat = torch.zeros(sum(self.params[i].numel() for i in members), dtype=dtype, device=device)
+            offset = 0
+            for i in members:
+                n = self.params[i].numel()
+                self.views[i] = flat[offset : offset + n].view(self.params[i].shape)
+                offset += n
+            self.flats.append(flat)
+
+    def before_replay(self) -> list[int]:
+        """Zero what the replay must not add to; returns the parameters whose ``.grad`` is another
+        tensor (the replay's gradient is added to it afterwards)."""
+        others: list[int] = []
+        fresh: list[int] = []
+        for i, (param, view) in enumerate(zip(self.params, self.views, strict=True)):
+            if param.grad is None:
+                fresh.append(i)
+            elif param.grad is not view:
+                others.append(i)
+        if len(fresh) == len(self.params):
+            for flat in self.flats:
+                flat.zero_()
+        else:
+            for i in fresh + others:
+                self.views[i].zero_()
+        return others
+
+    def after_replay(self, others: list[int]) -> None:
+        for i in others:
+            self.params[i].grad.add_(self.views[i])
+        for param, view in zip(self.params, self.views, strict=True):
+            if param.grad is None:
+                param.grad = view
+
+
+@functools.cache
+def _replay_function() -> Any:
+    import torch
+
+    class Replay(torch.autograd.Function):  # type: ignore[misc]
+        """Forward: copy the inputs in and replay the forward graph; backward: the backward graph."""
+
+        @staticmethod
+        def forward(ctx: Any, captured: Captured, anchor: Any, *inputs: Any) -> Any:
+            ctx.captured = captured
+            return captured.run_forward(inputs)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable  # type: ignore[untyped-decorator]
+        def backward(ctx: Any, grad: Any) -> Any:
+            return (None, None, *ctx.captured.run_backward(grad))
+
+    return Replay
+
+
+class Captured:
+    """The two graphs of one shape and what they read and write."""
+
+    def __init__(self, backend: Any, inputs: tuple[Any, ...], shared: SharedGrads) -> None:
+        self.backend = backend
+        self.inputs = inputs
+        self.shared = shared
+        self.forward_graph = backend.new_graph()
+        self.backward_graph = backend.new_graph()
+        self.state = SimpleNamespace(out=None, grad_out=None, grad_in=None)
+        # The parameters' gradients do not go through autograd (they land in ``shared``), so the
+        # output needs this empty leaf to require grad when no input does (frozen embeddings).
+        self.anchor = inputs[0].new_empty(0).requires_grad_(True)
+
+    def __call__(self, *inputs: Any) -> Any:
+        return _replay_function().apply(self, self.anchor, *inputs)
+
+    def run_forward(self, inputs: tuple[Any, ...]) -> Any:
+        for static, given in zip(self.inputs, inputs, strict=True):
+            if static.data_ptr() != given.data_ptr():
+                static.copy_(given)
+        self.forward_graph.replay()
+        return self.state.out.detach()
+
+    def run_backward(self, grad: Any) -> tuple[Any, ...]:
+        if self.state.grad_out.data_ptr() != grad.data_ptr():
+            self.state.grad_out.copy_(grad)
+        others = self.shared.before_replay()
+        self.backward_graph.replay()
+        self.shared.after_replay(others)
+        return tuple(None if g is None else g.detach() for g in self.state.grad_in)
+
+
+def capture(
+    fn: Callable[..., Any],
+    samples: tuple[Any, ...],
+    stand_ins: StandIns,
+    shared: SharedGrads,
+    *,
+    backend: Any,
+    pool: Any,
+    warmup: int = 1,
+) -> Captured:
+    """Capture ``fn(*samples)`` (one tensor out) and its backward into ``pool``.
+
+    ``fn`` runs with ``stand_ins`` in place of the real parameters (``shared.params``); the
+    backward graph adds the stand-ins' gradients into ``shared``'s views. Inputs that require grad
+    get their gradient returned by the backward; the others get ``None``. The returned callable
+    takes tensors of the samples' shapes, dtypes and devices.
+    """
+    import torch
+
+    wanted = [s for s in samples if s.requires_grad]
+    leaves = stand_ins.leaves
+    backend.synchronize()
+    with backend.side_stream(), stand_ins.installed():  # lazily built state stays out of the graphs
+        for _ in range(warmup):
+            out = fn(*samples)
+            torch.autograd.grad(out, (*wanted, *leaves), torch.empty_like(out), allow_unused=True)
+            del out
+    backend.synchronize()
+    captured = Captured(backend, samples, shared)
+    state = captured.state
+
+    def forward_body() -> None:
+        with stand_ins.installed():
+            state.out = fn(*samples)
+
+    backend.capture(captured.forward_graph, forward_body, pool)
+    state.grad_out = torch.empty_like(state.out)
+
+    def backward_body() -> None:
+        grads = torch.autograd.grad(state.out, (*wanted, *leaves), state.grad_out, allow_unused=True)
+        for view, grad in zip(shared.views, grads[len(wanted) :], strict=True):
+            if grad is not None:
+                view.add_(grad)
+        it = iter(grads[: len(wanted)])
+        state.grad_in = tuple(next(it) if s.requires_grad else None for s in samples)
+
+    backend.capture(captured.backward_graph, backward_body, pool)
+    state.out = state.out.detach()  # the capture's autograd graph is spent; its output buffer stays
+    return captured

@@ -1,0 +1,167 @@
+"""The capture of loading/training/graph_capture.py on the CPU, with a backend that re-runs the
+captured bodies instead of replaying device kernels: what is copied in and out, and how the shared
+gradient buffers become ``.grad``, checked against plain autograd. tests/test_layer_graphs_gpu.py
+runs the real graphs on CUDA."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+class RerunGraph:
+    def __init__(self) -> None:
+        self.body: Any = None
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        with torch.enable_grad():  # a replay runs inside an autograd.Function (grad off there)
+            self.body()
+
+
+class RerunBackend:
+    """Stands in for torch.cuda's graph API: a "replay" runs the captured body again."""
+
+    def __init__(self) -> None:
+        self.graphs: list[RerunGraph] = []
+
+    def new_graph(self) -> RerunGraph:
+        self.graphs.append(RerunGraph())
+        return self.graphs[-1]
+
+    def pool(self) -> None:
+        return None
+
+    def capture(self, graph: RerunGraph, body: Any, pool: Any) -> None:
+        graph.body = body
+        body()
+
+    def synchronize(self) -> None:
+        pass
+
+    def side_stream(self) -> Any:
+        return contextlib.nullcontext()
+
+
+def _net() -> Any:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 4))
+    net[0].bias.requires_grad_(False)
+    return net
+
+
+def _captured(net: Any, backend: RerunBackend, shared: Any, rows: int) -> Any:
+    from xpukit.loading.training.graph_capture import StandIns, capture
+
+    sample = torch.randn(rows, 4, requires_grad=True)
+    return capture(net, (sample,), StandIns([net]), shared, backend=backend, pool=None)
+
+
+def test_replays_give_autograd_gradients_for_every_shape_and_accumulation() -> None:
+    from xpukit.loading.training.graph_capture import SharedGrads
+
+    net, reference = _net(), _net()
+    params = [p for p in net.parameters() if p.requires_grad]
+    ref_params = [p for p in reference.parameters() if p.requires_grad]
+    backend = RerunBackend()
+    shared = SharedGrads(params)
+    graphs = {rows: _captured(net, backend, shared, rows) for rows in (3, 5)}
+    assert all(p.grad is None for p in params)  # capturing leaves the real gradients alone
+
+    def both(rows: int, seed: int) -> None:
+        x = torch.randn(rows, 4, generator=torch.Generator().manual_seed(seed), requires_grad=True)
+        x_ref = x.detach().clone().requires_grad_(True)
+        out = graphs[rows](x)
+        (out * out).sum().backward()
+        want = reference(x_ref)
+        (want * want).sum().backward()
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+
+    def same_grads() -> None:
+        for p, r in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p.grad, r.grad)
+
+    both(3, 1)  # set_to_none state: the views become .grad
+    same_grads()
+    assert all(p.grad is v for p, v in zip(params, shared.views, strict=True))
+    both(5, 2)  # another shape accumulates into the same buffers
+    same_grads()
+    for model in (net, reference):
+        model.zero_grad(set_to_none=True)
+    both(5, 3)  # a stale sum must not leak into a fresh step
+    same_grads()
+    for model in (net, reference):
+        model.zero_grad(set_to_none=False)  # zeroes the views in place
+    both(3, 4)
+    same_grads()
+    for model in (net, reference):  # an eager pass first: .grad is autograd's own tensor
+        model.zero_grad(set_to_none=True)
+        model(torch.ones(2, 4)).sum().backward()
+    eager_grad = params[0].grad
+    assert eager_grad is not shared.views[0]
+    both(5, 5)
+    same_grads()
+    assert params[0].grad is eager_grad  # added to, not replaced
+    both(3, 6)  # and again: the view is zeroed each time, the eager tensor keeps the sum
+    same_grads()
+    assert sum(g.replays for g in backend.graphs) == 2 * 6
+
+
+def test_one_set_of_gradient_buffers_for_all_shapes() -> None:
+    from xpukit.loading.training.graph_capture import SharedGrads
+
+    net = _net()
+    params = [p for p in net.parameters() if p.requires_grad]
+    shared = SharedGrads(params)
+    assert len(shared.flats) == 1 and shared.flats[0].numel() == sum(p.numel() for p in params)
+    views = [v.data_ptr() for v in shared.views]
+    backend = RerunBackend()
+    for rows in (2, 3, 4):
+        _captured(net, backend, shared, rows)(torch.randn(rows, 4)).sum().backward()
+    assert [p.grad.data_ptr() for p in params] == views
+
+
+def test_layer_graphs_on_a_lora_model_train_as_the_eager_layers(tiny_model: Path) -> None:
+    """The decoder stack of a tiny LoRA model through LayerGraphs' own capture (stand-ins, masks,
+    rotary inputs, shared gradients), over padded batches of two shapes with gradient accumulation."""
+    from xpukit import load_for_xpu
+    from xpukit.loading.training.layer_graphs import install_layer_graphs
+
+    gen = torch.Generator().manual_seed(7)
+    batches = []
+    for length in (12, 12, 9, 12, 9, 9):
+        ids = torch.randint(3, 500, (2, length), generator=gen)
+        mask = torch.ones_like(ids)
+        mask[1, : length // 3] = 0  # left padding in the second row
+        batches.append((ids, mask))
+    runs = []
+    for graphed in (False, True):
+        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
+        if graphed:
+            install_layer_graphs(model)
+            model.xpukit_layer_graphs.backend = RerunBackend()
+        model.train()
+        losses, grads = [], []
+        for step in range(3):  # two micro-batches a step
+            for ids, mask in batches[2 * step : 2 * step + 2]:
+                labels = ids.masked_fill(mask == 0, -100)
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                (loss / 2).backward()
+                losses.append(float(loss.detach()))
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            model.zero_grad(set_to_none=True)
+        runs.append((losses, grads))
+    stats = model.xpukit_layer_graphs.stats
+    assert stats["captures"] == 2 and stats["graphed"] == 5 and stats["eager"] == 1
+    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-5)
+    for eager_step, graphed_step in zip(runs[0][1], runs[1][1], strict=True):
+        assert len(eager_step) == len(graphed_step) > 0
+        for a, b in zip(eager_step, graphed_step, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)

@@ -629,3 +629,33 @@ def test_the_check_reaches_the_plan_and_refuses_an_insisted_fused_path(
     ):
         load(True)
     assert not any(n.startswith("fused LoRA check: ") for n in notes(load(None)))  # off on the CPU
+
+
+def test_in_bf16_a_block_beyond_the_tolerance_is_judged_against_float32(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 tolerances are rounding noise: with them at 0, a correct block agrees because it is as
+    close to peft's float32 answer as peft's own bf16 block; a wrong one (a scaled MLP) does not."""
+    import torch
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from xpukit.loading.training import fused_check
+    from xpukit.loading.training.fused_lora import apply_fused_lora
+
+    def load() -> Any:
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                 bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
+        model = AutoModelForCausalLM.from_pretrained(
+            tiny_model, quantization_config=bnb, dtype=torch.bfloat16, device_map="cpu"
+        )
+        for module in model.modules():  # no CPU repacking in eval (avx512_bf16 CPUs)
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+        return model
+
+    monkeypatch.setitem(fused_check.TOLERANCES, "bfloat16", (0.0, 0.0))
+    summary, check = apply_fused_lora(_peft(load()), insist=False)
+    assert summary.startswith("fused LoRA: 2 decoder blocks") and "agrees with peft's block in bfloat16" in check
+    assert "against float32: fused" in check
+    summary, check = apply_fused_lora(_peft(_scaled_mlp(load())), insist=False)
+    assert "nothing fused" in summary and "DIFFERS" in check and "against float32" in check

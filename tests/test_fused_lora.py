@@ -655,7 +655,8 @@ def test_in_bf16_a_block_beyond_the_tolerance_is_judged_against_float32(
 
     monkeypatch.setitem(fused_check.TOLERANCES, "bfloat16", (0.0, 0.0))
     summary, check = apply_fused_lora(_peft(load()), insist=False)
-    assert summary.startswith("fused LoRA: 2 decoder blocks") and "agrees with peft's block in bfloat16" in check
+    assert summary.startswith("fused LoRA: 2 decoder blocks")
+    assert "agrees with peft's block in bfloat16" in check
     assert "against float32: fused" in check
     summary, check = apply_fused_lora(_peft(_scaled_mlp(load())), insist=False)
     assert "nothing fused" in summary and "DIFFERS" in check and "against float32" in check

@@ -132,7 +132,7 @@ def check_blocks(model: Any, groups: dict[str, list[tuple[str, Any]]], dtype: An
     for key, (name, block) in firsts.items():
         t0 = time.perf_counter()
         try:
-            out_err, grad_err, worst, reference = _compare(block, *inputs[key], generator)
+            out_err, grad_err, worst, reference = _compare(block, *inputs[key], generator, dtype)
         except Exception as exc:
             checks.append(_failed(key, groups[key], dtype, f"{type(exc).__name__}: {str(exc)[:200]}"))
             continue
@@ -200,10 +200,11 @@ def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[Any, tuple[A
 
 
 def _compare(
-    block: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generator: Any
+    block: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generator: Any, dtype: Any
 ) -> tuple[float, float, str, tuple[float, float, float, float] | None]:
     """(output/input-gradient error, worst LoRA-gradient error, its name, the float32 reference's
-    errors or ``None``) of fused against peft."""
+    errors or ``None``) of fused against peft; ``dtype``: the compute dtype (the 4-bit layers' and
+    the fused path's; the hidden states may be float32 under autocast)."""
     import torch
 
     assert module is block
@@ -238,9 +239,9 @@ def _compare(
         block.eval()
         peft_run, fused_run = run(False), run(True)
         out_err, worst, worst_name = _errors(fused_run, peft_run, params)
-        tolerance = TOLERANCES.get(_dtype_name(hidden.dtype), TOLERANCES["bfloat16"])
+        tolerance = TOLERANCES.get(_dtype_name(dtype), TOLERANCES["bfloat16"])
         reference = None
-        if hidden.dtype != torch.float32 and (out_err > tolerance[0] or worst > tolerance[1]):
+        if _dtype_name(dtype) != "float32" and (out_err > tolerance[0] or worst > tolerance[1]):
             exact_run = run(False, exact=True)
             fused_vs = _errors(fused_run, exact_run, params)
             peft_vs = _errors(peft_run, exact_run, params)

@@ -33,13 +33,8 @@ from xpukit.errors import InvalidRequestError
 from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
 from xpukit.machine.facts import DeviceFacts
 from xpukit.machine.precision import normalize_dtype
-from xpukit.planning.training.lora_request import (
-    LoraRequest,
-    build_lora_config,
-    lora_config_or_problem,
-    targets_problem,
-    targets_text,
-)
+from xpukit.planning.training.lora_config import build_lora_config, lora_config_or_problem, targets_problem
+from xpukit.planning.training.lora_request import LoraRequest, targets_text
 
 if TYPE_CHECKING:
     import torch

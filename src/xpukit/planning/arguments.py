@@ -202,7 +202,7 @@ def check_lora_targets(request: Any, facts: Any, *, enforce: bool, warnings: lis
         return
     from xpukit._compat import is_installed, require
     from xpukit.hub import hub_offline, hub_status, offline_guard
-    from xpukit.planning.training.lora_request import check_lora_request
+    from xpukit.planning.training.lora_config import check_lora_request
 
     if not is_installed("peft"):
         if enforce:

@@ -41,7 +41,7 @@ from xpukit.planning.training.allocation import allocation_cap
 from xpukit.planning.training.fit import training_plan_for
 from xpukit.planning.training.fused import decide_fused, fused_will_run
 from xpukit.planning.training.graphs import decide_layer_graphs, graphs_possible
-from xpukit.planning.training.lora_request import fit_lora_to_class
+from xpukit.planning.training.lora_config import fit_lora_to_class
 from xpukit.planning.training.merge import plan_merge, replace_plan
 from xpukit.planning.training.packing import decide_packing, packing_wanted
 from xpukit.planning.vocabulary import Decision

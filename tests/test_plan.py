@@ -764,3 +764,21 @@ def test_other_quantization_configs_pass_through(shapes):
     odd = plan_load(shapes["qwen3-0.6b"], facts="h100", quantize=Custom())
     assert odd.memory.weights == odd.model_facts.weights("bfloat16")
     assert any("unquantized" in w for w in odd.warnings)
+
+
+def test_check_request_takes_plan_load_s_choices_with_the_same_defaults() -> None:
+    """check_request (planning/request.py) restates plan_load's keyword list for the CLI, which calls
+    it alone; the two lists must not drift apart."""
+    import inspect
+
+    from xpukit.planning.request import check_request
+
+    def keywords(fn: Any) -> dict[str, Any]:
+        params = inspect.signature(fn).parameters.values()
+        return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+
+    planned = keywords(plan_load)
+    # plan_load's own: facts (the machine) and offload (read from max_memory / the fit, not checked alone).
+    for own in ("facts", "offload"):
+        planned.pop(own)
+    assert keywords(check_request) == planned

@@ -773,8 +773,8 @@ def test_check_request_takes_plan_load_s_choices_with_the_same_defaults() -> Non
 
     from xpukit.planning.request import check_request
 
-    def keywords(fn: Any) -> dict[str, Any]:
-        params = inspect.signature(fn).parameters.values()
+    def keywords(fn: object) -> dict[str, object]:
+        params = inspect.signature(fn).parameters.values()  # type: ignore[arg-type]
         return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
 
     planned = keywords(plan_load)

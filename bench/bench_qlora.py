@@ -245,7 +245,10 @@ def main() -> int:
     parser.add_argument(
         "--losses", default="", help="--finetune: also vary the loss, e.g. 'plain,chunked' (dropout 0 only)"
     )
-    parser.add_argument("--tokenizer", help="unsloth: a small local tokenizer (it always loads one)")
+    parser.add_argument(
+        "--tokenizer",
+        help="unsloth: a small local tokenizer (it always loads one; default: the demo model's)",
+    )
     parser.add_argument("--profile", action="store_true", help="torch.profiler breakdown (docstring)")
     parser.add_argument("--variant-child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
@@ -626,9 +629,14 @@ def load_unsloth(args: argparse.Namespace, variant: str, dtype: str) -> tuple[An
 
     from xpukit.planning.training.lora_request import DEFAULT_LORA
 
+    tokenizer = args.tokenizer
+    if tokenizer is None:  # the random model has none; a family's default class may need sentencepiece
+        from xpukit.demo.tiny import demo_model_dir
+
+        tokenizer = str(demo_model_dir())
     model, _ = FastLanguageModel.from_pretrained(
         args.model_dir, max_seq_length=args.seq, dtype=getattr(torch, dtype), load_in_4bit=True,
-        tokenizer_name=args.tokenizer or args.model_dir,
+        tokenizer_name=tokenizer,
     )  # fmt: skip
     torch.manual_seed(0)
     gc: Any = "unsloth" if variant == "unsloth" else False

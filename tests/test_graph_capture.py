@@ -128,12 +128,19 @@ def test_one_set_of_gradient_buffers_for_all_shapes() -> None:
     assert [p.grad.data_ptr() for p in params] == views
 
 
-def test_layer_graphs_on_a_lora_model_train_as_the_eager_layers(tiny_model: Path) -> None:
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma"])
+def test_layer_graphs_on_a_lora_model_train_as_the_eager_layers(tiny_model_factory: Any, arch: str) -> None:
     """The decoder stack of a tiny LoRA model through LayerGraphs' own capture (stand-ins, masks,
-    rotary inputs, shared gradients), over padded batches of two shapes with gradient accumulation."""
+    rotary inputs, shared gradients), over padded batches of two shapes with gradient accumulation;
+    Gemma 3 with a sliding-window layer of 4 tokens beside a full one (each kind its own mask and
+    position embeddings)."""
     from xpukit import load_for_xpu
     from xpukit.loading.training.layer_graphs import install_layer_graphs
 
+    tiny_model = Path(tiny_model_factory(arch, **(SLIDING if arch == "gemma" else {})))
     gen = torch.Generator().manual_seed(7)
     batches = []
     for length in (12, 12, 9, 12, 9, 9):

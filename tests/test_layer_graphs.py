@@ -115,13 +115,12 @@ def _faked(monkeypatch: pytest.MonkeyPatch, layers: list[Any]) -> tuple[Any, lis
     """A LayerGraphs over plain layers whose capture is faked (CPU): replays are recorded."""
     from xpukit.loading.training.layer_graphs import LayerGraphs
 
-    graphs = LayerGraphs(layers)
+    graphs = LayerGraphs(layers, backend=object())  # a backend given: as if on CUDA
     graphs.forwards = [lambda h, *a, layer=layer, **k: layer(h) for layer in layers]
-    monkeypatch.setattr(graphs, "_why_eager", lambda *a: None)  # as if on CUDA
     replays: list[tuple[Any, ...]] = []
 
-    def fake_capture(hidden: Any, mask: Any, rotary: Any, key: Any) -> None:
-        def run(h: Any, c: Any, s: Any, *masks: Any, key: Any = key) -> Any:
+    def fake_capture(hidden: Any, inputs: Any, templates: Any, key: Any) -> None:
+        def run(h: Any, *values: Any, key: Any = key) -> Any:
             replays.append(key)
             for layer in layers:
                 h = layer(h)
@@ -163,7 +162,8 @@ def test_first_call_eager_then_each_shape_captured_and_replayed(monkeypatch: pyt
     mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
     step(rows=3, mask=mask)  # the same input shape with a mask: a shape of its own
     assert graphs.stats["captures"] == 3 and graphs.stats["graphed"] == 5 and len(graphs.keys) == 3
-    assert graphs.keys[2][-1] == ((1, 1, 3, 3), torch.bool)
+    first_layer = graphs.keys[2][-1][0]  # (positional, keyword) signature of layer 0's arguments
+    assert ("attention_mask", ("tensor", 0, (1, 1, 3, 3), torch.bool)) in first_layer[1]
 
 
 def test_shapes_beyond_the_bound_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,8 +208,8 @@ def test_a_forward_before_the_previous_backward_runs_eagerly(monkeypatch: pytest
     assert graphs.stats["graphed"] == 2
 
 
-def test_layers_of_several_attention_kinds_and_position_reading_kernels_run_eagerly(
-    tiny_model: Path,
+def test_position_reading_kernels_and_arguments_the_graphs_cannot_carry_run_eagerly(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch = pytest.importorskip("torch")
     from xpukit.loading.training.layer_graphs import LayerGraphs
@@ -217,16 +217,50 @@ def test_layers_of_several_attention_kinds_and_position_reading_kernels_run_eage
     layers = [torch.nn.Linear(4, 4)]
     hidden = torch.randn(2, 4)
     rotary = (torch.zeros(1), torch.zeros(1))
-    sliding = LayerGraphs(layers, mask_kinds=2)
-    flash = LayerGraphs(layers, attention="flash_attention_2")
-    for graphs in (sliding, flash):
-        graphs._why_eager = graphs._why_eager  # the real rule
-    cuda = type("H", (), {"device": torch.device("cuda"), "shape": (2, 4)})()
-    assert "several attention kinds" in (sliding._why_eager(cuda, None, None, rotary, {}) or "")
-    assert "flash_attention_2" in (flash._why_eager(cuda, None, None, rotary, {}) or "")
-    assert LayerGraphs(layers)._why_eager(hidden, None, None, rotary, {}) == (
+    flash = LayerGraphs(layers, attention="flash_attention_2", backend=object())
+    flash._warm = True
+    why = flash._why_eager(hidden, None, {"position_embeddings": rotary})
+    assert why is not None and "flash_attention_2" in why
+    assert LayerGraphs(layers)._why_eager(hidden, None, {"position_embeddings": rotary}) == (
         "not a CUDA/XPU call with position embeddings"
     )
+    # An argument that is neither a tensor nor a plain value (flex attention's BlockMask, say): the
+    # layers run eagerly over what they handed over, with the reason.
+    graphs, replays = _faked(monkeypatch, [torch.nn.Linear(4, 4) for _ in range(2)])
+
+    class BlockMask:
+        pass
+
+    for _ in range(2):
+        h = x = torch.randn(2, 4)
+        for i in range(2):
+            h = graphs.forward(i, h, attention_mask=BlockMask(), position_embeddings=rotary)
+    assert graphs.eager_reasons["a layer argument of type BlockMask"] == 1 and not replays
+    torch.testing.assert_close(h, graphs.layers[1](graphs.layers[0](x)))
+
+
+def test_layers_of_two_kinds_hand_over_their_own_mask_and_position_embeddings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sliding-window models give each layer type its own mask and rotary tensors: each layer's
+    arguments are graph inputs (one per distinct tensor), so the stack still replays."""
+    torch = pytest.importorskip("torch")
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    graphs, replays = _faked(monkeypatch, layers)
+    local, full = (torch.zeros(1), torch.zeros(1)), (torch.ones(1), torch.ones(1))
+    masks = {"local": torch.ones(1, 1, 2, 2, dtype=torch.bool), "full": torch.zeros(1, 1, 2, 2)}
+    kinds = ["local", "local", "full"]
+    for _ in range(3):
+        h = torch.randn(2, 4)
+        for i, kind in enumerate(kinds):
+            rotary = local if kind == "local" else full
+            h = graphs.forward(i, h, attention_mask=masks[kind], position_embeddings=rotary)
+        h.sum().backward()
+    assert graphs.stats["captures"] == 1 and graphs.stats["graphed"] == 2 and len(replays) == 2
+    signature = graphs.keys[0][-1]
+    inputs = {entry[1] for layer in signature for name, part in layer[1] if name == "attention_mask"
+              for entry in [part]}  # fmt: skip
+    assert inputs == {0, 3}  # two masks, each one input shared by its layers (rotary pairs: 1-2, 4-5)
 
 
 def test_stand_in_parameters_share_the_real_ones_storage() -> None:

@@ -10,13 +10,16 @@ replays them; the step then costs what the device needs (4 995 → 13 043 tokens
 How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
 
 * Each layer's ``forward`` is wrapped on the instance (module names, saved adapters and merging are
-  unchanged). The whole stack of layers is one captured callable: layer 0 replays it and returns the
-  last layer's output, the other layers pass that through. A model call replays a graph only when
-  it matches a captured one: grad enabled, training mode, no filled KV cache, SDPA or eager attention
-  with one mask for every layer (a 4-D mask tensor is a graph input, so padded and packed batches
-  replay too), the same input shape, mask shape, dtype, autocast state and ``requires_grad``.
-  Anything else (evaluation, ``generate``, attention kernels that read the positions) runs eagerly,
-  counted in :attr:`LayerGraphs.stats`.
+  unchanged). The whole stack of layers is one captured callable. Layer 0 decides whether a call
+  may replay; each layer then hands over its arguments and passes the stack's input on, and the
+  last layer runs the stack. Every tensor argument is a graph input, one per distinct tensor (the
+  mask and the position embeddings of each layer type: models with sliding-window layers give the
+  two kinds their own), and the shapes, dtypes and plain values of all arguments are part of the
+  captured shape. A model call replays a graph only when it matches a captured one: grad enabled,
+  training mode, no filled KV cache, SDPA or eager attention, the same input shape, arguments,
+  dtype, autocast state and ``requires_grad``. Anything else (evaluation, ``generate``, attention
+  kernels that read the positions, an argument that is not a tensor or a plain value) runs
+  eagerly, counted in :attr:`LayerGraphs.stats`.
 * Several shapes are kept (the buckets of packed rows, ``planning/training/packing.py``), up to
   ``max_shapes``, all captured into one memory pool: passes never overlap (below), so a capture
   reuses the activations' memory of the others and the pool stays about one step's activations,
@@ -47,6 +50,9 @@ from typing import Any
 from xpukit.loading.training.graph_capture import GraphBackend, SharedGrads, StandIns, capture
 from xpukit.planning.training.activation_memory import GRAPH_SHAPES
 
+# One layer call's (positional arguments after the hidden states, keyword arguments).
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+
 __all__ = ["GRAPH_BACKENDS", "MAX_SHAPES", "LayerGraphs", "install_layer_graphs"]
 
 logger = logging.getLogger(__name__)
@@ -70,13 +76,10 @@ class LayerGraphs:
         max_shapes: how many shapes are captured at most.
     """
 
-    def __init__(
-        self, layers: list[Any], *, attention: str = "sdpa", mask_kinds: int = 1, backend: Any = None
-    ) -> None:
+    def __init__(self, layers: list[Any], *, attention: str = "sdpa", backend: Any = None) -> None:
         self.layers = layers
         self.forwards = [layer.forward for layer in layers]
         self.attention = attention
-        self.mask_kinds = mask_kinds
         self.max_shapes = MAX_SHAPES
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
@@ -87,8 +90,9 @@ class LayerGraphs:
         self._grads: SharedGrads | None = None  # the adapters' gradients, shared by every shape
         # The device's graph API (graph_capture.GraphBackend); the CPU tests pass a stand-in.
         self.backend = backend
-        self._key: tuple[Any, ...] | None = None
         self._warm = False
+        self._input: Any = None  # a pass to run as a stack: its input, and each layer's arguments
+        self._calls: list[Call] = []
         self._active = False
         self._pending = False
         self._last_out: Any = None
@@ -102,10 +106,9 @@ class LayerGraphs:
         """The first captured shape (``None`` before any capture)."""
         return next(iter(self._graphs), None)
 
-    # ---- one model call: decided at layer 0, followed by the others
-    def _why_eager(
-        self, hidden: Any, mask: Any, cache: Any, rotary: Any, kwargs: dict[str, Any]
-    ) -> str | None:
+    # ---- one model call: decided at layer 0, run at the last layer
+    def _why_eager(self, hidden: Any, cache: Any, kwargs: dict[str, Any]) -> str | None:
+        """Why this call cannot replay, from what layer 0 sees (``None``: it may)."""
         import torch
 
         if self.failed is not None:
@@ -114,78 +117,113 @@ class LayerGraphs:
             return "no grad or eval mode"
         if cache is not None and cache.get_seq_length() > 0:
             return "a filled KV cache"
-        if rotary is None or (hidden.device.type not in GRAPH_BACKENDS and self.backend is None):
+        if kwargs.get("position_embeddings") is None or (
+            hidden.device.type not in GRAPH_BACKENDS and self.backend is None
+        ):
             return "not a CUDA/XPU call with position embeddings"
         if self.attention not in _MASK_ATTENTION:
             return f"attention {self.attention!r} reads per-call arguments the graphs do not carry"
-        if self.mask_kinds > 1:
-            return "layers of several attention kinds (sliding windows): one mask does not serve all"
-        if mask is not None and not isinstance(mask, torch.Tensor):
-            return f"an attention mask of type {type(mask).__name__}"
         if kwargs.get("output_attentions"):
             return "output_attentions"
         if getattr(self.layers[0], "gradient_checkpointing", False):
             return "gradient checkpointing"
         if self._pending and self._alive():
             return "a forward before the previous one's backward"
+        if not self._warm:
+            self._warm = True
+            return "first training call (warms lazily built state; shapes are captured from the next)"
         return None
 
     def _alive(self) -> bool:
         """Whether the previous grad-enabled pass's autograd graph is still referenced."""
         return self._last_out is not None and self._last_out() is not None
 
-    def _call_key(self, hidden: Any, mask: Any) -> tuple[Any, ...]:
+    def _call_key(self, hidden: Any, signature: tuple[Any, ...]) -> tuple[Any, ...]:
         import torch
 
         kind = hidden.device.type
         autocast = torch.is_autocast_enabled(kind)
-        masked = None if mask is None else (tuple(mask.shape), mask.dtype)
         return (
             tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad, autocast,
-            torch.get_autocast_dtype(kind) if autocast else None, masked,
+            torch.get_autocast_dtype(kind) if autocast else None, signature,
         )  # fmt: skip
 
-    def _start(self, hidden: Any, mask: Any, cache: Any, rotary: Any, kwargs: dict[str, Any]) -> None:
-        why = self._why_eager(hidden, mask, cache, rotary, kwargs)
-        key = self._call_key(hidden, mask) if why is None else None
-        if why is None and key is not None and key not in self._graphs:
-            if not self._warm:
-                self._warm = True
-                why = "first training call (warms lazily built state; shapes are captured from the next)"
-            elif len(self._graphs) >= self.max_shapes:
-                why = f"a shape beyond the {self.max_shapes} captured"
-            else:
-                self._capture(hidden, mask, rotary, key)
-                if key not in self._graphs:
-                    why = "capture failed"
-        self._active = why is None
-        if why is not None:
-            self.stats["eager"] += 1
-            self.eager_reasons[why] += 1
-        else:
-            self._key = key
-            self.stats["graphed"] += 1
-            self._pending = True
+    def _eager(self, why: str) -> None:
+        self.stats["eager"] += 1
+        self.eager_reasons[why] += 1
 
-    def _capture(self, hidden: Any, mask: Any, rotary: tuple[Any, Any], key: tuple[Any, ...]) -> None:
+    def forward(self, index: int, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+        """Layer ``index``'s forward. A call that may replay is decided at layer 0; every layer then
+        hands over its arguments (its mask and position embeddings, which differ by layer type in
+        models with sliding-window layers) and passes the stack's input on, and the last layer runs
+        the stack: the captured graph of this shape, or the layers eagerly over what they handed
+        over. Any other call runs each layer's own forward."""
+        if index == 0:
+            why = self._why_eager(hidden_states, kwargs.get("past_key_values"), kwargs)
+            self._active = why is None
+            if why is not None:
+                self._eager(why)
+            else:
+                self._input, self._calls = hidden_states, []
+        if not self._active:
+            out = self.forwards[index](hidden_states, *args, **kwargs)
+            if index == len(self.layers) - 1 and getattr(out, "requires_grad", False):
+                self._remember(out)  # a pass with an autograd graph
+            return out
+        self._calls.append((args, kwargs))
+        if index < len(self.layers) - 1:
+            return hidden_states  # the stack's input, run at the last layer
+        self._active = False
+        hidden, calls = self._input, self._calls
+        self._input, self._calls = None, []
+        return self._run_stack(hidden, calls)
+
+    def _run_stack(self, hidden: Any, calls: list[Call]) -> Any:
+        try:
+            inputs, templates, signature = _flatten(calls)
+        except _Unsupported as exc:
+            return self._stack_eagerly(hidden, calls, str(exc))
+        key = self._call_key(hidden, signature)
+        if key not in self._graphs:
+            if len(self._graphs) >= self.max_shapes:
+                return self._stack_eagerly(hidden, calls, f"a shape beyond the {self.max_shapes} captured")
+            self._capture(hidden, inputs, templates, key)
+            if key not in self._graphs:
+                return self._stack_eagerly(hidden, calls, "capture failed")
+        self.stats["graphed"] += 1
+        self._pending = True
+        out = self._graphs[key](hidden, *inputs)
+        if out.requires_grad:
+            out.register_hook(self._backward_reached_the_stack)
+        self._remember(out)
+        return out
+
+    def _stack_eagerly(self, hidden: Any, calls: list[Call], why: str) -> Any:
+        """The layers' own forwards over the arguments they handed over (what the decoder's loop
+        would have run)."""
+        self._eager(why)
+        for forward, (args, kwargs) in zip(self.forwards, calls, strict=True):
+            hidden = forward(hidden, *args, **kwargs)
+        if getattr(hidden, "requires_grad", False):
+            self._remember(hidden)
+        return hidden
+
+    def _capture(self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...]) -> None:
         import torch
 
         kind = hidden.device.type
         backend = self._backend(kind)
-        cos, sin = (t.detach().clone() for t in rotary)
         autocast = torch.is_autocast_enabled(kind)
         dtype = torch.get_autocast_dtype(kind) if autocast else hidden.dtype
         forwards = self.forwards
 
-        def stack(h: Any, c: Any, s: Any, *masks: Any) -> Any:
-            m = masks[0] if masks else None
-            for fwd in forwards:
-                h = fwd(h, attention_mask=m, position_embeddings=(c, s), use_cache=False)
+        def stack(h: Any, *values: Any) -> Any:
+            for forward, (args, kwargs) in zip(forwards, templates, strict=True):
+                h = forward(h, *_fill(args, values), **_fill(kwargs, values))
             return h
 
         sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
-        samples = (sample.requires_grad_(hidden.requires_grad), cos, sin)
-        samples += () if mask is None else (mask.detach().clone(),)
+        samples = (sample.requires_grad_(hidden.requires_grad), *(t.detach().clone() for t in inputs))
         if self._pool is None:
             self._pool = backend.pool()
         if self._stand_ins is None or self._grads is None:
@@ -214,28 +252,6 @@ class LayerGraphs:
             self.backend = GraphBackend(kind)
         return self.backend
 
-    def forward(self, index: int, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
-        """Layer ``index``'s forward: at layer 0 the whole stack's replay when this call is graphed
-        (the other layers then pass its output on), else the layer's own forward."""
-        mask = kwargs.get("attention_mask", args[0] if args else None)
-        rotary = kwargs.get("position_embeddings")
-        if index == 0:
-            self._start(hidden_states, mask, kwargs.get("past_key_values"), rotary, kwargs)
-        if not self._active:
-            out = self.forwards[index](hidden_states, *args, **kwargs)
-            if index == len(self.layers) - 1 and getattr(out, "requires_grad", False):
-                self._remember(out)  # a pass with an autograd graph
-            return out
-        if index > 0:
-            return hidden_states  # already the last layer's output
-        cos, sin = rotary  # type: ignore[misc]  # set: this call is graphed
-        inputs = (hidden_states, cos, sin) + (() if mask is None else (mask,))
-        out = self._graphs[self._key](*inputs)  # type: ignore[index]
-        if out.requires_grad:
-            out.register_hook(self._backward_reached_the_stack)
-        self._remember(out)
-        return out
-
     def _remember(self, out: Any) -> None:
         """Keep a weak reference to a pass's last output: alive while that pass's graph is."""
         first = out[0] if isinstance(out, tuple) else out
@@ -243,6 +259,70 @@ class LayerGraphs:
 
     def _backward_reached_the_stack(self, grad: Any) -> None:
         self._pending = False
+
+
+class _Unsupported(Exception):
+    """A layer argument the graphs cannot carry (the message is the eager reason)."""
+
+
+# Layer arguments the captured stack leaves out: training passes have no KV cache to fill.
+_DROPPED = {"past_key_values": None, "past_key_value": None, "use_cache": False}
+
+
+def _flatten(
+    calls: list[Call],
+) -> tuple[list[Any], list[Any], tuple[Any, ...]]:
+    """The layers' arguments as graph inputs: (the distinct tensors, one template per layer with
+    each tensor replaced by its input's index, the signature of shapes, dtypes and plain values
+    that a replay must match). A tensor several layers share (the mask and position embeddings of
+    one layer type) is one input."""
+    import torch
+
+    inputs: list[Any] = []
+    index: dict[int, int] = {}
+
+    def visit(value: Any) -> tuple[Any, Any]:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:  # the graphs return a gradient for the stack's input only
+                raise _Unsupported("a layer argument besides the hidden states that requires grad")
+            if id(value) not in index:
+                index[id(value)] = len(inputs)
+                inputs.append(value)
+            i = index[id(value)]
+            return _Input(i), ("tensor", i, tuple(value.shape), value.dtype)
+        if isinstance(value, (tuple, list)):
+            parts = [visit(v) for v in value]
+            return type(value)(p[0] for p in parts), (type(value).__name__, *(p[1] for p in parts))
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value, value
+        raise _Unsupported(f"a layer argument of type {type(value).__name__}")
+
+    templates, signature = [], []
+    for args, kwargs in calls:
+        kept = {k: v for k, v in kwargs.items() if k not in _DROPPED}
+        arg_parts = [visit(a) for a in args]
+        kwarg_parts = {k: visit(v) for k, v in sorted(kept.items())}
+        call_kwargs = {k: p[0] for k, p in kwarg_parts.items()} | {
+            k: v for k, v in _DROPPED.items() if k in kwargs
+        }
+        templates.append((tuple(p[0] for p in arg_parts), call_kwargs))
+        signature.append((tuple(p[1] for p in arg_parts), tuple((k, p[1]) for k, p in kwarg_parts.items())))
+    return inputs, templates, tuple(signature)
+
+
+class _Input(int):
+    """A graph input's index inside a layer's argument template."""
+
+
+def _fill(template: Any, values: tuple[Any, ...]) -> Any:
+    """``template`` with every :class:`_Input` replaced by its value."""
+    if isinstance(template, _Input):
+        return values[template]
+    if isinstance(template, dict):
+        return {k: _fill(v, values) for k, v in template.items()}
+    if isinstance(template, (tuple, list)):
+        return type(template)(_fill(v, values) for v in template)
+    return template
 
 
 def install_layer_graphs(model: Any) -> str:
@@ -255,9 +335,8 @@ def install_layer_graphs(model: Any) -> str:
     if layers is None or not len(layers) or getattr(decoder, "rotary_emb", None) is None:
         return "graphs of the decoder layers: not installed (no model.layers with rotary embeddings)"
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
-    kinds = len(set(getattr(config, "layer_types", None) or ["full_attention"]))
     attention = str(getattr(config, "_attn_implementation", None) or "sdpa")
-    graphs = LayerGraphs(list(layers), attention=attention, mask_kinds=kinds)
+    graphs = LayerGraphs(list(layers), attention=attention)
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(graphs.forward, index)
     model.xpukit_layer_graphs = graphs

@@ -13,7 +13,7 @@ saying it was not run on an Intel GPU by this project (``xpukit doctor --selftes
 replays one training layer so an owner can check). On an older torch it is off with that reason.
 
 It is off in a launched job of several processes: DDP and FSDP hook each parameter's gradient
-accumulator, and the capture's stand-in parameters (loading/training/layer_graphs.py) bypass those.
+accumulator, and the capture's stand-in parameters (loading/training/graph_capture.py) bypass those.
 ``lora={"graphs": False}`` turns it off, ``lora={"graphs": True}`` insists (refused where it cannot
 run). docs/training.md "CUDA graphs of the decoder layers" has the rules.
 """

@@ -114,6 +114,16 @@ def test_replays_give_autograd_gradients_for_every_shape_and_accumulation() -> N
     assert sum(g.replays for g in backend.graphs) == 2 * 6
 
 
+def test_stand_ins_and_shared_gradients_must_cover_the_same_parameters() -> None:
+    from xpukit.loading.training.graph_capture import SharedGrads, StandIns, capture
+
+    net = _net()
+    params = [p for p in net.parameters() if p.requires_grad]
+    with pytest.raises(ValueError, match="same parameters, in order"):
+        capture(net, (torch.randn(2, 4),), StandIns([net]), SharedGrads(params[::-1]),
+                backend=RerunBackend(), pool=None)  # fmt: skip
+
+
 def test_one_set_of_gradient_buffers_for_all_shapes() -> None:
     from xpukit.loading.training.graph_capture import SharedGrads
 

@@ -223,6 +223,9 @@ def capture(
     """
     import torch
 
+    real = stand_ins.real
+    if len(real) != len(shared.params) or any(a is not b for a, b in zip(real, shared.params, strict=False)):
+        raise ValueError("the stand-ins and the shared gradients must cover the same parameters, in order")
     wanted = [s for s in samples if s.requires_grad]
     leaves = stand_ins.leaves
     backend.synchronize()

@@ -182,3 +182,18 @@ def test_layer_graphs_on_a_lora_model_train_as_the_eager_layers(tiny_model_facto
         assert len(eager_step) == len(graphed_step) > 0
         for a, b in zip(eager_step, graphed_step, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["cuda", "xpu"])
+def test_the_device_graph_api_the_capture_names_exists_in_this_torch(kind: str) -> None:
+    """torch.cuda / torch.xpu as GraphBackend reads them (present in CPU builds of torch too; the
+    XPU names are those docs/platform-notes.md "Graphs on Intel GPUs" gives)."""
+    import inspect
+
+    from xpukit.loading.training.graph_capture import GraphBackend
+
+    backend = GraphBackend(kind)
+    assert backend.graph_class.__name__ == {"cuda": "CUDAGraph", "xpu": "XPUGraph"}[kind]
+    for name in ("graph", "graph_pool_handle", "synchronize", "Stream", "stream"):
+        assert callable(getattr(backend.module, name)), name
+    assert "pool" in inspect.signature(backend.module.graph).parameters

@@ -197,3 +197,171 @@ def test_the_device_graph_api_the_capture_names_exists_in_this_torch(kind: str) 
     for name in ("graph", "graph_pool_handle", "synchronize", "Stream", "stream"):
         assert callable(getattr(backend.module, name)), name
     assert "pool" in inspect.signature(backend.module.graph).parameters
+
+
+# --- the cases a review of the capture found (each failed before its fix) ------------------------
+
+
+def _plain_graphs(layers: list[Any]) -> Any:
+    """LayerGraphs over plain Linear layers (their forwards ignore the decoder's keywords), with the
+    real capture through the re-running backend."""
+    from xpukit.loading.training.layer_graphs import LayerGraphs
+
+    graphs = LayerGraphs(layers, backend=RerunBackend())
+    graphs.forwards = [lambda h, *a, layer=layer, **k: layer(h) for layer in layers]
+    return graphs
+
+
+def _stack(graphs: Any, h: Any) -> Any:
+    rotary = (torch.zeros(1), torch.zeros(1))
+    for i in range(len(graphs.layers)):
+        h = graphs.forward(i, h, attention_mask=None, position_embeddings=rotary)
+    return h
+
+
+def test_a_pass_held_only_through_a_float32_copy_still_blocks_the_buffers() -> None:
+    """A final norm that casts the stack's bf16 output to float32 keeps only the copy: the output
+    tensor dies while ``loss`` holds the pass, and a second forward must not replay into its buffers."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+    graphs = _plain_graphs(layers)
+    _stack(graphs, torch.randn(2, 4)).sum().backward()  # eager: the first call
+    _stack(graphs, torch.randn(2, 4)).sum().backward()  # captured and replayed
+    x, x2 = torch.randn(2, 4), torch.randn(2, 4)
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    first = _stack(graphs, x).double().sum()  # only the float64 copy holds the pass
+    second = _stack(graphs, x2).double().sum()
+    assert graphs.eager_reasons["a forward before the previous one's backward"] == 1
+    (first + second).backward()
+    grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    (layers[1](layers[0](x)).double().sum() + layers[1](layers[0](x2)).double().sum()).backward()
+    for got, layer_param in zip(grads, [p for layer in layers for p in layer.parameters()], strict=True):
+        torch.testing.assert_close(got, layer_param.grad)
+    assert graphs.stats["graphed"] == 2
+
+
+def test_recorded_hidden_states_run_the_layers_eagerly(tiny_model: Path) -> None:
+    """transformers records output_hidden_states through hooks on the layers, which a replayed or
+    handing-over layer would not feed: such a call runs eagerly and reports the real states."""
+    from xpukit import load_for_xpu
+    from xpukit.loading.training.layer_graphs import install_layer_graphs
+
+    ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(5))
+    runs = []
+    for graphed in (False, True):
+        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
+        if graphed:
+            install_layer_graphs(model)
+            model.xpukit_layer_graphs.backend = RerunBackend()
+        model.train()
+        for _ in range(2):
+            model(input_ids=ids, labels=ids).loss.backward()
+        runs.append(model(input_ids=ids, labels=ids, output_hidden_states=True).hidden_states)
+    reasons = model.xpukit_layer_graphs.eager_reasons
+    assert reasons["hidden states, attentions or router logits recorded from the layers"] == 1
+    for a, b in zip(runs[0], runs[1], strict=True):
+        torch.testing.assert_close(b, a)
+
+
+def test_switching_the_adapters_off_drops_the_graphs(tiny_model: Path) -> None:
+    from xpukit import load_for_xpu
+    from xpukit.loading.training.layer_graphs import install_layer_graphs
+
+    ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(6))
+    losses = []
+    for graphed in (False, True):
+        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
+        with torch.no_grad():  # adapters that change the output
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+        if graphed:
+            install_layer_graphs(model)
+            model.xpukit_layer_graphs.backend = RerunBackend()
+        model.train()
+        run = []
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            run.append(float(loss.detach()))
+        with model.disable_adapter():  # grad on, but nothing in the layers to train
+            run.append(float(model(input_ids=ids, labels=ids).loss.detach()))
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        run.append(float(loss.detach()))
+        losses.append(run)
+    graphs = model.xpukit_layer_graphs
+    assert graphs.eager_reasons["the layers' weights or adapters changed: graphs captured again"] == 1
+    assert graphs.eager_reasons["nothing in the layers requires grad (adapters off)"] == 1
+    assert graphs.failed is None and graphs.stats["captures"] == 2  # captured again after the switch
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+    assert losses[0][2] != pytest.approx(losses[0][1], rel=1e-3)  # the switch mattered
+
+
+def test_layers_that_return_tuples_never_replay() -> None:
+    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+    graphs = _plain_graphs(layers)
+    graphs.forwards = [lambda h, *a, layer=layer, **k: (layer(h),) for layer in layers]
+    rotary = (torch.zeros(1), torch.zeros(1))
+    for _ in range(3):
+        h: Any = torch.randn(2, 4)
+        for i in range(2):
+            h = graphs.forward(i, h if i == 0 else h[0], attention_mask=None, position_embeddings=rotary)
+    assert graphs.unsupported == "the layers return a tuple, not the hidden states alone"
+    assert graphs.eager_reasons[graphs.unsupported] == 2 and graphs.stats["captures"] == 0
+
+
+def test_a_parameter_two_modules_share_gets_its_whole_gradient() -> None:
+    from xpukit.loading.training.graph_capture import SharedGrads, StandIns
+
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(4, 4)
+    net = torch.nn.Sequential(shared, torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    net[2].weight = shared.weight  # tied
+    stand_ins = StandIns([net])
+    assert len(stand_ins.real) == len(stand_ins.leaves) == 3  # the tied weight once
+    grads = SharedGrads(stand_ins.real)
+    from xpukit.loading.training.graph_capture import capture
+
+    run = capture(net, (torch.randn(2, 4),), stand_ins, grads, backend=RerunBackend(), pool=None)
+    x = torch.randn(2, 4)
+    run(x).sum().backward()
+    got = shared.weight.grad.clone()
+    shared.weight.grad = None
+    net(x).sum().backward()
+    torch.testing.assert_close(got, shared.weight.grad)
+
+
+def test_a_parameter_the_code_does_not_use_keeps_no_gradient() -> None:
+    from xpukit.loading.training.graph_capture import SharedGrads, StandIns, capture
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    stand_ins = StandIns([net])
+    run = capture(net[0], (torch.randn(2, 4),), stand_ins, SharedGrads(stand_ins.real),
+                  backend=RerunBackend(), pool=None)  # fmt: skip
+    run(torch.randn(2, 4)).sum().backward()
+    assert net[0].weight.grad is not None and net[1].weight.grad is None  # as autograd leaves it
+
+
+def test_cuda_captures_do_not_fail_on_other_threads_cuda_calls() -> None:
+    """A data loader's pin-memory thread may call into CUDA during a capture mid-training:
+    capture_error_mode="thread_local" (torch.cuda.graph) keeps that from invalidating it."""
+    from types import SimpleNamespace
+
+    from xpukit.loading.training.graph_capture import GraphBackend
+
+    seen: dict[str, Any] = {}
+
+    def graph(g: Any, **options: Any) -> Any:
+        seen.update(options)
+        return contextlib.nullcontext()
+
+    for kind, want in (("cuda", "thread_local"), ("xpu", None)):
+        backend = GraphBackend(kind)
+        backend.module = SimpleNamespace(graph=graph)
+        seen.clear()
+        backend.capture(None, lambda: None, "pool")
+        assert seen.get("capture_error_mode") == want and seen["pool"] == "pool"

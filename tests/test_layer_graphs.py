@@ -113,6 +113,7 @@ def test_wrapped_layers_run_eagerly_off_cuda_and_give_the_same_result(tiny_model
 
 def _faked(monkeypatch: pytest.MonkeyPatch, layers: list[Any]) -> tuple[Any, list[tuple[Any, ...]]]:
     """A LayerGraphs over plain layers whose capture is faked (CPU): replays are recorded."""
+    from xpukit.loading.training.layer_calls import Watch
     from xpukit.loading.training.layer_graphs import LayerGraphs
 
     graphs = LayerGraphs(layers, backend=object())  # a backend given: as if on CUDA
@@ -127,6 +128,7 @@ def _faked(monkeypatch: pytest.MonkeyPatch, layers: list[Any]) -> tuple[Any, lis
             return h
 
         graphs._graphs[key] = run
+        graphs._watch = Watch(layers)
         graphs.stats["captures"] += 1
 
     monkeypatch.setattr(graphs, "_capture", fake_capture)

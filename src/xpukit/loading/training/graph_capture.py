@@ -33,7 +33,11 @@ from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-__all__ = ["GraphBackend", "SharedGrads", "StandIns", "capture"]
+__all__ = ["GraphBackend", "NothingToTrain", "SharedGrads", "StandIns", "capture"]
+
+
+class NothingToTrain(Exception):
+    """The captured code's output needs no gradient (no trainable parameter or input reaches it)."""
 
 
 class GraphBackend:
@@ -53,7 +57,10 @@ class GraphBackend:
         return self.module.graph_pool_handle()
 
     def capture(self, graph: Any, body: Callable[[], None], pool: Any) -> None:
-        with self.module.graph(graph, pool=pool):
+        # Captures happen mid-training, where a data loader's pin-memory thread may call into CUDA;
+        # "thread_local" keeps those calls from invalidating this thread's capture (torch.cuda.graph).
+        options = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
+        with self.module.graph(graph, pool=pool, **options):
             body()
 
     def synchronize(self) -> None:
@@ -78,20 +85,24 @@ class StandIns:
         import torch
 
         self.swaps: list[tuple[Any, str, Any, Any]] = []  # (module, name, real, stand-in)
+        by_id: dict[int, Any] = {}  # a parameter two modules share gets one stand-in
         for top in modules:
             for module in top.modules():
                 for name, param in list(module._parameters.items()):
                     if param is not None and param.requires_grad:
-                        stand_in = torch.nn.Parameter(param.detach(), requires_grad=True)
-                        self.swaps.append((module, name, param, stand_in))
+                        if id(param) not in by_id:
+                            by_id[id(param)] = torch.nn.Parameter(param.detach(), requires_grad=True)
+                        self.swaps.append((module, name, param, by_id[id(param)]))
 
     @property
     def real(self) -> list[Any]:
-        return [real for _, _, real, _ in self.swaps]
+        """The trainable parameters, each once."""
+        return list({id(real): real for _, _, real, _ in self.swaps}.values())
 
     @property
     def leaves(self) -> list[Any]:
-        return [stand_in for *_, stand_in in self.swaps]
+        """Their stand-ins, in the same order."""
+        return list({id(real): leaf for _, _, real, leaf in self.swaps}.values())
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -143,11 +154,13 @@ class SharedGrads:
                 self.views[i].zero_()
         return others
 
-    def after_replay(self, others: list[int]) -> None:
+    def after_replay(self, others: list[int], used: Sequence[bool]) -> None:
+        """Give the replay's gradients to the parameters; one the captured code did not use keeps
+        ``.grad`` as it was (``None`` stays ``None``, as autograd leaves it)."""
         for i in others:
             self.params[i].grad.add_(self.views[i])
-        for param, view in zip(self.params, self.views, strict=True):
-            if param.grad is None:
+        for param, view, live in zip(self.params, self.views, used, strict=True):
+            if param.grad is None and live:
                 param.grad = view
 
 
@@ -181,6 +194,7 @@ class Captured:
         self.forward_graph = backend.new_graph()
         self.backward_graph = backend.new_graph()
         self.state = SimpleNamespace(out=None, grad_out=None, grad_in=None)
+        self.used: list[bool] = [True] * len(shared.params)  # which parameters the code uses
         # The parameters' gradients do not go through autograd (they land in ``shared``), so the
         # output needs this empty leaf to require grad when no input does (frozen embeddings).
         self.anchor = inputs[0].new_empty(0).requires_grad_(True)
@@ -200,7 +214,7 @@ class Captured:
             self.state.grad_out.copy_(grad)
         others = self.shared.before_replay()
         self.backward_graph.replay()
-        self.shared.after_replay(others)
+        self.shared.after_replay(others, self.used)
         return tuple(None if g is None else g.detach() for g in self.state.grad_in)
 
 
@@ -232,6 +246,8 @@ def capture(
     with backend.side_stream(), stand_ins.installed():  # lazily built state stays out of the graphs
         for _ in range(warmup):
             out = fn(*samples)
+            if not out.requires_grad or not (wanted or leaves):
+                raise NothingToTrain
             torch.autograd.grad(out, (*wanted, *leaves), torch.empty_like(out), allow_unused=True)
             del out
     backend.synchronize()
@@ -247,6 +263,7 @@ def capture(
 
     def backward_body() -> None:
         grads = torch.autograd.grad(state.out, (*wanted, *leaves), state.grad_out, allow_unused=True)
+        captured.used = [g is not None for g in grads[len(wanted) :]]
         for view, grad in zip(shared.views, grads[len(wanted) :], strict=True):
             if grad is not None:
                 view.add_(grad)

@@ -47,11 +47,9 @@ import weakref
 from collections import Counter
 from typing import Any
 
-from xpukit.loading.training.graph_capture import GraphBackend, SharedGrads, StandIns, capture
+from xpukit.loading.training.graph_capture import GraphBackend, NothingToTrain, SharedGrads, StandIns, capture
+from xpukit.loading.training.layer_calls import Call, Unsupported, Watch, fill, flatten, outputs_recorded
 from xpukit.planning.training.activation_memory import GRAPH_SHAPES
-
-# One layer call's (positional arguments after the hidden states, keyword arguments).
-Call = tuple[tuple[Any, ...], dict[str, Any]]
 
 __all__ = ["GRAPH_BACKENDS", "MAX_SHAPES", "LayerGraphs", "install_layer_graphs"]
 
@@ -72,6 +70,7 @@ class LayerGraphs:
         stats: passes run as graphs (``graphed``), eagerly (``eager``), and ``captures``.
         eager_reasons: why passes ran eagerly, counted.
         failed: why capturing failed (graphs are then off for this model), else ``None``.
+        unsupported: why these layers can never replay (seen on an eager pass), else ``None``.
         keys: the captured calls' shapes, dtypes, autocast states and input ``requires_grad``.
         max_shapes: how many shapes are captured at most.
     """
@@ -84,6 +83,7 @@ class LayerGraphs:
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
         self.failed: str | None = None
+        self.unsupported: str | None = None  # why these layers never replay (seen on an eager pass)
         self._graphs: dict[tuple[Any, ...], Any] = {}
         self._pool: Any = None
         self._stand_ins: StandIns | None = None  # the capture's leaves (graph_capture.StandIns)
@@ -91,6 +91,7 @@ class LayerGraphs:
         # The device's graph API (graph_capture.GraphBackend); the CPU tests pass a stand-in.
         self.backend = backend
         self._warm = False
+        self._watch: Watch | None = None  # what the captured graphs read
         self._input: Any = None  # a pass to run as a stack: its input, and each layer's arguments
         self._calls: list[Call] = []
         self._active = False
@@ -111,6 +112,8 @@ class LayerGraphs:
         """Why this call cannot replay, from what layer 0 sees (``None``: it may)."""
         import torch
 
+        if self.unsupported is not None:
+            return self.unsupported
         if self.failed is not None:
             return "capture failed"
         if not torch.is_grad_enabled() or not self.layers[0].training:
@@ -123,10 +126,13 @@ class LayerGraphs:
             return "not a CUDA/XPU call with position embeddings"
         if self.attention not in _MASK_ATTENTION:
             return f"attention {self.attention!r} reads per-call arguments the graphs do not carry"
-        if kwargs.get("output_attentions"):
-            return "output_attentions"
+        if kwargs.get("output_attentions") or outputs_recorded():
+            return "hidden states, attentions or router logits recorded from the layers"
         if getattr(self.layers[0], "gradient_checkpointing", False):
             return "gradient checkpointing"
+        if self._graphs and self._watch is not None and self._watch.changed():
+            self._drop()  # weights moved or merged, or the adapters switched: captured again
+            self.eager_reasons["the layers' weights or adapters changed: graphs captured again"] += 1
         if self._pending and self._alive():
             return "a forward before the previous one's backward"
         if not self._warm:
@@ -134,8 +140,14 @@ class LayerGraphs:
             return "first training call (warms lazily built state; shapes are captured from the next)"
         return None
 
+    def _drop(self) -> None:
+        """Forget every graph (their addresses are stale) and what they shared."""
+        self._graphs.clear()
+        self._pool = self._stand_ins = self._grads = None
+        self._watch = None
+
     def _alive(self) -> bool:
-        """Whether the previous grad-enabled pass's autograd graph is still referenced."""
+        """Whether the last replayed pass's autograd graph is still referenced."""
         return self._last_out is not None and self._last_out() is not None
 
     def _call_key(self, hidden: Any, signature: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -167,8 +179,10 @@ class LayerGraphs:
                 self._input, self._calls = hidden_states, []
         if not self._active:
             out = self.forwards[index](hidden_states, *args, **kwargs)
-            if index == len(self.layers) - 1 and getattr(out, "requires_grad", False):
-                self._remember(out)  # a pass with an autograd graph
+            if isinstance(out, tuple) and self.unsupported is None:
+                # The stack hands one tensor from layer to layer; a decoder that indexes a tuple
+                # would read the wrong thing from it.
+                self.unsupported = f"the layers return a {type(out).__name__}, not the hidden states alone"
             return out
         self._calls.append((args, kwargs))
         if index < len(self.layers) - 1:
@@ -180,16 +194,16 @@ class LayerGraphs:
 
     def _run_stack(self, hidden: Any, calls: list[Call]) -> Any:
         try:
-            inputs, templates, signature = _flatten(calls)
-        except _Unsupported as exc:
+            inputs, templates, signature = flatten(calls)
+        except Unsupported as exc:
             return self._stack_eagerly(hidden, calls, str(exc))
         key = self._call_key(hidden, signature)
         if key not in self._graphs:
             if len(self._graphs) >= self.max_shapes:
                 return self._stack_eagerly(hidden, calls, f"a shape beyond the {self.max_shapes} captured")
-            self._capture(hidden, inputs, templates, key)
-            if key not in self._graphs:
-                return self._stack_eagerly(hidden, calls, "capture failed")
+            why = self._capture(hidden, inputs, templates, key)
+            if why is not None:
+                return self._stack_eagerly(hidden, calls, why)
         self.stats["graphed"] += 1
         self._pending = True
         out = self._graphs[key](hidden, *inputs)
@@ -204,11 +218,12 @@ class LayerGraphs:
         self._eager(why)
         for forward, (args, kwargs) in zip(self.forwards, calls, strict=True):
             hidden = forward(hidden, *args, **kwargs)
-        if getattr(hidden, "requires_grad", False):
-            self._remember(hidden)
         return hidden
 
-    def _capture(self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...]) -> None:
+    def _capture(
+        self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...]
+    ) -> str | None:
+        """Capture this shape; ``None`` when it was, else why the call runs eagerly."""
         import torch
 
         kind = hidden.device.type
@@ -219,20 +234,26 @@ class LayerGraphs:
 
         def stack(h: Any, *values: Any) -> Any:
             for forward, (args, kwargs) in zip(forwards, templates, strict=True):
-                h = forward(h, *_fill(args, values), **_fill(kwargs, values))
+                h = forward(h, *fill(args, values), **fill(kwargs, values))
             return h
 
         sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
         samples = (sample.requires_grad_(hidden.requires_grad), *(t.detach().clone() for t in inputs))
         if self._pool is None:
             self._pool = backend.pool()
-        if self._stand_ins is None or self._grads is None:
-            self._stand_ins = StandIns(self.layers)
-            self._grads = SharedGrads(self._stand_ins.real)
+        stand_ins_now = StandIns(self.layers)
+        if self._grads is None or [id(p) for p in self._grads.params] != [id(p) for p in stand_ins_now.real]:
+            self._graphs.clear()  # what is trained changed: the gradient buffers with it
+            self._grads = SharedGrads(stand_ins_now.real)
+            self._stand_ins = stand_ins_now
+        elif self._stand_ins is None:
+            self._stand_ins = stand_ins_now
         stand_ins, grads = self._stand_ins, self._grads
         try:
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
                 run = capture(stack, samples, stand_ins, grads, backend=backend, pool=self._pool)
+        except NothingToTrain:  # adapters switched off: nothing to capture a backward of
+            return "nothing in the layers requires grad (adapters off)"
         except Exception as exc:
             self.failed = f"{type(exc).__name__}: {exc}"
             logger.warning(
@@ -243,9 +264,11 @@ class LayerGraphs:
                 kind.upper(),
                 self.failed,
             )
-            return
+            return "capture failed"
         self._graphs[key] = run
+        self._watch = Watch(self.layers)
         self.stats["captures"] += 1
+        return None
 
     def _backend(self, kind: str) -> Any:
         if self.backend is None:
@@ -253,76 +276,18 @@ class LayerGraphs:
         return self.backend
 
     def _remember(self, out: Any) -> None:
-        """Keep a weak reference to a pass's last output: alive while that pass's graph is."""
-        first = out[0] if isinstance(out, tuple) else out
-        self._last_out = weakref.ref(first) if hasattr(first, "grad_fn") else None
+        """Keep a weak reference to a replayed pass's autograd node (the replay's own function),
+        alive while that pass's graph is; only replayed passes share buffers, so only they are
+        remembered. Not the output tensor: a final norm that casts it to float32 keeps only its
+        copy, so the output dies while ``loss`` still holds the pass."""
+        node = getattr(out, "grad_fn", None)
+        try:
+            self._last_out = weakref.ref(node) if node is not None else None
+        except TypeError:  # a built-in op's node (not the replay's function) takes no weak reference
+            self._last_out = weakref.ref(out)
 
     def _backward_reached_the_stack(self, grad: Any) -> None:
         self._pending = False
-
-
-class _Unsupported(Exception):
-    """A layer argument the graphs cannot carry (the message is the eager reason)."""
-
-
-# Layer arguments the captured stack leaves out: training passes have no KV cache to fill.
-_DROPPED = {"past_key_values": None, "past_key_value": None, "use_cache": False}
-
-
-def _flatten(
-    calls: list[Call],
-) -> tuple[list[Any], list[Any], tuple[Any, ...]]:
-    """The layers' arguments as graph inputs: (the distinct tensors, one template per layer with
-    each tensor replaced by its input's index, the signature of shapes, dtypes and plain values
-    that a replay must match). A tensor several layers share (the mask and position embeddings of
-    one layer type) is one input."""
-    import torch
-
-    inputs: list[Any] = []
-    index: dict[int, int] = {}
-
-    def visit(value: Any) -> tuple[Any, Any]:
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad:  # the graphs return a gradient for the stack's input only
-                raise _Unsupported("a layer argument besides the hidden states that requires grad")
-            if id(value) not in index:
-                index[id(value)] = len(inputs)
-                inputs.append(value)
-            i = index[id(value)]
-            return _Input(i), ("tensor", i, tuple(value.shape), value.dtype)
-        if isinstance(value, (tuple, list)):
-            parts = [visit(v) for v in value]
-            return type(value)(p[0] for p in parts), (type(value).__name__, *(p[1] for p in parts))
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value, value
-        raise _Unsupported(f"a layer argument of type {type(value).__name__}")
-
-    templates, signature = [], []
-    for args, kwargs in calls:
-        kept = {k: v for k, v in kwargs.items() if k not in _DROPPED}
-        arg_parts = [visit(a) for a in args]
-        kwarg_parts = {k: visit(v) for k, v in sorted(kept.items())}
-        call_kwargs = {k: p[0] for k, p in kwarg_parts.items()} | {
-            k: v for k, v in _DROPPED.items() if k in kwargs
-        }
-        templates.append((tuple(p[0] for p in arg_parts), call_kwargs))
-        signature.append((tuple(p[1] for p in arg_parts), tuple((k, p[1]) for k, p in kwarg_parts.items())))
-    return inputs, templates, tuple(signature)
-
-
-class _Input(int):
-    """A graph input's index inside a layer's argument template."""
-
-
-def _fill(template: Any, values: tuple[Any, ...]) -> Any:
-    """``template`` with every :class:`_Input` replaced by its value."""
-    if isinstance(template, _Input):
-        return values[template]
-    if isinstance(template, dict):
-        return {k: _fill(v, values) for k, v in template.items()}
-    if isinstance(template, (tuple, list)):
-        return type(template)(_fill(v, values) for v in template)
-    return template
 
 
 def install_layer_graphs(model: Any) -> str:

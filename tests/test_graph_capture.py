@@ -365,3 +365,10 @@ def test_cuda_captures_do_not_fail_on_other_threads_cuda_calls() -> None:
         seen.clear()
         backend.capture(None, lambda: None, "pool")
         assert seen.get("capture_error_mode") == want and seen["pool"] == "pool"
+
+
+def test_plain_values_of_other_types_are_other_shapes() -> None:
+    from xpukit.loading.training.layer_calls import flatten
+
+    signatures = {flatten([((), {"flag": value})])[2] for value in (True, 1, 1.0)}
+    assert len(signatures) == 3  # equal in Python, but a layer may branch on the type

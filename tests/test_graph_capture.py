@@ -138,6 +138,20 @@ def test_one_set_of_gradient_buffers_for_all_shapes() -> None:
     assert [p.grad.data_ptr() for p in params] == views
 
 
+def _lora(path: Path, graphed: bool) -> Any:
+    """A tiny LoRA model in float32 on the CPU; with ``graphed``, its layers as LayerGraphs over the
+    re-running backend."""
+    from xpukit import load_for_xpu
+    from xpukit.loading.training.layer_graphs import install_layer_graphs
+
+    model = load_for_xpu(path, device="cpu", dtype="float32", seed=0, lora=True)
+    if graphed:
+        install_layer_graphs(model)
+        model.xpukit_layer_graphs.backend = RerunBackend()
+    model.train()
+    return model
+
+
 SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
 
 
@@ -147,9 +161,6 @@ def test_layer_graphs_on_a_lora_model_train_as_the_eager_layers(tiny_model_facto
     rotary inputs, shared gradients), over padded batches of two shapes with gradient accumulation;
     Gemma 3 with a sliding-window layer of 4 tokens beside a full one (each kind its own mask and
     position embeddings)."""
-    from xpukit import load_for_xpu
-    from xpukit.loading.training.layer_graphs import install_layer_graphs
-
     tiny_model = Path(tiny_model_factory(arch, **(SLIDING if arch == "gemma" else {})))
     gen = torch.Generator().manual_seed(7)
     batches = []
@@ -160,11 +171,7 @@ def test_layer_graphs_on_a_lora_model_train_as_the_eager_layers(tiny_model_facto
         batches.append((ids, mask))
     runs = []
     for graphed in (False, True):
-        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
-        if graphed:
-            install_layer_graphs(model)
-            model.xpukit_layer_graphs.backend = RerunBackend()
-        model.train()
+        model = _lora(tiny_model, graphed)
         losses, grads = [], []
         for step in range(3):  # two micro-batches a step
             for ids, mask in batches[2 * step : 2 * step + 2]:
@@ -246,17 +253,10 @@ def test_a_pass_held_only_through_a_float32_copy_still_blocks_the_buffers() -> N
 def test_recorded_hidden_states_run_the_layers_eagerly(tiny_model: Path) -> None:
     """transformers records output_hidden_states through hooks on the layers, which a replayed or
     handing-over layer would not feed: such a call runs eagerly and reports the real states."""
-    from xpukit import load_for_xpu
-    from xpukit.loading.training.layer_graphs import install_layer_graphs
-
     ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(5))
     runs = []
     for graphed in (False, True):
-        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
-        if graphed:
-            install_layer_graphs(model)
-            model.xpukit_layer_graphs.backend = RerunBackend()
-        model.train()
+        model = _lora(tiny_model, graphed)
         for _ in range(2):
             model(input_ids=ids, labels=ids).loss.backward()
         runs.append(model(input_ids=ids, labels=ids, output_hidden_states=True).hidden_states)
@@ -267,21 +267,14 @@ def test_recorded_hidden_states_run_the_layers_eagerly(tiny_model: Path) -> None
 
 
 def test_switching_the_adapters_off_drops_the_graphs(tiny_model: Path) -> None:
-    from xpukit import load_for_xpu
-    from xpukit.loading.training.layer_graphs import install_layer_graphs
-
     ids = torch.randint(3, 500, (2, 10), generator=torch.Generator().manual_seed(6))
     losses = []
     for graphed in (False, True):
-        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
+        model = _lora(tiny_model, graphed)
         with torch.no_grad():  # adapters that change the output
             for name, param in model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
-        if graphed:
-            install_layer_graphs(model)
-            model.xpukit_layer_graphs.backend = RerunBackend()
-        model.train()
         run = []
         for _ in range(2):
             loss = model(input_ids=ids, labels=ids).loss

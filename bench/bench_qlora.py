@@ -268,17 +268,22 @@ def main() -> int:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         model_dir = Path(args.model_cache) if args.model_cache else Path(tmp) / "model"
-        if not any(
-            (model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")
-        ):
-            started = time.perf_counter()
-            shape = build_model(model_dir, args)
-            print(json.dumps({"bench": "qlora", "event": "built", "shape": shape,
-                              "seconds": round(time.perf_counter() - started, 1)}), flush=True)  # fmt: skip
+        ensure_model(args, model_dir, "qlora")
         if not variants:  # --variants '': only build the model (into --model-cache)
             return 0
         failed = interleaved_rounds(args, variants, lambda v: run_child(args, v, model_dir), summary, "qlora")
     return 1 if failed else 0
+
+
+def ensure_model(args: argparse.Namespace, model_dir: Path, bench: str) -> None:
+    """Build the random-weight model into ``model_dir`` unless its weights are there (config.json
+    is written first, so it alone does not mean a finished build)."""
+    if any((model_dir / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        return
+    started = time.perf_counter()
+    shape = build_model(model_dir, args)
+    print(json.dumps({"bench": bench, "event": "built", "shape": shape,
+                      "seconds": round(time.perf_counter() - started, 1)}), flush=True)  # fmt: skip
 
 
 def interleaved_rounds(
@@ -768,7 +773,7 @@ def peak_memory(device: str) -> tuple[int, str]:
 def versions() -> dict[str, str | None]:
     from xpukit._compat import installed_version
 
-    names = ("torch", "transformers", "peft", "bitsandbytes", "liger-kernel", "triton", "unsloth")
+    names = ("torch", "transformers", "peft", "bitsandbytes", "liger-kernel", "triton", "unsloth", "trl")
     return {name: installed_version(name) for name in names}
 
 

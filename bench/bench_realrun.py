@@ -116,7 +116,8 @@ def main() -> int:
     parser.add_argument("--variant-child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.seq = None  # bench_qlora's build_model reads it
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1 (the timed steps start after it)")
     if args.variant_child:
         print(json.dumps(run_variant(args)), flush=True)
         return 0
@@ -125,13 +126,11 @@ def main() -> int:
         parser.error(
             f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}"
         )
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
         model_dir = Path(args.model_cache) if args.model_cache else Path(tmp) / "model"
-        if not (model_dir / "config.json").is_file():
-            started = time.perf_counter()
-            shape = qlora.build_model(model_dir, args)
-            print(json.dumps({"bench": "realrun", "event": "built", "shape": shape,
-                              "seconds": round(time.perf_counter() - started, 1)}), flush=True)  # fmt: skip
+        qlora.ensure_model(args, model_dir, "realrun")
         failed = qlora.interleaved_rounds(
             args, variants, lambda v: run_child(args, v, model_dir), summary, "realrun"
         )
@@ -204,7 +203,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         else:
             targs = training_args(model, **common, **XPUKIT_ARGS.get(variant, {}))
     else:
-        model = load_unsloth(args, dtype, longest, checkpointing=variant != "unsloth-nogc")
+        args.seq = longest  # unsloth's max_seq_length
+        checkpointing = "unsloth-nogc" if variant == "unsloth-nogc" else "unsloth"
+        model = qlora.load_unsloth(args, checkpointing, dtype)[0]
         if variant in ("unsloth", "unsloth-nogc"):
             from trl import SFTConfig
 
@@ -264,7 +265,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 2) if device == "cuda" else None,
         "micro_batch": micro, "accumulation": accumulate, "losses": losses,
         "loss_last": losses[-1] if losses else None, "max_memory": args.max_memory,
-        "versions": {**qlora.versions(), "trl": _version("trl")}, "date": time.strftime("%Y-%m-%d"),
+        "versions": qlora.versions(), "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
     if plan is not None:
         row["plan"] = {d.name: str(d.value) for d in plan.decisions
@@ -277,7 +278,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             extra = getattr(counters, "eager_reasons", None) or getattr(counters, "passed", None)
             row[f"{key}_other"] = dict(extra or {})
     del trainer, model
-    torch.cuda.empty_cache() if device == "cuda" else None
     return row
 
 
@@ -285,34 +285,6 @@ def _as_dataset(data: list[dict[str, list[int]]]) -> Any:
     from datasets import Dataset
 
     return Dataset.from_list(data)
-
-
-def _version(name: str) -> str | None:
-    from xpukit._compat import installed_version
-
-    return installed_version(name)
-
-
-def load_unsloth(args: argparse.Namespace, dtype: str, longest: int, *, checkpointing: bool) -> Any:
-    """unsloth's FastLanguageModel with its recommended checkpointing (imported before transformers)."""
-    os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
-    os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", tempfile.mkdtemp(prefix="unsloth-"))
-    import torch
-    from unsloth import FastLanguageModel
-
-    from xpukit.planning.training.lora_request import DEFAULT_LORA
-
-    model, _ = FastLanguageModel.from_pretrained(
-        args.model_dir, max_seq_length=longest, dtype=getattr(torch, dtype), load_in_4bit=True,
-        tokenizer_name=args.tokenizer or args.model_dir,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    gc: Any = "unsloth" if checkpointing else False
-    return FastLanguageModel.get_peft_model(
-        model, r=DEFAULT_LORA["r"], lora_alpha=DEFAULT_LORA["lora_alpha"],
-        lora_dropout=DEFAULT_LORA["lora_dropout"], use_gradient_checkpointing=gc,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    )  # fmt: skip
 
 
 if __name__ == "__main__":

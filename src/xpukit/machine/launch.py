@@ -108,8 +108,7 @@ class LaunchFacts:
             world_size=world_size,
             local_world_size=world_size,
         )
-        fix = "name a rank R of 0..W-1 of W >= 1 processes, e.g. 1/2"
-        _check(facts, f"rank {rank}/{world_size}", fix=fix)
+        _check(facts, f"rank {rank}/{world_size}")
         return facts
 
 
@@ -170,10 +169,7 @@ def _int(name: str, value: str) -> int:
         ) from None
 
 
-_LAUNCHER_FIX = "start the job with torchrun / accelerate launch / mpirun instead of setting them by hand"
-
-
-def _check(facts: LaunchFacts, where: str, *, fix: str = _LAUNCHER_FIX) -> None:
+def _check(facts: LaunchFacts, where: str) -> None:
     problems = []
     if facts.world_size < 1:
         problems.append("the world size must be at least 1")
@@ -187,5 +183,7 @@ def _check(facts: LaunchFacts, where: str, *, fix: str = _LAUNCHER_FIX) -> None:
         )
     if problems:
         raise InvalidRequestError(
-            f"The launch variables ({where}) contradict each other: {'; '.join(problems)}. Fix: {fix}."
+            f"The launch variables ({where}) contradict each other: {'; '.join(problems)}. "
+            "Fix: start the job "
+            "with torchrun / accelerate launch / mpirun instead of setting them by hand."
         )

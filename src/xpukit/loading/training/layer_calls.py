@@ -16,6 +16,7 @@ docs/training.md "CUDA graphs of the decoder layers".
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 __all__ = ["Call", "Unsupported", "Watch", "fill", "flatten", "outputs_recorded"]
@@ -28,12 +29,19 @@ def outputs_recorded() -> bool:
     """Whether transformers is recording outputs of this forward through module hooks
     (``output_hidden_states``, attentions, router logits; from the call or the config): the hooks of
     a replayed layer do not run, and a handing-over layer's output is the stack's input."""
+    collector = _collector()
+    return collector is not None and bool(collector.get())
+
+
+@functools.cache
+def _collector() -> Any:
+    """transformers' context variable of the outputs being recorded (looked up once), or ``None`` for a
+    transformers without it (it records by return values)."""
     try:
         from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without the collector records by return values
-        return False
-    collected = _active_collector.get()
-    return bool(collected)
+    except ImportError:
+        return None
+    return _active_collector
 
 
 class Watch:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from xpukit._compat import installed_version, version_at_least
+from xpukit._compat import EXTRAS, installed_version, version_at_least
 from xpukit.machine.facts import DeviceFacts
 
 __all__ = [
@@ -35,10 +35,10 @@ __all__ = [
 ]
 
 # The release these rules were checked against (docs/planning.md "Quantization for inference").
-TORCHAO_MIN = "0.18"
+TORCHAO_MIN = EXTRAS["torchao"].minimum or "0"
 # torchao's default group; a layer whose input width it does not divide stays unquantized.
 INT4_GROUP_SIZE = 128
-_TORCHAO_FIX = "pip install 'xpukit[serve]'"
+_TORCHAO_FIX = f"pip install 'xpukit[{EXTRAS['torchao'].extra}]'"
 
 # The torchao config classes xpukit names, and the modules they live in (torchao 0.18).
 _CONFIG_MODULES = {
@@ -174,19 +174,11 @@ def torchao_config(values: dict[str, Any]) -> Any:
     Imports torch, transformers and torchao: for acting on a plan, never for deciding one.
     """
     import importlib
-    import logging
 
     from transformers import TorchAoConfig
 
     name = str(values["quant_type"])
-    # torchao 0.18 logs a warning per CUDA extension it cannot load into a CPU or XPU build of torch;
-    # nothing xpukit uses needs them (docs/planning.md "Quantization for inference").
-    torchao_logger = logging.getLogger("torchao")
-    level = torchao_logger.level
-    torchao_logger.setLevel(logging.ERROR)
-    try:
-        module = importlib.import_module(_CONFIG_MODULES[name])
-    finally:
-        torchao_logger.setLevel(level)
+    # The CUDA-extension noise torchao logs on import is filtered by xpukit._compat.quiet_torchao_import.
+    module = importlib.import_module(_CONFIG_MODULES[name])
     quant_type = getattr(module, name)(**dict(values.get("quant_type_kwargs") or {}))
     return TorchAoConfig(quant_type=quant_type)

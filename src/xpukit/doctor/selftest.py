@@ -118,9 +118,9 @@ def _graphs_check(torch: Any, name: str) -> str:
     """One LoRA training layer captured as a device graph and replayed (``lora={"graphs": ...}``),
     against the same layer eager: the losses and LoRA gradients of the third step (the second is
     captured, the third replayed; docs/training.md "CUDA graphs of the decoder layers")."""
-    import importlib.util
+    from xpukit._compat import is_installed
 
-    if importlib.util.find_spec("peft") is None:
+    if not is_installed("peft"):
         return 'skipped: peft is not installed (pip install "xpukit[lora]")'
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM

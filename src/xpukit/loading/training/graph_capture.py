@@ -188,7 +188,6 @@ class Captured:
     """The two graphs of one shape and what they read and write."""
 
     def __init__(self, backend: Any, inputs: tuple[Any, ...], shared: SharedGrads) -> None:
-        self.backend = backend
         self.inputs = inputs
         self.shared = shared
         self.forward_graph = backend.new_graph()

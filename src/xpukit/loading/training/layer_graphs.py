@@ -86,8 +86,8 @@ class LayerGraphs:
         self.unsupported: str | None = None  # why these layers never replay (seen on an eager pass)
         self._graphs: dict[tuple[Any, ...], Any] = {}
         self._pool: Any = None
-        self._stand_ins: StandIns | None = None  # the capture's leaves (graph_capture.StandIns)
-        self._grads: SharedGrads | None = None  # the adapters' gradients, shared by every shape
+        # The capture's leaves and the adapters' gradients every shape shares (graph_capture).
+        self._trained: tuple[StandIns, SharedGrads] | None = None
         # The device's graph API (graph_capture.GraphBackend); the CPU tests pass a stand-in.
         self.backend = backend
         self._warm = False
@@ -143,7 +143,7 @@ class LayerGraphs:
     def _drop(self) -> None:
         """Forget every graph (their addresses are stale) and what they shared."""
         self._graphs.clear()
-        self._pool = self._stand_ins = self._grads = None
+        self._pool = self._trained = None
         self._watch = None
 
     def _alive(self) -> bool:
@@ -241,14 +241,11 @@ class LayerGraphs:
         samples = (sample.requires_grad_(hidden.requires_grad), *(t.detach().clone() for t in inputs))
         if self._pool is None:
             self._pool = backend.pool()
-        stand_ins_now = StandIns(self.layers)
-        if self._grads is None or [id(p) for p in self._grads.params] != [id(p) for p in stand_ins_now.real]:
+        current = StandIns(self.layers)
+        if self._trained is None or [id(p) for p in self._trained[1].params] != [id(p) for p in current.real]:
             self._graphs.clear()  # what is trained changed: the gradient buffers with it
-            self._grads = SharedGrads(stand_ins_now.real)
-            self._stand_ins = stand_ins_now
-        elif self._stand_ins is None:
-            self._stand_ins = stand_ins_now
-        stand_ins, grads = self._stand_ins, self._grads
+            self._trained = (current, SharedGrads(current.real))
+        stand_ins, grads = self._trained
         try:
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
                 run = capture(stack, samples, stand_ins, grads, backend=backend, pool=self._pool)

@@ -158,7 +158,7 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]]:
+def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
     """Run ``model`` on random ids until every wanted block has been reached; their inputs."""
     import torch
 
@@ -167,13 +167,13 @@ def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[Any, tuple[A
     ids = torch.randint(
         0, embeddings.num_embeddings, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0)
     ).to(device)
-    inputs: dict[str, tuple[Any, tuple[Any, ...], dict[str, Any]]] = {}
+    inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     blocks = {id(m): m for m in model.modules() if id(m) in wanted}
 
     def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         key = wanted[id(module)]
         if key not in inputs:
-            inputs[key] = (module, args, dict(kwargs))
+            inputs[key] = (args, dict(kwargs))
         if len(inputs) == len(wanted):
             raise _Captured
 
@@ -200,14 +200,13 @@ def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[Any, tuple[A
 
 
 def _compare(
-    block: Any, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generator: Any, dtype: Any
+    block: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generator: Any, dtype: Any
 ) -> tuple[float, float, str, tuple[float, float, float, float] | None]:
     """(output/input-gradient error, worst LoRA-gradient error, its name, the float32 reference's
     errors or ``None``) of fused against peft; ``dtype``: the compute dtype (the 4-bit layers' and
     the fused path's; the hidden states may be float32 under autocast)."""
     import torch
 
-    assert module is block
     if args:
         hidden, rest = args[0], args[1:]
     else:

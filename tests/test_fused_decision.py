@@ -177,3 +177,12 @@ def test_an_mlp_activation_it_does_not_compute_keeps_peft_for_the_mlp() -> None:
     assert d.value is True and "activation 'relu' is not one the fused MLP computes" in d.reason
     with pytest.raises(InvalidRequestError, match="MLP cannot be fused: activation 'relu'"):
         _fused(lora={"fused": True}, config=config)
+
+
+def test_the_plan_maps_activations_onto_the_names_the_kernel_takes() -> None:
+    """planning/training/fused.py (pure) and kernels/lora_ops.py (the fused MLP) sit side by side and do
+    not import each other: the plan's targets must be exactly what the kernel accepts."""
+    from xpukit.kernels import lora_ops
+    from xpukit.planning.training import fused
+
+    assert set(fused.GATE_ACTIVATIONS.values()) == set(lora_ops.GATE_ACTIVATIONS)

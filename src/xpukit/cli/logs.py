@@ -124,6 +124,20 @@ _OWN_HANDLERS = ("torch", "transformers")
 
 
 @contextmanager
+def plan_warnings_printed(verbose: bool) -> Iterator[None]:
+    """While a command prints the plan, whose warnings are part of it, the planner does not also log
+    them (unless ``--verbose``)."""
+    planner_log = logging.getLogger("xpukit.planning.plan")
+    level = planner_log.level
+    if not verbose:
+        planner_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        planner_log.setLevel(level)
+
+
+@contextmanager
 def library_output(verbose: bool) -> Iterator[None]:
     """torch's and transformers' log records, transformers' progress bars and Python warnings, routed
     like other libraries' records for the work inside (module docstring); nothing changes with

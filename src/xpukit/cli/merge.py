@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import textwrap
 from typing import Any
 
@@ -75,29 +74,21 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Merge, write OUT, print a summary (the plan with --explain; JSON with --json); bad input exits 1."""
-    from xpukit.cli.logs import library_output
+    from xpukit.cli.logs import library_output, plan_warnings_printed
     from xpukit.loading.save_merged import save_merged
 
     verbose = bool(getattr(args, "verbose", False))
-    planner_log = logging.getLogger("xpukit.planning.plan")
-    level = planner_log.level
-    if not verbose:
-        # The plan's warnings are part of what is printed; do not log them a second time.
-        planner_log.setLevel(logging.ERROR)
-    try:
-        with library_output(verbose):
-            result = save_merged(
-                args.base,
-                args.adapter,
-                args.out,
-                dtype=args.dtype,
-                device=args.device,
-                merge=args.into or True,
-                force=args.force,
-                quantize=args.quantize,
-            )
-    finally:
-        planner_log.setLevel(level)
+    with plan_warnings_printed(verbose), library_output(verbose):
+        result = save_merged(
+            args.base,
+            args.adapter,
+            args.out,
+            dtype=args.dtype,
+            device=args.device,
+            merge=args.into or True,
+            force=args.force,
+            quantize=args.quantize,
+        )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0

@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import logging
 import textwrap
 from typing import Any
 
-from xpukit.cli.logs import notes_for
+from xpukit.cli.logs import notes_for, plan_warnings_printed
 from xpukit.errors import InvalidRequestError
 
 
@@ -102,15 +101,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model is None:
         raise InvalidRequestError("MODEL is missing: a model directory, a Hub id or a built-in shape.")
     request = _request(args)
-    planner_log = logging.getLogger("xpukit.planning.plan")
-    level = planner_log.level
-    if not getattr(args, "verbose", False):
-        # The plan's warnings are part of what is printed; do not log them a second time.
-        planner_log.setLevel(logging.ERROR)
-    try:
+    with plan_warnings_printed(bool(getattr(args, "verbose", False))):
         plan = _plan(args, request)
-    finally:
-        planner_log.setLevel(level)
     notes = notes_for(getattr(args, "log_records", []), plan)
     if args.json:
         print(json.dumps({**plan.to_dict(), "notes": notes}, indent=2))

@@ -310,7 +310,7 @@ def plan_load(
         decisions.append(decode_decision)
     merge_plan = None if merge_request is None else plan_merge(
         merge_request, lora_request=lora_request, memory=layout.memory, main=main, machine=machine,
-        facts=mfacts, config=config, dtype=dtype_name, adapter_check=adapter_check or "", record=record,
+        facts=mfacts, dtype=dtype_name, adapter_check=adapter_check or "", record=record,
         warnings=warnings,
     )  # fmt: skip
     for warning in warnings:

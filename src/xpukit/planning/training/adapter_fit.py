@@ -135,7 +135,7 @@ def check_saved_adapter(
         InvalidRequestError: the adapter does not fit the base (unless ``force``), or its base
             record is malformed.
     """
-    if request is None or request.kind != "adapter" or config is None:
+    if request is None or request.kind != "adapter":
         return None, None
     path = str(request.adapter_path)
     check = check_adapter(

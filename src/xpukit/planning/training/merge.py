@@ -76,11 +76,10 @@ _WHY_NOT_4BIT = (
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MergeRequest:
-    """What ``merge=`` asked for: the weights to merge into and whether the adapter check is skipped."""
+    """What ``merge=`` asked for: the weights to merge into (``force=`` goes to the adapter check)."""
 
     base: str  # "dequantized" | "original"
     given: bool  # the user named the base (merge="original"), rather than merge=True
-    force: bool = False
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -258,7 +257,7 @@ def parse_merge(
             f"{what} with {split}: the merge needs the whole model on one device and is placed by fit "
             "(the device when it fits, else the CPU). Fix: drop it, and pass device= to choose the device."
         )
-    return MergeRequest(base=base, given=given, force=force)
+    return MergeRequest(base=base, given=given)
 
 
 def plan_merge(
@@ -269,7 +268,6 @@ def plan_merge(
     main: DeviceFacts,
     machine: MachineFacts,
     facts: ModelFacts,
-    config: Any,
     dtype: str,
     adapter_check: str,
     record: BaseRecord | None,
@@ -290,11 +288,6 @@ def plan_merge(
             f"merge=True: the base {facts.name!r} is already quantized ({facts.pre_quantized}): it has no "
             "full-precision weights to merge into. Fix: pass the full-precision checkpoint the adapter was "
             "trained from."
-        )
-    if config is None:
-        raise InvalidRequestError(
-            f"merge=True needs the base's weights: {facts.name!r} is a bare config. Fix: pass the model's "
-            "directory or Hub id."
         )
     base, base_from, asked, warning = _merge_base(request, record, adapter)
     if warning is not None:

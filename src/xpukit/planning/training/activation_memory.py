@@ -159,11 +159,14 @@ GRAPH_SHAPES = 8
 GRAPH_BUCKET = 256
 
 
-def graph_buffer_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int) -> int:
+def graph_buffer_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int, packed: bool = True) -> int:
     """What the captured graphs hold beside one step's activations: per captured shape the stack's
-    input, output and their two gradients (``4 × bucket × hidden`` elements), for the largest
-    :data:`GRAPH_SHAPES` buckets a step of up to ``tokens`` tokens can take. The activations
-    themselves are shared across shapes in one memory pool, so they are counted once, as eagerly."""
+    input, output and their two gradients (``4 × tokens × hidden`` elements). Fixed steps have one
+    shape of ``tokens``; packed rows (``packed``) the largest :data:`GRAPH_SHAPES` buckets a step of
+    up to ``tokens`` tokens can take. The activations themselves are shared across shapes in one
+    memory pool, so they are counted once, as eagerly."""
+    if not packed:
+        return 4 * tokens * shape.hidden * compute_bytes
     largest = -(-tokens // GRAPH_BUCKET) * GRAPH_BUCKET
     buckets = [b for b in range(largest, 0, -GRAPH_BUCKET)][:GRAPH_SHAPES]
     return 4 * sum(buckets) * shape.hidden * compute_bytes

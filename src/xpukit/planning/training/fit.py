@@ -138,12 +138,7 @@ def plan_training(
             kernel_norms=measured and (kind(fused_ce) == "liger" or fused_norms),
         )  # fmt: skip
         if graphs and not gc:  # the graphs' own buffers: one shape, or a packed row's buckets
-            tokens = micro * seq
-            held = (
-                graph_buffer_bytes(shape, tokens, compute_bytes=a)
-                if packed
-                else 4 * tokens * shape.hidden * a
-            )
+            held = graph_buffer_bytes(shape, micro * seq, compute_bytes=a, packed=packed)
             out = {**out, "graph_buffers": held, "peak": out["peak"] + held}
         return out
 

@@ -246,9 +246,10 @@ class LoadPlan:
                 lines += textwrap.wrap(
                     f"{name} = {_short(value)}: {why}", width, initial_indent="  ", subsequent_indent="    "
                 )
-        if [w for w in self.warnings if w != headline]:
+        rest = [w for w in self.warnings if w != headline]
+        if rest:
             lines += ["", "Warnings"]
-            for w in (w for w in self.warnings if w != headline):
+            for w in rest:
                 lines += textwrap.wrap(w, width, initial_indent="  ! ", subsequent_indent="    ")
         if verbose:
             target = repr(self.model) if self.model else f"<no weights: config {facts.name}>"

@@ -169,9 +169,10 @@ def test_a_frozen_model_is_refused_by_training_args_with_the_fix(
     assert f"lora={str(saved['full'])!r}, trainable=True" in message
 
 
-def test_trainable_adapter_trains_further(tiny_model: Path, saved: dict[str, Path], tmp_path: Path) -> None:
+def test_trainable_adapter_trains_further(
+    tiny_model: Path, saved: dict[str, Path], tmp_path: Path, train_losses: Any
+) -> None:
     import torch
-    from transformers import Trainer
 
     from xpukit import load_for_xpu, training_args
     from xpukit.demo.tiny import corpus_lines
@@ -184,17 +185,12 @@ def test_trainable_adapter_trains_further(tiny_model: Path, saved: dict[str, Pat
     assert lora and all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
     # It starts from the saved weights, not from a fresh init (B would be zeros).
     assert any(n.endswith("lora_B.default.weight") and p.abs().sum() > 0 for n, p in lora.items())
-    from transformers import AutoTokenizer, DataCollatorForLanguageModeling
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     data = [tok(line, truncation=True, max_length=24) for line in corpus_lines()[:8]]
     args = training_args(model, output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4)
-    Trainer(
-        model=model,
-        args=args,
-        train_dataset=data,
-        data_collator=DataCollatorForLanguageModeling(tok, mlm=False),
-    ).train()
+    train_losses(model, args, tok, data)
     changed = [n for n, p in model.named_parameters() if n in lora and not torch.equal(p, lora[n])]
     assert changed, "no adapter weight changed in the step"
     model.save_pretrained(tmp_path / "again")

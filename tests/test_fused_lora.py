@@ -96,18 +96,18 @@ def test_triton_kernel_under_the_interpreter() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _load_4bit(path: Path, *, double_quant: bool = True) -> Any:
+def _load_4bit(path: Path, *, double_quant: bool = True, dtype: str = "float32") -> Any:
     import torch
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     bnb = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
-        bnb_4bit_compute_dtype=torch.float32,
+        bnb_4bit_compute_dtype=getattr(torch, dtype),
         bnb_4bit_use_double_quant=double_quant,
     )
     model = AutoModelForCausalLM.from_pretrained(
-        path, quantization_config=bnb, dtype=torch.float32, device_map="cpu"
+        path, quantization_config=bnb, dtype=getattr(torch, dtype), device_map="cpu"
     )
     for module in model.modules():  # no CPU repacking in eval (avx512_bf16 CPUs): one kernel for all
         if hasattr(module, "support_avx512bf16_for_cpu"):
@@ -636,22 +636,11 @@ def test_in_bf16_a_block_beyond_the_tolerance_is_judged_against_float32(
 ) -> None:
     """bf16 tolerances are rounding noise: with them at 0, a correct block agrees because it is as
     close to peft's float32 answer as peft's own bf16 block; a wrong one (a scaled MLP) does not."""
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     from xpukit.loading.training import fused_check
     from xpukit.loading.training.fused_lora import apply_fused_lora
 
     def load() -> Any:
-        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                 bnb_4bit_compute_dtype=torch.bfloat16)  # fmt: skip
-        model = AutoModelForCausalLM.from_pretrained(
-            tiny_model, quantization_config=bnb, dtype=torch.bfloat16, device_map="cpu"
-        )
-        for module in model.modules():  # no CPU repacking in eval (avx512_bf16 CPUs)
-            if hasattr(module, "support_avx512bf16_for_cpu"):
-                module.support_avx512bf16_for_cpu = False
-        return model
+        return _load_4bit(tiny_model, dtype="bfloat16")
 
     monkeypatch.setitem(fused_check.TOLERANCES, "bfloat16", (0.0, 0.0))
     summary, check = apply_fused_lora(_peft(load()), insist=False)

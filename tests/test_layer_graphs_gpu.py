@@ -14,16 +14,29 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 
-def _load(tiny_model: Any, graphs: bool) -> Any:
+def _need_cuda() -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("triton")
     pytest.importorskip("bitsandbytes")
+
+
+def _load(tiny_model: Any, graphs: bool, *, lora: dict[str, Any] | None = None, **shape: int) -> Any:
+    """The tiny model in 4-bit with new adapters on CUDA (skipped without CUDA, triton or
+    bitsandbytes); ``lora`` overrides ``{"graphs": graphs}``, ``shape`` the batch_size/seq_len."""
+    _need_cuda()
     from xpukit import load_for_xpu
 
-    return load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, batch_size=2, seq_len=32,
-                        lora={"graphs": graphs})  # fmt: skip
+    sizes = {"batch_size": 2, "seq_len": 32, **shape}
+    return load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, lora=lora or {"graphs": graphs},
+                        **sizes)  # fmt: skip
+
+
+def _grads(model: Any) -> Any:
+    import torch
+
+    return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
 
 
 def _steps(model: Any, ids: Any, steps: int) -> list[tuple[float, Any]]:
@@ -37,7 +50,7 @@ def _steps(model: Any, ids: Any, steps: int) -> list[tuple[float, Any]]:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        grads = _grads(model)
         out.append((float(loss.detach()), grads))
         model.zero_grad(set_to_none=True)
     return out
@@ -69,9 +82,7 @@ def test_two_forwards_before_one_backward_run_eagerly(tiny_model: Any) -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             total = model(input_ids=ids, labels=ids).loss + model(input_ids=other, labels=other).loss
         total.backward()
-        results.append(
-            torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
-        )
+        results.append(_grads(model))
         if graphs:
             reasons = model.xpukit_layer_graphs.eager_reasons
             assert reasons["a forward before the previous one's backward"] == 1
@@ -81,6 +92,7 @@ def test_two_forwards_before_one_backward_run_eagerly(tiny_model: Any) -> None:
 def test_packed_padded_batches_replay_graphs_and_train_as_the_padded_eager_batches(tiny_model: Any) -> None:
     """The real-run case: batches of different lengths padded by a collator. Packed into buckets, the
     graphs replay after the first call of each shape; losses and gradients are the padded batches'."""
+    _need_cuda()
     import torch
 
     gen = torch.Generator().manual_seed(0)
@@ -93,11 +105,7 @@ def test_packed_padded_batches_replay_graphs_and_train_as_the_padded_eager_batch
         batches.append((ids.cuda() * mask.cuda(), mask.cuda(), step))
     results = []
     for lora in ({"graphs": False, "packing": False}, {"graphs": True, "packing": True}):
-        torch = pytest.importorskip("torch")
-        from xpukit import load_for_xpu
-
-        model = load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, batch_size=3, seq_len=40,
-                             lora=lora)  # fmt: skip
+        model = _load(tiny_model, False, lora=lora, batch_size=3, seq_len=40)
         model.train()
         run = []
         for ids, mask, _ in batches:
@@ -105,8 +113,7 @@ def test_packed_padded_batches_replay_graphs_and_train_as_the_padded_eager_batch
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()
-            run.append((float(loss.detach()), torch.cat([p.grad.float().flatten() for p in model.parameters()
-                                                         if p.grad is not None])))  # fmt: skip
+            run.append((float(loss.detach()), _grads(model)))
             model.zero_grad(set_to_none=True)
         results.append((model, run))
     (_, eager), (packed, graphed) = results

@@ -305,18 +305,14 @@ def test_int8_head_on_an_untied_model_and_not_on_a_tied_one(tiny_model_factory: 
 # --- merge --quantize: a checkpoint that loads quantized -----------------------------------------
 
 
-def test_merged_checkpoint_records_int4_and_loads_quantized(wide_model: Path, tmp_path: Path) -> None:
+def test_merged_checkpoint_records_int4_and_loads_quantized(
+    wide_model: Path, tmp_path: Path, perturbed_adapter: Any
+) -> None:
     import json
-
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     from xpukit.loading.save_merged import save_merged
 
-    base = AutoModelForCausalLM.from_pretrained(wide_model, dtype=torch.float32)
-    peft = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    peft.save_pretrained(tmp_path / "adapter")
+    perturbed_adapter(wide_model, tmp_path / "adapter", quantize=None)
     result = save_merged(
         str(wide_model), tmp_path / "adapter", tmp_path / "out", dtype="bfloat16", merge="original",
         quantize="int4",
@@ -334,18 +330,13 @@ def test_merged_checkpoint_records_int4_and_loads_quantized(wide_model: Path, tm
 
 
 def test_cli_merge_quantize_flag(
-    wide_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    wide_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], perturbed_adapter: Any
 ) -> None:
     import json
 
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
     from xpukit.cli.main import main
 
-    base = AutoModelForCausalLM.from_pretrained(wide_model, dtype=torch.float32)
-    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "adapter")
+    perturbed_adapter(wide_model, tmp_path / "adapter", quantize=None)
     argv = ["merge", str(wide_model), str(tmp_path / "adapter"), str(tmp_path / "out"), "--into", "original"]
     assert main([*argv, "--quantize", "int8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["quantize"] == "8bit"

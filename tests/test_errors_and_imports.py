@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -64,41 +65,45 @@ def test_require_returns_the_installed_version() -> None:
     assert _compat.require("peft", "lora=True") == _compat.installed_version("peft")
 
 
-def test_import_xpukit_imports_nothing_heavy() -> None:
-    code = (
-        "import sys, json, xpukit, xpukit.cli.main; "
-        "import xpukit.doctor.checks, xpukit.machine.profiles, xpukit.machine.precision; "
-        f"print(json.dumps([m for m in {HEAVY!r} if m in sys.modules]))"
-    )
+def _fresh_python(body: str, result: str = "None") -> tuple[Any, list[str]]:
+    """Run ``body`` in a new interpreter; the JSON value of the expression ``result`` there, and the
+    :data:`HEAVY` modules that were imported."""
+    heavy = f"[m for m in {HEAVY!r} if m in sys.modules]"
+    code = f"import sys, json\n{body}\nprint(json.dumps([{result}, {heavy}]))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert json.loads(out.stdout) == []
+    value, imported = json.loads(out.stdout)
+    return value, imported
+
+
+def test_import_xpukit_imports_nothing_heavy() -> None:
+    body = (
+        "import xpukit, xpukit.cli.main\n"
+        "import xpukit.doctor.checks, xpukit.machine.profiles, xpukit.machine.precision"
+    )
+    assert _fresh_python(body)[1] == []
 
 
 def test_every_public_module_imports_nothing_heavy() -> None:
     """Importing any xpukit module (not calling it) must stay torch-free."""
-    code = (
-        "import sys, json, pkgutil, importlib, xpukit\n"
+    body = (
+        "import pkgutil, importlib, xpukit\n"
         "mods = [m.name for m in pkgutil.walk_packages(xpukit.__path__, 'xpukit.')]\n"
-        "for m in mods: importlib.import_module(m)\n"
-        f"print(json.dumps([sorted(mods), [m for m in {HEAVY!r} if m in sys.modules]]))"
+        "for m in mods: importlib.import_module(m)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    mods, heavy = json.loads(out.stdout)
+    mods, heavy = _fresh_python(body, "sorted(mods)")
     assert len(mods) > 5
     assert heavy == []
 
 
 def test_cli_help_lists_commands_without_heavy_imports() -> None:
-    code = (
-        "import sys, json, contextlib, io\n"
+    body = (
+        "import contextlib, io\n"
         "from xpukit.cli.main import main\n"
         "buf = io.StringIO()\n"
         "with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):\n"
-        "    main(['--help'])\n"
-        f"print(json.dumps([buf.getvalue(), [m for m in {HEAVY!r} if m in sys.modules]]))"
+        "    main(['--help'])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    text, heavy = json.loads(out.stdout)
+    text, heavy = _fresh_python(body, "buf.getvalue()")
     assert all(command in text for command in ("doctor", "plan", "launch", "demo"))
     assert heavy == []
 
@@ -118,8 +123,8 @@ def test_plan_cli_checks_every_argument_before_heavy_imports() -> None:
         ["--headroom", "much"],
         ["--device", "gpu"],
     ]
-    code = (
-        "import sys, json, contextlib, io\n"
+    body = (
+        "import contextlib, io\n"
         "from xpukit.cli.main import main\n"
         "out = []\n"
         f"for extra in {bad!r}:\n"
@@ -128,11 +133,9 @@ def test_plan_cli_checks_every_argument_before_heavy_imports() -> None:
         "        out.append([main(['plan', 'qwen3-8b', *extra]), err.getvalue()])\n"
         "listed = io.StringIO()\n"
         "with contextlib.redirect_stdout(listed):\n"
-        "    out.append([main(['plan', '--assume', 'list']), listed.getvalue()])\n"
-        f"print(json.dumps([out, [m for m in {HEAVY!r} if m in sys.modules]]))"
+        "    out.append([main(['plan', '--assume', 'list']), listed.getvalue()])"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    results, heavy = json.loads(proc.stdout)
+    results, heavy = _fresh_python(body, "out")
     assert heavy == []
     *errors, (listed_code, listed) = results
     for extra, (code_, err) in zip(bad, errors, strict=True):

@@ -156,6 +156,29 @@ def tiny_models(tiny_model_factory: _TinyModelFactory) -> Mapping[str, Path]:
     return _TinyModels(tiny_model_factory)
 
 
+# The tiny qwen3 widened so torchao's int4 groups (128) divide every projection (8 heads of 16): the
+# model of the torchao tests on the CPU (test_serve_quant.py) and the GPU (test_serve_quant_gpu.py).
+WIDE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "initializer_range": 0.02,
+}
+
+
+@pytest.fixture(scope="session")
+def wide_model_factory(tiny_model_factory: _TinyModelFactory) -> Callable[..., Path]:
+    """``factory(**config_overrides) -> Path``: the wide tiny qwen3 (skipped without torchao)."""
+    pytest.importorskip("torchao")
+    return lambda **overrides: Path(tiny_model_factory("qwen3", **{**WIDE, **overrides}))
+
+
+@pytest.fixture(scope="session")
+def wide_model(wide_model_factory: Callable[..., Path]) -> Path:
+    return wide_model_factory()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tiny_models: Mapping[str, Path]) -> Path:
     """The tiny Qwen3 model's directory (config, safetensors weights, tokenizer)."""

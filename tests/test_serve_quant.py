@@ -181,27 +181,13 @@ def test_fast_decode_puts_the_head_in_int8_with_xpukit_s_torchao_format_only(tor
 
 # --- torchao on the CPU, for real ----------------------------------------------------------------
 
-# Tiny qwen3 with widths torchao's int4 groups (128) divide (8 heads of 16), so every projection is
-# quantized.
-WIDE = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "initializer_range": 0.02,
-}
+# The model: conftest's wide_model, the tiny qwen3 with widths torchao's int4 groups divide.
 # Relative L2 error of the last-position logits against the same model in float32, measured on
 # 2026-12-02 (torchao 0.18.0, bitsandbytes 0.50.2, torch 2.13.0+cpu, an AMD EPYC): torchao int8 1.5e-2,
 # torchao int4 1.76e-1 (bitsandbytes nf4 1.63e-1: the same order for 4 bits of random weights),
 # bfloat16 alone 7.8e-3. The tolerances leave room for other CPUs' rounding, not for a wrong kernel
 # (test_int4_matches_its_own_dequantized_weights checks the int4 product itself to 2e-2).
 TOLERANCE = {"8bit": 0.05, "4bit": 0.3}
-
-
-@pytest.fixture(scope="module")
-def wide_model(tiny_model_factory: Any) -> Path:
-    pytest.importorskip("torchao")
-    return Path(tiny_model_factory("qwen3", **WIDE))
 
 
 def _ids(n: int = 12) -> Any:
@@ -278,14 +264,14 @@ def test_quantized_fast_path_gives_the_plain_greedy_tokens(wide_model: Path) -> 
     assert got.tolist() == plain.sequences.tolist()
 
 
-def test_int8_head_on_an_untied_model_and_not_on_a_tied_one(tiny_model_factory: Any) -> None:
+def test_int8_head_on_an_untied_model_and_not_on_a_tied_one(wide_model_factory: Any) -> None:
     """The act behind the plan's ``int8_head``: the output projection in torchao int8 (logits close
     to the bf16 head's), and a head tied to the embeddings left alone with the reason."""
     import torch
 
     from xpukit.loading.decode.fast_decode import int8_head
 
-    untied = _load(Path(tiny_model_factory("qwen3", **WIDE, tie_word_embeddings=False)), "4bit")
+    untied = _load(wide_model_factory(tie_word_embeddings=False), "4bit")
     with torch.no_grad():
         before = untied(_ids()).logits[0, -1]
     event = int8_head(untied)
@@ -296,7 +282,7 @@ def test_int8_head_on_an_untied_model_and_not_on_a_tied_one(tiny_model_factory: 
         assert _rel(untied(_ids()).logits[0, -1], before) < TOLERANCE["8bit"]
     again = int8_head(untied)
     assert again.kind == "fallback" and "already Int8Tensor" in again.cause
-    tied = _load(Path(tiny_model_factory("qwen3", **WIDE, tie_word_embeddings=True)), "4bit")
+    tied = _load(wide_model_factory(tie_word_embeddings=True), "4bit")
     event = int8_head(tied)
     assert event.kind == "fallback" and "tied to the input embeddings" in event.cause
     assert type(tied.lm_head.weight) is torch.nn.Parameter

@@ -16,13 +16,6 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-WIDE = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "initializer_range": 0.02,
-}
 # bf16 on a GPU: the two paths' logits differ by rounding (~1e-2); a step closer than this to a tie
 # could flip either way, so the comparison stops before the first such step.
 MIN_MARGIN = 0.125
@@ -38,12 +31,6 @@ def _device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "xpu"
-
-
-@pytest.fixture(scope="module")
-def wide_model(tiny_model_factory: Any) -> Path:
-    pytest.importorskip("torchao")
-    return Path(tiny_model_factory("qwen3", **WIDE))
 
 
 def _ids(device: str) -> Any:

@@ -10,7 +10,6 @@ from xpukit import __version__
 from xpukit.doctor.checks import Finding, diagnose
 from xpukit.doctor.host import HostFacts, gather_host
 from xpukit.machine.facts import MachineFacts
-from xpukit.machine.precision import slow_precision
 
 __all__ = ["SCHEMA_VERSION", "DoctorReport", "run_doctor"]
 
@@ -109,9 +108,9 @@ class DoctorReport:
 
 def _precisions(device: Any) -> str:
     """What the device computes in natively, and what it only emulates (docs/platform-notes.md §3.5)."""
-    half = (("bf16", "bfloat16"), ("fp16", "float16"))
-    emulated = [n for n, dtype in half if slow_precision(device, dtype)]  # the rule the planner warns by
-    native = [n for n, _ in half if n not in emulated] + ["fp32"] + (["fp64"] if device.fp64 else [])
+    native = [n for n, ok in (("bf16", device.native_bf16), ("fp16", device.fp16)) if ok]
+    native += ["fp32"] + (["fp64"] if device.fp64 else [])
+    emulated = [n for n in ("bf16", "fp16") if n not in native]  # computed through fp32 (§3.5)
     text = f"native: {', '.join(native)}"
     text += f"; emulated (slow): {', '.join(emulated)}" if emulated else ""
     return text + ("" if device.fp64 else "; no fp64")

@@ -37,6 +37,10 @@ Variants:
     unsloth           ``FastLanguageModel`` with ``use_gradient_checkpointing="unsloth"`` (skipped
                       with a note when unsloth is not installed)
     unsloth-nogc      unsloth with checkpointing off
+    xpukit-nocheck    xpukit-auto with the fused path's load-time check skipped (the bench replaces
+                      ``check_blocks`` with one that checks nothing): ``load_s`` + ``first_step_s``
+                      against xpukit-auto's is the check's own cost, apart from the kernels' first
+                      compilation, which the first step pays when the check did not
 
 A step runs the plan's micro-batch (``micro_batch_run``) with gradient accumulation up to
 ``--batch``, as ``Trainer`` does with ``training_args``; the other variants run the whole batch.
@@ -113,6 +117,7 @@ VARIANTS = (
     "xpukit-fused-offload",
     "xpukit-fused-eager",
     "xpukit-fused-chunked",
+    "xpukit-nocheck",
     "unsloth",
     "unsloth-nogc",
 )
@@ -438,6 +443,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
     times, losses = [], []
     base = None
+    first_step_s = None
     for step in range(args.warmup + args.steps):
         synchronize(device)
         if step == args.warmup:  # gradients and AdamW state exist: the peak above this is the step's
@@ -447,6 +453,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         loss = train_step()
         synchronize(device)
         losses.append(loss)
+        if step == 0:
+            first_step_s = time.perf_counter() - start
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
     peak, mem_kind = peak_memory(device)  # before the profiled steps, which hold the profiler's buffers
@@ -465,6 +473,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "hidden": model.config.hidden_size,
         "model_type": model.config.model_type,
         "load_s": round(load_s, 2),
+        "first_step_s": round(first_step_s, 3) if first_step_s is not None else None,
         "batch": args.batch,
         "seq": args.seq,
         "peak_mem_gb": round(peak / 1e9, 3),
@@ -604,6 +613,10 @@ def load_xpukit(
             batch_size=args.batch, seq_len=args.seq, max_memory=max_memory,
         )  # fmt: skip
 
+    if variant == "xpukit-nocheck":  # the check's own cost: the same load with a check of nothing
+        from xpukit.loading.training import fused_lora
+
+        fused_lora.check_blocks = lambda model, groups, dtype: []  # type: ignore[assignment]
     late_fuse = False
     try:
         model = load(lora)

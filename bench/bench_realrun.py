@@ -261,6 +261,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_median": round(1000 * statistics.median(steps), 1) if steps else None,
         "step_ms_range": [round(1000 * min(steps), 1), round(1000 * max(steps), 1)] if steps else None,
         "real_tokens_per_step": round(statistics.mean(per_step), 1),
+        "real_tokens_max_micro_batch": max(counting.tokens) if counting.tokens else None,
+        "memory_pools_gb": memory_pools(device),
         "peak_mem_gb": round(peak / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 2) if device == "cuda" else None,
         "micro_batch": micro, "accumulation": accumulate, "losses": losses,
@@ -279,6 +281,24 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             row[f"{key}_other"] = dict(extra or {})
     del trainer, model
     return row
+
+
+def memory_pools(device: str) -> dict[str, dict[str, float]] | None:
+    """CUDA: memory reserved and in use at the run's end, by allocator pool (the graphs' private
+    pools apart from the default one), from ``torch.cuda.memory_snapshot``."""
+    if device != "cuda":
+        return None
+    import torch
+
+    pools: dict[str, dict[str, float]] = {}
+    for segment in torch.cuda.memory_snapshot():
+        pool = segment.get("segment_pool_id", (0, 0))
+        name = "default" if tuple(pool) == (0, 0) else f"graphs {tuple(pool)}"
+        row = pools.setdefault(name, {"reserved": 0.0, "allocated": 0.0, "segments": 0})
+        row["reserved"] += segment["total_size"] / 1e9
+        row["allocated"] += segment["allocated_size"] / 1e9
+        row["segments"] += 1
+    return {k: {a: round(b, 3) for a, b in v.items()} for k, v in pools.items()}
 
 
 def _as_dataset(data: list[dict[str, list[int]]]) -> Any:

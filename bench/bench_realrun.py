@@ -27,11 +27,13 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     unsloth-trainer    unsloth + transformers.Trainer with the padding collator
 
 Reported per variant and round (one JSON line): non-padding tokens/s over the steps after
-``--warmup``, the step time's median and spread, peak memory (``max_memory_allocated`` since the
-model was loaded), the loss per step, and for xpukit the packing and graph counters
-(``model.xpukit_packing.stats``, ``model.xpukit_layer_graphs.stats``). Rounds interleave the
-variants (``--repeat``); the summary gives medians and ranges. ``--max-memory 8GB`` gives xpukit
-that budget (unsloth has none: its checkpointing is its memory setting).
+``--warmup``, the step time's median and spread, peak memory (``max_memory_allocated`` from the
+first step on; a step that replayed the layer graphs also counts what their pool holds beyond its live
+tensors, where the replay writes its activations unseen by the allocator), the loss per step, and
+for xpukit the packing and graph counters (``model.xpukit_packing.stats``,
+``model.xpukit_layer_graphs.stats``). Rounds interleave the variants (``--repeat``); the summary
+gives medians and ranges. ``--max-memory 8GB`` gives xpukit that budget (unsloth has none: its
+checkpointing is its memory setting).
 
 Usage::
 
@@ -221,6 +223,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     accumulate = targs.gradient_accumulation_steps
     times: list[float] = []
     captures: list[int] = []  # graphs captured so far, at each step's end
+    peaks: list[int] = []  # each step's allocated high-water mark
     graphs = getattr(model, "xpukit_layer_graphs", None)
 
     class Clock(TrainerCallback):  # type: ignore[misc]
@@ -228,6 +231,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             qlora.synchronize(device)
             times.append(time.perf_counter())
             captures.append(graphs.stats["captures"] if graphs is not None else 0)
+            peaks.append(qlora.peak_memory(device)[0])
+            qlora.reset_peak(device)
 
     if variant in ("xpukit-sft", "unsloth", "unsloth-nogc"):
         from trl import SFTTrainer
@@ -251,7 +256,14 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     # Steady state: the timed steps that captured no new graph (a capture is paid once per shape).
     steady = [k for k in range(args.warmup, len(times)) if captures[k] == captures[k - 1]]
     steady_time = sum(times[k] - times[k - 1] for k in steady)
-    peak, _ = qlora.peak_memory(device)
+    # A step that captured counts its activations as allocated; a replay writes them into the graphs'
+    # pool unseen by the allocator, so a replaying step's peak gets the pool's unallocated part added
+    # (its size at the end, the largest it was: conservative for early steps).
+    slack = qlora.graph_pool_slack(device)
+    before = [0, *captures[:-1]]
+    peak = max(
+        (p if c != b else p + slack for p, c, b in zip(peaks, captures, before, strict=True)), default=0
+    )
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
     row: dict[str, Any] = {
         "bench": "realrun", "variant": variant, "data": args.data, "device": device,
@@ -262,8 +274,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_range": [round(1000 * min(steps), 1), round(1000 * max(steps), 1)] if steps else None,
         "real_tokens_per_step": round(statistics.mean(per_step), 1),
         "real_tokens_max_micro_batch": max(counting.tokens) if counting.tokens else None,
-        "memory_pools_gb": memory_pools(device),
-        "peak_mem_gb": round(peak / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
+        "memory_pools_gb": qlora.memory_pools(device),
+        "peak_mem_gb": round(peak / 1e9, 2), "peak_allocated_gb": round(max(peaks, default=0) / 1e9, 2),
+        "graph_pool_slack_gb": round(slack / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
         "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 2) if device == "cuda" else None,
         "micro_batch": micro, "accumulation": accumulate, "losses": losses,
         "loss_last": losses[-1] if losses else None, "max_memory": args.max_memory,
@@ -281,24 +294,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             row[f"{key}_other"] = dict(extra or {})
     del trainer, model
     return row
-
-
-def memory_pools(device: str) -> dict[str, dict[str, float]] | None:
-    """CUDA: memory reserved and in use at the run's end, by allocator pool (the graphs' private
-    pools apart from the default one), from ``torch.cuda.memory_snapshot``."""
-    if device != "cuda":
-        return None
-    import torch
-
-    pools: dict[str, dict[str, float]] = {}
-    for segment in torch.cuda.memory_snapshot():
-        pool = segment.get("segment_pool_id", (0, 0))
-        name = "default" if tuple(pool) == (0, 0) else f"graphs {tuple(pool)}"
-        row = pools.setdefault(name, {"reserved": 0.0, "allocated": 0.0, "segments": 0})
-        row["reserved"] += segment["total_size"] / 1e9
-        row["allocated"] += segment["allocated_size"] / 1e9
-        row["segments"] += 1
-    return {k: {a: round(b, 3) for a, b in v.items()} for k, v in pools.items()}
 
 
 def _as_dataset(data: list[dict[str, list[int]]]) -> Any:

@@ -40,7 +40,8 @@ Variants:
     xpukit-nocheck    xpukit-auto with the fused path's load-time check skipped (the bench replaces
                       ``check_blocks`` with one that checks nothing): ``load_s`` + ``first_step_s``
                       against xpukit-auto's is the check's own cost, apart from the kernels' first
-                      compilation, which the first step pays when the check did not
+                      compilation, which the first step pays when the check did not (with
+                      ``--cold-caches``: otherwise a child finds the kernels an earlier one compiled)
 
 A step runs the plan's micro-batch (``micro_batch_run``) with gradient accumulation up to
 ``--batch``, as ``Trainer`` does with ``training_args``; the other variants run the whole batch.
@@ -258,6 +259,11 @@ def main() -> int:
         help="unsloth: a small local tokenizer (it always loads one; default: the demo model's)",
     )
     parser.add_argument("--profile", action="store_true", help="torch.profiler breakdown (docstring)")
+    parser.add_argument(
+        "--cold-caches",
+        action="store_true",
+        help="each child starts with empty Triton and inductor caches (load_s, first_step_s: a first run)",
+    )
     parser.add_argument("--variant-child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -334,7 +340,15 @@ def run_child(
         "--model-dir",
         str(model_dir),
     ]
-    proc = subprocess.run(child, capture_output=True, text=True)
+    env = None
+    if getattr(args, "cold_caches", False):  # a first run's compile: no kernel cached by an earlier child
+        fresh = Path(tempfile.mkdtemp(prefix="xpukit-bench-caches-"))
+        env = dict(
+            os.environ,
+            TRITON_CACHE_DIR=str(fresh / "triton"),
+            TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"),
+        )
+    proc = subprocess.run(child, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]

@@ -158,27 +158,6 @@ def test_fast_decode_is_taken_only_where_it_beats_plain(
         assert plan.decode.kv_bytes <= plan.memory.headroom
 
 
-def test_fast_decode_puts_the_head_in_int8_with_xpukit_s_torchao_format_only(torchao: Any) -> None:
-    torchao(FOUND)
-    config = reference_config("qwen3-8b")
-    for quantize in ("4bit", "8bit"):
-        plan = plan_load(config, facts="h200", quantize=quantize, fast_decode=True)
-        assert plan.decode is not None and plan.decode.int8_head
-        assert plan.decision("fast_decode").value["lm_head"] == "torchao int8"
-        assert "lm_head) in torchao int8" in plan.decision("fast_decode").reason
-    for quantize in (None, "nf4"):  # bf16, or bitsandbytes (not compiled): the head stays
-        plan = plan_load(config, facts="h200", quantize=quantize, fast_decode=True)
-        assert plan.decode is not None and not plan.decode.int8_head
-        assert "lm_head" not in plan.decision("fast_decode").value
-    pytest.importorskip("torchao")
-    from torchao.quantization import Int4WeightOnlyConfig
-    from transformers import TorchAoConfig
-
-    given = TorchAoConfig(Int4WeightOnlyConfig())  # the user's own format is used as given
-    plan = plan_load(config, facts="h200", quantize=given, fast_decode=True)
-    assert plan.decode is not None and plan.decode.static_cache and not plan.decode.int8_head
-
-
 # --- torchao on the CPU, for real ----------------------------------------------------------------
 
 # The model: conftest's wide_model, the tiny qwen3 with widths torchao's int4 groups divide.
@@ -262,30 +241,6 @@ def test_quantized_fast_path_gives_the_plain_greedy_tokens(wide_model: Path) -> 
     got = model.generate(_ids(), max_new_tokens=new, do_sample=False)
     assert model.xpukit_last_decode["loop"] == "xpukit"
     assert got.tolist() == plain.sequences.tolist()
-
-
-def test_int8_head_on_an_untied_model_and_not_on_a_tied_one(wide_model_factory: Any) -> None:
-    """The act behind the plan's ``int8_head``: the output projection in torchao int8 (logits close
-    to the bf16 head's), and a head tied to the embeddings left alone with the reason."""
-    import torch
-
-    from xpukit.loading.decode.fast_decode import int8_head
-
-    untied = _load(wide_model_factory(tie_word_embeddings=False), "4bit")
-    with torch.no_grad():
-        before = untied(_ids()).logits[0, -1]
-    event = int8_head(untied)
-    assert event.kind == "applied" and event.actual == "torchao int8", event
-    assert type(untied.lm_head.weight).__name__ == "Int8Tensor" and "MiB ->" in event.cause
-    assert type(untied.model.embed_tokens.weight) is torch.nn.Parameter  # the embeddings untouched
-    with torch.no_grad():
-        assert _rel(untied(_ids()).logits[0, -1], before) < TOLERANCE["8bit"]
-    again = int8_head(untied)
-    assert again.kind == "fallback" and "already Int8Tensor" in again.cause
-    tied = _load(wide_model_factory(tie_word_embeddings=True), "4bit")
-    event = int8_head(tied)
-    assert event.kind == "fallback" and "tied to the input embeddings" in event.cause
-    assert type(tied.lm_head.weight) is torch.nn.Parameter
 
 
 # --- merge --quantize: a checkpoint that loads quantized -----------------------------------------

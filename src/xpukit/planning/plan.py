@@ -305,7 +305,6 @@ def plan_load(
             facts=mfacts,
             quantization=layout.quantization,
             device_map=distributed.device_map,
-            own_format=quant.user_config is None,
         )
         decisions.append(decode_decision)
     merge_plan = None if merge_request is None else plan_merge(

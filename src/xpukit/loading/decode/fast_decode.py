@@ -9,8 +9,6 @@ With a static cache planned, the model's ``generate`` is served by xpukit's deco
   length, so the compiled decoding step keeps its shapes whatever the prompt length);
 * ``compile_config=CompileConfig(fullgraph=True, dynamic=False, mode=...)`` when compiled, else
   ``disable_compile=True`` so that generate() does not compile with its own defaults;
-* with the plan's ``int8_head`` (compiled torchao weights on CUDA), the output projection in torchao
-  int8 weight-only, unless it is tied to the input embeddings (then it stays, recorded);
 * ``warmup=True``: one short greedy generation at load, twice, at each of the plan's
   ``graph_batch_sizes`` (the first compiles, the second shows the steady cost), recorded as a
   ``LoadEvent`` with what the compile cache did. A compile failure there turns compilation off for
@@ -26,14 +24,7 @@ from typing import Any
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.vocabulary import LoadEvent
 
-__all__ = [
-    "WARMUP_NEW_TOKENS",
-    "WARMUP_PROMPT_TOKENS",
-    "apply_fast_decode",
-    "generation_model",
-    "int8_head",
-    "warm_up",
-]
+__all__ = ["WARMUP_NEW_TOKENS", "WARMUP_PROMPT_TOKENS", "apply_fast_decode", "generation_model", "warm_up"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,49 +96,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     events = [LoadEvent(kind="applied", what="fast_decode", actual=settings), loop_event]
     if decode.grouped_attention:
         events.append(_grouped_attention(target))
-    if decode.int8_head:
-        events.append(int8_head(target))
     return events
-
-
-def int8_head(model: Any) -> LoadEvent:
-    """Put ``model``'s output projection in torchao int8 weight-only (one scale per row), in place.
-
-    Left as it is, and recorded as a fallback, when it is tied to the input embeddings (quantizing it
-    would change the embeddings too), is not a plain ``nn.Linear``, or is already quantized.
-    """
-    import torch
-
-    head: Any = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    cause = None
-    if type(head) is not torch.nn.Linear:
-        cause = f"the output projection is {type(head).__name__}, not a plain Linear"
-    elif embeddings is not None and head.weight is getattr(embeddings, "weight", None):
-        cause = "the output projection is tied to the input embeddings; quantizing it would change them too"
-    elif type(head.weight.data) is not torch.Tensor:
-        cause = f"the output projection is already {type(head.weight.data).__name__}"
-    if cause is not None:
-        return LoadEvent(kind="fallback", what="lm_head", planned="torchao int8", actual=None, cause=cause)
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
-
-    before = head.weight.numel() * head.weight.element_size()
-    quantize_(head, Int8WeightOnlyConfig(set_inductor_config=False))
-    after = sum(t.numel() * t.element_size() for t in _inner_tensors(head.weight))
-    return LoadEvent(
-        kind="applied", what="lm_head", actual="torchao int8",
-        cause=f"{before / 2**20:.0f} MiB -> {after / 2**20:.0f} MiB read per decoded token",
-    )  # fmt: skip
-
-
-def _inner_tensors(weight: Any) -> list[Any]:
-    """The plain tensors a torchao tensor subclass stores (itself for a plain tensor)."""
-    data = getattr(weight, "data", weight)
-    flatten = getattr(data, "__tensor_flatten__", None)
-    if flatten is None:
-        return [data]
-    names, _ = flatten()
-    return [t for name in names for t in _inner_tensors(getattr(data, name))]
 
 
 def _grouped_attention(model: Any) -> LoadEvent:

@@ -13,10 +13,7 @@ mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`
 * Quantized weights (docs/decode.md "Quantized models"): bitsandbytes — nothing changes (transformers
   does not compile it, and the static cache alone measured slower than plain ``generate``); torchao
   int4/int8 — compiled static-cache decoding on CUDA only, where it is the path torchao's own figures
-  are measured on (and measured here: 190.6 against 19.9 tokens/s for int4); elsewhere nothing
-  changes until it is measured. There the output projection is also put in torchao int8 (one scale
-  per row) when it is not tied to the input embeddings: a bf16 head is a quarter of the bytes an
-  int4 8B model reads per token (docs/decode.md "Quantized models").
+  are measured on; elsewhere nothing changes until it is measured.
 * CPU and MPS: nothing changes, and the decision says why (docs/decode.md "CPU measurements").
 """
 
@@ -69,8 +66,6 @@ class DecodePlan:
             "Batch sizes").
         grouped_attention: a model that runs SDPA with fewer key/value heads than query heads gets
             xpukit's grouped decode attention (docs/decode.md "Grouped decode attention").
-        int8_head: the output projection (``lm_head``) goes to torchao int8 weight-only before
-            compiling, unless it is tied to the input embeddings (docs/decode.md "Quantized models").
     """
 
     static_cache: bool
@@ -80,20 +75,16 @@ class DecodePlan:
     kv_bytes: int = 0
     graph_batch_sizes: tuple[int, ...] = ()
     grouped_attention: bool = False
-    int8_head: bool = False
 
     def describe(self) -> dict[str, Any]:
-        """The decision's value: what changes in the generation config (and the head's format)."""
+        """The decision's value: what changes in the generation config."""
         if not self.static_cache:
             return {"static_cache": False, "compile": False}
-        value: dict[str, Any] = {
+        return {
             "static_cache": True,
             "max_cache_len": self.max_cache_len,
             "compile": self.compile_mode if self.compile else False,
         }
-        if self.int8_head:
-            value["lm_head"] = "torchao int8"
-        return value
 
 
 def check_fast_decode(value: Any) -> bool:
@@ -123,7 +114,6 @@ def plan_decode(
     facts: ModelFacts,
     quantization: str | None,
     device_map: Any,
-    own_format: bool = True,
 ) -> tuple[DecodePlan, Decision]:
     """Decide the static cache length and whether decoding is compiled (``fast_decode=True``).
 
@@ -134,8 +124,6 @@ def plan_decode(
         facts: the model's facts (KV bytes per token, context length).
         quantization: the plan's quantization (``4bit``, ``8bit``, another method, or ``None``).
         device_map: the plan's device_map (compiled decoding needs the whole model on one device).
-        own_format: the quantization format is xpukit's choice (not a config the user passed), so
-            the output projection may join it (:attr:`DecodePlan.int8_head`).
 
     Returns:
         The :class:`DecodePlan` and its ``fast_decode`` :class:`Decision` (``source="user"`` when
@@ -203,7 +191,6 @@ def plan_decode(
         kv_bytes=kv_bytes,
         graph_batch_sizes=GRAPH_BATCH_SIZES,
         grouped_attention=backend == "cuda",
-        int8_head=quantization == "torchao" and own_format,  # only CUDA gets here with torchao
     )
     grouped = (
         "; a decode step's attention over grouped key/value heads without transformers' repeat_kv copy "
@@ -211,19 +198,12 @@ def plan_decode(
         if backend == "cuda"
         else ""
     )
-    head = (
-        "; the output projection (lm_head) in torchao int8, one scale per row, unless tied to the "
-        "input embeddings: a bf16 head is a quarter of the bytes an int4 8B model reads per token "
-        '(docs/decode.md "Quantized models")'
-        if plan.int8_head
-        else ""
-    )
     sizes = ", ".join(str(b) for b in GRAPH_BATCH_SIZES)
     return plan, Decision(
         name="fast_decode",
         value=plan.describe(),
         reason=f"fast_decode=True given: {sized}; decoding step compiled (fullgraph, static shapes, "
-        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use{grouped}{head}",
+        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use{grouped}",
         source="user",
     )
 

@@ -25,6 +25,7 @@ class ModelShape:
     head_dim: int
     vocab: int
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    norms: int = 2  # RMSNorms per decoder layer on the hidden states (Gemma 2/3: 4, pre and post)
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -59,4 +60,5 @@ def model_shape(config: Any) -> ModelShape | None:
         head_dim=first("head_dim") or hidden // heads,
         vocab=vocab,
         qk_norm=model_type.startswith(("qwen3", "gemma3", "olmo2")),
+        norms=4 if model_type.startswith(("gemma2", "gemma3")) else 2,
     )

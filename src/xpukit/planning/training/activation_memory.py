@@ -113,7 +113,7 @@ def activation_bytes(
     n = _targeted(targets)
     dims = {"attn_in": h, "attn_out": q, "mlp_in": h, "mlp_out": i}
     norm = a if kernel_norms else 4  # liger keeps the input as is; transformers upcasts it to fp32
-    per_token = 2 * norm * h  # two RMSNorms
+    per_token = shape.norms * norm * h  # two RMSNorms (four in Gemma 2/3: pre and post)
     per_token += norm * (q + kv) if shape.qk_norm else 0  # q/k norms, the same
     per_token += a * (q + 2 * kv) + a * q + 4 * shape.heads  # SDPA: q, k, v, output, logsumexp
     if fused_lora:  # q/k/v share one saved input, gate/up another; gate and up kept, down recomputes

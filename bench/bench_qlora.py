@@ -790,6 +790,15 @@ def current_memory(device: str) -> int | None:
     return None
 
 
+def peak_reserved(device: str) -> int | None:
+    """``max_memory_reserved`` of a GPU since the last reset (``None`` on the CPU)."""
+    if device == "cpu":
+        return None
+    import torch
+
+    return int(getattr(torch, device).max_memory_reserved())
+
+
 def peak_memory(device: str) -> tuple[int, str]:
     if device == "cpu":
         with contextlib.suppress(OSError), open("/proc/self/status") as f:

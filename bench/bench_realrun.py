@@ -27,9 +27,9 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     unsloth-trainer    unsloth + transformers.Trainer with the padding collator
 
 Reported per variant and round (one JSON line): non-padding tokens/s over the steps after
-``--warmup``, the step time's median and spread, peak memory (``max_memory_allocated`` from the
-first step on; a step that replayed the layer graphs also counts what their pool holds beyond its live
-tensors, where the replay writes its activations unseen by the allocator), the loss per step, and
+``--warmup``, the step time's median and spread, peak memory from the first step on (on a GPU
+``max_memory_reserved``, what the process held: a replay of the layer graphs writes its activations
+into their pool unseen by ``max_memory_allocated``, which is reported beside it), the loss per step, and
 for xpukit the packing and graph counters (``model.xpukit_packing.stats``,
 ``model.xpukit_layer_graphs.stats``). Rounds interleave the variants (``--repeat``); the summary
 gives medians and ranges. ``--max-memory 8GB`` gives xpukit that budget (unsloth has none: its
@@ -167,7 +167,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     if args.variant_child.startswith("unsloth"):
         os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
         import unsloth  # noqa: F401  (before transformers, as unsloth requires)
-    import torch
     from transformers import AutoTokenizer, DataCollatorForLanguageModeling, TrainerCallback
 
     device = qlora.pick_device(args.device)
@@ -223,7 +222,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     accumulate = targs.gradient_accumulation_steps
     times: list[float] = []
     captures: list[int] = []  # graphs captured so far, at each step's end
-    peaks: list[int] = []  # each step's allocated high-water mark
     graphs = getattr(model, "xpukit_layer_graphs", None)
 
     class Clock(TrainerCallback):  # type: ignore[misc]
@@ -231,8 +229,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             qlora.synchronize(device)
             times.append(time.perf_counter())
             captures.append(graphs.stats["captures"] if graphs is not None else 0)
-            peaks.append(qlora.peak_memory(device)[0])
-            qlora.reset_peak(device)
 
     if variant in ("xpukit-sft", "unsloth", "unsloth-nogc"):
         from trl import SFTTrainer
@@ -256,14 +252,13 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     # Steady state: the timed steps that captured no new graph (a capture is paid once per shape).
     steady = [k for k in range(args.warmup, len(times)) if captures[k] == captures[k - 1]]
     steady_time = sum(times[k] - times[k - 1] for k in steady)
-    # A step that captured counts its activations as allocated; a replay writes them into the graphs'
-    # pool unseen by the allocator, so a replaying step's peak gets the pool's unallocated part added
-    # (its size at the end, the largest it was: conservative for early steps).
+    # On a GPU the peak is what the process held from the allocator (reserved): a replay of the layer
+    # graphs writes its activations into the graphs' pool unseen by the allocated count, and the
+    # pool stays reserved. Allocated and the pool's unallocated part are reported beside it.
+    allocated, _ = qlora.peak_memory(device)
+    reserved = qlora.peak_reserved(device)
+    peak = reserved if reserved is not None else allocated
     slack = qlora.graph_pool_slack(device)
-    before = [0, *captures[:-1]]
-    peak = max(
-        (p if c != b else p + slack for p, c, b in zip(peaks, captures, before, strict=True)), default=0
-    )
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
     row: dict[str, Any] = {
         "bench": "realrun", "variant": variant, "data": args.data, "device": device,
@@ -275,9 +270,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "real_tokens_per_step": round(statistics.mean(per_step), 1),
         "real_tokens_max_micro_batch": max(counting.tokens) if counting.tokens else None,
         "memory_pools_gb": qlora.memory_pools(device),
-        "peak_mem_gb": round(peak / 1e9, 2), "peak_allocated_gb": round(max(peaks, default=0) / 1e9, 2),
+        "peak_mem_gb": round(peak / 1e9, 2), "peak_allocated_gb": round(allocated / 1e9, 2),
         "graph_pool_slack_gb": round(slack / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
-        "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 1e9, 2) if device == "cuda" else None,
         "micro_batch": micro, "accumulation": accumulate, "losses": losses,
         "loss_last": losses[-1] if losses else None, "max_memory": args.max_memory,
         "versions": qlora.versions(), "date": time.strftime("%Y-%m-%d"),

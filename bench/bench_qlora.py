@@ -498,6 +498,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "peak_mem_gb": round((peak + slack) / 1e9, 3),
         "peak_allocated_gb": round(peak / 1e9, 3),
         "graph_pool_slack_gb": round(slack / 1e9, 3),
+        "peak_reserved_gb": round(reserved / 1e9, 3) if (reserved := peak_reserved(device)) else None,
         "activation_gb": round((peak + slack - base) / 1e9, 3) if base is not None else None,
         "estimate_gb": round(training.estimate["peak"] / 1e9, 3) if training is not None else None,
         "mem_kind": mem_kind,

@@ -37,6 +37,8 @@ Variants:
     unsloth           ``FastLanguageModel`` with ``use_gradient_checkpointing="unsloth"`` (skipped
                       with a note when unsloth is not installed)
     unsloth-nogc      unsloth with checkpointing off
+    xpukit-gc-graphs  ``lora={"gradient_checkpointing": True, "graphs": True}``: each layer
+                      checkpointed inside the layer graphs
     xpukit-nocheck    xpukit-auto with the fused path's load-time check skipped (the bench replaces
                       ``check_blocks`` with one that checks nothing): ``load_s`` + ``first_step_s``
                       against xpukit-auto's is the check's own cost, apart from the kernels' first
@@ -122,6 +124,7 @@ VARIANTS = (
     "xpukit-fused-eager",
     "xpukit-fused-chunked",
     "xpukit-nocheck",
+    "xpukit-gc-graphs",
     "unsloth",
     "unsloth-nogc",
 )
@@ -140,6 +143,7 @@ FORCED: dict[str, dict[str, Any]] = {
     "xpukit-fused-offload": {"gradient_checkpointing": "offload", "liger": False, "fused": True},
     "xpukit-fused-eager": {"fused": True, "graphs": False},
     "xpukit-fused-chunked": {"gradient_checkpointing": False, "liger": False, "fused": True},
+    "xpukit-gc-graphs": {"gradient_checkpointing": True, "graphs": True},
 }
 PROFILE_STEPS = 3
 

@@ -21,6 +21,8 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     xpukit-eager       xpukit with lora={"graphs": False}: what the graphs of the layers give
     xpukit-liger       xpukit with lora={"liger": True}: liger's fused loss (memory) instead of the plain one
     xpukit-adamw       xpukit with optim="adamw_torch_fused" instead of the plan's paged 8-bit AdamW
+    xpukit-gc-graphs   xpukit with lora={"gradient_checkpointing": True, "graphs": True}: each layer
+                       checkpointed inside the layer graphs (the budget case, device-bound)
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
                        unsloth's recommended set-up (it turns padding-free batches on for text SFT)
     unsloth-nogc       the same with unsloth's checkpointing off (its fastest setting, more memory)
@@ -61,11 +63,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VARIANTS = (
     "xpukit", "xpukit-sft", "xpukit-nopack", "xpukit-eager", "xpukit-liger", "xpukit-adamw",
-    "unsloth", "unsloth-nogc", "unsloth-trainer",
+    "xpukit-gc-graphs", "unsloth", "unsloth-nogc", "unsloth-trainer",
 )  # fmt: skip
 # lora= and training_args keywords of the xpukit variants beside the one call.
 XPUKIT_LORA: dict[str, Any] = {
     "xpukit-nopack": {"packing": False}, "xpukit-eager": {"graphs": False}, "xpukit-liger": {"liger": True},
+    "xpukit-gc-graphs": {"gradient_checkpointing": True, "graphs": True},
 }  # fmt: skip
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {"xpukit-adamw": {"optim": "adamw_torch_fused"}}
 DATA = {  # median, sigma of log(length), low, high

@@ -191,6 +191,87 @@ def test_layer_graphs_on_a_lora_model_train_as_the_eager_layers(tiny_model_facto
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
+def test_packed_rows_pad_to_the_captured_shapes(tiny_model: Path) -> None:
+    """Packing over the graphs: a row pads to a shape already captured where one is less than a
+    bucket above it, a new longest row only to a multiple of 64; the losses are those of the padded
+    batches without packing or graphs (right padding, padding labels -100)."""
+    gen = torch.Generator().manual_seed(3)
+    batches = []
+    for lengths in ((18, 12), (12, 8), (40, 30), (30, 20)):  # real tokens 30, 20, 70, 50
+        ids = torch.randint(3, 500, (2, max(lengths)), generator=gen)
+        mask = torch.zeros_like(ids)
+        for row, n in enumerate(lengths):
+            mask[row, :n] = 1
+        batches.append((ids, mask, ids.masked_fill(mask == 0, -100)))
+    plain = _lora(tiny_model, graphed=False)
+    with torch.no_grad():
+        want = [float(plain(input_ids=i, attention_mask=m, labels=y).loss) for i, m, y in batches]
+    model = _lora(tiny_model, graphed=True)
+    graphs = model.xpukit_layer_graphs
+    # The CPU plan packs without a bucket (no graphs there); on a GPU loading/lora.py wires these.
+    model.xpukit_packing.bucket, model.xpukit_packing.captured = 256, graphs.captured_tokens
+    got = []
+    for ids, mask, labels in batches:
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        got.append(float(loss.detach()))
+    assert got == pytest.approx(want, rel=1e-5)
+    # 30 → 64 (the warm-up call, eager), 20 → 64 (captured), 70 → 128 (the new longest), 50 → 64
+    assert sorted(graphs.captured_tokens()) == [64, 128]
+    assert model.xpukit_packing.stats["bucket_padding"] == 34 + 44 + 58 + 14
+    assert graphs.stats["captures"] == 2 and graphs.stats["graphed"] == 3
+
+
+def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lora={"graphs": True, "gradient_checkpointing": True}: each layer checkpointed inside the
+    captured stack (the backward recomputes it with the stand-ins in place) and on the eager passes;
+    losses and gradients equal the plain eager layers over two shapes with accumulation."""
+    import torch.utils.checkpoint as ckpt
+
+    from xpukit.loading.training.layer_graphs import install_layer_graphs
+
+    calls: list[bool] = []
+    real = ckpt.checkpoint
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(bool(kwargs.get("preserve_rng_state")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "checkpoint", counted)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(3, 500, (2, n), generator=gen) for n in (12, 12, 9, 12, 9, 9)]
+    runs = []
+    for graphed in (False, True):
+        model = _lora(tiny_model, graphed=False)
+        if graphed:
+            model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+            install_layer_graphs(model, checkpoint=True)
+            model.xpukit_layer_graphs.backend = RerunBackend()
+            layers = model.xpukit_layer_graphs.layers
+            assert not any(layer.gradient_checkpointing for layer in layers)  # xpukit checkpoints them
+        losses, grads = [], []
+        for step in range(3):
+            for ids in batches[2 * step : 2 * step + 2]:
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / 2).backward()
+                losses.append(float(loss.detach()))
+                if graphed and step == 0 and len(losses) == 1:  # the eager first call, checkpointed
+                    assert calls == [True] * len(layers)
+            grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+            model.zero_grad(set_to_none=True)
+        runs.append((losses, grads))
+    stats = model.xpukit_layer_graphs.stats
+    assert stats["captures"] == 2 and stats["graphed"] == 5 and stats["eager"] == 1
+    assert False in calls  # inside the capture: no RNG state saved
+    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-5)
+    for eager_step, graphed_step in zip(runs[0][1], runs[1][1], strict=True):
+        assert len(eager_step) == len(graphed_step) > 0
+        for a, b in zip(eager_step, graphed_step, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["cuda", "xpu"])
 def test_the_device_graph_api_the_capture_names_exists_in_this_torch(kind: str) -> None:
     """torch.cuda / torch.xpu as GraphBackend reads them (present in CPU builds of torch too; the

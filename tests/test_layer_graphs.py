@@ -49,7 +49,8 @@ def test_on_for_intel_gpus_with_a_torch_that_has_xpu_graphs() -> None:
     [
         ({"facts": "cpu"}, "need CUDA or an Intel GPU"),
         ({"lora": {"fused": False}}, "fused 4-bit LoRA path"),
-        ({"lora": {"gradient_checkpointing": True}}, "recomputes"),
+        ({"lora": {"gradient_checkpointing": True}}, "only where asked"),
+        ({"lora": {"gradient_checkpointing": "offload"}}, "pinned host memory"),
     ],
 )
 def test_off_where_not_measured(kwargs: dict[str, Any], why: str) -> None:
@@ -75,6 +76,25 @@ def test_the_user_turns_it_off_or_insists() -> None:
         plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, **(args | {"facts": "cpu"}))
     with pytest.raises(InvalidRequestError, match="must be True or False"):
         resolve_lora({"graphs": "yes"}, quantized=True)
+
+
+def test_checkpointed_layers_inside_the_graphs_only_where_asked() -> None:
+    """With plain checkpointing the graphs capture the recomputation when lora={"graphs": True} asks
+    (not measured on a GPU yet, so never by the plan alone); their buffers are then in the estimate.
+    Offloaded checkpointing cannot be captured, and asking for it is refused."""
+    args: dict[str, Any] = {"facts": "h200", "quantize": "4bit", "batch_size": 4, "seq_len": 512}
+    asked = plan_load(
+        reference_config("qwen3-8b"), lora={"graphs": True, "gradient_checkpointing": True}, **args
+    )
+    graphs = _decision(asked)
+    assert graphs.value is True and "checkpointed inside the graphs" in graphs.reason
+    assert asked.training is not None and asked.training.gradient_checkpointing is True
+    assert asked.training.estimate["graph_buffers"] > 0
+    alone = plan_load(reference_config("qwen3-8b"), lora={"gradient_checkpointing": True}, **args)
+    assert alone.training is not None and "graph_buffers" not in alone.training.estimate
+    with pytest.raises(InvalidRequestError, match=r"graphs': True.*pinned host memory.*Fix"):
+        plan_load(reference_config("qwen3-8b"), lora={"graphs": True, "gradient_checkpointing": "offload"},
+                  **args)  # fmt: skip
 
 
 def test_no_decision_without_new_adapters() -> None:

@@ -371,18 +371,16 @@ def test_estimate_matches_the_h200_graph_peaks_of_other_families(
     LoRA, liger's norms and loss, the layer graphs, 4 × 512): activations above the weights, the
     graphs' pool included, less the LoRA gradients, against the plan's estimate within ±15 %. Gemma 3
     has four RMSNorms a layer; counted as two, its estimate was 24 % low."""
-    import xpukit.planning.training.fit as fit
     from transformers import Gemma3TextConfig
 
+    import xpukit.planning.training.fit as fit
+
     monkeypatch.setattr(fit, "liger_availability", lambda backend: (True, "injected"))
-    config = (
-        Gemma3TextConfig(
-            vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
-            num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=1024,
-        )  # fmt: skip
-        if family == "gemma-3-4b"
-        else reference_config(family)
-    )
+    gemma = {
+        "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024,
+    }  # fmt: skip
+    config = Gemma3TextConfig(**gemma) if family == "gemma-3-4b" else reference_config(family)
     plan = plan_load(config, facts="h200", quantize="4bit", lora=True, batch_size=4, seq_len=512)
     assert plan.training is not None and plan.training.micro_batch == 4
     assert plan.decision("layer_graphs").value and plan.decision("fused_lora").value

@@ -195,7 +195,7 @@ def _new_adapters(
         from xpukit.loading.training.layer_graphs import install_layer_graphs
 
         if fused and fused_everywhere(peft_model):
-            notes.append(install_layer_graphs(peft_model))
+            notes.append(install_layer_graphs(peft_model, checkpoint=request.gradient_checkpointing is True))
         else:  # the graphs were measured on whole fused blocks only
             notes.append(
                 "CUDA graphs of the decoder layers: not installed (not every block runs the fused path, "
@@ -204,7 +204,9 @@ def _new_adapters(
     if packing is not None:
         from xpukit.loading.training.packing import install_packing
 
-        notes.append(install_packing(peft_model, bucket=packing))
+        graphs_of = getattr(peft_model, "xpukit_layer_graphs", None)
+        captured = graphs_of.captured_tokens if graphs_of is not None else None
+        notes.append(install_packing(peft_model, bucket=packing, captured=captured))
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     what = f"LoRA adapter {request.adapter_path}, trainable," if request.kind == "adapter" else "LoRA"

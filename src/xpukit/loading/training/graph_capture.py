@@ -261,7 +261,8 @@ def capture(
     state.grad_out = torch.empty_like(state.out)
 
     def backward_body() -> None:
-        grads = torch.autograd.grad(state.out, (*wanted, *leaves), state.grad_out, allow_unused=True)
+        with stand_ins.installed():  # a checkpointed layer recomputes its forward here
+            grads = torch.autograd.grad(state.out, (*wanted, *leaves), state.grad_out, allow_unused=True)
         captured.used = [g is not None for g in grads[len(wanted) :]]
         for view, grad in zip(shared.views, grads[len(wanted) :], strict=True):
             if grad is not None:

@@ -34,6 +34,11 @@ How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
 * A graph's buffers hold one pass at a time: a second forward before the first one's backward (two
   forwards, one backward) runs eagerly, as does everything while that first pass is alive. A pass
   whose outputs are dropped without backward frees the graphs for the next one.
+* With plain gradient checkpointing (``lora={"graphs": True, "gradient_checkpointing": True}``)
+  each layer is checkpointed inside the captured stack (non-reentrant ``torch.utils.checkpoint``),
+  so the backward graph recomputes it; transformers' per-layer checkpointing is turned off, and the
+  eager passes are checkpointed the same way. The capture's backward runs with the stand-ins in
+  place, so a recomputation reads them.
 * Only the layers are captured; embeddings, the final norm, the loss and the optimizer stay eager.
   A capture that fails turns the graphs off for this model, with a warning and the reason in
   :attr:`LayerGraphs.failed`.
@@ -75,10 +80,14 @@ class LayerGraphs:
         max_shapes: how many shapes are captured at most.
     """
 
-    def __init__(self, layers: list[Any], *, attention: str = "sdpa", backend: Any = None) -> None:
+    def __init__(
+        self, layers: list[Any], *, attention: str = "sdpa", backend: Any = None, checkpoint: bool = False
+    ) -> None:
         self.layers = layers
         self.forwards = [layer.forward for layer in layers]
         self.attention = attention
+        # Each layer checkpointed here, replayed or not (transformers' own checkpointing is off then).
+        self.checkpoint = checkpoint
         self.max_shapes = MAX_SHAPES
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
@@ -101,6 +110,11 @@ class LayerGraphs:
     @property
     def keys(self) -> list[tuple[Any, ...]]:
         return list(self._graphs)
+
+    def captured_tokens(self) -> list[int]:
+        """The lengths of the single rows captured so far (packed rows: ``[1, tokens, hidden]``):
+        packing pads a row to one of them where it can (``loading/training/packing.py``)."""
+        return [int(key[0][1]) for key in self._graphs if len(key[0]) == 3 and key[0][0] == 1]
 
     @property
     def key(self) -> tuple[Any, ...] | None:
@@ -178,7 +192,7 @@ class LayerGraphs:
             else:
                 self._input, self._calls = hidden_states, []
         if not self._active:
-            out = self.forwards[index](hidden_states, *args, **kwargs)
+            out = self._layer(self.forwards[index], hidden_states, args, kwargs, capturing=False)
             if isinstance(out, tuple) and self.unsupported is None:
                 # The stack hands one tensor from layer to layer; a decoder that indexes a tuple
                 # would read the wrong thing from it.
@@ -217,8 +231,22 @@ class LayerGraphs:
         would have run)."""
         self._eager(why)
         for forward, (args, kwargs) in zip(self.forwards, calls, strict=True):
-            hidden = forward(hidden, *args, **kwargs)
+            hidden = self._layer(forward, hidden, args, kwargs, capturing=False)
         return hidden
+
+    def _layer(self, forward: Any, hidden: Any, args: Any, kwargs: dict[str, Any], *, capturing: bool) -> Any:
+        """One layer's forward; checkpointed (non-reentrant) in checkpoint mode while training with
+        grad. Inside a capture the RNG state is not saved (the device's generator state cannot be read
+        there; the fused path the graphs run on has no dropout)."""
+        import torch
+
+        if not (self.checkpoint and torch.is_grad_enabled() and self.layers[0].training):
+            return forward(hidden, *args, **kwargs)
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(
+            forward, hidden, *args, use_reentrant=False, preserve_rng_state=not capturing, **kwargs
+        )
 
     def _capture(
         self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...]
@@ -234,7 +262,7 @@ class LayerGraphs:
 
         def stack(h: Any, *values: Any) -> Any:
             for forward, (args, kwargs) in zip(forwards, templates, strict=True):
-                h = forward(h, *fill(args, values), **fill(kwargs, values))
+                h = self._layer(forward, h, fill(args, values), fill(kwargs, values), capturing=True)
             return h
 
         sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
@@ -287,10 +315,12 @@ class LayerGraphs:
         self._pending = False
 
 
-def install_layer_graphs(model: Any) -> str:
+def install_layer_graphs(model: Any, *, checkpoint: bool = False) -> str:
     """Wrap the decoder layers' ``forward`` of ``model`` (a PeftModel or transformers model) so that
     matching training calls replay device graphs; returns a note. ``model.xpukit_layer_graphs`` is
-    the :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs)."""
+    the :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs). ``checkpoint``: each
+    layer is checkpointed inside the graphs (and on the eager passes) instead of by transformers,
+    whose per-layer checkpointing is turned off here."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
@@ -298,12 +328,17 @@ def install_layer_graphs(model: Any) -> str:
         return "graphs of the decoder layers: not installed (no model.layers with rotary embeddings)"
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     attention = str(getattr(config, "_attn_implementation", None) or "sdpa")
-    graphs = LayerGraphs(list(layers), attention=attention)
+    if checkpoint:  # transformers' checkpoint would wrap the stack's run in the last layer's call
+        for layer in layers:
+            if getattr(layer, "gradient_checkpointing", False):
+                layer.gradient_checkpointing = False
+    graphs = LayerGraphs(list(layers), attention=attention, checkpoint=checkpoint)
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(graphs.forward, index)
     model.xpukit_layer_graphs = graphs
+    inside = ", each layer checkpointed inside them (the backward graph recomputes it)" if checkpoint else ""
     return (
         f"graphs of the {len(layers)} decoder layers: forward and backward of the whole stack captured "
         f"per training shape (up to {graphs.max_shapes}, one memory pool) from the second training "
-        "call, replayed for matching calls (model.xpukit_layer_graphs.stats)"
+        f"call, replayed for matching calls{inside} (model.xpukit_layer_graphs.stats)"
     )

@@ -12,9 +12,12 @@ and left padding) runs the layers on one row of the real tokens:
   positions (SDPA, eager and flex attention; the flash-attention kernels run them as
   variable-length batches). With rotary positions an example computes exactly what it computes
   alone;
-* the row is padded at its end to a multiple of ``bucket`` tokens (positions of their own, so the
-  tail is a separate sequence nobody attends to): steps then take one of a few shapes, and the
-  graphs of the layers (``layer_graphs``) replay instead of running eagerly;
+* the row is padded at its end (positions of their own, so the tail is a separate sequence nobody
+  attends to) so that steps take one of a few shapes and the graphs of the layers (``layer_graphs``)
+  replay instead of running eagerly (:func:`padded_length`): to a shape already captured that is
+  less than ``bucket`` tokens longer, else to a multiple of ``bucket``, except a row longer than
+  every captured shape, which goes to a multiple of ``GRAPH_TIGHT`` (64): the longest shape sizes
+  the graphs' memory pool, so its padding would be paid in memory for the rest of the run;
 * the last hidden states go back to the batch's ``[B, L, H]`` layout, zeros at the padding, so the
   head, the loss over the labels, ``num_items_in_batch`` and whatever reads the logits see the
   shapes they expect. The loss is the padded batch's loss over the same targets; only a target
@@ -32,29 +35,53 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["Packing", "install_packing"]
+from xpukit.planning.training.activation_memory import GRAPH_TIGHT
+
+__all__ = ["Packing", "install_packing", "padded_length"]
 
 _MARK = "_xpukit_packing"
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
+
+
+def padded_length(tokens: int, captured: Iterable[int], bucket: int, tight: int = GRAPH_TIGHT) -> int:
+    """The length a packed row of ``tokens`` is padded to where the layers run as graphs, given the row
+    lengths captured so far: the shortest captured length less than ``bucket`` above it; else, for a
+    row longer than every captured one (or the first), the next multiple of ``tight`` (at most
+    ``bucket``); else the next multiple of ``bucket``. ``bucket`` 1: not padded."""
+    if bucket <= 1:
+        return tokens
+    shapes = list(captured)
+    near = [s for s in shapes if tokens <= s < tokens + bucket]
+    if near:
+        return min(near)
+    step = min(tight, bucket) if tokens > max(shapes, default=0) else bucket
+    return -(-tokens // step) * step
 
 
 class Packing:
     """The packing wrapper of one decoder and what it did.
 
     Attributes:
-        bucket: the packed row is padded to a multiple of this many tokens (1: not padded).
+        bucket: the packed row is padded to a multiple of this many tokens (1: not padded), or to a
+            captured shape (:func:`padded_length`).
+        captured: the row lengths the layers' graphs have captured (``LayerGraphs.captured_tokens``),
+            or ``None`` when the layers run eagerly.
         stats: ``packed`` calls, ``tokens`` (real tokens run), ``padding_removed`` (padding tokens
             of the collator's batches not run through the layers), ``bucket_padding`` (tokens added
             to reach a bucket), ``flattened_input`` (calls that arrived already flattened).
         passed: calls that ran unchanged, counted by reason.
     """
 
-    def __init__(self, forward: Any, *, bucket: int, pad_id: int) -> None:
+    def __init__(
+        self, forward: Any, *, bucket: int, pad_id: int, captured: Callable[[], Iterable[int]] | None = None
+    ) -> None:
         self.forward = forward
         self.bucket = max(int(bucket), 1)
         self.pad_id = pad_id
+        self.captured = captured
         self.stats: Counter[str] = Counter()
         self.passed: Counter[str] = Counter()
 
@@ -126,7 +153,10 @@ class Packing:
         import torch
 
         total = int(tokens.shape[0])
-        pad = -total % self.bucket
+        if self.captured is None:  # no graphs: a plain bucket
+            pad = -total % self.bucket
+        else:
+            pad = padded_length(total, self.captured(), self.bucket) - total
         if pad:
             filler = (
                 tokens.new_full((pad,), self.pad_id)
@@ -164,9 +194,12 @@ def _decoder(model: Any) -> Any:
     return decoder if getattr(decoder, "layers", None) is not None else None
 
 
-def install_packing(model: Any, *, bucket: int = 1) -> str:
+def install_packing(
+    model: Any, *, bucket: int = 1, captured: Callable[[], Iterable[int]] | None = None
+) -> str:
     """Wrap the decoder under ``model`` (a PeftModel or a transformers causal LM) with
-    :class:`Packing`; returns a note. ``model.xpukit_packing`` is the wrapper (``stats``, ``passed``)."""
+    :class:`Packing`; returns a note. ``model.xpukit_packing`` is the wrapper (``stats``, ``passed``).
+    ``captured``: the row lengths the layers' graphs have captured (the rows are padded to them)."""
     decoder = _decoder(model)
     if decoder is None:
         return "packing: not installed (no decoder with layers under the model's head)"
@@ -182,7 +215,7 @@ def install_packing(model: Any, *, bucket: int = 1) -> str:
          if isinstance(v, int) and v >= 0),
         0,
     )  # fmt: skip
-    packing = Packing(forward, bucket=bucket, pad_id=pad_id)
+    packing = Packing(forward, bucket=bucket, pad_id=pad_id, captured=captured)
 
     @functools.wraps(forward)
     def packed(*args: Any, **kwargs: Any) -> Any:
@@ -191,7 +224,14 @@ def install_packing(model: Any, *, bucket: int = 1) -> str:
     setattr(packed, _MARK, packing)
     decoder.forward = packed
     model.xpukit_packing = packing
-    tail = f", the row padded to a multiple of {packing.bucket} tokens" if packing.bucket > 1 else ""
+    tail = ""
+    if packing.bucket > 1 and captured is not None:
+        tail = (
+            f", the row padded to a shape the graphs captured or a multiple of {packing.bucket} tokens "
+            f"(a row longer than all of them to a multiple of {min(GRAPH_TIGHT, packing.bucket)})"
+        )
+    elif packing.bucket > 1:
+        tail = f", the row padded to a multiple of {packing.bucket} tokens"
     return (
         "packing: the decoder layers run a padded training batch as one row of its real tokens, positions "
         f"restarting per example{tail} (model.xpukit_packing.stats)"

@@ -14,7 +14,16 @@ from xpukit.planning.model.shape import ModelShape
 if TYPE_CHECKING:
     from xpukit.planning.training.lora_request import LoraRequest
 
-__all__ = ["CHUNK_BYTES", "activation_bytes", "chunk_tokens", "dequant_transient", "lora_parameters"]
+__all__ = [
+    "CHUNK_BYTES",
+    "GRAPH_BUCKET",
+    "GRAPH_SHAPES",
+    "GRAPH_TIGHT",
+    "activation_bytes",
+    "chunk_tokens",
+    "dequant_transient",
+    "lora_parameters",
+]
 
 # xpukit's chunked cross-entropy (kernels/chunked_ce.py): fp32 logits of one chunk of tokens.
 CHUNK_BYTES = 256 << 20
@@ -157,6 +166,9 @@ def activation_bytes(
 # layers").
 GRAPH_SHAPES = 8
 GRAPH_BUCKET = 256
+# A packed row longer than every captured shape is padded to a multiple of this instead: the longest
+# captured shape sizes the graphs' memory pool, so its padding is paid in memory, not only compute.
+GRAPH_TIGHT = 64
 
 
 def graph_buffer_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int, packed: bool = True) -> int:

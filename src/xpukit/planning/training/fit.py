@@ -137,7 +137,8 @@ def plan_training(
             fused_lora=fused and measured, dequant_bytes=dequant, chunked_loss=kind(fused_ce) == "chunked",
             kernel_norms=measured and (kind(fused_ce) == "liger" or fused_norms),
         )  # fmt: skip
-        if graphs and not gc:  # the graphs' own buffers: one shape, or a packed row's buckets
+        if graphs and (not gc or (gc is True and request.graphs)):  # the graphs' own buffers: one
+            # shape, or a packed row's buckets; with checkpointing only where asked (graphs.py)
             held = graph_buffer_bytes(shape, micro * seq, compute_bytes=a, packed=packed)
             out = {**out, "graph_buffers": held, "peak": out["peak"] + held}
         return out

@@ -5,7 +5,10 @@ graphs and replays them, which takes the host's Python out of a step that is bou
 (H200, Qwen3-8B shape, 4-bit + fused LoRA, 4 × 512 tokens: 4 995 → 10 272 tokens/s,
 docs/benchmarks.md). It is on where that was measured: CUDA, the fused 4-bit LoRA path on whole
 blocks (attention and MLP; a model whose MLP keeps peft's modules does not qualify), no gradient
-checkpointing (a checkpointed layer recomputes inside backward, which the graphs do not capture).
+checkpointing. With plain checkpointing ``lora={"graphs": True}`` captures the recomputation too
+(each layer checkpointed inside the graphs); that is tested on the CPU and not yet measured on a GPU,
+so the plan does not take it by itself. Offloaded checkpointing stays eager: its copies to host
+memory allocate pinned buffers, which a capture cannot.
 
 On Intel GPUs the same capture runs through ``torch.xpu.graph`` (torch ≥ 2.11,
 docs/platform-notes.md "Graphs on Intel GPUs"); it is on there by the same rules, with the reason
@@ -76,9 +79,16 @@ def layer_graphs_problem(
         return f"graphs of the decoder layers need CUDA or an Intel GPU (XPU), not {backend}"
     if not fused:
         return "they were measured on the fused 4-bit LoRA path only, which this plan does not take"
-    if training is not None and training.gradient_checkpointing:
-        return "gradient checkpointing recomputes each layer inside backward, which the graphs do not capture"
+    if training is not None and training.gradient_checkpointing == "offload":
+        return (
+            "offloaded checkpointing copies each layer's input to pinned host memory it allocates, "
+            "which a capture cannot"
+        )
     return None
+
+
+def _checkpointed(training: TrainingPlan | None) -> bool:
+    return training is not None and training.gradient_checkpointing is True
 
 
 def graphs_possible(
@@ -112,12 +122,18 @@ def decide_layer_graphs(
         return Decision(name="layer_graphs", value=False, source="user",
                         reason="lora={'graphs': False} given: the decoder layers run eagerly")  # fmt: skip
     problem = layer_graphs_problem(fused, training, backend, world_size, torch_version)
+    if problem is None and _checkpointed(training) and not request.graphs:
+        problem = (
+            "gradient checkpointing: capturing the recomputation with the layers is tested on the CPU, "
+            "not yet measured on a GPU, so it runs only where asked (lora={'graphs': True})"
+        )
     if problem is not None:
         if request.graphs:
             raise InvalidRequestError(
                 f"lora={{'graphs': True}} asks for graphs of the decoder layers, but {problem}. "
                 "Fix: drop 'graphs' (the layers then run eagerly, and the plan says why), or train on "
-                "CUDA or an Intel GPU with quantize='4bit', the fused path and gradient_checkpointing=False."
+                "CUDA or an Intel GPU with quantize='4bit', the fused path and gradient_checkpointing "
+                "False or True (not 'offload')."
             )
         return Decision(name="layer_graphs", value=False, reason=f"the layers run eagerly: {problem}",
                         rejected=((True, problem),))  # fmt: skip
@@ -129,11 +145,17 @@ def decide_layer_graphs(
         else "measured on CUDA (4 995 → 13 043 tokens/s on an H200); not yet run on an Intel GPU by "
         "xpukit: `xpukit doctor --selftest` captures and replays one training layer"
     )
+    recompute = (
+        ", each layer checkpointed inside the graphs (the backward graph recomputes it; tested on the CPU, "
+        "not yet measured on a GPU)"
+        if _checkpointed(training)
+        else ""
+    )
     return Decision(
         name="layer_graphs",
         value=True,
         source="user" if request.graphs else "auto",
         reason=f"{who}the decoder layers' forward and backward captured with {api} per training shape "
-        f"and replayed ({where}); evaluation and other attention kernels run eagerly "
+        f"and replayed ({where}){recompute}; evaluation and other attention kernels run eagerly "
         "(lora={'graphs': False} turns it off)",
     )

@@ -319,3 +319,23 @@ def test_a_packed_row_is_padded_to_a_captured_shape_else_tightly_when_it_is_the_
     from xpukit.loading.training.packing import padded_length
 
     assert padded_length(tokens, captured, bucket) == want
+
+
+@pytest.mark.parametrize("mask", ["ones", "none"])
+def test_a_batch_without_padding_runs_as_it_is(tiny_models: Any, mask: str) -> None:
+    """Several rows and no padding: nothing to remove, so the rows keep plain causal attention (no
+    per-example mask); the loss and gradients are the unwrapped model's."""
+    from xpukit.loading.training.packing import install_packing
+
+    ids = torch.randint(3, 500, (3, 10), generator=torch.Generator().manual_seed(1))
+    extra = {"attention_mask": torch.ones_like(ids)} if mask == "ones" else {}
+    plain = _lora_model(tiny_models["qwen3"])
+    want = plain(input_ids=ids, labels=ids, **extra).loss
+    want.backward()
+    model = _lora_model(tiny_models["qwen3"])
+    install_packing(model, bucket=16)
+    got = model(input_ids=ids, labels=ids, **extra).loss
+    got.backward()
+    _assert_same(got, want, _lora_grads(model), _lora_grads(plain))
+    assert model.xpukit_packing.passed == {"no padding: the rows run as they are": 1}
+    assert model.xpukit_packing.stats["packed"] == 0

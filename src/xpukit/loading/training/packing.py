@@ -24,8 +24,11 @@ and left padding) runs the layers on one row of the real tokens:
   predicted from a padding position (left padding without masked labels) differs, as it was
   computed from padding before.
 
-A batch that arrives already flattened (one row, ``position_ids``, no mask: TRL's
-``padding_free=True`` or ``DataCollatorWithFlattening``) is only padded to its bucket. Everything
+A batch of several rows without padding (no mask, or a mask of ones) runs as it is: there is nothing
+to remove, and its rows keep plain causal attention, which SDPA runs with its flash kernel, where a
+packed row needs a per-example mask. A batch that arrives already flattened (one row,
+``position_ids``, no mask: TRL's ``padding_free=True`` or ``DataCollatorWithFlattening``) is only
+padded to its bucket. Everything
 else runs unchanged and is counted with its reason in :attr:`Packing.passed`: evaluation and
 ``generate``, a KV cache, a mask that is not one run of ones per row, position ids with a padded
 batch, per-layer outputs.
@@ -120,6 +123,11 @@ class Packing:
         mask, tokens = kwargs.get("attention_mask"), _tokens(kwargs)
         batch, length = tokens.shape[:2]
         keep = torch.ones(batch, length, dtype=torch.bool) if mask is None else mask.detach().to("cpu") != 0
+        if batch > 1 and bool(keep.all()):
+            # No padding: nothing to remove, and the rows keep the causal attention without a mask
+            # (SDPA's flash kernel), where a packed row needs a per-example mask.
+            self.passed["no padding: the rows run as they are"] += 1
+            return self.forward(**kwargs)
         lengths = keep.sum(1)
         starts = keep.to(torch.int8).argmax(1)
         span = torch.arange(length)

@@ -223,13 +223,14 @@ def test_packed_rows_pad_to_the_captured_shapes(tiny_model: Path) -> None:
 
 
 def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """lora={"graphs": True, "gradient_checkpointing": True}: each layer checkpointed inside the
     captured stack (the backward recomputes it with the stand-ins in place) and on the eager passes;
     losses and gradients equal the plain eager layers over two shapes with accumulation."""
     import torch.utils.checkpoint as ckpt
 
+    from xpukit import training_args
     from xpukit.loading.training.layer_graphs import install_layer_graphs
 
     calls: list[bool] = []
@@ -250,7 +251,9 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
             install_layer_graphs(model, checkpoint=True)
             model.xpukit_layer_graphs.backend = RerunBackend()
             layers = model.xpukit_layer_graphs.layers
-            assert not any(layer.gradient_checkpointing for layer in layers)  # xpukit checkpoints them
+            assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+            # xpukit checkpoints them, so Trainer must not turn transformers' checkpointing on again
+            assert not training_args(model, output_dir=str(tmp_path), max_steps=1).gradient_checkpointing
         losses, grads = [], []
         for step in range(3):
             for ids in batches[2 * step : 2 * step + 2]:

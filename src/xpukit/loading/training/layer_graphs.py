@@ -320,7 +320,8 @@ def install_layer_graphs(model: Any, *, checkpoint: bool = False) -> str:
     matching training calls replay device graphs; returns a note. ``model.xpukit_layer_graphs`` is
     the :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs). ``checkpoint``: each
     layer is checkpointed inside the graphs (and on the eager passes) instead of by transformers,
-    whose per-layer checkpointing is turned off here."""
+    whose checkpointing flags are turned off here (so ``training_args`` does not ask ``Trainer`` to
+    turn them on again)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
@@ -328,10 +329,12 @@ def install_layer_graphs(model: Any, *, checkpoint: bool = False) -> str:
         return "graphs of the decoder layers: not installed (no model.layers with rotary embeddings)"
     config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
     attention = str(getattr(config, "_attn_implementation", None) or "sdpa")
-    if checkpoint:  # transformers' checkpoint would wrap the stack's run in the last layer's call
-        for layer in layers:
-            if getattr(layer, "gradient_checkpointing", False):
-                layer.gradient_checkpointing = False
+    if checkpoint:
+        # transformers' checkpoint would wrap the stack's run in the last layer's call; and a flag left
+        # on anywhere (the decoder keeps one) makes training_args ask Trainer to turn it on again.
+        for module in base.modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                module.gradient_checkpointing = False
     graphs = LayerGraphs(list(layers), attention=attention, checkpoint=checkpoint)
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(graphs.forward, index)

@@ -127,6 +127,8 @@ class Packing:
             # No padding: nothing to remove, and the rows keep the causal attention without a mask
             # (SDPA's flash kernel), where a packed row needs a per-example mask.
             self.passed["no padding: the rows run as they are"] += 1
+            if kwargs.get("use_cache") is None:  # a training pass fills no cache (as packed calls)
+                kwargs = {**kwargs, "use_cache": False}
             return self.forward(**kwargs)
         lengths = keep.sum(1)
         starts = keep.to(torch.int8).argmax(1)

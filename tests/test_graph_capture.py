@@ -191,10 +191,11 @@ def test_layer_graphs_on_a_lora_model_train_as_the_eager_layers(tiny_model_facto
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_packed_rows_pad_to_the_captured_shapes(tiny_model: Path) -> None:
-    """Packing over the graphs: a row pads to a shape already captured where one is less than a
-    bucket above it, a new longest row only to a multiple of 64; the losses are those of the padded
-    batches without packing or graphs (right padding, padding labels -100)."""
+def test_packed_rows_take_a_captured_shape_once_the_graphs_keep_no_more(tiny_model: Path) -> None:
+    """Packing over the graphs with room for two shapes: rows pad to their 16-token bucket until two
+    are captured, then a row whose bucket is not captured takes the shortest captured shape that
+    holds it and replays; the losses are those of the padded batches without packing or graphs
+    (right padding, padding labels -100)."""
     gen = torch.Generator().manual_seed(3)
     batches = []
     for lengths in ((18, 12), (12, 8), (40, 30), (30, 20)):  # real tokens 30, 20, 70, 50
@@ -208,17 +209,20 @@ def test_packed_rows_pad_to_the_captured_shapes(tiny_model: Path) -> None:
         want = [float(plain(input_ids=i, attention_mask=m, labels=y).loss) for i, m, y in batches]
     model = _lora(tiny_model, graphed=True)
     graphs = model.xpukit_layer_graphs
+    graphs.max_shapes = 2
     # The CPU plan packs without a bucket (no graphs there); on a GPU loading/lora.py wires these.
-    model.xpukit_packing.bucket, model.xpukit_packing.captured = 256, graphs.captured_tokens
+    packing = model.xpukit_packing
+    packing.bucket, packing.captured, packing.most = 16, graphs.captured_tokens, graphs.max_shapes
     got = []
     for ids, mask, labels in batches:
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
         got.append(float(loss.detach()))
     assert got == pytest.approx(want, rel=1e-5)
-    # 30 → 64 (the warm-up call, eager), 20 → 64 (captured), 70 → 128 (the new longest), 50 → 64
-    assert sorted(graphs.captured_tokens()) == [64, 128]
-    assert model.xpukit_packing.stats["bucket_padding"] == 34 + 44 + 58 + 14
+    # 30 → 32 (the warm-up call, eager), 20 → 32 (captured), 70 → 80 (captured), 50 → 80 (its 64 is
+    # not captured and no more will be: it replays the 80)
+    assert sorted(graphs.captured_tokens()) == [32, 80]
+    assert packing.stats["bucket_padding"] == 2 + 12 + 10 + 30
     assert graphs.stats["captures"] == 2 and graphs.stats["graphed"] == 3
 
 

@@ -296,29 +296,26 @@ def test_packing_under_gradient_checkpointing_gives_the_unpacked_loss_and_gradie
 
 
 @pytest.mark.parametrize(
-    ("tokens", "captured", "bucket", "want"),
+    ("tokens", "captured", "most", "want"),
     [
-        (100, [], 256, 128),  # the first row is the longest: a multiple of 64, not of 256
-        (100, [], 1, 100),  # no bucket: no padding
-        (20, [], 16, 32),  # a bucket finer than 64 stays the step
-        (120, [128], 256, 128),  # a captured shape less than a bucket above: reused
-        (60, [128], 256, 128),
-        (200, [128], 256, 256),  # longer than every captured shape: a multiple of 64
-        (2200, [2176, 1792], 256, 2240),
-        (2000, [2176, 1792], 256, 2176),  # the shortest captured shape that fits wins
-        (1700, [2176, 1792], 256, 1792),
-        (1500, [2176], 256, 1536),  # shorter, no captured shape within a bucket: a multiple of 256
+        (100, [], 8, 256),  # the next bucket
+        (300, [256, 1024], 8, 512),  # room for more shapes: its own bucket
+        (300, [256, 1024], 2, 1024),  # no room: the shortest captured shape that holds it
+        (300, [512, 1024], 2, 512),
+        (200, [256, 1024], 2, 256),  # its own bucket is captured
+        (1100, [256, 1024], 2, 1280),  # nothing captured holds it: its bucket (it runs eagerly)
     ],
 )
-def test_a_packed_row_is_padded_to_a_captured_shape_else_tightly_when_it_is_the_longest(
-    tokens: int, captured: list[int], bucket: int, want: int
+def test_a_packed_row_takes_a_captured_shape_once_no_more_are_captured(
+    tokens: int, captured: list[int], most: int, want: int
 ) -> None:
-    """The longest captured shape sizes the graphs' memory pool for the rest of the run, so a row
-    longer than all of them is padded to a multiple of 64 only; shorter rows reuse a captured shape
-    or take a 256-token bucket (docs/training.md "Packing: no compute on padding")."""
+    """A row pads to a multiple of the bucket; once the graphs keep all the shapes they can, a row
+    whose bucket is not captured takes a longer captured shape, so it replays instead of running
+    eagerly beside the graphs' memory (docs/training.md "Packing: no compute on padding")."""
     from xpukit.loading.training.packing import padded_length
 
-    assert padded_length(tokens, captured, bucket) == want
+    assert padded_length(tokens, captured, 256, most=most) == want
+    assert padded_length(tokens, captured, 1, most=most) == tokens  # no bucket: not padded
 
 
 @pytest.mark.parametrize("mask", ["ones", "none"])

@@ -205,8 +205,11 @@ def _new_adapters(
         from xpukit.loading.training.packing import install_packing
 
         graphs_of = getattr(peft_model, "xpukit_layer_graphs", None)
-        captured = graphs_of.captured_tokens if graphs_of is not None else None
-        notes.append(install_packing(peft_model, bucket=packing, captured=captured))
+        if graphs_of is None:
+            notes.append(install_packing(peft_model, bucket=packing))
+        else:  # rows take a captured shape once the graphs keep no more
+            notes.append(install_packing(peft_model, bucket=packing, captured=graphs_of.captured_tokens,
+                                         most=graphs_of.max_shapes))  # fmt: skip
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     what = f"LoRA adapter {request.adapter_path}, trainable," if request.kind == "adapter" else "LoRA"

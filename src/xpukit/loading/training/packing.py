@@ -12,12 +12,11 @@ and left padding) runs the layers on one row of the real tokens:
   positions (SDPA, eager and flex attention; the flash-attention kernels run them as
   variable-length batches). With rotary positions an example computes exactly what it computes
   alone;
-* the row is padded at its end (positions of their own, so the tail is a separate sequence nobody
-  attends to) so that steps take one of a few shapes and the graphs of the layers (``layer_graphs``)
-  replay instead of running eagerly (:func:`padded_length`): to a shape already captured that is
-  less than ``bucket`` tokens longer, else to a multiple of ``bucket``, except a row longer than
-  every captured shape, which goes to a multiple of ``GRAPH_TIGHT`` (64): the longest shape sizes
-  the graphs' memory pool, so its padding would be paid in memory for the rest of the run;
+* the row is padded at its end to a multiple of ``bucket`` tokens (positions of their own, so the
+  tail is a separate sequence nobody attends to): steps then take one of a few shapes, and the
+  graphs of the layers (``layer_graphs``) replay instead of running eagerly; once the graphs hold
+  all the shapes they keep, a row whose bucket is not among them takes the shortest captured shape
+  that holds it (:func:`padded_length`);
 * the last hidden states go back to the batch's ``[B, L, H]`` layout, zeros at the padding, so the
   head, the loss over the labels, ``num_items_in_batch`` and whatever reads the logits see the
   shapes they expect. The loss is the padded batch's loss over the same targets; only a target
@@ -41,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from xpukit.planning.training.activation_memory import GRAPH_TIGHT
+from xpukit.planning.training.activation_memory import GRAPH_SHAPES
 
 __all__ = ["Packing", "install_packing", "padded_length"]
 
@@ -49,19 +48,19 @@ _MARK = "_xpukit_packing"
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
 
 
-def padded_length(tokens: int, captured: Iterable[int], bucket: int, tight: int = GRAPH_TIGHT) -> int:
-    """The length a packed row of ``tokens`` is padded to where the layers run as graphs, given the row
-    lengths captured so far: the shortest captured length less than ``bucket`` above it; else, for a
-    row longer than every captured one (or the first), the next multiple of ``tight`` (at most
-    ``bucket``); else the next multiple of ``bucket``. ``bucket`` 1: not padded."""
+def padded_length(tokens: int, captured: Iterable[int], bucket: int, most: int = GRAPH_SHAPES) -> int:
+    """The length a packed row of ``tokens`` is padded to where the layers run as graphs: the next
+    multiple of ``bucket``; once ``most`` row lengths are captured (no more will be) and that one is not
+    among them, the shortest captured length that holds the row instead, so that the step replays
+    rather than running eagerly beside the graphs' memory. ``bucket`` 1: not padded."""
     if bucket <= 1:
         return tokens
+    target = -(-tokens // bucket) * bucket
     shapes = list(captured)
-    near = [s for s in shapes if tokens <= s < tokens + bucket]
-    if near:
-        return min(near)
-    step = min(tight, bucket) if tokens > max(shapes, default=0) else bucket
-    return -(-tokens // step) * step
+    if target in shapes or len(shapes) < most:
+        return target
+    above = [s for s in shapes if s >= tokens]
+    return min(above) if above else target
 
 
 class Packing:
@@ -72,6 +71,7 @@ class Packing:
             captured shape (:func:`padded_length`).
         captured: the row lengths the layers' graphs have captured (``LayerGraphs.captured_tokens``),
             or ``None`` when the layers run eagerly.
+        most: how many shapes the graphs keep at most (``LayerGraphs.max_shapes``).
         stats: ``packed`` calls, ``tokens`` (real tokens run), ``padding_removed`` (padding tokens
             of the collator's batches not run through the layers), ``bucket_padding`` (tokens added
             to reach a bucket), ``flattened_input`` (calls that arrived already flattened).
@@ -79,12 +79,19 @@ class Packing:
     """
 
     def __init__(
-        self, forward: Any, *, bucket: int, pad_id: int, captured: Callable[[], Iterable[int]] | None = None
+        self,
+        forward: Any,
+        *,
+        bucket: int,
+        pad_id: int,
+        captured: Callable[[], Iterable[int]] | None = None,
+        most: int = GRAPH_SHAPES,
     ) -> None:
         self.forward = forward
         self.bucket = max(int(bucket), 1)
         self.pad_id = pad_id
         self.captured = captured
+        self.most = most
         self.stats: Counter[str] = Counter()
         self.passed: Counter[str] = Counter()
 
@@ -166,7 +173,7 @@ class Packing:
         if self.captured is None:  # no graphs: a plain bucket
             pad = -total % self.bucket
         else:
-            pad = padded_length(total, self.captured(), self.bucket) - total
+            pad = padded_length(total, self.captured(), self.bucket, most=self.most) - total
         if pad:
             filler = (
                 tokens.new_full((pad,), self.pad_id)
@@ -205,11 +212,16 @@ def _decoder(model: Any) -> Any:
 
 
 def install_packing(
-    model: Any, *, bucket: int = 1, captured: Callable[[], Iterable[int]] | None = None
+    model: Any,
+    *,
+    bucket: int = 1,
+    captured: Callable[[], Iterable[int]] | None = None,
+    most: int = GRAPH_SHAPES,
 ) -> str:
     """Wrap the decoder under ``model`` (a PeftModel or a transformers causal LM) with
     :class:`Packing`; returns a note. ``model.xpukit_packing`` is the wrapper (``stats``, ``passed``).
-    ``captured``: the row lengths the layers' graphs have captured (the rows are padded to them)."""
+    ``captured`` and ``most``: the row lengths the layers' graphs have captured and how many they keep
+    (:func:`padded_length`)."""
     decoder = _decoder(model)
     if decoder is None:
         return "packing: not installed (no decoder with layers under the model's head)"
@@ -225,7 +237,7 @@ def install_packing(
          if isinstance(v, int) and v >= 0),
         0,
     )  # fmt: skip
-    packing = Packing(forward, bucket=bucket, pad_id=pad_id, captured=captured)
+    packing = Packing(forward, bucket=bucket, pad_id=pad_id, captured=captured, most=most)
 
     @functools.wraps(forward)
     def packed(*args: Any, **kwargs: Any) -> Any:
@@ -234,14 +246,7 @@ def install_packing(
     setattr(packed, _MARK, packing)
     decoder.forward = packed
     model.xpukit_packing = packing
-    tail = ""
-    if packing.bucket > 1 and captured is not None:
-        tail = (
-            f", the row padded to a shape the graphs captured or a multiple of {packing.bucket} tokens "
-            f"(a row longer than all of them to a multiple of {min(GRAPH_TIGHT, packing.bucket)})"
-        )
-    elif packing.bucket > 1:
-        tail = f", the row padded to a multiple of {packing.bucket} tokens"
+    tail = f", the row padded to a multiple of {packing.bucket} tokens" if packing.bucket > 1 else ""
     return (
         "packing: the decoder layers run a padded training batch as one row of its real tokens, positions "
         f"restarting per example{tail} (model.xpukit_packing.stats)"

@@ -18,7 +18,6 @@ __all__ = [
     "CHUNK_BYTES",
     "GRAPH_BUCKET",
     "GRAPH_SHAPES",
-    "GRAPH_TIGHT",
     "activation_bytes",
     "chunk_tokens",
     "dequant_transient",
@@ -166,9 +165,6 @@ def activation_bytes(
 # layers").
 GRAPH_SHAPES = 8
 GRAPH_BUCKET = 256
-# A packed row longer than every captured shape is padded to a multiple of this instead: the longest
-# captured shape sizes the graphs' memory pool, so its padding is paid in memory, not only compute.
-GRAPH_TIGHT = 64
 
 
 def graph_buffer_bytes(shape: ModelShape, tokens: int, *, compute_bytes: int, packed: bool = True) -> int:

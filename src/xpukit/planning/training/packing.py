@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.training.activation_memory import GRAPH_BUCKET, GRAPH_TIGHT
+from xpukit.planning.training.activation_memory import GRAPH_BUCKET
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
@@ -78,9 +78,7 @@ def decide_packing(request: LoraRequest | None, facts: ModelFacts, *, graphs: bo
     bucket = GRAPH_BUCKET if graphs else 1
     who = "lora={'packing': True} given: " if request.packing else ""
     tail = (
-        f"; the row is padded to a captured graph shape less than {bucket} tokens longer, else to a "
-        f"multiple of {bucket} (a row longer than all captured ones: of {GRAPH_TIGHT}) so that the "
-        "layers' CUDA graphs replay"
+        f"; the row is padded to a multiple of {bucket} tokens so that the layers' CUDA graphs replay"
         if bucket > 1
         else ""
     )

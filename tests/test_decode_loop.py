@@ -244,30 +244,6 @@ def test_the_compiled_step_is_one_graph_for_every_prompt_length(tiny_model, refe
     assert all(r.get("saved") or r.get("error") for r in loop.cache_records)
 
 
-@pytest.mark.slow
-def test_the_compiled_step_skips_the_guards_from_the_second_step_of_a_call(tiny_model, tokenizer, tmp_path):
-    """The first step of a call checks dynamo's guards (and compiles); the rest run under
-    skip_guard_eval_unsafe, which is off again when the call returns (module docstring of loop.py)."""
-    import torch
-    from torch._dynamo import eval_frame
-
-    model = _model(tiny_model)
-    options = {"backend": lambda gm, inputs: gm.forward, "fullgraph": True, "dynamic": False}
-    loop = install_decode_loop(model, max_cache_len=256, compile_options=options, cache_dir=tmp_path)
-    seen = []
-    call = loop._call
-
-    def watched(*args):
-        seen.append(eval_frame._stance.skip_guard_eval_unsafe)
-        return call(*args)
-
-    loop._call = watched
-    model.generate(**_inputs(tokenizer, 2), max_new_tokens=6, do_sample=False)
-    assert seen == [False, True, True, True, True]  # the prefill is not a step: 5 steps for 6 tokens
-    assert not eval_frame._stance.skip_guard_eval_unsafe
-    assert hasattr(torch.compiler, "set_stance")
-
-
 # --- the compile cache ------------------------------------------------------------------------------
 
 

@@ -212,7 +212,7 @@ def test_packed_rows_take_a_captured_shape_once_the_graphs_keep_no_more(tiny_mod
     graphs.max_shapes = 2
     # The CPU plan packs without a bucket (no graphs there); on a GPU loading/lora.py wires these.
     packing = model.xpukit_packing
-    packing.bucket, packing.captured, packing.most = 16, graphs.captured_tokens, graphs.max_shapes
+    packing.bucket, packing.captured, packing.full = 16, graphs.captured_tokens, graphs.full
     got = []
     for ids, mask, labels in batches:
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -272,6 +272,24 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
     stats = model.xpukit_layer_graphs.stats
     assert stats["captures"] == 2 and stats["graphed"] == 5 and stats["eager"] == 1
     assert False in calls  # inside the capture: no RNG state saved
+    # An eager checkpointed pass (a shape beyond those kept) given a KV cache to fill: the
+    # recomputation must not fill it a second time.
+    graphs = model.xpukit_layer_graphs
+    graphs.max_shapes = 2
+    ids = torch.randint(3, 500, (2, 7), generator=gen)
+    gaps = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 0, 1, 1, 1, 1]])  # packing passes it on, cache and all
+    with torch.no_grad():
+        want = float(_lora(tiny_model, graphed=False)(input_ids=ids, attention_mask=gaps, labels=ids).loss)
+    loss = model(input_ids=ids, attention_mask=gaps, labels=ids, use_cache=True).loss
+    loss.backward()  # filled twice, the cache's keys outgrew the mask: a size error here
+    assert (
+        float(loss) == pytest.approx(want, rel=1e-5) and graphs.eager_reasons["a shape beyond the 2 captured"]
+    )
+    # Checkpointing turned on again by someone else: transformers' checkpoint, the layers eagerly.
+    model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
+    loss = model(input_ids=ids, attention_mask=gaps, labels=ids).loss
+    loss.backward()
+    assert float(loss) == pytest.approx(want, rel=1e-5) and graphs.eager_reasons["gradient checkpointing"]
     assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-5)
     for eager_step, graphed_step in zip(runs[0][1], runs[1][1], strict=True):
         assert len(eager_step) == len(graphed_step) > 0

@@ -95,6 +95,20 @@ def test_checkpointed_layers_inside_the_graphs_only_where_asked() -> None:
     with pytest.raises(InvalidRequestError, match=r"graphs': True.*pinned host memory.*Fix"):
         plan_load(reference_config("qwen3-8b"), lora={"graphs": True, "gradient_checkpointing": "offload"},
                   **args)  # fmt: skip
+    # Asking for graphs under a budget: the plan never picks the offloaded rung it would then refuse.
+    budget = plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, max_memory={0: "8GB"}, **args)
+    assert budget.training is not None and budget.training.gradient_checkpointing is True
+    assert _decision(budget).value is True
+    assert budget.training.estimate["graph_buffers"] > 0  # with the recomputation the eager loss cannot reuse
+    # training_args leaves transformers' checkpointing off: xpukit checkpoints inside the graphs
+    from xpukit.machine.profiles import device_profile
+    from xpukit.training.keywords import TrainingContext, training_kwargs
+
+    h200 = device_profile("h200")
+    inside = TrainingContext(training=asked.training, checkpoint_in_graphs=True)
+    assert training_kwargs(h200, context=inside, output_dir="o")["gradient_checkpointing"] is False
+    plain = TrainingContext(training=asked.training)
+    assert training_kwargs(h200, context=plain, output_dir="o")["gradient_checkpointing"] is True
 
 
 def test_no_decision_without_new_adapters() -> None:

@@ -296,26 +296,26 @@ def test_packing_under_gradient_checkpointing_gives_the_unpacked_loss_and_gradie
 
 
 @pytest.mark.parametrize(
-    ("tokens", "captured", "most", "want"),
+    ("tokens", "captured", "full", "want"),
     [
-        (100, [], 8, 256),  # the next bucket
-        (300, [256, 1024], 8, 512),  # room for more shapes: its own bucket
-        (300, [256, 1024], 2, 1024),  # no room: the shortest captured shape that holds it
-        (300, [512, 1024], 2, 512),
-        (200, [256, 1024], 2, 256),  # its own bucket is captured
-        (1100, [256, 1024], 2, 1280),  # nothing captured holds it: its bucket (it runs eagerly)
+        (100, [], False, 256),  # the next bucket
+        (300, [256, 1024], False, 512),  # room for more shapes: its own bucket
+        (300, [256, 1024], True, 1024),  # no room: the shortest captured shape that holds it
+        (300, [512, 1024], True, 512),
+        (200, [256, 1024], True, 256),  # its own bucket is captured
+        (1100, [256, 1024], True, 1280),  # nothing captured holds it: its bucket (it runs eagerly)
     ],
 )
 def test_a_packed_row_takes_a_captured_shape_once_no_more_are_captured(
-    tokens: int, captured: list[int], most: int, want: int
+    tokens: int, captured: list[int], full: bool, want: int
 ) -> None:
     """A row pads to a multiple of the bucket; once the graphs keep all the shapes they can, a row
     whose bucket is not captured takes a longer captured shape, so it replays instead of running
     eagerly beside the graphs' memory (docs/training.md "Packing: no compute on padding")."""
     from xpukit.loading.training.packing import padded_length
 
-    assert padded_length(tokens, captured, 256, most=most) == want
-    assert padded_length(tokens, captured, 1, most=most) == tokens  # no bucket: not padded
+    assert padded_length(tokens, captured, 256, full=full) == want
+    assert padded_length(tokens, captured, 1, full=full) == tokens  # no bucket: not padded
 
 
 @pytest.mark.parametrize("mask", ["ones", "none"])

@@ -209,7 +209,7 @@ def _new_adapters(
             notes.append(install_packing(peft_model, bucket=packing))
         else:  # rows take a captured shape once the graphs keep no more
             notes.append(install_packing(peft_model, bucket=packing, captured=graphs_of.captured_tokens,
-                                         most=graphs_of.max_shapes))  # fmt: skip
+                                         full=graphs_of.full))  # fmt: skip
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     what = f"LoRA adapter {request.adapter_path}, trainable," if request.kind == "adapter" else "LoRA"

@@ -183,6 +183,8 @@ def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingCo
         bitsandbytes_version=installed_version("bitsandbytes"),
         compute_dtype=plan_dtype if isinstance(plan_dtype, str) else None,
         training=getattr(getattr(model, "xpukit_plan", None), "training", None),
+        checkpoint_in_graphs=getattr(getattr(model, "xpukit_layer_graphs", None), "checkpoint", False)
+        is True,
     )
 
 

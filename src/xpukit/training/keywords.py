@@ -46,6 +46,8 @@ class TrainingContext:
             when set, the mixed precision follows it instead of the device's best.
         training: the load plan's training plan (``model.xpukit_plan.training``): its micro-batch
             and accumulation become the defaults (docs/training.md "Training plan by fit").
+        checkpoint_in_graphs: the model's layer graphs checkpoint each layer themselves
+            (``model.xpukit_layer_graphs.checkpoint``): transformers' checkpointing stays off.
     """
 
     world_size: int = 1
@@ -55,6 +57,7 @@ class TrainingContext:
     bitsandbytes_version: str | None = None
     compute_dtype: str | None = None
     training: Any = None
+    checkpoint_in_graphs: bool = False
 
 
 def training_kwargs(
@@ -88,6 +91,12 @@ def training_kwargs(
     planned, why = step_keywords(ctx.training)
     out.update(planned)
     reasons += why
+    if ctx.checkpoint_in_graphs:
+        out["gradient_checkpointing"] = False
+        reasons.append(
+            "gradient_checkpointing=False: xpukit checkpoints each layer inside the layer graphs; "
+            "transformers' own checkpointing would wrap them and keep the graphs from replaying"
+        )
     _refuse_impossible(device, user, _precision(device, ctx.compute_dtype).name)
     # One mixed precision named by the user replaces xpukit's, rather than joining it.
     for mine, other in (("bf16", "fp16"), ("fp16", "bf16")):

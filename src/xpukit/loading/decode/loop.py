@@ -11,16 +11,11 @@ step index). A decode step reads and writes only those buffers, on the device: f
 EOS suppression for ``min_new_tokens``, argmax or sampling (temperature → top-k → top-p, then the
 exponential-race draw, exact for the categorical distribution), pad after EOS, and the write of the
 token into the output. Compiled with CUDA graphs the step is one graph replay per token; the host
-reads the "all finished" flag once every ``check_every`` tokens. From a call's second step on, the
-compiled step skips dynamo's guard checks (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``):
-within one call every step gets the same objects, shapes and Python values, so the guards the first
-step checked cannot fail, and checking them again each token costs the host about 0.4 ms a token for
-a 36-layer model (docs/decode.md "How the loop works").
+reads the "all finished" flag once every ``check_every`` tokens.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 from collections import OrderedDict
@@ -178,16 +173,13 @@ class DecodeLoop:
         step = self._step(torch, request, batch)
         self._last = (request, state)
         done = request.new_tokens
-        with contextlib.ExitStack() as steady:
-            for i in range(1, request.new_tokens):
-                if i == 2 and self.compile_options:
-                    steady.enter_context(_unguarded(torch))  # the first step checked the guards
-                self._call(torch, step, request, state)
-                if i == 1 and self.compile_options:
-                    self._after_compile(request, batch)
-                if request.eos_ids and (i + 1) % self.check_every == 0 and not bool(state.unfinished.any()):
-                    done = i + 1
-                    break
+        for i in range(1, request.new_tokens):
+            self._call(torch, step, request, state)
+            if i == 1 and self.compile_options:
+                self._after_compile(request, batch)
+            if request.eos_ids and (i + 1) % self.check_every == 0 and not bool(state.unfinished.any()):
+                done = i + 1
+                break
         new = state.out[:, :done]
         if request.eos_ids and not bool(state.unfinished.any()):
             hit = consts["is_eos"][new]
@@ -209,11 +201,9 @@ class DecodeLoop:
                 f"replay({count}): the static cache has no room for {count} more tokens"
             )
         step = self._step(torch, request, int(state.tokens.shape[0]))
-        with torch.inference_mode(False), torch.no_grad(), contextlib.ExitStack() as steady:
+        with torch.inference_mode(False), torch.no_grad():
             state.index.fill_(1)
-            for i in range(count):
-                if i == 1 and self.compile_options:
-                    steady.enter_context(_unguarded(torch))
+            for _ in range(count):
                 self._call(torch, step, request, state)
 
     def _call(self, torch: Any, step: Any, request: DecodeRequest, state: _State) -> None:
@@ -354,18 +344,6 @@ class DecodeLoop:
             )
         self.model.xpukit_last_decode = record
         logger.debug("generate(): %s loop (%s)", loop, reason)
-
-
-def _unguarded(torch: Any) -> Any:
-    """Compiled calls without dynamo's guard checks, where this torch has the stance (2.6 and later);
-    else nothing changes."""
-    set_stance = getattr(getattr(torch, "compiler", None), "set_stance", None)
-    if set_stance is None:
-        return contextlib.nullcontext()
-    try:
-        return set_stance(skip_guard_eval_unsafe=True)
-    except TypeError:  # a set_stance without that keyword
-        return contextlib.nullcontext()
 
 
 def _step_name(request: DecodeRequest) -> str:

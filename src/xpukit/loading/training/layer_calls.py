@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["Call", "Unsupported", "Watch", "fill", "flatten", "outputs_recorded"]
+__all__ = ["NO_CACHE", "Call", "Unsupported", "Watch", "fill", "flatten", "outputs_recorded"]
 
 # One layer call's (positional arguments after the hidden states, keyword arguments).
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -72,7 +72,7 @@ class Unsupported(Exception):
 
 
 # Layer arguments the captured stack leaves out: training passes have no KV cache to fill.
-_DROPPED = {"past_key_values": None, "past_key_value": None, "use_cache": False}
+NO_CACHE = {"past_key_values": None, "past_key_value": None, "use_cache": False}
 
 
 def flatten(
@@ -105,11 +105,11 @@ def flatten(
 
     templates, signature = [], []
     for args, kwargs in calls:
-        kept = {k: v for k, v in kwargs.items() if k not in _DROPPED}
+        kept = {k: v for k, v in kwargs.items() if k not in NO_CACHE}
         arg_parts = [visit(a) for a in args]
         kwarg_parts = {k: visit(v) for k, v in sorted(kept.items())}
         call_kwargs = {k: p[0] for k, p in kwarg_parts.items()} | {
-            k: v for k, v in _DROPPED.items() if k in kwargs
+            k: v for k, v in NO_CACHE.items() if k in kwargs
         }
         templates.append((tuple(p[0] for p in arg_parts), call_kwargs))
         signature.append((tuple(p[1] for p in arg_parts), tuple((k, p[1]) for k, p in kwarg_parts.items())))

@@ -53,7 +53,15 @@ from collections import Counter
 from typing import Any
 
 from xpukit.loading.training.graph_capture import GraphBackend, NothingToTrain, SharedGrads, StandIns, capture
-from xpukit.loading.training.layer_calls import Call, Unsupported, Watch, fill, flatten, outputs_recorded
+from xpukit.loading.training.layer_calls import (
+    NO_CACHE,
+    Call,
+    Unsupported,
+    Watch,
+    fill,
+    flatten,
+    outputs_recorded,
+)
 from xpukit.planning.training.activation_memory import GRAPH_SHAPES
 
 __all__ = ["GRAPH_BACKENDS", "MAX_SHAPES", "LayerGraphs", "install_layer_graphs"]
@@ -112,9 +120,17 @@ class LayerGraphs:
         return list(self._graphs)
 
     def captured_tokens(self) -> list[int]:
-        """The lengths of the single rows captured so far (packed rows: ``[1, tokens, hidden]``):
-        packing pads a row to one of them where it can (``loading/training/packing.py``)."""
+        """The lengths of the single rows captured so far (packed rows: ``[1, tokens, hidden]``), none
+        once capturing failed: packing pads a row to one of them once :meth:`full`
+        (``loading/training/packing.py``)."""
+        if self.failed is not None:
+            return []
         return [int(key[0][1]) for key in self._graphs if len(key[0]) == 3 and key[0][0] == 1]
+
+    def full(self) -> bool:
+        """Whether a new shape would no longer be captured (all ``max_shapes`` taken, or capturing
+        failed)."""
+        return self.failed is not None or len(self._graphs) >= self.max_shapes
 
     @property
     def key(self) -> tuple[Any, ...] | None:
@@ -240,9 +256,13 @@ class LayerGraphs:
         there; the fused path the graphs run on has no dropout)."""
         import torch
 
-        if not (self.checkpoint and torch.is_grad_enabled() and self.layers[0].training):
+        own = getattr(self.layers[0], "gradient_checkpointing", False)  # turned on again: transformers'
+        if own or not (self.checkpoint and torch.is_grad_enabled() and self.layers[0].training):
             return forward(hidden, *args, **kwargs)
         from torch.utils.checkpoint import checkpoint
+
+        # As transformers' checkpointed layers do: a recomputation would fill a KV cache a second time.
+        kwargs = {**kwargs, **{k: v for k, v in NO_CACHE.items() if k in kwargs}}
 
         return checkpoint(
             forward, hidden, *args, use_reentrant=False, preserve_rng_state=not capturing, **kwargs
@@ -335,6 +355,8 @@ def install_layer_graphs(model: Any, *, checkpoint: bool = False) -> str:
         for module in base.modules():
             if getattr(module, "gradient_checkpointing", False) is True:
                 module.gradient_checkpointing = False
+        if getattr(base, "_require_grads_hook", None) is not None:  # only reentrant checkpoints need it
+            base.disable_input_require_grads()
     graphs = LayerGraphs(list(layers), attention=attention, checkpoint=checkpoint)
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(graphs.forward, index)

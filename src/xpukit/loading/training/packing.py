@@ -40,24 +40,23 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from xpukit.planning.training.activation_memory import GRAPH_SHAPES
-
 __all__ = ["Packing", "install_packing", "padded_length"]
 
 _MARK = "_xpukit_packing"
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
 
 
-def padded_length(tokens: int, captured: Iterable[int], bucket: int, most: int = GRAPH_SHAPES) -> int:
+def padded_length(tokens: int, captured: Iterable[int], bucket: int, *, full: bool = False) -> int:
     """The length a packed row of ``tokens`` is padded to where the layers run as graphs: the next
-    multiple of ``bucket``; once ``most`` row lengths are captured (no more will be) and that one is not
-    among them, the shortest captured length that holds the row instead, so that the step replays
-    rather than running eagerly beside the graphs' memory. ``bucket`` 1: not padded."""
+    multiple of ``bucket``; when the graphs capture no more shapes (``full``) and that one is not
+    among the ``captured`` row lengths, the shortest captured length that holds the row instead, so
+    that the step replays rather than running eagerly beside the graphs' memory. ``bucket`` 1: not
+    padded."""
     if bucket <= 1:
         return tokens
     target = -(-tokens // bucket) * bucket
     shapes = list(captured)
-    if target in shapes or len(shapes) < most:
+    if not full or target in shapes:
         return target
     above = [s for s in shapes if s >= tokens]
     return min(above) if above else target
@@ -71,7 +70,7 @@ class Packing:
             captured shape (:func:`padded_length`).
         captured: the row lengths the layers' graphs have captured (``LayerGraphs.captured_tokens``),
             or ``None`` when the layers run eagerly.
-        most: how many shapes the graphs keep at most (``LayerGraphs.max_shapes``).
+        full: whether the graphs capture no more shapes (``LayerGraphs.full``).
         stats: ``packed`` calls, ``tokens`` (real tokens run), ``padding_removed`` (padding tokens
             of the collator's batches not run through the layers), ``bucket_padding`` (tokens added
             to reach a bucket), ``flattened_input`` (calls that arrived already flattened).
@@ -85,13 +84,13 @@ class Packing:
         bucket: int,
         pad_id: int,
         captured: Callable[[], Iterable[int]] | None = None,
-        most: int = GRAPH_SHAPES,
+        full: Callable[[], bool] | None = None,
     ) -> None:
         self.forward = forward
         self.bucket = max(int(bucket), 1)
         self.pad_id = pad_id
         self.captured = captured
-        self.most = most
+        self.full = full
         self.stats: Counter[str] = Counter()
         self.passed: Counter[str] = Counter()
 
@@ -173,7 +172,8 @@ class Packing:
         if self.captured is None:  # no graphs: a plain bucket
             pad = -total % self.bucket
         else:
-            pad = padded_length(total, self.captured(), self.bucket, most=self.most) - total
+            full = self.full is not None and self.full()
+            pad = padded_length(total, self.captured(), self.bucket, full=full) - total
         if pad:
             filler = (
                 tokens.new_full((pad,), self.pad_id)
@@ -216,12 +216,12 @@ def install_packing(
     *,
     bucket: int = 1,
     captured: Callable[[], Iterable[int]] | None = None,
-    most: int = GRAPH_SHAPES,
+    full: Callable[[], bool] | None = None,
 ) -> str:
     """Wrap the decoder under ``model`` (a PeftModel or a transformers causal LM) with
     :class:`Packing`; returns a note. ``model.xpukit_packing`` is the wrapper (``stats``, ``passed``).
-    ``captured`` and ``most``: the row lengths the layers' graphs have captured and how many they keep
-    (:func:`padded_length`)."""
+    ``captured`` and ``full``: the row lengths the layers' graphs have captured, and whether they
+    capture no more (:func:`padded_length`)."""
     decoder = _decoder(model)
     if decoder is None:
         return "packing: not installed (no decoder with layers under the model's head)"
@@ -237,7 +237,7 @@ def install_packing(
          if isinstance(v, int) and v >= 0),
         0,
     )  # fmt: skip
-    packing = Packing(forward, bucket=bucket, pad_id=pad_id, captured=captured, most=most)
+    packing = Packing(forward, bucket=bucket, pad_id=pad_id, captured=captured, full=full)
 
     @functools.wraps(forward)
     def packed(*args: Any, **kwargs: Any) -> Any:

@@ -112,8 +112,9 @@ def activation_bytes(
             (:func:`dequant_transient`); counted with the recomputed layer on the checkpointed rungs.
 
     Returns:
-        ``{"per_layer", "layers", "loss", "peak"}``: bytes of one layer's saved tensors, of all
-        layers' as kept (checkpointing: their inputs), of the loss, and the peak.
+        ``{"per_layer", "layers", "loss", "recompute", "peak"}``: bytes of one layer's saved tensors,
+        of all layers' as kept (checkpointing: their inputs), of the loss, of one layer recomputed
+        with its gradients in flight (checkpointing), and the peak.
     """
     a = compute_bytes
     h, i, v = shape.hidden, shape.intermediate, shape.vocab
@@ -148,16 +149,17 @@ def activation_bytes(
     final_norm = 4 * h * tokens
     backward = a * (i + 2 * h) * tokens  # a layer's gradients in flight while it is recomputed
     backward += dequant_bytes
+    recompute = per_layer + backward
     if checkpointing == "offload":
         layers = 0  # every layer's input waits in host memory
-        peak = final_norm + max(loss, per_layer + backward)
+        peak = final_norm + max(loss, recompute)
     elif checkpointing:
         layers = a * h * tokens * shape.layers  # each layer keeps its input; one is recomputed at a time
-        peak = layers + final_norm + max(loss, per_layer + backward)
+        peak = layers + final_norm + max(loss, recompute)
     else:
         layers = per_layer * shape.layers
         peak = layers + final_norm + loss
-    return {"per_layer": per_layer, "layers": layers, "loss": loss, "peak": peak}
+    return {"per_layer": per_layer, "layers": layers, "loss": loss, "recompute": recompute, "peak": peak}
 
 
 # The graphs of the layers keep at most this many step shapes, the packed rows' buckets of this many

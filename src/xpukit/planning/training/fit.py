@@ -140,6 +140,8 @@ def plan_training(
         if graphs and (not gc or (gc is True and request.graphs)):  # the graphs' own buffers: one
             # shape, or a packed row's buckets; with checkpointing only where asked (graphs.py)
             held = graph_buffer_bytes(shape, micro * seq, compute_bytes=a, packed=packed)
+            if gc:  # the recomputation lives in the graphs' pool, which the eager loss cannot reuse
+                held += min(out["loss"], out["recompute"])
             out = {**out, "graph_buffers": held, "peak": out["peak"] + held}
         return out
 
@@ -149,7 +151,7 @@ def plan_training(
     packed_loss = packed and liger_ok and user_liger is not False  # PACKED_LOSS
     ladder = _ladder(
         request.gradient_checkpointing if user_gc else None, True if packed_loss else user_liger,
-        offload=backend != "cpu",
+        offload=backend != "cpu" and not (graphs and request.graphs),  # graphs asked: no offload (graphs.py)
     )  # fmt: skip
 
     def capped(micro: int) -> bool:  # the plain loss's logits, one tensor above the allocation cap

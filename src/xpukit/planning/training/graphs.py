@@ -80,15 +80,19 @@ def layer_graphs_problem(
     if not fused:
         return "they were measured on the fused 4-bit LoRA path only, which this plan does not take"
     if training is not None and training.gradient_checkpointing == "offload":
-        return (
-            "offloaded checkpointing copies each layer's input to pinned host memory it allocates, "
-            "which a capture cannot"
-        )
+        return _OFFLOAD
     return None
 
 
-def _checkpointed(training: TrainingPlan | None) -> bool:
-    return training is not None and training.gradient_checkpointing is True
+_OFFLOAD = (
+    "offloaded checkpointing copies each layer's input to pinned host memory it allocates, which a "
+    "capture cannot"
+)
+
+
+def _checkpointing(request: LoraRequest, training: TrainingPlan | None) -> bool | str:
+    """The checkpointing that will run: the training plan's, else the request's (what loading applies)."""
+    return training.gradient_checkpointing if training is not None else request.gradient_checkpointing
 
 
 def graphs_possible(
@@ -122,7 +126,10 @@ def decide_layer_graphs(
         return Decision(name="layer_graphs", value=False, source="user",
                         reason="lora={'graphs': False} given: the decoder layers run eagerly")  # fmt: skip
     problem = layer_graphs_problem(fused, training, backend, world_size, torch_version)
-    if problem is None and _checkpointed(training) and not request.graphs:
+    checkpointing = _checkpointing(request, training)
+    if problem is None and checkpointing == "offload":
+        problem = _OFFLOAD
+    if problem is None and checkpointing is True and not request.graphs:
         problem = (
             "gradient checkpointing: capturing the recomputation with the layers is tested on the CPU, "
             "not yet measured on a GPU, so it runs only where asked (lora={'graphs': True})"
@@ -148,7 +155,7 @@ def decide_layer_graphs(
     recompute = (
         ", each layer checkpointed inside the graphs (the backward graph recomputes it; tested on the CPU, "
         "not yet measured on a GPU)"
-        if _checkpointed(training)
+        if checkpointing is True
         else ""
     )
     return Decision(

@@ -347,11 +347,12 @@ def test_off_in_a_launched_job() -> None:
         plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, **args)
 
 
-def test_the_doctor_selftest_layer_graph_check_says_why_nothing_replayed_off_cuda() -> None:
-    """On the CPU the selftest's check runs both models and reports that no graph replayed (on a
-    CUDA or XPU device the same check captures and replays: docs/doctor.md)."""
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["layer-graphs", "layer-graphs-checkpointed"])
+def test_the_doctor_selftest_layer_graph_check_says_why_nothing_replayed_off_cuda(checkpoint: bool) -> None:
+    """On the CPU the selftest's checks run both models and report that no graph replayed (on a
+    CUDA or XPU device the same checks capture and replay: docs/doctor.md)."""
     torch = pytest.importorskip("torch")
     from xpukit.doctor.selftest import _graphs_check
 
     with pytest.raises(RuntimeError, match=r"not replayed.*not a CUDA/XPU call"):
-        _graphs_check(torch, "cpu")
+        _graphs_check(torch, "cpu", checkpoint=checkpoint)

@@ -111,11 +111,13 @@ def _device_checks(torch: Any, device: DeviceFacts) -> list[CheckResult]:
         )
         check("decode", lambda: _decode_check(torch, name, device.backend))
         check("layer-graphs", lambda: _graphs_check(torch, name))
+        check("layer-graphs-checkpointed", lambda: _graphs_check(torch, name, checkpoint=True))
     return out
 
 
-def _graphs_check(torch: Any, name: str) -> str:
-    """One LoRA training layer captured as a device graph and replayed (``lora={"graphs": ...}``),
+def _graphs_check(torch: Any, name: str, *, checkpoint: bool = False) -> str:
+    """One LoRA training layer captured as a device graph and replayed (``lora={"graphs": ...}``;
+    with ``checkpoint``, checkpointed inside the graph as with ``"gradient_checkpointing": True``),
     against the same layer eager: the losses and LoRA gradients of the third step (the second is
     captured, the third replayed; docs/training.md "CUDA graphs of the decoder layers")."""
     from xpukit._compat import is_installed
@@ -138,7 +140,7 @@ def _graphs_check(torch: Any, name: str) -> str:
             model = get_peft_model(model, lora).to(name).train()
             ids = torch.randint(3, 512, (2, 16)).to(name)
         if graphed:
-            install_layer_graphs(model)
+            install_layer_graphs(model, checkpoint=checkpoint)
         for _ in range(3):
             model.zero_grad(set_to_none=True)
             loss = model(input_ids=ids, labels=ids).loss

@@ -258,6 +258,9 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
             assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
             # xpukit checkpoints them, so Trainer must not turn transformers' checkpointing on again
             assert not training_args(model, output_dir=str(tmp_path), max_steps=1).gradient_checkpointing
+            from xpukit.training.arguments import _context
+
+            assert _context(model, None).gradient_checkpointing  # the optimizer rule still sees it
         losses, grads = [], []
         for step in range(3):
             for ids in batches[2 * step : 2 * step + 2]:

@@ -107,6 +107,11 @@ def test_checkpointed_layers_inside_the_graphs_only_where_asked() -> None:
     h200 = device_profile("h200")
     inside = TrainingContext(training=asked.training, checkpoint_in_graphs=True)
     assert training_kwargs(h200, context=inside, output_dir="o")["gradient_checkpointing"] is False
+    # ... while the rules that follow checkpointing still see it: the 4-bit optimizer for a tight fit
+    tight = TrainingContext(training=asked.training, checkpoint_in_graphs=True, gradient_checkpointing=True,
+                            quantized=True, bitsandbytes_version="0.50.2")  # fmt: skip
+    chosen = training_kwargs(h200, context=tight, output_dir="o")
+    assert chosen["gradient_checkpointing"] is False and chosen["optim"] == "paged_adamw_8bit"
     plain = TrainingContext(training=asked.training)
     assert training_kwargs(h200, context=plain, output_dir="o")["gradient_checkpointing"] is True
 

@@ -175,16 +175,18 @@ def _destroy_process_group() -> None:
 
 def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingContext:
     plan_dtype = getattr(getattr(model, "xpukit_plan", None), "dtype", None)
+    in_graphs = getattr(getattr(model, "xpukit_layer_graphs", None), "checkpoint", False) is True
     return TrainingContext(
         world_size=_world_size(),
         torch_version=_torch_version(facts),
         quantized=_is_quantized(model),
-        gradient_checkpointing=_has_gradient_checkpointing(model),
+        # Checkpointing inside the layer graphs is checkpointing too (the optimizer rule reads it);
+        # training_kwargs keeps transformers' own off then.
+        gradient_checkpointing=_has_gradient_checkpointing(model) or in_graphs,
         bitsandbytes_version=installed_version("bitsandbytes"),
         compute_dtype=plan_dtype if isinstance(plan_dtype, str) else None,
         training=getattr(getattr(model, "xpukit_plan", None), "training", None),
-        checkpoint_in_graphs=getattr(getattr(model, "xpukit_layer_graphs", None), "checkpoint", False)
-        is True,
+        checkpoint_in_graphs=in_graphs,
     )
 
 

@@ -40,7 +40,8 @@ class TrainingContext:
         world_size: processes in the run (``WORLD_SIZE``; 1 when not launched).
         torch_version: the installed torch version (xccl needs ≥ 2.8).
         quantized: the model's weights are 4/8-bit (bitsandbytes).
-        gradient_checkpointing: the model already has gradient checkpointing on.
+        gradient_checkpointing: the model already has gradient checkpointing on (transformers', or
+            inside its layer graphs).
         bitsandbytes_version: the installed bitsandbytes version, if any.
         compute_dtype: the dtype the model was loaded to compute in (``model.xpukit_plan.dtype``);
             when set, the mixed precision follows it instead of the device's best.
@@ -146,7 +147,7 @@ def _decide(device: DeviceFacts, ctx: TrainingContext) -> tuple[dict[str, Any], 
         if backend:
             out["ddp_backend"] = backend
         reasons.append(why)
-    if ctx.gradient_checkpointing:
+    if ctx.gradient_checkpointing and not ctx.checkpoint_in_graphs:
         out["gradient_checkpointing"] = True
         reasons.append("gradient checkpointing: the model has it on (non-reentrant)")
     optim, why = _optimizer(device, ctx)

@@ -30,6 +30,7 @@ from xpukit.planning.training.activation_memory import (
 )
 from xpukit.planning.training.allocation import cap_text, logits_bytes
 from xpukit.planning.training.fit_reasons import PACKED_LOSS, gc_decision, liger_decision, loss_decision
+from xpukit.planning.training.graphs import checkpointing_problem
 from xpukit.planning.training.training_plan import TrainingPlan, option_text
 from xpukit.planning.vocabulary import Decision
 
@@ -137,8 +138,8 @@ def plan_training(
             fused_lora=fused and measured, dequant_bytes=dequant, chunked_loss=kind(fused_ce) == "chunked",
             kernel_norms=measured and (kind(fused_ce) == "liger" or fused_norms),
         )  # fmt: skip
-        if graphs and (not gc or (gc is True and request.graphs)):  # the graphs' own buffers: one
-            # shape, or a packed row's buckets; with checkpointing only where asked (graphs.py)
+        if graphs and checkpointing_problem(request, gc) is None:  # the graphs' own buffers: one
+            # shape, or a packed row's buckets
             held = graph_buffer_bytes(shape, micro * seq, compute_bytes=a, packed=packed)
             if gc:  # the recomputation lives in the graphs' pool, which the eager loss cannot reuse
                 held += min(out["loss"], out["recompute"])
@@ -151,8 +152,10 @@ def plan_training(
     packed_loss = packed and liger_ok and user_liger is not False  # PACKED_LOSS
     ladder = _ladder(
         request.gradient_checkpointing if user_gc else None, True if packed_loss else user_liger,
-        offload=backend != "cpu" and not (graphs and request.graphs),  # graphs asked: no offload (graphs.py)
+        offload=backend != "cpu",
     )  # fmt: skip
+    if graphs and request.graphs and not user_gc:  # graphs asked: only the rungs they can run with
+        ladder = [(ce, gc) for ce, gc in ladder if checkpointing_problem(request, gc) is None]
 
     def capped(micro: int) -> bool:  # the plain loss's logits, one tensor above the allocation cap
         return allocation_cap is not None and logits_bytes(micro, seq, shape.vocab) > allocation_cap

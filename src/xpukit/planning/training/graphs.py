@@ -32,7 +32,14 @@ if TYPE_CHECKING:
     from xpukit.planning.training.lora_request import LoraRequest
     from xpukit.planning.training.training_plan import TrainingPlan
 
-__all__ = ["XPU_GRAPHS_TORCH", "decide_layer_graphs", "graph_api", "graphs_possible", "layer_graphs_problem"]
+__all__ = [
+    "XPU_GRAPHS_TORCH",
+    "checkpointing_problem",
+    "decide_layer_graphs",
+    "graph_api",
+    "graphs_possible",
+    "layer_graphs_problem",
+]
 
 # The first torch whose XPU build has torch.xpu.graph and XPUGraph.
 XPU_GRAPHS_TORCH = (2, 11)
@@ -59,13 +66,10 @@ def graph_api(backend: str, torch_version: str | None) -> str | None:
 
 
 def layer_graphs_problem(
-    fused: bool,
-    training: TrainingPlan | None,
-    backend: str,
-    world_size: int = 1,
-    torch_version: str | None = None,
+    fused: bool, backend: str, world_size: int = 1, torch_version: str | None = None
 ) -> str | None:
-    """Why the layers cannot run as graphs here (``None`` when they can)."""
+    """Why the layers cannot run as graphs here, whatever the checkpointing (``None`` when they can;
+    :func:`checkpointing_problem` is the rest)."""
     if world_size > 1:
         return (
             f"a launched job of {world_size} processes: DDP and FSDP hook the parameters' gradient "
@@ -79,30 +83,34 @@ def layer_graphs_problem(
         return f"graphs of the decoder layers need CUDA or an Intel GPU (XPU), not {backend}"
     if not fused:
         return "they were measured on the fused 4-bit LoRA path only, which this plan does not take"
-    if training is not None and training.gradient_checkpointing == "offload":
-        return _OFFLOAD
     return None
 
 
-_OFFLOAD = (
-    "offloaded checkpointing copies each layer's input to pinned host memory it allocates, which a "
-    "capture cannot"
-)
-
-
-def _checkpointing(request: LoraRequest, training: TrainingPlan | None) -> bool | str:
-    """The checkpointing that will run: the training plan's, else the request's (what loading applies)."""
-    return training.gradient_checkpointing if training is not None else request.gradient_checkpointing
+def checkpointing_problem(request: LoraRequest, checkpointing: bool | str) -> str | None:
+    """Why the layers cannot run as graphs with this checkpointing (``None`` when they can): offloaded
+    checkpointing never; plain checkpointing only where ``lora={"graphs": True}`` asks. The training
+    plan's fit (its rungs and the graphs' buffers in the estimate) and the decision below both ask it."""
+    if checkpointing == "offload":
+        return (
+            "offloaded checkpointing copies each layer's input to pinned host memory it allocates, which "
+            "a capture cannot"
+        )
+    if checkpointing is True and not request.graphs:
+        return (
+            "gradient checkpointing: capturing the recomputation with the layers is tested on the CPU, "
+            "not yet measured on a GPU, so it runs only where asked (lora={'graphs': True})"
+        )
+    return None
 
 
 def graphs_possible(
     request: LoraRequest | None, *, fused: bool, backend: str, world_size: int, torch_version: str | None
 ) -> bool:
-    """Whether the layers may run as graphs, before the training plan (which may still checkpoint, and
-    then :func:`decide_layer_graphs` turns them off): the plan counts the graphs' buffers then."""
+    """Whether the layers may run as graphs, before the training plan chooses its checkpointing (which
+    :func:`checkpointing_problem` then judges): the plan counts the graphs' buffers where both allow."""
     return (
         request is not None and request.kind == "new" and request.graphs is not False
-        and layer_graphs_problem(fused, None, backend, world_size, torch_version) is None
+        and layer_graphs_problem(fused, backend, world_size, torch_version) is None
     )  # fmt: skip
 
 
@@ -125,15 +133,11 @@ def decide_layer_graphs(
     if request.graphs is False:
         return Decision(name="layer_graphs", value=False, source="user",
                         reason="lora={'graphs': False} given: the decoder layers run eagerly")  # fmt: skip
-    problem = layer_graphs_problem(fused, training, backend, world_size, torch_version)
-    checkpointing = _checkpointing(request, training)
-    if problem is None and checkpointing == "offload":
-        problem = _OFFLOAD
-    if problem is None and checkpointing is True and not request.graphs:
-        problem = (
-            "gradient checkpointing: capturing the recomputation with the layers is tested on the CPU, "
-            "not yet measured on a GPU, so it runs only where asked (lora={'graphs': True})"
-        )
+    # The checkpointing that will run: the training plan's, else the request's (what loading applies).
+    checkpointing = (training or request).gradient_checkpointing
+    problem = layer_graphs_problem(fused, backend, world_size, torch_version) or checkpointing_problem(
+        request, checkpointing
+    )
     if problem is not None:
         if request.graphs:
             raise InvalidRequestError(

@@ -212,7 +212,7 @@ def test_packed_rows_take_a_captured_shape_once_the_graphs_keep_no_more(tiny_mod
     graphs.max_shapes = 2
     # The CPU plan packs without a bucket (no graphs there); on a GPU loading/lora.py wires these.
     packing = model.xpukit_packing
-    packing.bucket, packing.captured, packing.full = 16, graphs.captured_tokens, graphs.full
+    packing.bucket, packing.graphs = 16, graphs
     got = []
     for ids, mask, labels in batches:
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss

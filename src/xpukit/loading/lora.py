@@ -204,12 +204,8 @@ def _new_adapters(
     if packing is not None:
         from xpukit.loading.training.packing import install_packing
 
-        graphs_of = getattr(peft_model, "xpukit_layer_graphs", None)
-        if graphs_of is None:
-            notes.append(install_packing(peft_model, bucket=packing))
-        else:  # rows take a captured shape once the graphs keep no more
-            notes.append(install_packing(peft_model, bucket=packing, captured=graphs_of.captured_tokens,
-                                         full=graphs_of.full))  # fmt: skip
+        graphs_of = getattr(peft_model, "xpukit_layer_graphs", None)  # their shapes, once full
+        notes.append(install_packing(peft_model, bucket=packing, graphs=graphs_of))
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     what = f"LoRA adapter {request.adapter_path}, trainable," if request.kind == "adapter" else "LoRA"

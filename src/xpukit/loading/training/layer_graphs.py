@@ -120,17 +120,13 @@ class LayerGraphs:
         return list(self._graphs)
 
     def captured_tokens(self) -> list[int]:
-        """The lengths of the single rows captured so far (packed rows: ``[1, tokens, hidden]``), none
-        once capturing failed: packing pads a row to one of them once :meth:`full`
-        (``loading/training/packing.py``)."""
-        if self.failed is not None:
-            return []
+        """The lengths of the single rows captured so far (packed rows: ``[1, tokens, hidden]``):
+        packing pads a row to one of them once :meth:`full` (``loading/training/packing.py``)."""
         return [int(key[0][1]) for key in self._graphs if len(key[0]) == 3 and key[0][0] == 1]
 
     def full(self) -> bool:
-        """Whether a new shape would no longer be captured (all ``max_shapes`` taken, or capturing
-        failed)."""
-        return self.failed is not None or len(self._graphs) >= self.max_shapes
+        """Whether a new shape would no longer be captured: all ``max_shapes`` are taken."""
+        return len(self._graphs) >= self.max_shapes
 
     @property
     def key(self) -> tuple[Any, ...] | None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["Packing", "install_packing", "padded_length"]
@@ -68,9 +68,8 @@ class Packing:
     Attributes:
         bucket: the packed row is padded to a multiple of this many tokens (1: not padded), or to a
             captured shape (:func:`padded_length`).
-        captured: the row lengths the layers' graphs have captured (``LayerGraphs.captured_tokens``),
-            or ``None`` when the layers run eagerly.
-        full: whether the graphs capture no more shapes (``LayerGraphs.full``).
+        graphs: the layers' graphs (``LayerGraphs``: its ``captured_tokens()`` and ``full()``), or
+            ``None`` when the layers run eagerly.
         stats: ``packed`` calls, ``tokens`` (real tokens run), ``padding_removed`` (padding tokens
             of the collator's batches not run through the layers), ``bucket_padding`` (tokens added
             to reach a bucket), ``flattened_input`` (calls that arrived already flattened).
@@ -83,14 +82,12 @@ class Packing:
         *,
         bucket: int,
         pad_id: int,
-        captured: Callable[[], Iterable[int]] | None = None,
-        full: Callable[[], bool] | None = None,
+        graphs: Any = None,
     ) -> None:
         self.forward = forward
         self.bucket = max(int(bucket), 1)
         self.pad_id = pad_id
-        self.captured = captured
-        self.full = full
+        self.graphs = graphs
         self.stats: Counter[str] = Counter()
         self.passed: Counter[str] = Counter()
 
@@ -169,11 +166,9 @@ class Packing:
         import torch
 
         total = int(tokens.shape[0])
-        if self.captured is None:  # no graphs: a plain bucket
-            pad = -total % self.bucket
-        else:
-            full = self.full is not None and self.full()
-            pad = padded_length(total, self.captured(), self.bucket, full=full) - total
+        graphs = self.graphs
+        captured = graphs.captured_tokens() if graphs is not None else ()
+        pad = padded_length(total, captured, self.bucket, full=graphs is not None and graphs.full()) - total
         if pad:
             filler = (
                 tokens.new_full((pad,), self.pad_id)
@@ -215,13 +210,12 @@ def install_packing(
     model: Any,
     *,
     bucket: int = 1,
-    captured: Callable[[], Iterable[int]] | None = None,
-    full: Callable[[], bool] | None = None,
+    graphs: Any = None,
 ) -> str:
     """Wrap the decoder under ``model`` (a PeftModel or a transformers causal LM) with
     :class:`Packing`; returns a note. ``model.xpukit_packing`` is the wrapper (``stats``, ``passed``).
-    ``captured`` and ``full``: the row lengths the layers' graphs have captured, and whether they
-    capture no more (:func:`padded_length`)."""
+    ``graphs``: the layers' ``LayerGraphs``, whose captured shapes a row takes once they are full
+    (:func:`padded_length`)."""
     decoder = _decoder(model)
     if decoder is None:
         return "packing: not installed (no decoder with layers under the model's head)"
@@ -237,7 +231,7 @@ def install_packing(
          if isinstance(v, int) and v >= 0),
         0,
     )  # fmt: skip
-    packing = Packing(forward, bucket=bucket, pad_id=pad_id, captured=captured, full=full)
+    packing = Packing(forward, bucket=bucket, pad_id=pad_id, graphs=graphs)
 
     @functools.wraps(forward)
     def packed(*args: Any, **kwargs: Any) -> Any:

@@ -67,7 +67,7 @@ class BlockCheck:
 
     @property
     def within_tolerance(self) -> bool:
-        return self.output_error <= self.tolerance[0] and self.gradient_error <= self.tolerance[1]
+        return _within(self.tolerance, self.output_error, self.gradient_error)
 
     @property
     def as_exact_as_peft(self) -> bool:
@@ -141,7 +141,7 @@ def check_blocks(model: Any, groups: dict[str, list[tuple[str, Any]]], dtype: An
             BlockCheck(
                 kind=key, first=name, blocks=len(groups[key]), dtype=_dtype_name(dtype),
                 output_error=out_err, gradient_error=grad_err, worst=worst,
-                tolerance=TOLERANCES.get(_dtype_name(dtype), TOLERANCES["bfloat16"]), seconds=seconds,
+                tolerance=_tolerance(dtype), seconds=seconds,
                 reference=reference,
             )
         )  # fmt: skip
@@ -149,13 +149,22 @@ def check_blocks(model: Any, groups: dict[str, list[tuple[str, Any]]], dtype: An
 
 
 def _failed(key: str, members: list[tuple[str, Any]], dtype: Any, reason: str) -> BlockCheck:
-    tol = TOLERANCES.get(_dtype_name(dtype), TOLERANCES["bfloat16"])
     nan = float("nan")
+    tol = _tolerance(dtype)
     return BlockCheck(key, members[0][0], len(members), _dtype_name(dtype), nan, nan, "", tol, 0.0, reason)
 
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _tolerance(dtype: Any) -> tuple[float, float]:
+    """:data:`TOLERANCES` for the compute dtype (bf16's for one it does not list)."""
+    return TOLERANCES.get(_dtype_name(dtype), TOLERANCES["bfloat16"])
+
+
+def _within(tolerance: tuple[float, float], output_error: float, gradient_error: float) -> bool:
+    return output_error <= tolerance[0] and gradient_error <= tolerance[1]
 
 
 def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -238,9 +247,8 @@ def _compare(
         block.eval()
         peft_run, fused_run = run(False), run(True)
         out_err, worst, worst_name = _errors(fused_run, peft_run, params)
-        tolerance = TOLERANCES.get(_dtype_name(dtype), TOLERANCES["bfloat16"])
         reference = None
-        if _dtype_name(dtype) != "float32" and (out_err > tolerance[0] or worst > tolerance[1]):
+        if _dtype_name(dtype) != "float32" and not _within(_tolerance(dtype), out_err, worst):
             exact_run = run(False, exact=True)
             fused_vs = _errors(fused_run, exact_run, params)
             peft_vs = _errors(peft_run, exact_run, params)

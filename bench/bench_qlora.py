@@ -836,11 +836,11 @@ def memory_pools(device: str) -> dict[str, dict[str, float]] | None:
     return {k: {a: round(b, 3) for a, b in v.items()} for k, v in pools.items()}
 
 
-def graph_pool_slack(device: str) -> int:
+def graph_pool_slack(device: str, pools: dict[str, dict[str, float]] | None = None) -> int:
     """Bytes the device graphs' private pools hold but the allocator counts as free: a replay writes
     its activations there without allocating, so ``max_memory_allocated`` after a capture misses
-    them (0 without graphs, and off CUDA)."""
-    pools = memory_pools(device) or {}
+    them (0 without graphs, and off CUDA). ``pools``: :func:`memory_pools`' answer, if taken already."""
+    pools = (pools if pools is not None else memory_pools(device)) or {}
     return int(sum(1e9 * (v["reserved"] - v["allocated"]) for k, v in pools.items() if k != "default"))
 
 

@@ -261,7 +261,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     allocated, _ = qlora.peak_memory(device)
     reserved = qlora.peak_reserved(device)
     peak = reserved if reserved is not None else allocated
-    slack = qlora.graph_pool_slack(device)
+    pools = qlora.memory_pools(device)
+    slack = qlora.graph_pool_slack(device, pools)
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
     row: dict[str, Any] = {
         "bench": "realrun", "variant": variant, "data": args.data, "device": device,
@@ -272,7 +273,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_range": [round(1000 * min(steps), 1), round(1000 * max(steps), 1)] if steps else None,
         "real_tokens_per_step": round(statistics.mean(per_step), 1),
         "real_tokens_max_micro_batch": max(counting.tokens) if counting.tokens else None,
-        "memory_pools_gb": qlora.memory_pools(device),
+        "memory_pools_gb": pools,
         "peak_mem_gb": round(peak / 1e9, 2), "peak_allocated_gb": round(allocated / 1e9, 2),
         "graph_pool_slack_gb": round(slack / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
         "micro_batch": micro, "accumulation": accumulate, "losses": losses,

@@ -12,6 +12,8 @@ Fixtures (session-scoped, built on first use and shared by every test):
 - ``tiny_model``: ``tiny_models["qwen3"]``.
 - ``tiny_model_factory``: ``factory(arch, *, seed=0, **config_overrides) -> Path`` for variants.
 - ``demo_model``: the ``xpukit demo`` default model, built into the scratch cache.
+- ``wide_model``: a tiny qwen3 wide enough for torchao's int4 groups (skipped without torchao).
+- ``sliding_gemma``: a tiny Gemma 3 with a 4-token sliding-window layer beside a full one.
 
 Treat the returned directories as read-only (other tests share them); copy one to change it.
 """
@@ -168,15 +170,19 @@ WIDE = {
 
 
 @pytest.fixture(scope="session")
-def wide_model_factory(tiny_model_factory: _TinyModelFactory) -> Callable[..., Path]:
-    """``factory(**config_overrides) -> Path``: the wide tiny qwen3 (skipped without torchao)."""
+def wide_model(tiny_model_factory: _TinyModelFactory) -> Path:
+    """The wide tiny qwen3 (skipped without torchao)."""
     pytest.importorskip("torchao")
-    return lambda **overrides: Path(tiny_model_factory("qwen3", **{**WIDE, **overrides}))
+    return Path(tiny_model_factory("qwen3", **WIDE))
 
 
 @pytest.fixture(scope="session")
-def wide_model(wide_model_factory: Callable[..., Path]) -> Path:
-    return wide_model_factory()
+def sliding_gemma(tiny_model_factory: _TinyModelFactory) -> Path:
+    """A tiny Gemma 3 with a sliding-window layer of 4 tokens (shorter than the tests' examples)
+    beside a full-attention one, so each kind takes its own mask and position embeddings."""
+    return Path(
+        tiny_model_factory("gemma", layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    )
 
 
 @pytest.fixture(scope="session")

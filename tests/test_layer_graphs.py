@@ -299,8 +299,7 @@ def test_layers_of_two_kinds_hand_over_their_own_mask_and_position_embeddings(
         h.sum().backward()
     assert graphs.stats["captures"] == 1 and graphs.stats["graphed"] == 2 and len(replays) == 2
     signature = graphs.keys[0][-1]
-    inputs = {entry[1] for layer in signature for name, part in layer[1] if name == "attention_mask"
-              for entry in [part]}  # fmt: skip
+    inputs = {part[1] for layer in signature for name, part in layer[1] if name == "attention_mask"}
     assert inputs == {0, 3}  # two masks, each one input shared by its layers (rotary pairs: 1-2, 4-5)
 
 

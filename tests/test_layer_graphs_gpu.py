@@ -22,14 +22,14 @@ def _need_cuda() -> None:
     pytest.importorskip("bitsandbytes")
 
 
-def _load(tiny_model: Any, graphs: bool, *, lora: dict[str, Any] | None = None, **shape: int) -> Any:
-    """The tiny model in 4-bit with new adapters on CUDA (skipped without CUDA, triton or
-    bitsandbytes); ``lora`` overrides ``{"graphs": graphs}``, ``shape`` the batch_size/seq_len."""
+def _load(tiny_model: Any, lora: dict[str, Any], **shape: int) -> Any:
+    """The tiny model in 4-bit with new adapters (``lora``) on CUDA (skipped without CUDA, triton or
+    bitsandbytes); ``shape`` overrides the batch_size/seq_len."""
     _need_cuda()
     from xpukit import load_for_xpu
 
     sizes = {"batch_size": 2, "seq_len": 32, **shape}
-    return load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, lora=lora or {"graphs": graphs},
+    return load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, lora=lora,
                         **sizes)  # fmt: skip
 
 
@@ -67,8 +67,8 @@ def test_graphed_layers_give_the_eager_losses_and_gradients(tiny_model: Any, lor
     import torch
 
     ids = (torch.arange(64, device="cuda").reshape(2, 32) * 7) % 500
-    eager = _steps(_load(tiny_model, False), ids, 4)
-    model = _load(tiny_model, True, lora=lora)
+    eager = _steps(_load(tiny_model, {"graphs": False}), ids, 4)
+    model = _load(tiny_model, lora)
     assert model.xpukit_layer_graphs.checkpoint == bool(lora.get("gradient_checkpointing"))
     graphed = _steps(model, ids, 4)
     stats = model.xpukit_layer_graphs.stats
@@ -85,7 +85,7 @@ def test_two_forwards_before_one_backward_run_eagerly(tiny_model: Any) -> None:
     other = (ids + 11) % 500
     results = []
     for graphs in (False, True):
-        model = _load(tiny_model, graphs)
+        model = _load(tiny_model, {"graphs": graphs})
         _steps(model, ids, 2)  # with graphs: captured on the second
         with torch.autocast("cuda", dtype=torch.bfloat16):
             total = model(input_ids=ids, labels=ids).loss + model(input_ids=other, labels=other).loss
@@ -113,7 +113,7 @@ def test_packed_padded_batches_replay_graphs_and_train_as_the_padded_eager_batch
         batches.append((ids.cuda() * mask.cuda(), mask.cuda(), step))
     results = []
     for lora in ({"graphs": False, "packing": False}, {"graphs": True, "packing": True}):
-        model = _load(tiny_model, False, lora=lora, batch_size=3, seq_len=40)
+        model = _load(tiny_model, lora, batch_size=3, seq_len=40)
         model.train()
         run = []
         for ids, mask, _ in batches:
@@ -144,7 +144,7 @@ def test_graphed_training_with_accumulation_and_optimizer_steps_ends_at_the_eage
     micro = [torch.randint(5, 500, (2, 32), generator=gen).cuda() for _ in range(12)]
     weights = []
     for graphs in (False, True):
-        model = _load(tiny_model, graphs)
+        model = _load(tiny_model, {"graphs": graphs})
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         start = torch.cat([p.detach().float().flatten() for p in params])

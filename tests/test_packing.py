@@ -110,19 +110,14 @@ def _assert_same(loss: Any, want_loss: Any, grads: dict[str, Any], want: dict[st
         assert float((grad - want[name]).abs().max() / scale) < 1e-4, name
 
 
-# Gemma 3 with a window shorter than the examples beside a full-attention layer: the packed row's
-# sliding mask must stop at each example's start as well as at the window.
-SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 4}
-
-
 @pytest.mark.parametrize("arch", [*ARCHS, "gemma-sliding"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_packed_batch_gives_each_example_what_it_gives_alone(
-    tiny_models: Any, tiny_model_factory: Any, arch: str, side: str
+    tiny_models: Any, sliding_gemma: Path, arch: str, side: str
 ) -> None:
     from xpukit.loading.training.packing import install_packing
 
-    path = tiny_model_factory("gemma", **SLIDING) if arch == "gemma-sliding" else tiny_models[arch]
+    path = sliding_gemma if arch == "gemma-sliding" else tiny_models[arch]
     ids, mask, labels = _batch(side)
     alone = _lora_model(path)
     want_loss = _alone(alone, ids, mask, labels)

@@ -22,6 +22,10 @@ Variants:
   device's fastest format: torchao where it runs, the row's ``quantization`` says which);
   ``int4-fast`` / ``int8-fast`` add ``fast_decode=True, warmup=True`` (the row's ``fast_decode`` is
   the plan's decision: where the plan does not take it, nothing changes);
+* ``fast-trees`` / ``int4-fast-trees``: ``fast`` / ``int4-fast`` with the loop's step compiled with
+  ``mode="reduce-overhead"`` (inductor's CUDA-graph trees) instead of xpukit's own step graph;
+  ``int8-fast-nopm``: ``int8-fast`` with inductor's pattern matcher off (docs/decode.md "Own step
+  graphs");
 * ``static`` / ``compiled`` (measurement aids, not what xpukit sets on a CPU): ``load_for_xpu``, then
   a static cache of the same length as ``fast``, and for ``compiled`` transformers' compiled decoding
   forced on every device (``CompileConfig._compile_all_devices``); ``loop``: xpukit's decode loop,
@@ -104,7 +108,7 @@ SMALL_SHAPES: dict[str, dict[str, int]] = {
 }
 VARIANTS = (
     "raw", "xpukit", "fast", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
-    "nf4", "int4", "int8", "int4-fast", "int8-fast",
+    "nf4", "int4", "int8", "int4-fast", "int8-fast", "fast-trees", "int4-fast-trees", "int8-fast-nopm",
 )  # fmt: skip
 # The quantized variants: quantize= and fast_decode (docs/decode.md "Quantized models").
 QUANTIZED = {
@@ -115,6 +119,15 @@ QUANTIZED = {
     "int8-fast": ("8bit", True),
 }
 REPLAY_STEPS = 64
+# fast_decode's load with the loop compiled another way, for a same-run comparison (docs/decode.md
+# "Own step graphs"): quantize=, then "trees" (inductor's CUDA-graph trees, the loop's mode before
+# its own step graph) or "no-patterns" (its own step graph, inductor's pattern matcher off: the int8
+# weight-only pattern it rewrites to aten._weight_int8pack_mm).
+RECOMPILED = {
+    "fast-trees": (None, "trees"),
+    "int4-fast-trees": ("4bit", "trees"),
+    "int8-fast-nopm": ("8bit", "no-patterns"),
+}
 
 
 def build(shape: str, root: Path, device: str) -> Path:
@@ -148,6 +161,22 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
     from xpukit.loading.load import load_for_xpu
     from xpukit.planning.plan import plan_load
 
+    if variant in RECOMPILED:
+        from xpukit.loading.decode.fast_decode import warm_up
+        from xpukit.planning.device.decode import compile_settings
+
+        quantize, how = RECOMPILED[variant]
+        model = load_for_xpu(path, device=device, quantize=quantize, fast_decode=True)
+        loop = getattr(model, "xpukit_decode_loop", None)
+        if loop is not None and loop.compile_options:
+            if how == "trees":
+                loop.set_compile(compile_settings("reduce-overhead"))
+            else:
+                options = {"fullgraph": True, "dynamic": False, "options": {"pattern_matcher": False}}
+                loop.set_compile(options, step_graphs=loop.step_graphs is not None)
+            model.xpukit_bench_note = f"loop compiled: {loop.compile_options}"
+        model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)
+        return model
     if variant in QUANTIZED:
         quantize, fast = QUANTIZED[variant]
         if fast:
@@ -417,6 +446,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
                     "roofline_fraction": round(best / roofline, 4) if roofline else None,
                     "warmup": warmup,
                     "note": getattr(model, "xpukit_bench_note", None),
+                    "step_graphs": _step_graph_stats(model),
                     "loop": (getattr(model, "xpukit_last_decode", None) or {}).get("loop", "transformers"),
                     "quantization": plan.decision("quantization").value if plan else None,
                     "fast_decode": (
@@ -462,6 +492,12 @@ def dynamo_counters() -> dict[str, int]:
         "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
         "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
     }
+
+
+def _step_graph_stats(model: Any) -> dict[str, int] | None:
+    """xpukit's own decode-step graphs: captures, replays, dropped (None where the loop has none)."""
+    graphs = getattr(getattr(model, "xpukit_decode_loop", None), "step_graphs", None)
+    return dict(graphs.stats) if graphs is not None else None
 
 
 def breakdown(

@@ -56,16 +56,26 @@ def _inputs(tokenizer, prompts, device):
     return {k: v.to(device) for k, v in tokenizer(prompts, return_tensors="pt", padding=True).items()}
 
 
-def test_compiled_step_gives_the_eager_tokens_without_recompiling(tiny_model, tokenizer, tmp_path):
+@pytest.mark.parametrize("step_graphs", [True, False], ids=["own-step-graph", "inductor-graphs"])
+def test_compiled_step_gives_the_eager_tokens_without_recompiling(
+    tiny_model, tokenizer, tmp_path, step_graphs
+):
     import torch
 
     device = _device()
+    if step_graphs and device != "cuda":
+        pytest.skip("xpukit captures its own decode step graph on CUDA only")
     eager = _model(tiny_model, device)
     install_decode_loop(eager, max_cache_len=256, compile_options=None)
     compiled = _model(tiny_model, device)
     loop = install_decode_loop(
-        compiled, max_cache_len=256, compile_options=compile_settings(_mode(device)), cache_dir=tmp_path
+        compiled,
+        max_cache_len=256,
+        compile_options=compile_settings("default" if step_graphs else _mode(device)),
+        cache_dir=tmp_path,
+        step_graphs=step_graphs,
     )
+    torch._dynamo.reset()
     reference = _model(tiny_model, device)
     counters = torch._dynamo.utils.counters
     for batch in (1, 4):
@@ -95,8 +105,11 @@ def test_compiled_step_gives_the_eager_tokens_without_recompiling(tiny_model, to
         assert compiled.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want.tolist()
     assert counters["stats"]["unique_graphs"] == graphs  # no recompile for a new prompt length
     assert counters["graph_break"] == {} or sum(counters["graph_break"].values()) == 0
-    if device == "cuda":
+    if device == "cuda" and not step_graphs:
         assert counters["inductor"]["cudagraph_skips"] == skips == 0  # the step was captured
+    if step_graphs:  # batches 1 and 4, each captured once and replayed for every later token
+        assert loop.step_graphs.stats["captures"] == 2 and loop.step_graphs.stats["dropped"] == 0
+        assert loop.step_graphs.stats["replays"] > 4 * NEW
     assert loop.graphs == {(1, "greedy"), (4, "greedy")}
     # Sampling compiles its own step and stays seeded.
     inputs = _inputs(tokenizer, PROMPTS[:4], device)
@@ -104,6 +117,7 @@ def test_compiled_step_gives_the_eager_tokens_without_recompiling(tiny_model, to
     first = compiled.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=5)
     torch.manual_seed(0)
     assert compiled.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=5).tolist() == first.tolist()
+    assert compiled.generate(**inputs, max_new_tokens=8, do_sample=True, top_k=5).tolist() != first.tolist()
 
 
 _CHILD = textwrap.dedent(

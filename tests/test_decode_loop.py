@@ -11,8 +11,12 @@ prompt length, one more per batch size.
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 
+from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode import loop as decode_loop
 from xpukit.loading.decode.loop import install_decode_loop
@@ -100,6 +104,7 @@ def test_greedy_is_token_identical_to_transformers(fast, reference, tokenizer, b
         "new_tokens": NEW,
         "compiled": False,
         "cudagraphs": False,
+        "step_graphs": False,
     }
     assert got.tolist() == want.tolist()
     # A second call reuses the batch's cache and buffers: the same again.
@@ -242,6 +247,64 @@ def test_the_compiled_step_is_one_graph_for_every_prompt_length(tiny_model, refe
     # the counting backend leaves torch no artifacts of its own), never raised.
     assert [(r["batch"], r["loaded"]) for r in loop.cache_records] == [(2, False), (3, False)]
     assert all(r.get("saved") or r.get("error") for r in loop.cache_records)
+
+
+class _ReRunGraphs:
+    """A stand-in for a device's graph API: a capture keeps the step without running it, and a
+    replay runs it again, so the loop is right only if it replays each captured step exactly once."""
+
+    def __init__(self):
+        self.captured = 0
+
+    def new_graph(self):
+        return SimpleNamespace(replay=None)
+
+    def pool(self):
+        return object()
+
+    def capture(self, graph, body, pool):
+        self.captured += 1
+        graph.replay = body
+
+    def synchronize(self):
+        pass
+
+    def side_stream(self):
+        return contextlib.nullcontext()
+
+
+def test_own_step_graphs_capture_once_replay_every_token_and_follow_the_weights(
+    tiny_model, reference, tokenizer, monkeypatch
+):
+    import torch
+
+    from xpukit.loading.decode.step_graph import StepGraphs
+
+    model = _model(tiny_model)
+    loop = install_decode_loop(model, max_cache_len=256, compile_options=None)
+    options = {"backend": "eager", "fullgraph": True, "dynamic": False}
+    with pytest.raises(InvalidRequestError, match="reduce-overhead"):
+        loop.set_compile(options | {"mode": "reduce-overhead"}, step_graphs=True)
+    loop.set_compile(options)
+    backend = _ReRunGraphs()
+    loop.step_graphs = StepGraphs(backend)
+    monkeypatch.setattr(decode_loop, "_KEEP_BATCH_SIZES", 1)
+    inputs = _inputs(tokenizer, 3)
+    want = _transformers(reference, inputs, max_new_tokens=NEW, do_sample=False)
+    for _ in range(2):  # the first call warms and captures, the second only replays
+        assert model.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want.tolist()
+        assert model.xpukit_last_decode["step_graphs"] is True
+    # NEW - 1 steps a call: one warm run, then replays (the capture's own step is its first replay)
+    assert loop.step_graphs.stats == {"captures": 1, "replays": 2 * (NEW - 1) - 1, "dropped": 0}
+    # New weights at a new address: the capture read the old ones, so it is dropped and made again.
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight * 1.0)
+    assert model.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want.tolist()
+    assert loop.step_graphs.stats["dropped"] == 1 and loop.step_graphs.stats["captures"] == 2
+    # Another batch size evicts the first state (one kept here): its capture goes with it.
+    model.generate(**_inputs(tokenizer, 2), max_new_tokens=4, do_sample=False)
+    assert [key[0] for key in loop.step_graphs._graphs] == [(2, 256)]
+    assert backend.captured == 3
 
 
 # --- the compile cache ------------------------------------------------------------------------------

@@ -69,6 +69,10 @@ def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
     # grouped decode attention: measured on CUDA only (docs/decode.md "Grouped decode attention")
     assert plan.decode.grouped_attention == (facts == "h200")
     assert ("repeat_kv" in decision.reason) == (facts == "h200")
+    # On CUDA xpukit's loop compiles its step without inductor's graphs and captures it itself.
+    assert plan.decode.step_graph == (facts == "h200")
+    assert plan.decode.loop_compile_mode() == "default"
+    assert ("captures the step as one CUDA graph" in decision.reason) == (facts == "h200")
 
 
 def test_grouped_attention_is_applied_and_recorded(tiny_model):
@@ -162,7 +166,7 @@ def test_static_cache_settings_keep_greedy_tokens_sampling_and_pipeline(tiny_mod
         "disable_compile": True,
     }
     loop_event = next(e for e in model.xpukit_plan.events if e.what == "decode_loop")
-    assert loop_event.actual == {"compile": None, "graph_batch_sizes": []}
+    assert loop_event.actual == {"compile": None, "step_graph": False, "graph_batch_sizes": []}
     warm = next(e for e in model.xpukit_plan.events if e.what == "warmup")
     assert warm.actual["compiled"] is False and warm.actual["first_call_s"] > 0
     assert warm.actual["loop"] == "xpukit" and model.xpukit_decode_loop.max_cache_len == 256

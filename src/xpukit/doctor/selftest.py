@@ -162,7 +162,8 @@ def _decode_check(torch: Any, name: str, backend: str) -> str:
     """xpukit's decode loop compiled as ``fast_decode=True`` compiles it here, against the loop eager.
 
     A tiny random qwen3 in float32 (seeded without touching the caller's RNG), batch 2, 16 greedy
-    tokens; ``reduce-overhead`` (CUDA graphs) on CUDA, ``default`` on XPU (docs/decode.md "XPU").
+    tokens; compiled with ``mode="default"``, and on CUDA captured as one graph by the loop, as
+    ``fast_decode=True`` plans it (docs/decode.md "Own step graphs", "XPU").
     """
     from transformers import AutoModelForCausalLM
 
@@ -175,11 +176,11 @@ def _decode_check(torch: Any, name: str, backend: str) -> str:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         ids = torch.randint(3, 512, (2, 8))
     model = model.to(name).eval()
-    mode = "reduce-overhead" if backend == "cuda" else "default"
+    mode = "default, own step graph" if backend == "cuda" else "default"
     loop = install_decode_loop(model, max_cache_len=256, compile_options=None)
     args = {"input_ids": ids.to(name), "max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False}
     eager = model.generate(**args)
-    loop.compile_options = compile_settings(mode)
+    loop.set_compile(compile_settings("default"), step_graphs=backend == "cuda")
     start = time.perf_counter()
     compiled = model.generate(**args)
     getattr(torch, backend).synchronize()

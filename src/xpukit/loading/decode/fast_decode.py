@@ -84,12 +84,22 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         settings["disable_compile"] = True
     from xpukit.loading.decode.loop import install_decode_loop
 
-    options = compile_settings(decode.compile_mode) if decode.compile and decode.compile_mode else None
-    install_decode_loop(target, max_cache_len=int(decode.max_cache_len or 0), compile_options=options)
+    loop_mode = decode.loop_compile_mode()
+    options = compile_settings(loop_mode) if loop_mode else None
+    install_decode_loop(
+        target,
+        max_cache_len=int(decode.max_cache_len or 0),
+        compile_options=options,
+        step_graphs=decode.step_graph and options is not None,
+    )
     loop_event = LoadEvent(
         kind="applied",
         what="decode_loop",
-        actual={"compile": options, "graph_batch_sizes": list(decode.graph_batch_sizes)},
+        actual={
+            "compile": options,
+            "step_graph": decode.step_graph,
+            "graph_batch_sizes": list(decode.graph_batch_sizes),
+        },
         cause="generate() runs xpukit's decode loop for greedy and plain sampling, transformers' "
         "for everything else; model.xpukit_last_decode says which ran",
     )

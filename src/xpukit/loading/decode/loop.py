@@ -26,6 +26,8 @@ from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode.request import DecodeRequest, triage
 from xpukit.loading.decode.step import choose, decode_step
+from xpukit.loading.decode.step_graph import StepGraphs
+from xpukit.loading.device_graph import GraphBackend
 
 __all__ = ["CHECK_EVERY", "DecodeLoop", "install_decode_loop"]
 
@@ -46,6 +48,7 @@ class _State:
     unfinished: Any  # (b,) bool
     out: Any  # (b, cache_len) long: the new tokens, at [0, new_tokens)
     index: Any  # (1,) long: the step's column in ``out``
+    owner: tuple[int, int]  # (batch, cache length): its key among the kept states
 
 
 def _prompt_positions(mask: Any) -> Any:
@@ -74,6 +77,8 @@ class DecodeLoop:
         check_every: tokens between two reads of the finished flags.
         cache_records: what the compile cache did, one dict per compiled graph.
         graphs: the ``(batch, step)`` pairs compiled so far in this process.
+        step_graphs: xpukit's own capture of the compiled step
+            (:class:`~xpukit.loading.decode.step_graph.StepGraphs`), or ``None``.
     """
 
     def __init__(
@@ -84,8 +89,10 @@ class DecodeLoop:
         compile_options: dict[str, Any] | None = None,
         check_every: int = CHECK_EVERY,
         cache_dir: Any = None,
+        step_graphs: StepGraphs | None = None,
     ) -> None:
         self.model = model
+        self.step_graphs = step_graphs
         self.enabled = True
         self.max_cache_len = max_cache_len
         self.compile_options = compile_options
@@ -105,9 +112,24 @@ class DecodeLoop:
         options = self.compile_options or {}
         return options.get("mode") == "reduce-overhead"
 
+    def set_compile(self, options: dict[str, Any] | None, *, step_graphs: bool = False) -> None:
+        """Compile the step with ``options`` from the next call on (``None``: eager); ``step_graphs``
+        captures the compiled step as one device graph (``options`` must then make no graphs)."""
+        if step_graphs and options and options.get("mode") == "reduce-overhead":
+            raise InvalidRequestError(
+                "step_graphs=True captures the compiled step itself: compile it without inductor's "
+                'CUDA graphs (mode "default", not "reduce-overhead"; docs/decode.md "Own step graphs")'
+            )
+        self.compile_options = options
+        self._compiled.clear()
+        self.graphs.clear()
+        device = self.model.device.type
+        self.step_graphs = StepGraphs(GraphBackend(device)) if step_graphs and options else None
+
     def disable_compile(self) -> None:
         """Run the step eagerly from now on (a compile failure)."""
         self.compile_options = None
+        self.step_graphs = None
         self._compiled.clear()
 
     def dispatch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -148,6 +170,8 @@ class DecodeLoop:
         mask = torch.ones_like(ids) if mask is None else mask.to(device=device, dtype=torch.long)
         state = self._state(torch, batch, self._cache_len())
         consts = self._constants(torch, request)
+        if self.step_graphs is not None and self.compile_options:
+            self.step_graphs.check_weights(model)
         state.cache.reset()
         _fill_mask(state.mask, mask)
         positions = _prompt_positions(mask)
@@ -207,9 +231,16 @@ class DecodeLoop:
                 self._call(torch, step, request, state)
 
     def _call(self, torch: Any, step: Any, request: DecodeRequest, state: _State) -> None:
-        consts = self._consts
+        if self.step_graphs is not None and self.compile_options:
+            key = (state.owner, _step_name(request))
+            self.step_graphs.run(key, lambda: self._step_once(step, request, state))
+            return
         if self.cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()
+        self._step_once(step, request, state)
+
+    def _step_once(self, step: Any, request: DecodeRequest, state: _State) -> None:
+        consts = self._consts
         step(
             self.model,
             state.cache,
@@ -249,6 +280,7 @@ class DecodeLoop:
             unfinished=torch.ones(batch, dtype=torch.bool, device=device),
             out=torch.zeros((batch, length), dtype=torch.long, device=device),
             index=torch.zeros(1, dtype=torch.long, device=device),
+            owner=key,
         )
         # Fixed addresses (as transformers marks its cache): a CUDA graph mutates them in place. Marked
         # even while eager, so that a loop compiled later (doctor's selftest) captures them too.
@@ -256,7 +288,9 @@ class DecodeLoop:
             torch._dynamo.mark_static_address(getattr(new, name))
         self._states[key] = new
         while len(self._states) > _KEEP_BATCH_SIZES:
-            self._states.popitem(last=False)
+            dropped, _ = self._states.popitem(last=False)
+            if self.step_graphs is not None:
+                self.step_graphs.forget(dropped)
         return new
 
     def _constants(self, torch: Any, request: DecodeRequest) -> dict[str, Any]:
@@ -341,6 +375,7 @@ class DecodeLoop:
                 new_tokens=request.new_tokens,
                 compiled=bool(self.compile_options),
                 cudagraphs=self.cudagraphs,
+                step_graphs=self.step_graphs is not None and bool(self.compile_options),
             )
         self.model.xpukit_last_decode = record
         logger.debug("generate(): %s loop (%s)", loop, reason)
@@ -353,18 +388,24 @@ def _step_name(request: DecodeRequest) -> str:
 
 
 def install_decode_loop(
-    model: Any, *, max_cache_len: int, compile_options: dict[str, Any] | None, cache_dir: Any = None
+    model: Any,
+    *,
+    max_cache_len: int,
+    compile_options: dict[str, Any] | None,
+    cache_dir: Any = None,
+    step_graphs: bool = False,
 ) -> DecodeLoop:
     """Give ``model`` xpukit's decode loop behind its own ``generate`` (on this instance only).
 
     ``model.generate(...)`` then asks :func:`~xpukit.loading.decode.request.triage` per call;
     ``model.xpukit_decode_loop`` is the loop, ``model.xpukit_last_decode`` says which loop ran last.
+    ``step_graphs=True`` captures the compiled step as one device graph (``compile_options`` must then
+    make no graphs of their own: docs/decode.md "Own step graphs").
     """
     import functools
 
-    loop = DecodeLoop(
-        model, max_cache_len=max_cache_len, compile_options=compile_options, cache_dir=cache_dir
-    )
+    loop = DecodeLoop(model, max_cache_len=max_cache_len, cache_dir=cache_dir)
+    loop.set_compile(compile_options, step_graphs=step_graphs)
     original = model.generate
 
     @functools.wraps(original)

@@ -33,41 +33,13 @@ from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
+from xpukit.loading.device_graph import GraphBackend
+
 __all__ = ["GraphBackend", "NothingToTrain", "SharedGrads", "StandIns", "capture"]
 
 
 class NothingToTrain(Exception):
     """The captured code's output needs no gradient (no trainable parameter or input reaches it)."""
-
-
-class GraphBackend:
-    """The graph API of one torch device module (``torch.cuda`` or ``torch.xpu``)."""
-
-    def __init__(self, kind: str) -> None:
-        import torch
-
-        self.kind = kind
-        self.module = getattr(torch, kind)
-        self.graph_class = getattr(self.module, "CUDAGraph" if kind == "cuda" else f"{kind.upper()}Graph")
-
-    def new_graph(self) -> Any:
-        return self.graph_class()
-
-    def pool(self) -> Any:
-        return self.module.graph_pool_handle()
-
-    def capture(self, graph: Any, body: Callable[[], None], pool: Any) -> None:
-        # Captures happen mid-training, where a data loader's pin-memory thread may call into CUDA;
-        # "thread_local" keeps those calls from invalidating this thread's capture (torch.cuda.graph).
-        options = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
-        with self.module.graph(graph, pool=pool, **options):
-            body()
-
-    def synchronize(self) -> None:
-        self.module.synchronize()
-
-    def side_stream(self) -> Any:
-        return self.module.stream(self.module.Stream())
 
 
 class StandIns:

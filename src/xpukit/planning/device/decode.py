@@ -8,8 +8,10 @@ mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`
 * The static cache holds ``max_cache_len`` tokens per sequence: the KV part of the headroom
   (headroom minus its weight share and runtime reserve, docs/planning.md) divided by the KV bytes of
   one token, capped by the model's context length, rounded down to a multiple of 256.
-* Compiled decoding on CUDA (``mode="reduce-overhead"``: CUDA graphs) and XPU (``mode="default"``:
-  inductor's graph trees are CUDA-only, docs/decode.md "XPU"), one device.
+* Compiled decoding on CUDA and XPU (``mode="default"``), one device. On CUDA xpukit's loop captures
+  the compiled step as one CUDA graph itself (docs/decode.md "Own step graphs"); transformers' own
+  ``generate`` (calls the loop does not serve) compiles with ``mode="reduce-overhead"``. On XPU
+  nothing is captured (inductor's graph trees are CUDA-only, docs/decode.md "XPU").
 * Quantized weights (docs/decode.md "Quantized models"): bitsandbytes — nothing changes (transformers
   does not compile it, and the static cache alone measured slower than plain ``generate``); torchao
   int4/int8 — compiled static-cache decoding on CUDA only, where it is the path torchao's own figures
@@ -66,6 +68,8 @@ class DecodePlan:
             "Batch sizes").
         grouped_attention: a model that runs SDPA with fewer key/value heads than query heads gets
             xpukit's grouped decode attention (docs/decode.md "Grouped decode attention").
+        step_graph: xpukit's loop compiles its step without graphs and captures it as one device
+            graph itself (docs/decode.md "Own step graphs").
     """
 
     static_cache: bool
@@ -75,6 +79,13 @@ class DecodePlan:
     kv_bytes: int = 0
     graph_batch_sizes: tuple[int, ...] = ()
     grouped_attention: bool = False
+    step_graph: bool = False
+
+    def loop_compile_mode(self) -> str | None:
+        """The ``torch.compile`` mode of xpukit's loop: its own step graph needs inductor's off."""
+        if not self.compile:
+            return None
+        return "default" if self.step_graph else self.compile_mode
 
     def describe(self) -> dict[str, Any]:
         """The decision's value: what changes in the generation config."""
@@ -179,7 +190,8 @@ def plan_decode(
         )
     mode = "reduce-overhead" if backend == "cuda" else "default"
     graphs = (
-        "CUDA graphs (mode reduce-overhead)"
+        "xpukit's loop captures the step as one CUDA graph itself (its compile mode default; "
+        'transformers\' generate, where it runs, mode reduce-overhead: docs/decode.md "Own step graphs")'
         if backend == "cuda"
         else 'mode default (inductor\'s graph capture is CUDA-only: docs/decode.md "XPU")'
     )
@@ -191,6 +203,7 @@ def plan_decode(
         kv_bytes=kv_bytes,
         graph_batch_sizes=GRAPH_BATCH_SIZES,
         grouped_attention=backend == "cuda",
+        step_graph=backend == "cuda",
     )
     grouped = (
         "; a decode step's attention over grouped key/value heads without transformers' repeat_kv copy "

@@ -1,0 +1,96 @@
+"""The compiled decode step captured as one device graph by xpukit, replayed once per token.
+
+With ``mode="reduce-overhead"`` inductor's CUDA-graph trees replay the step, but every token first
+goes through dynamo's guards and the trees' checks of every graph input's address (each weight is
+one): host work that the device waits for at batch 1 (docs/decode.md "Own step graphs"). The loop's
+step reads and writes only buffers whose addresses never change (:mod:`xpukit.loading.decode.loop`),
+so one capture of the step compiled without graphs (``mode="default"``) replays it with a single
+call per token.
+
+Per kept batch state and step kind: the first call runs the compiled step on a side stream (it
+compiles, and its token is a real one), the second captures it and replays the capture, every later
+one replays. The weights' identities and addresses are read once per ``generate()`` call; a change
+(a merge, a move, a swapped parameter) drops every capture, and the next calls capture again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+__all__ = ["StepGraphs", "weights_key"]
+
+
+def weights_key(model: Any) -> tuple[tuple[int, int], ...]:
+    """Identity and address of every parameter and buffer of ``model`` (a quantized weight that is a
+    tensor subclass counts by the addresses of the tensors it holds)."""
+    key: list[tuple[int, int]] = []
+    for tensor in (*model.parameters(), *model.buffers()):
+        key.extend(_addresses(tensor))
+    return tuple(key)
+
+
+def _addresses(tensor: Any) -> list[tuple[int, int]]:
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is None:
+        return [(id(tensor), tensor.data_ptr())]
+    names, _ = tensor.__tensor_flatten__()
+    found = [(id(tensor), 0)]
+    for name in names:
+        found.extend(_addresses(getattr(tensor, name)))
+    return found
+
+
+class StepGraphs:
+    """The captured decode steps of one model.
+
+    Attributes:
+        backend: the device's graph API (:class:`xpukit.loading.device_graph.GraphBackend`; the CPU
+            tests pass a stand-in).
+        stats: ``captures`` and ``replays`` so far, and ``dropped`` (captures dropped because the
+            weights changed).
+    """
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.stats = {"captures": 0, "replays": 0, "dropped": 0}
+        self._pool: Any = None
+        self._graphs: dict[tuple[Hashable, str], Any] = {}
+        self._warm: set[tuple[Hashable, str]] = set()
+        self._weights: tuple[tuple[int, int], ...] | None = None
+
+    def check_weights(self, model: Any) -> None:
+        """Drop every capture when ``model``'s weights are not the ones they read (once per call)."""
+        key = weights_key(model)
+        if key != self._weights:
+            self.stats["dropped"] += len(self._graphs)
+            self._graphs.clear()
+            self._warm.clear()
+            self._weights = key
+
+    def forget(self, owner: Hashable) -> None:
+        """Drop the captures of one batch state (the loop let its buffers go)."""
+        for key in [k for k in self._graphs if k[0] == owner]:
+            del self._graphs[key]
+        self._warm = {k for k in self._warm if k[0] != owner}
+
+    def run(self, key: tuple[Hashable, str], step: Callable[[], None]) -> None:
+        """One decode step for ``key`` (batch state, step kind): run, capture or replay ``step``."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._warm:
+                # Lazily made state (cuBLAS workspaces, the compile itself) stays out of the capture.
+                self.backend.synchronize()
+                with self.backend.side_stream():
+                    step()
+                self.backend.synchronize()
+                self._warm.add(key)
+                return
+            if self._pool is None:
+                self._pool = self.backend.pool()
+            graph = self.backend.new_graph()
+            self.backend.capture(graph, step, self._pool)
+            self._graphs[key] = graph
+            self.stats["captures"] += 1
+        graph.replay()
+        self.stats["replays"] += 1

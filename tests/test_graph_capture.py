@@ -30,6 +30,7 @@ class RerunBackend:
 
     def __init__(self) -> None:
         self.graphs: list[RerunGraph] = []
+        self.warm_pools: list[Any] = []
 
     def new_graph(self) -> RerunGraph:
         self.graphs.append(RerunGraph())
@@ -45,7 +46,8 @@ class RerunBackend:
     def synchronize(self) -> None:
         pass
 
-    def side_stream(self) -> Any:
+    def warm_up(self, pool: Any) -> Any:
+        self.warm_pools.append(pool)
         return contextlib.nullcontext()
 
 
@@ -314,6 +316,8 @@ def test_the_device_graph_api_the_capture_names_exists_in_this_torch(kind: str) 
     for name in ("graph", "graph_pool_handle", "synchronize", "Stream", "stream"):
         assert callable(getattr(backend.module, name)), name
     assert "pool" in inspect.signature(backend.module.graph).parameters
+    if kind == "cuda":  # the warm-ups' pool (GraphBackend.warm_up)
+        assert backend.mem_pools and callable(backend.module.MemPool)
 
 
 # --- the cases a review of the capture found (each failed before its fix) ------------------------
@@ -464,10 +468,49 @@ def test_cuda_captures_do_not_fail_on_other_threads_cuda_calls() -> None:
 
     for kind, want in (("cuda", "thread_local"), ("xpu", None)):
         backend = GraphBackend(kind)
-        backend.module = SimpleNamespace(graph=graph)
+        backend.module = SimpleNamespace(graph=graph, Stream=object)
         seen.clear()
         backend.capture(None, lambda: None, "pool")
         assert seen.get("capture_error_mode") == want and seen["pool"] == "pool"
+
+
+def test_warm_ups_allocate_from_the_captures_pool_on_the_captures_stream() -> None:
+    """A warm-up pass before a capture takes its memory from the graphs' own pool (a MemPool, where
+    torch has them) on the stream the captures use, so it reuses what earlier captures left free."""
+    from types import SimpleNamespace
+
+    from xpukit.loading.training.graph_capture import GraphBackend
+
+    events: list[tuple[str, Any]] = []
+
+    @contextlib.contextmanager
+    def record(what: str, value: Any) -> Any:
+        events.append((what, value))
+        yield
+
+    def graph(g: Any, **options: Any) -> Any:
+        return record("capture", (options["pool"], options["stream"]))
+
+    module = SimpleNamespace(
+        graph=graph,
+        Stream=object,
+        MemPool=lambda: SimpleNamespace(id=(1, 2)),
+        stream=lambda s: record("stream", s),
+        use_mem_pool=lambda p: record("use_mem_pool", p),
+    )
+    backend = GraphBackend("cuda")
+    backend.module, backend.mem_pools = module, True
+    pool = backend.pool()
+    with backend.warm_up(pool):
+        pass
+    backend.capture(None, lambda: None, pool)
+    stream = backend._stream
+    assert events == [("stream", stream), ("use_mem_pool", pool), ("capture", ((1, 2), stream))]
+    # Without MemPool (an older torch): a plain graph pool handle, and the warm-up only changes stream.
+    backend.mem_pools, events[:] = False, []
+    with backend.warm_up((3, 4)):
+        pass
+    assert events == [("stream", stream)]
 
 
 def test_plain_values_of_other_types_are_other_shapes() -> None:

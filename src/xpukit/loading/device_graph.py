@@ -6,6 +6,7 @@ that capture device graphs themselves: the training layers
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -13,30 +14,59 @@ __all__ = ["GraphBackend"]
 
 
 class GraphBackend:
-    """The graph API of one torch device module (``torch.cuda`` or ``torch.xpu``)."""
+    """The graph API of one torch device module (``torch.cuda`` or ``torch.xpu``).
+
+    Captures and warm-ups run on one side stream of the backend's own. Where the device module has
+    ``MemPool`` and ``use_mem_pool`` (torch 2.6+ on CUDA), :meth:`pool` is a ``MemPool`` and
+    :meth:`warm_up` allocates from it: a warm-up pass before a capture then reuses the memory that
+    earlier captures left free in the pool, instead of taking as much again from the device's default
+    pool (the way inductor's graph trees warm up; docs/training.md "CUDA graphs of the decoder layers").
+    """
 
     def __init__(self, kind: str) -> None:
+        import inspect
+
         import torch
 
         self.kind = kind
         self.module = getattr(torch, kind)
         self.graph_class = getattr(self.module, "CUDAGraph" if kind == "cuda" else f"{kind.upper()}Graph")
+        self.mem_pools = hasattr(self.module, "MemPool") and hasattr(self.module, "use_mem_pool")
+        self._graph_stream = "stream" in inspect.signature(self.module.graph).parameters
+        self._stream: Any = None
 
     def new_graph(self) -> Any:
         return self.graph_class()
 
     def pool(self) -> Any:
-        return self.module.graph_pool_handle()
+        return self.module.MemPool() if self.mem_pools else self.module.graph_pool_handle()
 
     def capture(self, graph: Any, body: Callable[[], None], pool: Any) -> None:
         # Captures happen mid-training, where a data loader's pin-memory thread may call into CUDA;
         # "thread_local" keeps those calls from invalidating this thread's capture (torch.cuda.graph).
-        options = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
-        with self.module.graph(graph, pool=pool, **options):
+        options: dict[str, Any] = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
+        if self._graph_stream:
+            options["stream"] = self._side()
+        with self.module.graph(graph, pool=getattr(pool, "id", pool), **options):
             body()
 
     def synchronize(self) -> None:
         self.module.synchronize()
 
     def side_stream(self) -> Any:
-        return self.module.stream(self.module.Stream())
+        """Run on the captures' side stream (outside any pool)."""
+        return self.module.stream(self._side())
+
+    def warm_up(self, pool: Any) -> Any:
+        """Run a capture's warm-up passes: on the captures' stream, allocating from ``pool`` where
+        the device module allows it."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.module.stream(self._side()))
+        if self.mem_pools and hasattr(pool, "id"):
+            stack.enter_context(self.module.use_mem_pool(pool))
+        return stack
+
+    def _side(self) -> Any:
+        if self._stream is None:
+            self._stream = self.module.Stream()
+        return self._stream

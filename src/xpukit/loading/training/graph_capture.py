@@ -214,7 +214,8 @@ def capture(
     wanted = [s for s in samples if s.requires_grad]
     leaves = stand_ins.leaves
     backend.synchronize()
-    with backend.side_stream(), stand_ins.installed():  # lazily built state stays out of the graphs
+    # Lazily built state stays out of the graphs; the passes reuse the pool's free memory.
+    with backend.warm_up(pool), stand_ins.installed():
         for _ in range(warmup):
             out = fn(*samples)
             if not out.requires_grad or not (wanted or leaves):

@@ -71,7 +71,7 @@ def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
     assert ("repeat_kv" in decision.reason) == (facts == "h200")
     # On CUDA xpukit's loop compiles its step without inductor's graphs and captures it itself.
     assert plan.decode.step_graph == (facts == "h200")
-    assert plan.decode.loop_compile_mode() == "default"
+    assert plan.decode.loop_compile_options() == {"fullgraph": True, "dynamic": False, "mode": "default"}
     assert ("captures the step as one CUDA graph" in decision.reason) == (facts == "h200")
 
 

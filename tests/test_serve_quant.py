@@ -156,6 +156,17 @@ def test_fast_decode_is_taken_only_where_it_beats_plain(
         # The cache is what the headroom's KV budget holds, never more.
         assert plan.decode.kv_bytes == plan.decode.max_cache_len * plan.model_facts.kv_bytes_per_token
         assert plan.decode.kv_bytes <= plan.memory.headroom
+        # torchao int8 on CUDA: the step compiles with inductor's pattern matcher off (its int8
+        # rewrite is aten._weight_int8pack_mm, the slow kernel), captured by the loop as always.
+        int8 = quantize == "8bit"
+        assert plan.decode.inductor_patterns is not int8
+        assert ("pattern matcher off" in decision.reason) is int8
+        options = plan.decode.loop_compile_options()
+        assert options == (
+            {"fullgraph": True, "dynamic": False, "options": {"pattern_matcher": False}}
+            if int8
+            else {"fullgraph": True, "dynamic": False, "mode": "default"}
+        )
 
 
 # --- torchao on the CPU, for real ----------------------------------------------------------------

@@ -305,6 +305,7 @@ def plan_load(
             facts=mfacts,
             quantization=layout.quantization,
             device_map=distributed.device_map,
+            quantization_config=layout.quantization_config,
         )
         decisions.append(decode_decision)
     merge_plan = None if merge_request is None else plan_merge(

@@ -84,8 +84,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         settings["disable_compile"] = True
     from xpukit.loading.decode.loop import install_decode_loop
 
-    loop_mode = decode.loop_compile_mode()
-    options = compile_settings(loop_mode) if loop_mode else None
+    options = decode.loop_compile_options()
     install_decode_loop(
         target,
         max_cache_len=int(decode.max_cache_len or 0),

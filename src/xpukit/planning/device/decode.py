@@ -70,6 +70,8 @@ class DecodePlan:
             xpukit's grouped decode attention (docs/decode.md "Grouped decode attention").
         step_graph: xpukit's loop compiles its step without graphs and captures it as one device
             graph itself (docs/decode.md "Own step graphs").
+        inductor_patterns: ``False`` compiles the loop's step with inductor's pattern matcher off
+            (torchao int8 on CUDA: docs/decode.md "Quantized models").
     """
 
     static_cache: bool
@@ -80,12 +82,15 @@ class DecodePlan:
     graph_batch_sizes: tuple[int, ...] = ()
     grouped_attention: bool = False
     step_graph: bool = False
+    inductor_patterns: bool = True
 
-    def loop_compile_mode(self) -> str | None:
-        """The ``torch.compile`` mode of xpukit's loop: its own step graph needs inductor's off."""
-        if not self.compile:
+    def loop_compile_options(self) -> dict[str, Any] | None:
+        """The ``torch.compile`` keyword arguments of xpukit's loop (``None``: eager). Its own step
+        graph needs inductor's graphs off (mode ``default``)."""
+        if not self.compile or self.compile_mode is None:
             return None
-        return "default" if self.step_graph else self.compile_mode
+        mode = "default" if self.step_graph else self.compile_mode
+        return compile_settings(mode, patterns=self.inductor_patterns)
 
     def describe(self) -> dict[str, Any]:
         """The decision's value: what changes in the generation config."""
@@ -112,9 +117,16 @@ def check_fast_decode(value: Any) -> bool:
     )
 
 
-def compile_settings(mode: str) -> dict[str, Any]:
-    """The ``CompileConfig`` keyword arguments xpukit uses (docs/decode.md "Compile settings")."""
-    return {"fullgraph": True, "dynamic": False, "mode": mode}
+def compile_settings(mode: str, *, patterns: bool = True) -> dict[str, Any]:
+    """The ``CompileConfig`` keyword arguments xpukit uses (docs/decode.md "Compile settings");
+    ``patterns=False`` (mode ``default`` only) turns inductor's pattern matcher off."""
+    if patterns:
+        return {"fullgraph": True, "dynamic": False, "mode": mode}
+    if mode != "default":
+        raise ValueError(
+            f"inductor options cannot go with mode {mode!r} (torch.compile takes one of the two)"
+        )
+    return {"fullgraph": True, "dynamic": False, "options": {"pattern_matcher": False}}
 
 
 def plan_decode(
@@ -125,6 +137,7 @@ def plan_decode(
     facts: ModelFacts,
     quantization: str | None,
     device_map: Any,
+    quantization_config: dict[str, Any] | None = None,
 ) -> tuple[DecodePlan, Decision]:
     """Decide the static cache length and whether decoding is compiled (``fast_decode=True``).
 
@@ -135,6 +148,8 @@ def plan_decode(
         facts: the model's facts (KV bytes per token, context length).
         quantization: the plan's quantization (``4bit``, ``8bit``, another method, or ``None``).
         device_map: the plan's device_map (compiled decoding needs the whole model on one device).
+        quantization_config: the torchao config xpukit chose, if any (its int8 weights on CUDA
+            compile with inductor's pattern matcher off).
 
     Returns:
         The :class:`DecodePlan` and its ``fast_decode`` :class:`Decision` (``source="user"`` when
@@ -204,6 +219,7 @@ def plan_decode(
         graph_batch_sizes=GRAPH_BATCH_SIZES,
         grouped_attention=backend == "cuda",
         step_graph=backend == "cuda",
+        inductor_patterns=not _int8_patterns_off(backend, quantization_config),
     )
     grouped = (
         "; a decode step's attention over grouped key/value heads without transformers' repeat_kv copy "
@@ -211,6 +227,12 @@ def plan_decode(
         if backend == "cuda"
         else ""
     )
+    if not plan.inductor_patterns:
+        grouped += (
+            "; inductor's pattern matcher off for the step: it rewrites torchao's int8 weight-only "
+            "product into aten._weight_int8pack_mm, which read the weights at 0.15 TB/s on an H200 "
+            '(15.9 against 81.3 tokens/s without it: docs/decode.md "Quantized models")'
+        )
     sizes = ", ".join(str(b) for b in GRAPH_BATCH_SIZES)
     return plan, Decision(
         name="fast_decode",
@@ -237,6 +259,11 @@ def _quantized_not_faster(backend: str, quantization: str | None) -> str | None:
             'generate() (docs/decode.md "Quantized models")'
         )
     return None
+
+
+def _int8_patterns_off(backend: str, config: dict[str, Any] | None) -> bool:
+    """torchao int8 weight-only on CUDA: the pattern matcher's int8 rewrite is the slow kernel."""
+    return backend == "cuda" and bool(config) and (config or {}).get("quant_type") == "Int8WeightOnlyConfig"
 
 
 def _why_not_compiled(device_map: Any) -> str | None:

@@ -24,8 +24,8 @@ Variants:
   the plan's decision: where the plan does not take it, nothing changes);
 * ``fast-trees`` / ``int4-fast-trees``: ``fast`` / ``int4-fast`` with the loop's step compiled with
   ``mode="reduce-overhead"`` (inductor's CUDA-graph trees) instead of xpukit's own step graph;
-  ``int8-fast-nopm``: ``int8-fast`` with inductor's pattern matcher off (docs/decode.md "Own step
-  graphs");
+  ``int8-fast-patterns``: ``int8-fast`` with inductor's pattern matcher on, as before xpukit turned
+  it off for torchao int8 on CUDA (docs/decode.md "Quantized models");
 * ``static`` / ``compiled`` (measurement aids, not what xpukit sets on a CPU): ``load_for_xpu``, then
   a static cache of the same length as ``fast``, and for ``compiled`` transformers' compiled decoding
   forced on every device (``CompileConfig._compile_all_devices``); ``loop``: xpukit's decode loop,
@@ -108,7 +108,7 @@ SMALL_SHAPES: dict[str, dict[str, int]] = {
 }
 VARIANTS = (
     "raw", "xpukit", "fast", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
-    "nf4", "int4", "int8", "int4-fast", "int8-fast", "fast-trees", "int4-fast-trees", "int8-fast-nopm",
+    "nf4", "int4", "int8", "int4-fast", "int8-fast", "fast-trees", "int4-fast-trees", "int8-fast-patterns",
 )  # fmt: skip
 # The quantized variants: quantize= and fast_decode (docs/decode.md "Quantized models").
 QUANTIZED = {
@@ -119,14 +119,14 @@ QUANTIZED = {
     "int8-fast": ("8bit", True),
 }
 REPLAY_STEPS = 64
-# fast_decode's load with the loop compiled another way, for a same-run comparison (docs/decode.md
-# "Own step graphs"): quantize=, then "trees" (inductor's CUDA-graph trees, the loop's mode before
-# its own step graph) or "no-patterns" (its own step graph, inductor's pattern matcher off: the int8
-# weight-only pattern it rewrites to aten._weight_int8pack_mm).
+# fast_decode's load with the loop compiled the way it was before, for a same-run comparison:
+# quantize=, then the compile settings: inductor's CUDA-graph trees instead of the loop's own step
+# graph (docs/decode.md "Own step graphs"), or inductor's pattern matcher on for torchao int8 (its
+# rewrite to aten._weight_int8pack_mm, docs/decode.md "Quantized models").
 RECOMPILED = {
-    "fast-trees": (None, "trees"),
-    "int4-fast-trees": ("4bit", "trees"),
-    "int8-fast-nopm": ("8bit", "no-patterns"),
+    "fast-trees": (None, "reduce-overhead", False),
+    "int4-fast-trees": ("4bit", "reduce-overhead", False),
+    "int8-fast-patterns": ("8bit", "default", True),
 }
 
 
@@ -165,15 +165,11 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         from xpukit.loading.decode.fast_decode import warm_up
         from xpukit.planning.device.decode import compile_settings
 
-        quantize, how = RECOMPILED[variant]
+        quantize, mode, step_graphs = RECOMPILED[variant]
         model = load_for_xpu(path, device=device, quantize=quantize, fast_decode=True)
         loop = getattr(model, "xpukit_decode_loop", None)
         if loop is not None and loop.compile_options:
-            if how == "trees":
-                loop.set_compile(compile_settings("reduce-overhead"))
-            else:
-                options = {"fullgraph": True, "dynamic": False, "options": {"pattern_matcher": False}}
-                loop.set_compile(options, step_graphs=loop.step_graphs is not None)
+            loop.set_compile(compile_settings(mode), step_graphs=step_graphs and loop.step_graphs is not None)
             model.xpukit_bench_note = f"loop compiled: {loop.compile_options}"
         model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)
         return model

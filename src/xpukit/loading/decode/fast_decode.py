@@ -89,7 +89,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         target,
         max_cache_len=int(decode.max_cache_len or 0),
         compile_options=options,
-        step_graphs=decode.step_graph and options is not None,
+        step_graphs=decode.step_graph,
     )
     loop_event = LoadEvent(
         kind="applied",

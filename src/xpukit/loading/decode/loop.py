@@ -89,10 +89,9 @@ class DecodeLoop:
         compile_options: dict[str, Any] | None = None,
         check_every: int = CHECK_EVERY,
         cache_dir: Any = None,
-        step_graphs: StepGraphs | None = None,
     ) -> None:
         self.model = model
-        self.step_graphs = step_graphs
+        self.step_graphs: StepGraphs | None = None  # set_compile(..., step_graphs=True)
         self.enabled = True
         self.max_cache_len = max_cache_len
         self.compile_options = compile_options
@@ -170,7 +169,7 @@ class DecodeLoop:
         mask = torch.ones_like(ids) if mask is None else mask.to(device=device, dtype=torch.long)
         state = self._state(torch, batch, self._cache_len())
         consts = self._constants(torch, request)
-        if self.step_graphs is not None and self.compile_options:
+        if self.step_graphs is not None:
             self.step_graphs.check_weights(model)
         state.cache.reset()
         _fill_mask(state.mask, mask)
@@ -231,7 +230,7 @@ class DecodeLoop:
                 self._call(torch, step, request, state)
 
     def _call(self, torch: Any, step: Any, request: DecodeRequest, state: _State) -> None:
-        if self.step_graphs is not None and self.compile_options:
+        if self.step_graphs is not None:
             key = (state.owner, _step_name(request))
             self.step_graphs.run(key, lambda: self._step_once(step, request, state))
             return
@@ -375,7 +374,7 @@ class DecodeLoop:
                 new_tokens=request.new_tokens,
                 compiled=bool(self.compile_options),
                 cudagraphs=self.cudagraphs,
-                step_graphs=self.step_graphs is not None and bool(self.compile_options),
+                step_graphs=self.step_graphs is not None,
             )
         self.model.xpukit_last_decode = record
         logger.debug("generate(): %s loop (%s)", loop, reason)

@@ -221,14 +221,14 @@ def plan_decode(
         step_graph=backend == "cuda",
         inductor_patterns=not _int8_patterns_off(backend, quantization_config),
     )
-    grouped = (
+    extra = (
         "; a decode step's attention over grouped key/value heads without transformers' repeat_kv copy "
         '(docs/decode.md "Grouped decode attention")'
         if backend == "cuda"
         else ""
     )
     if not plan.inductor_patterns:
-        grouped += (
+        extra += (
             "; inductor's pattern matcher off for the step: it rewrites torchao's int8 weight-only "
             "product into aten._weight_int8pack_mm, which read the weights at 0.15 TB/s on an H200 "
             '(15.9 against 81.3 tokens/s without it: docs/decode.md "Quantized models")'
@@ -238,7 +238,7 @@ def plan_decode(
         name="fast_decode",
         value=plan.describe(),
         reason=f"fast_decode=True given: {sized}; decoding step compiled (fullgraph, static shapes, "
-        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use{grouped}",
+        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use{extra}",
         source="user",
     )
 
@@ -263,7 +263,7 @@ def _quantized_not_faster(backend: str, quantization: str | None) -> str | None:
 
 def _int8_patterns_off(backend: str, config: dict[str, Any] | None) -> bool:
     """torchao int8 weight-only on CUDA: the pattern matcher's int8 rewrite is the slow kernel."""
-    return backend == "cuda" and bool(config) and (config or {}).get("quant_type") == "Int8WeightOnlyConfig"
+    return backend == "cuda" and (config or {}).get("quant_type") == "Int8WeightOnlyConfig"
 
 
 def _why_not_compiled(device_map: Any) -> str | None:

@@ -35,8 +35,11 @@ Variants:
 one more call under ``torch.profiler`` (device busy fraction = kernel time / wall time of that call,
 kernels and CUDA-graph launches per token, device time by category and the top kernels), dynamo's
 counters over the timed calls (graph breaks,
-new graphs, CUDA-graph skips), and for ``fast`` the decode step alone (``loop.replay``: 64 steps, one
-sync) against the per-token time of the whole call; plus a measured copy bandwidth of the device.
+new graphs, CUDA-graph skips), a call's fixed part (``ms_call_one_token``: a call for one new token,
+the prefill and what surrounds it), and for xpukit's loop the decode step alone (``loop.replay``: 64
+steps, one sync) against the per-token time of the whole call, and the same model with the
+attention window and the captured prefill each switched off (``same_model_without``); plus a
+measured copy bandwidth of the device.
 
 ``--second-process`` adds a row per shape: a fresh process (its own empty inductor and triton
 caches, the same xpukit cache dir) loads with ``fast_decode=True, warmup=True`` and times its load,
@@ -540,14 +543,43 @@ def breakdown(
                 for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
             ],
         )
+    # A call's fixed part: the prompt's prefill and the first token, with everything around them.
+    out["ms_call_one_token"] = round(
+        min(timed_generate(model, ids, 1, args.device)[0] for _ in range(3)) * 1e3, 3
+    )
     loop = getattr(model, "xpukit_decode_loop", None)
     if loop is not None and loop.enabled and getattr(model, "xpukit_last_decode", {}).get("loop") == "xpukit":
+        out["same_model_without"] = ablations(model, loop, ids, args)
         sync(args.device)
         start = time.perf_counter()
         loop.replay(REPLAY_STEPS)
         sync(args.device)
         out["ms_per_step_alone"] = round((time.perf_counter() - start) / REPLAY_STEPS * 1e3, 3)
     return out
+
+
+def ablations(model: Any, loop: Any, ids: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The same loaded model with one of the loop's measures switched off at a time (same run): the
+    attention window (the step attends over the whole cache) and the captured prefill."""
+    found: dict[str, Any] = {}
+    switches = {
+        "window": ("window_smallest", loop.max_cache_len * 64),
+        "captured_prefill": ("capture_prefill", False),
+    }
+    for name, (attribute, off) in switches.items():
+        kept = getattr(loop, attribute)
+        setattr(loop, attribute, off)
+        try:
+            timed_generate(model, ids, args.new_tokens, args.device)  # warms and captures the new shape
+            times = [timed_generate(model, ids, args.new_tokens, args.device)[0] for _ in range(2)]
+            one = min(timed_generate(model, ids, 1, args.device)[0] for _ in range(3))
+            found[name] = {
+                "tok_s": round(ids.shape[0] * args.new_tokens / min(times), 2),
+                "ms_call_one_token": round(one * 1e3, 3),
+            }
+        finally:
+            setattr(loop, attribute, kept)
+    return found
 
 
 def copy_bandwidth(device: str) -> float | None:

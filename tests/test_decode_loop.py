@@ -19,6 +19,7 @@ import pytest
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode import loop as decode_loop
+from xpukit.loading.decode import step as decode_step
 from xpukit.loading.decode.loop import install_decode_loop
 
 PROMPTS = [
@@ -130,17 +131,18 @@ def test_grouped_decode_attention_gives_the_same_tokens(tiny_model, reference, t
     [
         # the padded length as the first new position (the cache position): wrong for padded rows
         (
-            "_first_new_position",
+            decode_step,
+            "first_new_position",
             lambda positions: positions.new_full((positions.shape[0], 1), positions.shape[1]),
         ),
-        ("_fill_mask", lambda cache_mask, mask: cache_mask.fill_(1)),
+        (decode_loop, "_fill_mask", lambda cache_mask, mask: cache_mask.fill_(1)),
     ],
     ids=["position-ignores-padding", "mask-ignores-padding"],
 )
 def test_a_wrong_loop_is_caught(fast, reference, tokenizer, monkeypatch, wrong):
     inputs = _inputs(tokenizer, 8)
     want = _transformers(reference, inputs, max_new_tokens=NEW, do_sample=False)
-    monkeypatch.setattr(decode_loop, wrong[0], wrong[1])
+    monkeypatch.setattr(*wrong)
     got = fast.generate(**inputs, max_new_tokens=NEW, do_sample=False)
     assert got.shape == want.shape and got.tolist() != want.tolist()
 
@@ -294,17 +296,81 @@ def test_own_step_graphs_capture_once_replay_every_token_and_follow_the_weights(
     for _ in range(2):  # the first call warms and captures, the second only replays
         assert model.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want.tolist()
         assert model.xpukit_last_decode["step_graphs"] is True
-    # NEW - 1 steps a call: one warm run, then replays (the capture's own step is its first replay)
-    assert loop.step_graphs.stats == {"captures": 1, "replays": 2 * (NEW - 1) - 1, "dropped": 0}
-    # New weights at a new address: the capture read the old ones, so it is dropped and made again.
+    # The prompt (padded to its 16-token bucket) is warmed by the first call's prefill and captured by
+    # the second's; the step: NEW - 1 a call, one warm run, then replays (the capture's own step is
+    # its first replay).
+    assert sorted(loop.step_graphs._graphs, key=str) == [
+        ((3, 256), "greedy", None),
+        ((3, 256), "prefill-greedy", 16),
+    ]
+    assert loop.step_graphs.stats == {"captures": 2, "replays": 2 * (NEW - 1) - 1 + 1, "dropped": 0}
+    # New weights at a new address: the captures read the old ones, so they are dropped and made again.
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight * 1.0)
     assert model.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want.tolist()
-    assert loop.step_graphs.stats["dropped"] == 1 and loop.step_graphs.stats["captures"] == 2
-    # Another batch size evicts the first state (one kept here): its capture goes with it.
+    assert loop.step_graphs.stats["dropped"] == 2 and loop.step_graphs.stats["captures"] == 3
+    # Another batch size evicts the first state (one kept here): its captures go with it.
     model.generate(**_inputs(tokenizer, 2), max_new_tokens=4, do_sample=False)
     assert [key[0] for key in loop.step_graphs._graphs] == [(2, 256)]
-    assert backend.captured == 3
+    assert backend.captured == 4
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_windows_and_prompt_buckets_give_transformers_tokens(tiny_model, reference, tokenizer, batch):
+    """With grouped decode attention a step reads only its window of the cache; with own graphs the
+    prompt is left-padded to its bucket. Windows of 16 and 32 slots here, of a 256-slot cache."""
+    from xpukit.loading.decode.attention import use_grouped_decode_attention
+    from xpukit.loading.decode.step_graph import StepGraphs
+
+    model = _model(tiny_model)
+    assert use_grouped_decode_attention(model) is not None
+    loop = install_decode_loop(model, max_cache_len=256, compile_options=None)
+    loop.window_smallest = 16
+    loop.step_graphs = StepGraphs(_ReRunGraphs())
+    inputs = _inputs(tokenizer, batch)
+    new = 16  # a prefill of the prompt's bucket (16 slots), then steps that fill slots 17 to 31
+    want = _transformers(reference, inputs, max_new_tokens=new, do_sample=False)
+    for _ in range(2):  # warm runs, then captures and replays
+        assert model.generate(**inputs, max_new_tokens=new, do_sample=False).tolist() == want.tolist()
+    state = loop._states[(batch, 256)]
+    assert sorted(state.windows) == [16, 32] and sorted(state.prompts) == [16]
+    assert {key[1:] for key in loop.step_graphs._graphs} == {("prefill-greedy", 16), ("greedy", 32)}
+
+
+def test_a_window_too_short_is_caught(tiny_model, reference, tokenizer, monkeypatch):
+    from xpukit.loading.decode.attention import use_grouped_decode_attention
+
+    model = _model(tiny_model)
+    use_grouped_decode_attention(model)
+    loop = install_decode_loop(model, max_cache_len=256, compile_options=None)
+    loop.window_smallest = 4
+    inputs = _inputs(tokenizer, 3)
+    want = _transformers(reference, inputs, max_new_tokens=NEW, do_sample=False)
+    monkeypatch.setattr(decode_loop, "window_length", lambda needed, cache_len, smallest: needed - 1)
+    got = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    assert got.shape == want.shape and got.tolist() != want.tolist()
+
+
+@pytest.mark.slow
+def test_one_compiled_step_serves_every_window(tiny_model, reference, tokenizer, tmp_path):
+    from xpukit.loading.decode.attention import use_grouped_decode_attention
+
+    graphs = []
+
+    def counting(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    model = _model(tiny_model)
+    use_grouped_decode_attention(model)
+    options = {"backend": counting, "fullgraph": True, "dynamic": False}
+    loop = install_decode_loop(model, max_cache_len=256, compile_options=options, cache_dir=tmp_path)
+    loop.window_smallest = 8
+    inputs = _inputs(tokenizer, 2)
+    want = _transformers(reference, inputs, max_new_tokens=40, do_sample=False)
+    assert model.generate(**inputs, max_new_tokens=40, do_sample=False).tolist() == want.tolist()
+    assert sorted(loop._states[(2, 256)].windows) == [16, 32, 64]  # a 9-token prompt, 40 new tokens
+    assert len(graphs) == 1  # the window's length is a symbol in the one graph
 
 
 # --- the compile cache ------------------------------------------------------------------------------
@@ -397,7 +463,7 @@ def test_the_selftest_decode_line_compares_compiled_with_eager(monkeypatch):
     def wrong_compile(step, **options):  # a "compiled" step that writes token 3 over its output
         def run(*args):
             step(*args)
-            args[6].fill_(3)
+            args[7].fill_(3)  # decode_step's out
 
         return run
 

@@ -17,6 +17,11 @@ attention"), cuDNN's SDPA kernel gives each (batch, head) one thread block that 
 so 8 heads at batch 1 took 3.0 ms a token against 1.7 ms for transformers' copy + SDPA, while the
 products spread the keys over the whole device.
 
+xpukit's loop also passes the step's attention window (:data:`WINDOW`, a tensor whose last dimension
+is the window's length; docs/decode.md "Attention window"): the keys, values and mask are cut to
+that many cache slots first, whichever path then runs, so a short call does not attend over the
+whole static cache.
+
 Every other call (prefill, training, one key/value head per query head, dropout, soft-capping,
 attention weights asked for) goes to transformers' own ``sdpa_attention_forward`` unchanged.
 The function is registered under :data:`NAME` in transformers' attention and mask interfaces (the
@@ -27,9 +32,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["NAME", "grouped_decode_sdpa", "use_grouped_decode_attention"]
+__all__ = ["NAME", "WINDOW", "grouped_decode_sdpa", "use_grouped_decode_attention"]
 
 NAME = "xpukit_grouped_sdpa"
+# The keyword xpukit's loop passes through the model's forward (transformers hands it on to the
+# attention function): a view of the loop's mask, ``(batch, window)``; only its length is read.
+WINDOW = "xpukit_window"
 
 
 def grouped_decode_sdpa(
@@ -47,6 +55,12 @@ def grouped_decode_sdpa(
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    window = kwargs.pop(WINDOW, None)
+    if window is not None:  # the cache past the window is empty (or the future): not read at all
+        length = window.shape[-1]
+        key, value = key[:, :, :length], value[:, :, :length]
+        if attention_mask is not None:
+            attention_mask = attention_mask[..., :length]
     groups = int(getattr(module, "num_key_value_groups", 1) or 1)
     batch, heads, q_len, dim = query.shape
     special = dropout or kwargs.get("softcap") is not None or kwargs.get("output_attentions")

@@ -5,13 +5,15 @@ instance); :func:`xpukit.loading.decode.request.triage` decides per call whether
 it, else transformers' ``generate`` runs unchanged. Which one ran is ``model.xpukit_last_decode``
 (docs/decode.md "How the loop works").
 
-Per batch size the loop keeps a ``StaticCache`` of ``max_cache_len`` tokens and fixed buffers (the
-current token, positions, the 2-D mask over the whole cache, the finished flags, the output, the
-step index). A decode step reads and writes only those buffers, on the device: forward of one token,
-EOS suppression for ``min_new_tokens``, argmax or sampling (temperature → top-k → top-p, then the
-exponential-race draw, exact for the categorical distribution), pad after EOS, and the write of the
-token into the output. Compiled with CUDA graphs the step is one graph replay per token; the host
-reads the "all finished" flag once every ``check_every`` tokens.
+Per batch size the loop keeps a ``StaticCache`` of ``max_cache_len`` tokens and fixed buffers
+(:mod:`xpukit.loading.decode.state`). A decode step reads and writes only those buffers, on the
+device: forward of one token, EOS suppression for ``min_new_tokens``, argmax or sampling (temperature
+→ top-k → top-p, then the exponential-race draw, exact for the categorical distribution), pad after
+EOS, and the write of the token into the output. Compiled with CUDA graphs the step is one graph
+replay per token; the host reads the "all finished" flag once every ``check_every`` tokens. With
+xpukit's grouped decode attention a step reads only the attention window of the cache; with its own
+step graphs the prompt is left-padded to a bucket and its prefill is one replay too
+(:mod:`xpukit.loading.decode.buckets`).
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
+from xpukit.loading.decode.attention import NAME as GROUPED_ATTENTION
+from xpukit.loading.decode.buckets import WINDOW_SMALLEST, left_pad, prompt_length, window_length
 from xpukit.loading.decode.request import DecodeRequest, triage
-from xpukit.loading.decode.step import choose, decode_step
+from xpukit.loading.decode.state import DecodeState, new_state
+from xpukit.loading.decode.step import decode_step, prefill_step
 from xpukit.loading.decode.step_graph import StepGraphs
 from xpukit.loading.device_graph import GraphBackend
 
@@ -35,31 +39,6 @@ logger = logging.getLogger(__name__)
 
 CHECK_EVERY = 16  # tokens between two reads of the "all sequences finished" flag (one host sync)
 _KEEP_BATCH_SIZES = 4  # caches kept per model (each is batch × the plan's KV bytes)
-
-
-@dataclass(slots=True)
-class _State:
-    """One batch size's buffers; their addresses never change, so a CUDA graph can replay them."""
-
-    cache: Any
-    tokens: Any  # (b, 1) long: the last token, the next step's input
-    positions: Any  # (b, 1) long: its position id (left padding shifts it)
-    mask: Any  # (b, cache_len) bool: False on left padding, True elsewhere (causality masks the future)
-    unfinished: Any  # (b,) bool
-    out: Any  # (b, cache_len) long: the new tokens, at [0, new_tokens)
-    index: Any  # (1,) long: the step's column in ``out``
-    owner: tuple[int, int]  # (batch, cache length): its key among the kept states
-
-
-def _prompt_positions(mask: Any) -> Any:
-    """Position ids of a left-padded prompt (transformers' rule: count the real tokens; 1 on padding)."""
-    positions = mask.cumsum(-1) - 1
-    return positions.masked_fill_(mask == 0, 1)
-
-
-def _first_new_position(positions: Any) -> Any:
-    """The position id of the first new token: one past each row's last prompt token."""
-    return positions[:, -1:] + 1
 
 
 def _fill_mask(cache_mask: Any, mask: Any) -> None:
@@ -77,8 +56,12 @@ class DecodeLoop:
         check_every: tokens between two reads of the finished flags.
         cache_records: what the compile cache did, one dict per compiled graph.
         graphs: the ``(batch, step)`` pairs compiled so far in this process.
-        step_graphs: xpukit's own capture of the compiled step
+        step_graphs: xpukit's own capture of the compiled step and the prefill
             (:class:`~xpukit.loading.decode.step_graph.StepGraphs`), or ``None``.
+        window_smallest: cache slots of the smallest attention window (docs/decode.md
+            "Attention window"; ``max_cache_len`` attends over the whole cache, for comparison).
+        capture_prefill: with step graphs, pad the prompt to its bucket and capture its prefill
+            (``False``: the prefill runs uncaptured, for comparison).
     """
 
     def __init__(
@@ -99,10 +82,12 @@ class DecodeLoop:
         self.cache_dir = cache_dir
         self.cache_records: list[dict[str, Any]] = []
         self.graphs: set[tuple[int, str]] = set()
-        self._states: OrderedDict[tuple[int, int], _State] = OrderedDict()
+        self.window_smallest = WINDOW_SMALLEST
+        self.capture_prefill = True
+        self._states: OrderedDict[tuple[int, int], DecodeState] = OrderedDict()
         self._compiled: dict[bool, Any] = {}
         self._consts: dict[str, Any] = {}
-        self._last: tuple[DecodeRequest, _State] | None = None
+        self._last: tuple[DecodeRequest, DecodeState] | None = None
         self._keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @property
@@ -163,41 +148,30 @@ class DecodeLoop:
     def _run(self, torch: Any, request: DecodeRequest) -> Any:
         model = self.model
         device = model.device
-        ids = request.input_ids.to(device)
-        batch = ids.shape[0]
+        given = request.input_ids.to(device)
+        batch = given.shape[0]
         mask = request.attention_mask
-        mask = torch.ones_like(ids) if mask is None else mask.to(device=device, dtype=torch.long)
-        state = self._state(torch, batch, self._cache_len())
-        consts = self._constants(torch, request)
+        mask = torch.ones_like(given) if mask is None else mask.to(device=device, dtype=torch.long)
+        length = self._cache_len()
+        state = self._state(batch, length)
+        self._constants(torch, request)
+        ids = given
+        captured = self.step_graphs is not None and self.capture_prefill
         if self.step_graphs is not None:
             self.step_graphs.check_weights(model)
+        if captured:
+            bucket = prompt_length(ids.shape[1], length - request.new_tokens)
+            if bucket is not None:  # a prefill of a few shapes, each captured once
+                ids, mask = left_pad(ids, mask, bucket, request.pad_id)
         state.cache.reset()
         _fill_mask(state.mask, mask)
-        positions = _prompt_positions(mask)
-        extra = {"logits_to_keep": 1} if self._keep_one else {}
-        logits = model(
-            input_ids=ids,
-            attention_mask=state.mask,
-            position_ids=positions,
-            past_key_values=state.cache,
-            use_cache=True,
-            **extra,
-        ).logits[:, -1, :]
-        top_p = consts["top_p"] if request.top_p < 1.0 else None
-        suppress = torch.tensor(request.min_new_tokens > 0, device=device)
-        first = choose(
-            logits, consts["is_eos"], suppress, consts["temperature"], top_p, request.do_sample, request.top_k
-        )
-        state.unfinished.copy_(~consts["is_eos"][first])
-        state.out[:, 0].copy_(first)
-        state.tokens.copy_(first.unsqueeze(1))
-        state.positions.copy_(_first_new_position(positions))
-        state.index.fill_(1)
+        state.prompt(ids.shape[1]).copy_(ids)
+        self._prefill(request, state, ids.shape[1], captured)
         step = self._step(torch, request, batch)
         self._last = (request, state)
         done = request.new_tokens
         for i in range(1, request.new_tokens):
-            self._call(torch, step, request, state)
+            self._call(step, request, state, ids.shape[1] + i)
             if i == 1 and self.compile_options:
                 self._after_compile(request, batch)
             if request.eos_ids and (i + 1) % self.check_every == 0 and not bool(state.unfinished.any()):
@@ -205,10 +179,34 @@ class DecodeLoop:
                 break
         new = state.out[:, :done]
         if request.eos_ids and not bool(state.unfinished.any()):
-            hit = consts["is_eos"][new]
+            hit = self._consts["is_eos"][new]
             first_eos = torch.where(hit.any(-1), hit.int().argmax(-1), done - 1)
             new = new[:, : int(first_eos.max()) + 1]
-        return torch.cat([ids, new.clone()], dim=1)
+        return torch.cat([given, new.clone()], dim=1)
+
+    def _window(self, state: DecodeState, needed: int) -> Any:
+        """The attention window of a step or prefill when ``needed`` cache slots hold tokens, or
+        ``None`` where the model's attention is not xpukit's (it would not read it)."""
+        if getattr(self.model.config, "_attn_implementation", None) != GROUPED_ATTENTION:
+            return None
+        return state.window(window_length(needed, state.mask.shape[1], self.window_smallest))
+
+    def _prefill(self, request: DecodeRequest, state: DecodeState, length: int, captured: bool) -> None:
+        consts = self._consts
+        window = self._window(state, length)
+
+        def prefill() -> None:
+            prefill_step(
+                self.model, state.cache, state.prompt(length), state.mask, window, state.tokens,
+                state.positions, state.unfinished, state.out, state.index, consts["is_eos"],
+                consts["min_new"], consts["temperature"], self._top_p(request), request.do_sample,
+                request.top_k, self._keep_one,
+            )  # fmt: skip
+
+        if self.step_graphs is None or not captured:
+            prefill()
+        else:
+            self.step_graphs.run((state.owner, "prefill-" + _step_name(request), length), prefill)
 
     def replay(self, count: int) -> None:
         """Run ``count`` more decode steps of the last call's batch, with no host sync (measurement:
@@ -224,73 +222,52 @@ class DecodeLoop:
                 f"replay({count}): the static cache has no room for {count} more tokens"
             )
         step = self._step(torch, request, int(state.tokens.shape[0]))
+        filled = int(state.cache.get_seq_length())
         with torch.inference_mode(False), torch.no_grad():
             state.index.fill_(1)
             for _ in range(count):
-                self._call(torch, step, request, state)
+                self._call(step, request, state, filled + count)
 
-    def _call(self, torch: Any, step: Any, request: DecodeRequest, state: _State) -> None:
+    def _call(self, step: Any, request: DecodeRequest, state: DecodeState, needed: int) -> None:
+        """One decode step whose token goes to cache slot ``needed - 1``."""
+        window = self._window(state, needed)
         if self.step_graphs is not None:
-            key = (state.owner, _step_name(request))
-            self.step_graphs.run(key, lambda: self._step_once(step, request, state))
+            key = (state.owner, _step_name(request), None if window is None else window.shape[1])
+            self.step_graphs.run(key, lambda: self._step_once(step, request, state, window))
             return
         if self.cudagraphs:
-            torch.compiler.cudagraph_mark_step_begin()
-        self._step_once(step, request, state)
+            import torch
 
-    def _step_once(self, step: Any, request: DecodeRequest, state: _State) -> None:
+            torch.compiler.cudagraph_mark_step_begin()
+        self._step_once(step, request, state, window)
+
+    def _step_once(self, step: Any, request: DecodeRequest, state: DecodeState, window: Any) -> None:
         consts = self._consts
         step(
-            self.model,
-            state.cache,
-            state.tokens,
-            state.positions,
-            state.mask,
-            state.unfinished,
-            state.out,
-            state.index,
-            consts["is_eos"],
-            consts["pad"],
-            consts["min_new"],
-            consts["temperature"],
-            consts["top_p"] if request.top_p < 1.0 else None,
-            request.do_sample,
-            request.top_k,
-            self._keep_one,
-        )
+            self.model, state.cache, state.tokens, state.positions, state.mask, window,
+            state.unfinished, state.out, state.index, consts["is_eos"], consts["pad"],
+            consts["min_new"], consts["temperature"], self._top_p(request), request.do_sample,
+            request.top_k, self._keep_one,
+        )  # fmt: skip
+
+    def _top_p(self, request: DecodeRequest) -> Any:
+        return self._consts["top_p"] if request.top_p < 1.0 else None
 
     def _cache_len(self) -> int:
         configured = getattr(self.model.generation_config, "max_cache_len", None)
         return int(configured or self.max_cache_len)
 
-    def _state(self, torch: Any, batch: int, length: int) -> _State:
+    def _state(self, batch: int, length: int) -> DecodeState:
         key = (batch, length)
         if key in self._states:
             self._states.move_to_end(key)
             return self._states[key]
-        from transformers import StaticCache
-
-        device = self.model.device
-        new = _State(
-            cache=StaticCache(config=self.model.config, max_cache_len=length),
-            tokens=torch.zeros((batch, 1), dtype=torch.long, device=device),
-            positions=torch.zeros((batch, 1), dtype=torch.long, device=device),
-            mask=torch.ones((batch, length), dtype=torch.bool, device=device),
-            unfinished=torch.ones(batch, dtype=torch.bool, device=device),
-            out=torch.zeros((batch, length), dtype=torch.long, device=device),
-            index=torch.zeros(1, dtype=torch.long, device=device),
-            owner=key,
-        )
-        # Fixed addresses (as transformers marks its cache): a CUDA graph mutates them in place. Marked
-        # even while eager, so that a loop compiled later (doctor's selftest) captures them too.
-        for name in ("tokens", "positions", "mask", "unfinished", "out", "index"):
-            torch._dynamo.mark_static_address(getattr(new, name))
-        self._states[key] = new
+        self._states[key] = new_state(self.model, batch, length)
         while len(self._states) > _KEEP_BATCH_SIZES:
             dropped, _ = self._states.popitem(last=False)
             if self.step_graphs is not None:
                 self.step_graphs.forget(dropped)
-        return new
+        return self._states[key]
 
     def _constants(self, torch: Any, request: DecodeRequest) -> dict[str, Any]:
         if not self._consts:

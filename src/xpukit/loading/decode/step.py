@@ -1,8 +1,9 @@
-"""The decode step of xpukit's loop: one token for every row, entirely on the device.
+"""The prefill and the decode step of xpukit's loop: one token for every row, entirely on the device.
 
-:func:`decode_step` is what :class:`xpukit.loading.decode.loop.DecodeLoop` compiles (CUDA graphs on
-CUDA): it reads and writes only fixed buffers, so one call is one graph replay, and nothing in it
-waits for the host. :func:`choose` applies transformers' processors in transformers' order
+:func:`decode_step` is what :class:`xpukit.loading.decode.loop.DecodeLoop` compiles (and captures as
+one device graph on CUDA); :func:`prefill_step` runs the prompt (captured per prompt bucket on CUDA,
+uncompiled). Both read and write only fixed buffers, so one call can be one graph replay, and
+nothing in them waits for the host. :func:`choose` applies transformers' processors in transformers' order
 (minimum-length EOS suppression, temperature, top-k, top-p) and draws on the device
 (docs/decode.md "How the loop works").
 """
@@ -11,7 +12,28 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["choose", "decode_step"]
+from xpukit.loading.decode.attention import WINDOW
+
+__all__ = ["choose", "decode_step", "first_new_position", "prefill_step", "prompt_positions"]
+
+
+def prompt_positions(mask: Any) -> Any:
+    """Position ids of a left-padded prompt (transformers' rule: count the real tokens; 1 on padding)."""
+    mask = mask.long()
+    positions = mask.cumsum(-1) - 1
+    return positions.masked_fill_(mask == 0, 1)
+
+
+def first_new_position(positions: Any) -> Any:
+    """The position id of the first new token: one past each row's last prompt token."""
+    return positions[:, -1:] + 1
+
+
+def _forward_kwargs(window: Any, keep_one: bool) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_one else {}
+    if window is not None:
+        kwargs[WINDOW] = window
+    return kwargs
 
 
 def choose(
@@ -50,12 +72,51 @@ def _draw(probs: Any) -> Any:
     return (probs / race).argmax(-1)
 
 
+def prefill_step(
+    model: Any,
+    cache: Any,
+    ids: Any,
+    mask: Any,
+    window: Any,
+    tokens: Any,
+    positions: Any,
+    unfinished: Any,
+    out: Any,
+    index: Any,
+    is_eos: Any,
+    min_new: Any,
+    temperature: Any,
+    top_p: Any,
+    do_sample: bool,
+    top_k: int,
+    keep_one: bool,
+) -> None:
+    """The prompt ``ids`` (b, n) into the cache and the first new token into the loop's buffers;
+    ``mask`` is the loop's mask over the whole cache (the prompt's part first)."""
+    prompt = prompt_positions(mask[:, : ids.shape[1]])
+    logits = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=prompt,
+        past_key_values=cache,
+        use_cache=True,
+        **_forward_kwargs(window, keep_one),
+    ).logits[:, -1, :]
+    first = choose(logits, is_eos, min_new > 0, temperature, top_p, do_sample, top_k)
+    unfinished.copy_(~is_eos[first])
+    out[:, 0].copy_(first)
+    tokens.copy_(first.unsqueeze(1))
+    positions.copy_(first_new_position(prompt))
+    index.fill_(1)
+
+
 def decode_step(
     model: Any,
     cache: Any,
     tokens: Any,
     positions: Any,
     mask: Any,
+    window: Any,
     unfinished: Any,
     out: Any,
     index: Any,
@@ -68,17 +129,17 @@ def decode_step(
     top_k: int,
     keep_one: bool,
 ) -> None:
-    """One token for every row; everything it changes is one of its input buffers."""
+    """One token for every row; everything it changes is one of its input buffers. ``window``: a view
+    of the mask whose length is the cache slots attention reads, or ``None`` (all of them)."""
     import torch
 
-    kwargs = {"logits_to_keep": 1} if keep_one else {}
     logits = model(
         input_ids=tokens,
         attention_mask=mask,
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
-        **kwargs,
+        **_forward_kwargs(window, keep_one),
     ).logits[:, -1, :]
     chosen = choose(logits, is_eos, index < min_new, temperature, top_p, do_sample, top_k)
     chosen = torch.where(unfinished, chosen, pad)

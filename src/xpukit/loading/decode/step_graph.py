@@ -7,10 +7,12 @@ step reads and writes only buffers whose addresses never change (:mod:`xpukit.lo
 so one capture of the step compiled without graphs (``mode="default"``) replays it with a single
 call per token.
 
-Per kept batch state and step kind: the first call runs the compiled step on a side stream (it
-compiles, and its token is a real one), the second captures it and replays the capture, every later
-one replays. The weights' identities and addresses are read once per ``generate()`` call; a change
-(a merge, a move, a swapped parameter) drops every capture, and the next calls capture again.
+Per key (a kept batch state, the step kind, and the shape: the attention window of a step, the
+prompt bucket of a prefill, docs/decode.md "Attention window"): the first call runs the function
+on a side stream (it compiles, and its token is a real one), the second captures it and replays the
+capture, every later one replays. The weights' identities and addresses are read once per
+``generate()`` call; a change (a merge, a move, a swapped parameter) drops every capture, and the
+next calls capture again.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["StepGraphs", "weights_key"]
+__all__ = ["GraphKey", "StepGraphs", "weights_key"]
+
+# (the batch state's owner key, the step kind, the shape it is for: a window or a prompt bucket)
+GraphKey = tuple[Hashable, str, int | None]
 
 
 def weights_key(model: Any) -> tuple[tuple[int, int], ...]:
@@ -55,8 +60,8 @@ class StepGraphs:
         self.backend = backend
         self.stats = {"captures": 0, "replays": 0, "dropped": 0}
         self._pool: Any = None
-        self._graphs: dict[tuple[Hashable, str], Any] = {}
-        self._warm: set[tuple[Hashable, str]] = set()
+        self._graphs: dict[GraphKey, Any] = {}
+        self._warm: set[GraphKey] = set()
         self._weights: tuple[tuple[int, int], ...] | None = None
 
     def check_weights(self, model: Any) -> None:
@@ -74,8 +79,8 @@ class StepGraphs:
             del self._graphs[key]
         self._warm = {k for k in self._warm if k[0] != owner}
 
-    def run(self, key: tuple[Hashable, str], step: Callable[[], None]) -> None:
-        """One decode step for ``key`` (batch state, step kind): run, capture or replay ``step``."""
+    def run(self, key: GraphKey, step: Callable[[], None]) -> None:
+        """One decode step or prefill for ``key``: run, capture or replay ``step``."""
         graph = self._graphs.get(key)
         if graph is None:
             if key not in self._warm:

@@ -205,7 +205,8 @@ def plan_decode(
         )
     mode = "reduce-overhead" if backend == "cuda" else "default"
     graphs = (
-        "xpukit's loop captures the step as one CUDA graph itself (its compile mode default; "
+        "xpukit's loop captures the step as one CUDA graph itself, one per attention window, and the "
+        "prompt's prefill, one per prompt-length bucket (its compile mode default; "
         'transformers\' generate, where it runs, mode reduce-overhead: docs/decode.md "Own step graphs")'
         if backend == "cuda"
         else 'mode default (inductor\'s graph capture is CUDA-only: docs/decode.md "XPU")'

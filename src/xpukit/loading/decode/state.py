@@ -1,0 +1,70 @@
+"""One batch size's buffers of xpukit's decode loop (docs/decode.md "How the loop works").
+
+Their addresses never change, so a device graph captured over them replays them: the static cache,
+the current token and its position, the 2-D mask over the whole cache, the finished flags, the
+output, the step index, and per prompt bucket the prompt's ids; the attention windows are views of
+the mask, one object per length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DecodeState", "new_state"]
+
+
+@dataclass(slots=True)
+class DecodeState:
+    """One batch size's buffers, at fixed addresses."""
+
+    cache: Any
+    tokens: Any  # (b, 1) long: the last token, the next step's input
+    positions: Any  # (b, 1) long: its position id (left padding shifts it)
+    mask: Any  # (b, cache_len) bool: False on left padding, True elsewhere (causality masks the future)
+    unfinished: Any  # (b,) bool
+    out: Any  # (b, cache_len) long: the new tokens, at [0, new_tokens)
+    index: Any  # (1,) long: the step's column in ``out``
+    owner: tuple[int, int]  # (batch, cache length): its key among the kept states
+    prompts: dict[int, Any] = field(default_factory=dict)  # prompt length → (b, length) long ids
+    windows: dict[int, Any] = field(default_factory=dict)  # window length → mask[:, :length]
+
+    def prompt(self, length: int) -> Any:
+        """The fixed ids buffer of prompts ``length`` tokens long."""
+        if length not in self.prompts:
+            self.prompts[length] = self.tokens.new_zeros((self.tokens.shape[0], length))
+        return self.prompts[length]
+
+    def window(self, length: int) -> Any:
+        """The first ``length`` columns of the mask, one view per length (its size is the window; a
+        compiled step sees the length as a symbol, so one graph serves every window)."""
+        if length not in self.windows:
+            import torch
+
+            view = self.mask[:, :length]
+            torch._dynamo.maybe_mark_dynamic(view, 1)
+            self.windows[length] = view
+        return self.windows[length]
+
+
+def new_state(model: Any, batch: int, length: int) -> DecodeState:
+    """Buffers for ``batch`` rows and a static cache of ``length`` tokens on ``model``'s device."""
+    import torch
+    from transformers import StaticCache
+
+    device = model.device
+    state = DecodeState(
+        cache=StaticCache(config=model.config, max_cache_len=length),
+        tokens=torch.zeros((batch, 1), dtype=torch.long, device=device),
+        positions=torch.zeros((batch, 1), dtype=torch.long, device=device),
+        mask=torch.ones((batch, length), dtype=torch.bool, device=device),
+        unfinished=torch.ones(batch, dtype=torch.bool, device=device),
+        out=torch.zeros((batch, length), dtype=torch.long, device=device),
+        index=torch.zeros(1, dtype=torch.long, device=device),
+        owner=(batch, length),
+    )
+    # Fixed addresses (as transformers marks its cache): a CUDA graph mutates them in place. Marked
+    # even while eager, so that a loop compiled later (doctor's selftest) captures them too.
+    for name in ("tokens", "positions", "mask", "unfinished", "out", "index"):
+        torch._dynamo.mark_static_address(getattr(state, name))
+    return state

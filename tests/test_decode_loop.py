@@ -226,16 +226,21 @@ def test_the_switch_sends_every_call_to_transformers(fast, tokenizer):
     assert "switched off" in fast.xpukit_last_decode["reason"]
 
 
-@pytest.mark.slow
-def test_the_compiled_step_is_one_graph_for_every_prompt_length(tiny_model, reference, tokenizer, tmp_path):
-    graphs = []
+def _counting(graphs):
+    """Compile options whose backend records each graph dynamo hands it and runs it as traced."""
 
     def counting(graph_module, example_inputs):
         graphs.append(graph_module)
         return graph_module.forward
 
+    return {"backend": counting, "fullgraph": True, "dynamic": False}
+
+
+@pytest.mark.slow
+def test_the_compiled_step_is_one_graph_for_every_prompt_length(tiny_model, reference, tokenizer, tmp_path):
+    graphs: list[object] = []
     model = _model(tiny_model)
-    options = {"backend": counting, "fullgraph": True, "dynamic": False}
+    options = _counting(graphs)
     loop = install_decode_loop(model, max_cache_len=256, compile_options=options, cache_dir=tmp_path)
     for prompts in (PROMPTS[:2], PROMPTS[2:4]):
         inputs = dict(tokenizer(prompts, return_tensors="pt", padding=True))
@@ -355,15 +360,10 @@ def test_a_window_too_short_is_caught(tiny_model, reference, tokenizer, monkeypa
 def test_one_compiled_step_serves_every_window(tiny_model, reference, tokenizer, tmp_path):
     from xpukit.loading.decode.attention import use_grouped_decode_attention
 
-    graphs = []
-
-    def counting(graph_module, example_inputs):
-        graphs.append(graph_module)
-        return graph_module.forward
-
+    graphs: list[object] = []
     model = _model(tiny_model)
     use_grouped_decode_attention(model)
-    options = {"backend": counting, "fullgraph": True, "dynamic": False}
+    options = _counting(graphs)
     loop = install_decode_loop(model, max_cache_len=256, compile_options=options, cache_dir=tmp_path)
     loop.window_smallest = 8
     inputs = _inputs(tokenizer, 2)

@@ -29,11 +29,22 @@ def first_new_position(positions: Any) -> Any:
     return positions[:, -1:] + 1
 
 
-def _forward_kwargs(window: Any, keep_one: bool) -> dict[str, Any]:
+def _last_logits(
+    model: Any, cache: Any, ids: Any, mask: Any, positions: Any, window: Any, keep_one: bool
+) -> Any:
+    """The model's logits at the last position of ``ids``, the cache updated in place."""
     kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_one else {}
     if window is not None:
         kwargs[WINDOW] = window
-    return kwargs
+    output = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        **kwargs,
+    )
+    return output.logits[:, -1, :]
 
 
 def choose(
@@ -94,14 +105,7 @@ def prefill_step(
     """The prompt ``ids`` (b, n) into the cache and the first new token into the loop's buffers;
     ``mask`` is the loop's mask over the whole cache (the prompt's part first)."""
     prompt = prompt_positions(mask[:, : ids.shape[1]])
-    logits = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=prompt,
-        past_key_values=cache,
-        use_cache=True,
-        **_forward_kwargs(window, keep_one),
-    ).logits[:, -1, :]
+    logits = _last_logits(model, cache, ids, mask, prompt, window, keep_one)
     first = choose(logits, is_eos, min_new > 0, temperature, top_p, do_sample, top_k)
     unfinished.copy_(~is_eos[first])
     out[:, 0].copy_(first)
@@ -133,14 +137,7 @@ def decode_step(
     of the mask whose length is the cache slots attention reads, or ``None`` (all of them)."""
     import torch
 
-    logits = model(
-        input_ids=tokens,
-        attention_mask=mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        **_forward_kwargs(window, keep_one),
-    ).logits[:, -1, :]
+    logits = _last_logits(model, cache, tokens, mask, positions, window, keep_one)
     chosen = choose(logits, is_eos, index < min_new, temperature, top_p, do_sample, top_k)
     chosen = torch.where(unfinished, chosen, pad)
     unfinished.logical_and_(~is_eos[chosen])

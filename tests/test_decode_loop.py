@@ -342,6 +342,24 @@ def test_windows_and_prompt_buckets_give_transformers_tokens(tiny_model, referen
     assert {key[1:] for key in loop.step_graphs._graphs} == {("prefill-greedy", 16), ("greedy", 32)}
 
 
+def test_a_prompt_past_the_largest_bucket_runs_its_prefill_uncaptured(
+    tiny_model, reference, tokenizer, monkeypatch
+):
+    from xpukit.loading.decode import buckets
+    from xpukit.loading.decode.step_graph import StepGraphs
+
+    model = _model(tiny_model)
+    loop = install_decode_loop(model, max_cache_len=256, compile_options=None)
+    loop.step_graphs = StepGraphs(_ReRunGraphs())
+    monkeypatch.setattr(buckets, "PREFILL_LARGEST", 4)  # the 9-token prompt is past it
+    inputs = _inputs(tokenizer, 3)
+    want = _transformers(reference, inputs, max_new_tokens=NEW, do_sample=False)
+    for _ in range(2):
+        assert model.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want.tolist()
+    assert [key[1] for key in loop.step_graphs._graphs] == ["greedy"]
+    assert sorted(loop._states[(3, 256)].prompts) == [inputs["input_ids"].shape[1]]  # not padded
+
+
 def test_a_window_too_short_is_caught(tiny_model, reference, tokenizer, monkeypatch):
     from xpukit.loading.decode.attention import use_grouped_decode_attention
 

@@ -155,18 +155,17 @@ class DecodeLoop:
         length = self._cache_len()
         state = self._state(batch, length)
         self._constants(torch, request)
-        ids = given
-        captured = self.step_graphs is not None and self.capture_prefill
+        ids, bucket = given, None
         if self.step_graphs is not None:
             self.step_graphs.check_weights(model)
-        if captured:
-            bucket = prompt_length(ids.shape[1], length - request.new_tokens)
-            if bucket is not None:  # a prefill of a few shapes, each captured once
-                ids, mask = left_pad(ids, mask, bucket, request.pad_id)
+            if self.capture_prefill:  # a prefill of a few shapes, each captured once; else uncaptured
+                bucket = prompt_length(ids.shape[1], length - request.new_tokens)
+        if bucket is not None:
+            ids, mask = left_pad(ids, mask, bucket, request.pad_id)
         state.cache.reset()
         _fill_mask(state.mask, mask)
         state.prompt(ids.shape[1]).copy_(ids)
-        self._prefill(request, state, ids.shape[1], captured)
+        self._prefill(request, state, ids.shape[1], captured=bucket is not None)
         step = self._step(torch, request, batch)
         self._last = (request, state)
         done = request.new_tokens
@@ -191,7 +190,7 @@ class DecodeLoop:
             return None
         return state.window(window_length(needed, state.mask.shape[1], self.window_smallest))
 
-    def _prefill(self, request: DecodeRequest, state: DecodeState, length: int, captured: bool) -> None:
+    def _prefill(self, request: DecodeRequest, state: DecodeState, length: int, *, captured: bool) -> None:
         consts = self._consts
         window = self._window(state, length)
 
@@ -203,7 +202,7 @@ class DecodeLoop:
                 request.top_k, self._keep_one,
             )  # fmt: skip
 
-        if self.step_graphs is None or not captured:
+        if self.step_graphs is None or not captured:  # (captured only with step graphs)
             prefill()
         else:
             self.step_graphs.run((state.owner, "prefill-" + _step_name(request), length), prefill)

@@ -192,16 +192,6 @@ def _scaled_mm(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.addmm(a.new_empty(a.shape[0], b.shape[1]), a, b, beta=0, alpha=scale)
 
 
-def _lora_a_grad(dyb: torch.Tensor, x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``s (dy B)ᵀ x`` (``r × in``), computed as the transpose of ``s xᵀ (dy B)`` (``in × r``).
-
-    The same products, laid out so the GEMM's large dimension (``in``) spreads over the device: as
-    ``r × in`` cuBLAS tiled it in a handful of blocks that each walked all the tokens (on an H200,
-    Gemma-3-4B at 4 × 512 tokens, 41 ms a step in two such kernels: docs/training.md "Fused LoRA").
-    Returned as a transposed view; the caller's cast to the adapter's dtype copies it."""
-    return _scaled_mm(x.t(), dyb, scale).t()
-
-
 def _gate_up_parts(n_in: int, out_features: int) -> tuple[tuple[int, slice], tuple[int, slice]]:
     """Where ``gate`` and ``up`` come from: (input projection, its output rows)."""
     if n_in == 2:
@@ -257,7 +247,7 @@ def _functions() -> Any:
                         continue
                     dy = grad.reshape(-1, b.shape[0]).to(ctx.dtype)
                     dyb = dy @ b
-                    adapter_grads.append(_lora_a_grad(dyb, x2, scale).to(ctx.adapter_dtypes[2 * i]))
+                    adapter_grads.append(_scaled_mm(dyb.t(), x2, scale).to(ctx.adapter_dtypes[2 * i]))
                     adapter_grads.append(
                         _scaled_mm(dy.t(), lora_in[i], scale).to(ctx.adapter_dtypes[2 * i + 1])
                     )
@@ -318,7 +308,7 @@ def _functions() -> Any:
             with torch.autocast(x2.device.type, enabled=False):
                 dy = grad.reshape(-1, bd.shape[0]).to(ctx.dtype)
                 dyb = dy @ bd
-                d_ad = _lora_a_grad(dyb, _act_mul(gate, up, ctx.act, ctx.liger), sd)  # h, recomputed
+                d_ad = _scaled_mm(dyb.t(), _act_mul(gate, up, ctx.act, ctx.liger), sd)  # h, recomputed
                 d_bd = _scaled_mm(dy.t(), ha, sd)
                 dh = dy @ _dequant(wd4, qd, ctx.dtype)
                 dh.addmm_(dyb, ad, alpha=sd)
@@ -335,7 +325,7 @@ def _functions() -> Any:
                     for d, rows in mine[1:]:
                         dab.addmm_(d, b[rows])
                     d_b = [_scaled_mm(d.t(), xas[i], scale) for d, _ in mine]
-                    grads += [_lora_a_grad(dab, x2, scale), d_b[0] if len(d_b) == 1 else torch.cat(d_b)]
+                    grads += [_scaled_mm(dab.t(), x2, scale), d_b[0] if len(d_b) == 1 else torch.cat(d_b)]
                     if ctx.needs_input_grad[0]:
                         w = _dequant(weight, quant_state, ctx.dtype)
                         for d, rows in mine:

@@ -74,6 +74,7 @@ Usage::
     python bench/bench_qlora.py                      # CUDA (or XPU): Qwen3-8B shape, 36 layers
     python bench/bench_qlora.py --layers 8           # the same widths, fewer layers
     python bench/bench_qlora.py --shape gemma-3-4b   # another family: llama-3.1-8b, phi-4-mini, gemma-3-4b
+    python bench/bench_qlora.py --shape gemma-3-4b --liger-chunk-mem-const 26   # liger's loss in larger chunks
     python bench/bench_qlora.py --tiny               # any device, a tiny shape (CPU check: ~2 min)
     python bench/bench_qlora.py --finetune --steps 50  # lora_dropout 0.05 vs 0 on the demo corpus
     python bench/bench_qlora.py --variants xpukit-fused,xpukit-unfused,unsloth-nogc --profile
@@ -244,6 +245,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3, help="rounds of all variants, interleaved")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
     parser.add_argument("--max-memory", help="the device budget for xpukit-auto, e.g. 8GB")
+    parser.add_argument(
+        "--liger-chunk-mem-const",
+        type=int,
+        help="xpukit variants: liger's fused linear cross-entropy with this chunk_mem_const (its logits "
+        "chunk is about this many times tokens x hidden; liger's default 1)",
+    )
     parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
     parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
     parser.add_argument(
@@ -621,6 +628,28 @@ def load_recipe(args: argparse.Namespace, facts: Any, dtype: str) -> tuple[Any, 
     return model, ["peft.prepare_model_for_kbit_training: non-4-bit weights upcast to float32"], None
 
 
+def liger_chunks(chunk_mem_const: int) -> None:
+    """liger-kernel's fused linear cross-entropy with a larger logits chunk, in this process.
+
+    liger sizes its chunk of tokens so that the chunk's logits (chunk × vocab) are about ``c`` × the
+    hidden states (tokens × hidden): ``next_pow2(tokens / ceil(vocab / (c · hidden)))``. With c = 1
+    and a large vocabulary the chunk is small (Gemma-3-4B at 2 048 tokens: 32 tokens, 64 chunks),
+    and each chunk's two products read the whole ``lm_head`` weight (docs/benchmarks.md "Other
+    families"). liger's model forwards do not pass ``chunk_mem_const``, so the bench wraps the
+    function they call."""
+    import functools
+
+    from liger_kernel.transformers import functional
+
+    original = functional.liger_fused_linear_cross_entropy
+
+    @functools.wraps(original)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **{**kwargs, "chunk_mem_const": chunk_mem_const})
+
+    functional.liger_fused_linear_cross_entropy = wrapped
+
+
 CHECKS: dict[str, Any] = {}  # the fused path's load-time check: its first run's seconds, a rerun
 
 
@@ -662,6 +691,8 @@ def load_xpukit(
 
     from xpukit.loading.training import fused_lora
 
+    if args.liger_chunk_mem_const:
+        liger_chunks(args.liger_chunk_mem_const)
     if variant == "xpukit-nocheck":  # the check's own cost: the same load with a check of nothing
         fused_lora.check_blocks = lambda model, groups, dtype: []  # type: ignore[assignment]
     else:

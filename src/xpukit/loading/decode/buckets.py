@@ -49,12 +49,13 @@ def prompt_length(tokens: int, room: int, smallest: int = PREFILL_SMALLEST) -> i
     return length if length <= room else None
 
 
-def left_pad(ids: Any, mask: Any, length: int, pad_id: int) -> tuple[Any, Any]:
-    """``ids`` and ``mask`` (b, n) left-padded to (b, ``length``): ``pad_id`` tokens the mask hides."""
+def left_pad(ids: Any, mask: Any, length: int) -> tuple[Any, Any]:
+    """``ids`` and ``mask`` (b, n) left-padded to (b, ``length``) with tokens the mask hides: copies of
+    each row's first token, which the embedding surely has (a configured pad id may not be one)."""
     extra = length - ids.shape[1]
     if extra <= 0:
         return ids, mask
     import torch
 
-    pad = ids.new_full((ids.shape[0], extra), pad_id)
+    pad = ids[:, :1].expand(ids.shape[0], extra)
     return torch.cat([pad, ids], dim=1), torch.cat([mask.new_zeros(pad.shape), mask], dim=1)

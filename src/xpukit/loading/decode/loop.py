@@ -161,7 +161,7 @@ class DecodeLoop:
             if self.capture_prefill:  # a prefill of a few shapes, each captured once; else uncaptured
                 bucket = prompt_length(ids.shape[1], length - request.new_tokens)
         if bucket is not None:
-            ids, mask = left_pad(ids, mask, bucket, request.pad_id)
+            ids, mask = left_pad(ids, mask, bucket)
         state.cache.reset()
         _fill_mask(state.mask, mask)
         state.prompt(ids.shape[1]).copy_(ids)

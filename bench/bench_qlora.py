@@ -74,7 +74,7 @@ Usage::
     python bench/bench_qlora.py                      # CUDA (or XPU): Qwen3-8B shape, 36 layers
     python bench/bench_qlora.py --layers 8           # the same widths, fewer layers
     python bench/bench_qlora.py --shape gemma-3-4b   # another family: llama-3.1-8b, phi-4-mini, gemma-3-4b
-    python bench/bench_qlora.py --shape gemma-3-4b --liger-chunk-mem-const 26   # liger's loss in larger chunks
+    python bench/bench_qlora.py --shape gemma-3-4b --liger-chunk-mem-const 26  # liger CE, larger chunks
     python bench/bench_qlora.py --tiny               # any device, a tiny shape (CPU check: ~2 min)
     python bench/bench_qlora.py --finetune --steps 50  # lora_dropout 0.05 vs 0 on the demo corpus
     python bench/bench_qlora.py --variants xpukit-fused,xpukit-unfused,unsloth-nogc --profile

@@ -309,7 +309,7 @@ def test_the_device_graph_api_the_capture_names_exists_in_this_torch(kind: str) 
     XPU names are those docs/platform-notes.md "Graphs on Intel GPUs" gives)."""
     import inspect
 
-    from xpukit.loading.training.graph_capture import GraphBackend
+    from xpukit.loading.device_graph import GraphBackend
 
     backend = GraphBackend(kind)
     assert backend.graph_class.__name__ == {"cuda": "CUDAGraph", "xpu": "XPUGraph"}[kind]
@@ -458,7 +458,7 @@ def test_cuda_captures_do_not_fail_on_other_threads_cuda_calls() -> None:
     capture_error_mode="thread_local" (torch.cuda.graph) keeps that from invalidating it."""
     from types import SimpleNamespace
 
-    from xpukit.loading.training.graph_capture import GraphBackend
+    from xpukit.loading.device_graph import GraphBackend
 
     seen: dict[str, Any] = {}
 
@@ -479,7 +479,7 @@ def test_warm_ups_allocate_from_the_captures_pool_on_the_captures_stream() -> No
     torch has them) on the stream the captures use, so it reuses what earlier captures left free."""
     from types import SimpleNamespace
 
-    from xpukit.loading.training.graph_capture import GraphBackend
+    from xpukit.loading.device_graph import GraphBackend
 
     events: list[tuple[str, Any]] = []
 

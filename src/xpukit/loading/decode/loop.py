@@ -59,7 +59,8 @@ class DecodeLoop:
         step_graphs: xpukit's own capture of the compiled step and the prefill
             (:class:`~xpukit.loading.decode.step_graph.StepGraphs`), or ``None``.
         window_smallest: cache slots of the smallest attention window (docs/decode.md
-            "Attention window"; ``max_cache_len`` attends over the whole cache, for comparison).
+            "Attention window"; a value at least the cache's length attends over the whole cache, for
+            comparison).
         capture_prefill: with step graphs, pad the prompt to its bucket and capture its prefill
             (``False``: the prefill runs uncaptured, for comparison).
     """

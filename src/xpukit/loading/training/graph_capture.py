@@ -33,9 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-from xpukit.loading.device_graph import GraphBackend
-
-__all__ = ["GraphBackend", "NothingToTrain", "SharedGrads", "StandIns", "capture"]
+__all__ = ["NothingToTrain", "SharedGrads", "StandIns", "capture"]
 
 
 class NothingToTrain(Exception):

@@ -52,7 +52,8 @@ import weakref
 from collections import Counter
 from typing import Any
 
-from xpukit.loading.training.graph_capture import GraphBackend, NothingToTrain, SharedGrads, StandIns, capture
+from xpukit.loading.device_graph import GraphBackend
+from xpukit.loading.training.graph_capture import NothingToTrain, SharedGrads, StandIns, capture
 from xpukit.loading.training.layer_calls import (
     NO_CACHE,
     Call,
@@ -105,7 +106,7 @@ class LayerGraphs:
         self._pool: Any = None
         # The capture's leaves and the adapters' gradients every shape shares (graph_capture).
         self._trained: tuple[StandIns, SharedGrads] | None = None
-        # The device's graph API (graph_capture.GraphBackend); the CPU tests pass a stand-in.
+        # The device's graph API (device_graph.GraphBackend); the CPU tests pass a stand-in.
         self.backend = backend
         self._warm = False
         self._watch: Watch | None = None  # what the captured graphs read

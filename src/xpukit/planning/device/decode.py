@@ -238,7 +238,8 @@ def plan_decode(
     return plan, Decision(
         name="fast_decode",
         value=plan.describe(),
-        reason=f"fast_decode=True given: {sized}; decoding step compiled (fullgraph, static shapes, "
+        reason=f"fast_decode=True given: {sized}; decoding step compiled (fullgraph, static shapes "
+        "but the attention window's length, "
         f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use{extra}",
         source="user",
     )

@@ -251,6 +251,12 @@ def main() -> int:
         help="xpukit variants: liger's fused linear cross-entropy with this chunk_mem_const (its logits "
         "chunk is about this many times tokens x hidden; liger's default 1)",
     )
+    parser.add_argument(
+        "--chunked-loss-tokens",
+        type=int,
+        help="xpukit variants: xpukit's chunked cross-entropy at this many tokens a chunk instead of "
+        "the loss the plan chose (liger's fused loss is taken off the model)",
+    )
     parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
     parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
     parser.add_argument(
@@ -724,7 +730,22 @@ def load_xpukit(
         liger = isinstance(lora, dict) and lora.get("liger") is False
         notes += apply_fused_lora(model, insist=True, liger=False if liger else None)
         notes.append("(fused by the bench: the plan does not know lora={'fused': ...} yet)")
+    if args.chunked_loss_tokens:
+        notes.append(chunked_loss_instead(model, args.chunked_loss_tokens))
     return model, notes, plan
+
+
+def chunked_loss_instead(model: Any, tokens: int) -> str:
+    """xpukit's chunked cross-entropy at ``tokens`` a chunk in place of the plan's loss (a bench
+    switch: liger's fused loss is an instance ``forward``, removed here; the chunk size is set
+    through the module constant it is computed from)."""
+    from xpukit.loading.training.chunked_loss import apply_chunked_loss
+    from xpukit.planning.training import activation_memory
+
+    base = model.get_base_model()
+    base.__dict__.pop("forward", None)
+    activation_memory.CHUNK_BYTES = tokens * 4 * int(base.lm_head.weight.shape[0])
+    return "(bench) " + apply_chunked_loss(base)
 
 
 def load_unsloth(args: argparse.Namespace, variant: str, dtype: str) -> tuple[Any, list[str], Any]:

@@ -7,7 +7,10 @@ peak memory above the inputs, per variant, one JSON line each. Variants:
 
 * ``plain``: ``lm_head`` then transformers' ``ForCausalLMLoss`` (fp32 logits);
 * ``chunked``: :func:`xpukit.kernels.chunked_ce.chunked_linear_cross_entropy`;
-* ``liger``: liger-kernel's ``LigerFusedLinearCrossEntropyLoss`` (skipped without liger/triton).
+* ``liger``: liger-kernel's ``LigerFusedLinearCrossEntropyLoss`` (skipped without liger/triton), in
+  its default chunks;
+* ``liger-chunk``: :func:`xpukit.kernels.chunked_ce.liger_linear_cross_entropy`, the same kernel in
+  chunks of ``LOSS_CHUNK_TOKENS`` (what xpukit's plan runs; skipped without liger/triton).
 
 The loss and the hidden-state gradient of each variant are compared with ``plain``'s.
 
@@ -36,7 +39,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--variants", default="plain,chunked,liger")
+    parser.add_argument("--variants", default="plain,chunked,liger,liger-chunk")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
@@ -101,11 +104,21 @@ def make(variant: str, weight: Any, vocab: int) -> Any:
         from xpukit.planning.training.activation_memory import chunk_tokens
 
         return lambda h, y: chunked_linear_cross_entropy(h, weight, y, chunk=chunk_tokens(vocab))
-    if variant == "liger":
+    if variant in ("liger", "liger-chunk"):
         if importlib.util.find_spec("liger_kernel") is None or importlib.util.find_spec("triton") is None:
             return None
         import torch
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        if variant == "liger-chunk":
+            from xpukit.kernels.chunked_ce import liger_linear_cross_entropy
+            from xpukit.planning.training.loss_chunk import liger_chunk_mem_const
+
+            def chunked(h: Any, y: Any) -> Any:
+                c = liger_chunk_mem_const(h.numel() // h.shape[-1], vocab, h.shape[-1])
+                return liger_linear_cross_entropy(h, weight, y, chunk_mem_const=c)
+
+            return chunked
 
         liger = LigerFusedLinearCrossEntropyLoss()
 
@@ -114,7 +127,7 @@ def make(variant: str, weight: Any, vocab: int) -> Any:
             return liger(weight, h.reshape(-1, h.shape[-1]), shifted.reshape(-1))
 
         return loss
-    raise SystemExit(f"unknown variant {variant!r}: plain, chunked or liger")
+    raise SystemExit(f"unknown variant {variant!r}: plain, chunked, liger or liger-chunk")
 
 
 def sync(device: Any) -> None:

@@ -568,7 +568,7 @@ def profile_steps(train_step: Any, device: str, steps: int) -> dict[str, Any]:
         if hi > end:
             busy += hi - max(lo, end)
             end = hi
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:30]
     return {
         "steps": steps,
         "wall_ms_per_step": round(wall * 1e3 / steps, 2),

@@ -273,3 +273,32 @@ def test_fused_model_vs_peft_bf16(tiny_model_factory: Callable[..., Path], liger
     for name, grad in grads_peft.items():
         assert grads_fused[name].dtype == grad.dtype == torch.float32, name
         _as_accurate(grads_fused[name], grad, grads_fp32[name], name)
+
+
+@pytest.mark.parametrize("items", [None, 700])
+def test_liger_loss_in_xpukit_chunks(items: int | None) -> None:
+    """liger-kernel's fused linear cross-entropy with xpukit's chunk_mem_const: the loss and the
+    hidden-state gradient of transformers' loss (fp32 inputs, so the tolerance is fp32's), at a
+    chunk that splits the tokens, and the chunk really is the one asked for."""
+    _need_cuda_triton()
+    pytest.importorskip("liger_kernel")
+    import torch
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    from xpukit.kernels.chunked_ce import liger_linear_cross_entropy
+    from xpukit.planning.training.loss_chunk import liger_chunk, liger_chunk_mem_const
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden, vocab = 2 * 600, 256, 32768
+    h = torch.randn(2, 600, hidden, device="cuda", generator=g, requires_grad=True)
+    w = torch.randn(vocab, hidden, device="cuda", generator=g) / hidden**0.5
+    labels = torch.randint(0, vocab, (2, 600), device="cuda", generator=g)
+    labels[0, :50] = -100
+    c = liger_chunk_mem_const(tokens, vocab, hidden, 256)
+    assert liger_chunk(tokens, vocab, hidden, c) == 256 > liger_chunk(tokens, vocab, hidden, 1)
+    want = ForCausalLMLoss(h @ w.t(), labels, vocab_size=vocab, num_items_in_batch=items)
+    (want_grad,) = torch.autograd.grad(want, h)
+    got = liger_linear_cross_entropy(h, w, labels, chunk_mem_const=c, num_items_in_batch=items)
+    (got_grad,) = torch.autograd.grad(got, h)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_grad, want_grad, atol=1e-6, rtol=1e-3)

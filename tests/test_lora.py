@@ -169,7 +169,7 @@ def test_liger_patches_the_instance_only(monkeypatch: pytest.MonkeyPatch, tiny_m
     module_before = dict(vars(modeling_qwen3))
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     notes = apply_liger(model, device_profile("h100"))
-    assert calls == [{"rope": False, "cross_entropy": False}]
+    assert calls == [{"rope": False, "cross_entropy": False, "fused_linear_cross_entropy": True}]
     assert notes[0].startswith("applied liger-kernel 0.8.5 on cuda for 'qwen3' to this model only")
     assert dict(vars(modeling_qwen3)) == module_before
     assert float(model.model.norm(torch.ones(2)).sum()) == 0.0

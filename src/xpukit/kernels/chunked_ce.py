@@ -14,6 +14,10 @@ The loss is transformers' ``ForCausalLMLoss``: labels shifted left by one, ``ign
 fp32 log-softmax, the sum divided by ``num_items_in_batch`` when given (gradient accumulation, as
 ``Trainer`` passes it) else by the number of counted tokens (docs/training.md "Chunked cross-entropy").
 The ``lm_head`` weight must be frozen (LoRA training); a trainable head keeps the plain loss.
+
+:func:`liger_linear_cross_entropy` is the same loss through liger-kernel's Triton kernel (extra
+``liger``), with the ``chunk_mem_const`` the caller sets (liger's default makes small chunks,
+each re-reading the head; docs/training.md "liger's loss chunk").
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["IGNORE_INDEX", "chunked_linear_cross_entropy"]
+__all__ = ["IGNORE_INDEX", "chunked_linear_cross_entropy", "liger_linear_cross_entropy"]
 
 IGNORE_INDEX = -100
 
@@ -61,6 +65,21 @@ def _function() -> Any:
     return ChunkedLinearCrossEntropy
 
 
+def _flat(hidden: Any, weight: Any, labels: Any) -> tuple[Any, Any, Any]:
+    """Hidden states as ``(tokens, hidden)`` in the compute dtype, the weight in it, and the labels
+    shifted left by one and flattened (transformers' ``ForCausalLMLoss``)."""
+    import torch
+
+    if weight.requires_grad:
+        raise ValueError("the chunked linear cross-entropy needs a frozen lm_head weight")
+    dtype = weight.dtype
+    if torch.is_autocast_enabled(hidden.device.type):
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    flat_labels = shifted.reshape(-1).to(hidden.device)
+    return hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype), flat_labels
+
+
 def chunked_linear_cross_entropy(
     hidden: Any, weight: Any, labels: Any, *, chunk: int, num_items_in_batch: Any = None
 ) -> Any:
@@ -75,17 +94,34 @@ def chunked_linear_cross_entropy(
     """
     import torch
 
-    if weight.requires_grad:
-        raise ValueError("chunked_linear_cross_entropy needs a frozen lm_head weight")
-    dtype = weight.dtype
-    if torch.is_autocast_enabled(hidden.device.type):
-        dtype = torch.get_autocast_dtype(hidden.device.type)
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    flat_labels = shifted.reshape(-1).to(hidden.device)
-    flat = hidden.reshape(-1, hidden.shape[-1]).to(dtype)
+    flat, weight, flat_labels = _flat(hidden, weight, labels)
     if num_items_in_batch is None:
         denominator = (flat_labels != IGNORE_INDEX).sum().clamp_min(1).float()
     else:
         denominator = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
     with torch.autocast(hidden.device.type, enabled=False):
-        return _function().apply(flat, weight.to(dtype), flat_labels, denominator, max(1, int(chunk)))
+        return _function().apply(flat, weight, flat_labels, denominator, max(1, int(chunk)))
+
+
+def liger_linear_cross_entropy(
+    hidden: Any,
+    weight: Any,
+    labels: Any,
+    *,
+    chunk_mem_const: int,
+    num_items_in_batch: Any = None,
+) -> Any:
+    """The same loss through liger-kernel's fused linear cross-entropy with its ``chunk_mem_const``
+    (the caller's, for this call's token count: liger's chunk grows with it). The sum is divided by
+    ``num_items_in_batch`` when given, as liger's model forwards do."""
+    import torch
+    from liger_kernel.transformers import functional
+
+    flat, weight, flat_labels = _flat(hidden, weight, labels)
+    summed = num_items_in_batch is not None
+    with torch.autocast(hidden.device.type, enabled=False):
+        loss = functional.liger_fused_linear_cross_entropy(
+            flat, weight, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum" if summed else "mean",
+            chunk_mem_const=chunk_mem_const,
+        )  # fmt: skip
+    return loss / num_items_in_batch if summed else loss

@@ -162,8 +162,11 @@ def _new_adapters(
 
         notes.append(offload_saved_activations(model, device))
     from xpukit.loading.training.liger import apply_liger
+    from xpukit.planning.training.loss_chunk import LOSS_CHUNK_TOKENS
 
-    notes += apply_liger(model, device, wanted=request.liger, given=request.liger_given)
+    notes += apply_liger(
+        model, device, wanted=request.liger, given=request.liger_given, loss_chunk=LOSS_CHUNK_TOKENS
+    )
     if request.loss == "chunked":
         notes.append(_chunked_loss(model))
     if fused and request.liger is False and not request.liger_given:

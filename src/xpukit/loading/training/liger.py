@@ -100,7 +100,12 @@ def decide_liger(
 
 
 def apply_liger(
-    model: Any, device: DeviceFacts, *, wanted: bool | None = None, given: bool = False
+    model: Any,
+    device: DeviceFacts,
+    *,
+    wanted: bool | None = None,
+    given: bool = False,
+    loss_chunk: int | None = None,
 ) -> list[str]:
     """Apply liger-kernel to a transformers model (before peft wraps it) where it can run.
 
@@ -109,6 +114,10 @@ def apply_liger(
         device: the device the model trains on.
         wanted: ``False`` never applies it; ``None``/``True`` apply it where it can run.
         given: ``wanted`` came from the user's ``lora=`` (else from the training plan), for the notes.
+        loss_chunk: tokens per chunk of the fused loss (docs/training.md "liger's loss chunk"); the
+            loss then goes through :func:`xpukit.loading.training.chunked_loss.apply_chunked_loss`
+            with liger's kernel where the model and liger's version allow, else through liger's own
+            model forward (its default chunk). ``None``: liger's own.
 
     Returns:
         Notes of what happened: applied, not applied and why, or the fallback after a failure.
@@ -119,7 +128,8 @@ def apply_liger(
             who = "lora={'liger': True} asked for" if given else "the training plan chose"
             logger.warning("%s liger-kernel, but: %s", who, decision.reason)
         return [decision.reason]
-    failed = _patch(base, rope=False, cross_entropy=False)
+    own_loss, why_not = _own_loss(base, loss_chunk)
+    failed = _patch(base, rope=False, cross_entropy=False, fused_linear_cross_entropy=not own_loss)
     if failed is not None:
         note = (
             f"liger-kernel {version} failed on {model_type!r} ({failed}); "
@@ -127,11 +137,34 @@ def apply_liger(
         )
         logger.warning(note)
         return [note]
-    return [
+    notes = [
         f"applied {decision.reason} to this model only (fused linear cross-entropy, RMSNorm, "
         "SwiGLU/GeGLU; RoPE left to transformers). It trades speed for memory (H200: 29 % less peak "
         "memory, 28 % fewer tokens/s); lora={'liger': False} turns it off"
     ]
+    if own_loss:
+        from xpukit.loading.training.chunked_loss import apply_chunked_loss
+
+        notes.append(apply_chunked_loss(base, kernel="liger", chunk=loss_chunk))
+    elif why_not:
+        notes.append(f"liger's fused loss in its own chunks: {why_not}")
+    return notes
+
+
+def _own_loss(base: Any, loss_chunk: int | None) -> tuple[bool, str | None]:
+    """Whether xpukit calls liger's loss kernel itself with ``loss_chunk``, and why not."""
+    if not loss_chunk:
+        return False, None
+    import inspect
+
+    from liger_kernel.transformers import functional
+
+    from xpukit.loading.training.chunked_loss import chunked_loss_problem
+
+    if "chunk_mem_const" not in inspect.signature(functional.liger_fused_linear_cross_entropy).parameters:
+        return False, "this liger-kernel has no chunk_mem_const (0.8.5 has)"
+    problem = chunked_loss_problem(base)
+    return (problem is None), problem
 
 
 def apply_liger_norms(model: Any, device: DeviceFacts) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from xpukit.planning.model.shape import ModelShape
+from xpukit.planning.training.loss_chunk import LOSS_CHUNK_TOKENS
 
 if TYPE_CHECKING:
     from xpukit.planning.training.lora_request import LoraRequest
@@ -101,7 +102,8 @@ def activation_bytes(
         mask_bytes: bytes per element of a dropout mask (1 where torch has the fused kernel: CUDA,
             XPU; else the input's element size).
         checkpointing: ``False``, ``True`` or ``"offload"``.
-        fused_loss: liger-kernel's fused linear cross-entropy replaces ``lm_head`` + loss.
+        fused_loss: liger-kernel's fused linear cross-entropy replaces ``lm_head`` + loss (in
+            chunks of :data:`~xpukit.planning.training.loss_chunk.LOSS_CHUNK_TOKENS`).
         chunked_loss: with ``fused_loss``, xpukit's chunked cross-entropy instead of liger's: the
             same saved gradient plus one chunk's logits in flight (12 bytes per logit, measured).
         fused_lora: xpukit's fused 4-bit LoRA path computes the block's projections (one saved
@@ -146,6 +148,8 @@ def activation_bytes(
     loss = ((2 * a + 4) * h if fused_loss else (12 if a == 4 else 10 + a) * v) * tokens
     if fused_loss and chunked_loss:  # one chunk's logits (bf16, fp32, probabilities) in flight
         loss += 12 * v * min(tokens, chunk_tokens(v))
+    elif fused_loss:  # liger's: one chunk's logits in the compute dtype, its gradient written in place
+        loss += a * v * min(tokens, LOSS_CHUNK_TOKENS)
     final_norm = 4 * h * tokens
     backward = a * (i + 2 * h) * tokens  # a layer's gradients in flight while it is recomputed
     backward += dequant_bytes

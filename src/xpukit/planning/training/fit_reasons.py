@@ -7,6 +7,7 @@ options were tried and rejected with their estimated peak (docs/training.md "Tra
 from __future__ import annotations
 
 from xpukit.planning.budgets import format_bytes
+from xpukit.planning.training.loss_chunk import LOSS_CHUNK_TOKENS
 from xpukit.planning.vocabulary import Decision
 
 __all__ = ["PACKED_LOSS", "gc_decision", "liger_decision", "loss_decision"]
@@ -65,7 +66,10 @@ def loss_decision(loss: str, liger_why: str, fit_text: str) -> Decision:
         return Decision(name="loss", value="plain", rejected=rejected,
                         reason="lm_head + transformers' cross-entropy: the fastest, and it fits")  # fmt: skip
     if loss == "liger":
-        why = f"liger-kernel's fused linear cross-entropy (no logits kept): {fit_text}"
+        why = (
+            f"liger-kernel's fused linear cross-entropy in chunks of up to {LOSS_CHUNK_TOKENS} tokens "
+            f"(no logits kept whole): {fit_text}"
+        )
         return Decision(name="loss", value="liger", reason=why)
     return Decision(
         name="loss", value="chunked",

@@ -772,9 +772,18 @@ def load_unsloth(args: argparse.Namespace, variant: str, dtype: str) -> tuple[An
     model = FastLanguageModel.get_peft_model(
         model, r=DEFAULT_LORA["r"], lora_alpha=DEFAULT_LORA["lora_alpha"],
         lora_dropout=DEFAULT_LORA["lora_dropout"], use_gradient_checkpointing=gc,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        target_modules=unsloth_targets(model),
     )  # fmt: skip
     return model, [f"unsloth {getattr(unsloth, '__version__', '?')}, use_gradient_checkpointing={gc!r}"], None
+
+
+def unsloth_targets(model: Any) -> list[str]:
+    """The same layers xpukit's ``all-linear`` adapts: unsloth's usual seven names, or a stored
+    ``qkv_proj``/``gate_up_proj`` where the checkpoint fuses them (Phi-3/4: with the seven names
+    alone, only ``o_proj`` and ``down_proj`` exist, 8.9 M trainable parameters against 23.1 M)."""
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    wanted = ["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"]
+    return [name for name in wanted if name in present]
 
 
 def finetune(args: argparse.Namespace) -> int:

@@ -332,15 +332,17 @@ _LORA_GRADS_GB = 43_646_976 * 4 / 1e9
 @pytest.mark.parametrize(
     ("lora", "liger", "measured_gb"),
     [
-        # measured unpacked (the fixed 4 x 512 step): packing off, so the plan keeps the plain loss
+        # measured unpacked (the fixed 4 x 512 step, packing off)
         ({"fused": False, "packing": False}, True, 17.754),  # peft's modules, no savers
         ({"fused": True, "liger": False, "packing": False}, True, 14.131),  # the fused path, no liger
-        ({"packing": False}, True, 12.168),  # the default on the H200: fused + liger's RMSNorm
+        # the default on the H200 since liger's loss runs in 512-token chunks: fused + liger's norms and
+        # loss (measured with liger's own chunks; the larger chunk's 0.16 GB of logits are estimated)
+        ({"packing": False}, True, 8.650),
         ({"liger": True, "gradient_checkpointing": False}, True, 8.650),  # + liger's fused loss
         ({"liger": False, "gradient_checkpointing": True}, True, 4.375),  # checkpointing
         ({"liger": True, "gradient_checkpointing": "offload"}, True, 1.058),  # offloaded + fused loss
     ],
-    ids=["peft", "fused", "fused+liger-norms", "fused-loss", "checkpointing", "offload+fused-loss"],
+    ids=["peft", "fused", "default", "fused-loss", "checkpointing", "offload+fused-loss"],
 )
 def test_estimate_matches_the_h200_peaks(
     monkeypatch: pytest.MonkeyPatch, lora: Any, liger: bool, measured_gb: float

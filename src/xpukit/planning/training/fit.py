@@ -29,7 +29,13 @@ from xpukit.planning.training.activation_memory import (
     lora_parameters,
 )
 from xpukit.planning.training.allocation import cap_text, logits_bytes
-from xpukit.planning.training.fit_reasons import PACKED_LOSS, gc_decision, liger_decision, loss_decision
+from xpukit.planning.training.fit_reasons import (
+    FUSED_LOSS,
+    PACKED_LOSS,
+    gc_decision,
+    liger_decision,
+    loss_decision,
+)
 from xpukit.planning.training.graphs import checkpointing_problem
 from xpukit.planning.training.training_plan import TrainingPlan, option_text
 from xpukit.planning.vocabulary import Decision
@@ -149,9 +155,9 @@ def plan_training(
     def peak(fused_ce: bool, gc: bool | str, micro: int) -> int:
         return estimate_for(fused_ce, gc, micro)["peak"]
 
-    packed_loss = packed and liger_ok and user_liger is not False  # PACKED_LOSS
+    fused_first = (packed or fused) and liger_ok and user_liger is not False  # PACKED_LOSS, FUSED_LOSS
     ladder = _ladder(
-        request.gradient_checkpointing if user_gc else None, True if packed_loss else user_liger,
+        request.gradient_checkpointing if user_gc else None, True if fused_first else user_liger,
         offload=backend != "cpu",
     )  # fmt: skip
     if graphs and request.graphs and not user_gc:  # graphs asked: only the rungs they can run with
@@ -186,8 +192,8 @@ def plan_training(
     why_fused = None  # the fused loss taken for another reason than memory
     if fused_ce and allocation_cap is not None and capped(micro):
         why_fused = cap_text(logits_bytes(micro, seq, shape.vocab), allocation_cap)
-    elif fused_ce and packed_loss:
-        why_fused = PACKED_LOSS
+    elif fused_ce and fused_first:
+        why_fused = PACKED_LOSS if packed else FUSED_LOSS
     decisions = (
         gc_decision(gc, user_gc, fit_text, tried),
         liger_decision(liger, user_liger, liger_ok, liger_why, fit_text, why_fused),

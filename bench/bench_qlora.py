@@ -782,7 +782,17 @@ def unsloth_targets(model: Any) -> list[str]:
     ``qkv_proj``/``gate_up_proj`` where the checkpoint fuses them (Phi-3/4: with the seven names
     alone, only ``o_proj`` and ``down_proj`` exist, 8.9 M trainable parameters against 23.1 M)."""
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    wanted = ["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"]
+    wanted = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "qkv_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "gate_up_proj",
+        "down_proj",
+    ]
     return [name for name in wanted if name in present]
 
 

@@ -47,7 +47,9 @@ def test_the_liger_loss_is_counted_with_its_chunk() -> None:
     from xpukit.planning.model.shape import ModelShape
     from xpukit.planning.training.activation_memory import activation_bytes
 
-    shape = ModelShape(hidden=2560, intermediate=10240, layers=2, heads=8, kv_heads=4, head_dim=256, vocab=262208)
+    shape = ModelShape(
+        hidden=2560, intermediate=10240, layers=2, heads=8, kv_heads=4, head_dim=256, vocab=262208
+    )
     kwargs = dict(compute_bytes=2, lora_r=16, targets=None, dropout=False, mask_bytes=1, checkpointing=False)
     fused = activation_bytes(shape, 2048, fused_loss=True, **kwargs)["loss"]
     assert fused == (2 * 2 + 4) * 2560 * 2048 + 2 * 262208 * LOSS_CHUNK_TOKENS
@@ -73,7 +75,9 @@ def fake_liger(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     ) -> Any:  # fmt: skip
         calls.append(chunk_mem_const)
         logits = (input @ weight.t()).float()
-        return torch.nn.functional.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+        return torch.nn.functional.cross_entropy(
+            logits, target, ignore_index=ignore_index, reduction=reduction
+        )
 
     functional = types.ModuleType("liger_kernel.transformers.functional")
     functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy  # type: ignore[attr-defined]
@@ -121,12 +125,16 @@ def test_a_lora_model_trains_the_same(fake_liger: list[int], tiny_model: Path) -
         model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0,
                              lora={"gradient_checkpointing": False})  # fmt: skip
         if liger:
-            assert "chunks of up to 8 tokens" in apply_chunked_loss(model.get_base_model(), kernel="liger", chunk=8)
+            assert "chunks of up to 8 tokens" in apply_chunked_loss(
+                model.get_base_model(), kernel="liger", chunk=8
+            )
         model.train()
         out = model(input_ids=ids, labels=labels)
         assert (out.logits is None) == liger
         if liger:  # the chunk asked for, at this call's 32 tokens
-            assert fake_liger == [liger_chunk_mem_const(32, model.config.vocab_size, model.config.hidden_size, 8)]
+            assert fake_liger == [
+                liger_chunk_mem_const(32, model.config.vocab_size, model.config.hidden_size, 8)
+            ]
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((out.loss.detach(), grads))
@@ -168,7 +176,9 @@ def test_where_xpukit_calls_liger_itself(fake_liger: list[int], tiny_model: Path
     assert not own and "chunk_mem_const" in str(why)
 
 
-def test_apply_liger_hands_the_loss_to_xpukit_s_call(fake_liger: list[int], tiny_model: Path, monkeypatch: Any) -> None:
+def test_apply_liger_hands_the_loss_to_xpukit_s_call(
+    fake_liger: list[int], tiny_model: Path, monkeypatch: Any
+) -> None:
     """With a chunk, liger patches without its fused loss and xpukit wraps the forward instead."""
     from transformers import AutoModelForCausalLM
 
@@ -193,3 +203,22 @@ def test_apply_liger_hands_the_loss_to_xpukit_s_call(fake_liger: list[int], tiny
     notes = liger.apply_liger(capped, device_profile("h100"), loss_chunk=512)
     assert calls == [{"rope": False, "cross_entropy": False, "fused_linear_cross_entropy": True}]
     assert "in its own chunks" in notes[-1] and "final_logit_softcapping" in notes[-1]
+
+
+def test_a_liger_whose_functional_does_not_import_keeps_its_own_loss(
+    fake_liger: list[int], tiny_model: Path, monkeypatch: Any
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from xpukit.loading.training import liger
+
+    broken = types.ModuleType("liger_kernel.transformers")
+
+    def fail(name: str) -> Any:  # what a broken Triton install does on import
+        raise RuntimeError(f"cannot import {name}: Triton failed")
+
+    broken.__getattr__ = fail  # type: ignore[method-assign]
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", broken)
+    monkeypatch.delitem(sys.modules, "liger_kernel.transformers.functional")
+    own, why = liger._own_loss(AutoModelForCausalLM.from_pretrained(tiny_model), 512)
+    assert not own and "did not import" in str(why)

@@ -26,10 +26,6 @@ _LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "ou
 KERNELS = ("xpukit", "liger")
 
 
-def _text_config(model: Any) -> Any:
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
 def chunked_loss_problem(model: Any) -> str | None:
     """Why ``model`` cannot take the chunked loss, or ``None`` when it can."""
     import torch
@@ -37,7 +33,7 @@ def chunked_loss_problem(model: Any) -> str | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is None or type(head) is not torch.nn.Linear or head.bias is not None:
         return f"lm_head is {type(head).__name__}, not one nn.Linear without bias"
-    config = _text_config(model)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for field in _LOGIT_FIELDS:
         value = getattr(config, field, None)
         if value not in (None, 1, 1.0):
@@ -66,7 +62,9 @@ def apply_chunked_loss(model: Any, *, kernel: str = "xpukit", chunk: int | None 
     from xpukit.planning.training.loss_chunk import liger_chunk_mem_const
 
     if kernel not in KERNELS or (kernel == "liger" and not chunk):
-        raise ValueError(f"kernel={kernel!r}, chunk={chunk!r}: kernel is one of {KERNELS}; liger's needs a chunk")
+        raise ValueError(
+            f"kernel={kernel!r}, chunk={chunk!r}: kernel is one of {KERNELS}; liger's needs a chunk"
+        )
     problem = chunked_loss_problem(model)
     if problem is not None:
         raise ValueError(problem)
@@ -80,7 +78,9 @@ def apply_chunked_loss(model: Any, *, kernel: str = "xpukit", chunk: int | None 
     def loss_of(hidden: Any, labels: Any, items: Any) -> Any:
         if kernel == "liger":
             c = liger_chunk_mem_const(hidden.numel() // hidden.shape[-1], vocab, hidden.shape[-1], size)
-            return liger_linear_cross_entropy(hidden, head.weight, labels, chunk_mem_const=c, num_items_in_batch=items)
+            return liger_linear_cross_entropy(
+                hidden, head.weight, labels, chunk_mem_const=c, num_items_in_batch=items
+            )
         return chunked_linear_cross_entropy(hidden, head.weight, labels, chunk=size, num_items_in_batch=items)
 
     @functools.wraps(forward)

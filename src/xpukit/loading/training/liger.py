@@ -158,10 +158,12 @@ def _own_loss(base: Any, loss_chunk: int | None) -> tuple[bool, str | None]:
         return False, None
     import inspect
 
-    from liger_kernel.transformers import functional
-
     from xpukit.loading.training.chunked_loss import chunked_loss_problem
 
+    try:
+        from liger_kernel.transformers import functional
+    except Exception as exc:  # a third-party import: liger's own forward then, never fail
+        return False, f"liger-kernel's functional entry point did not import ({type(exc).__name__}: {exc})"
     if "chunk_mem_const" not in inspect.signature(functional.liger_fused_linear_cross_entropy).parameters:
         return False, "this liger-kernel has no chunk_mem_const (0.8.5 has)"
     problem = chunked_loss_problem(base)

@@ -60,7 +60,8 @@ def liger_decision(
         name="liger",
         value=False,
         reason="not needed to fit: on the unfused path liger's kernels cost speed (H200, Qwen3-8B shape: "
-        "28 % fewer tokens/s, measured with liger's own loss chunks; docs/training.md \"liger-kernel\")",
+        "28 % fewer tokens/s, measured with liger's own loss chunks; docs/training.md "
+        '"liger-kernel (extra `liger`)")',
         rejected=((True, "costs speed, and the step fits without it"),),
     )
 

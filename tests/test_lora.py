@@ -512,3 +512,28 @@ def test_plain_nf4_repacking_is_restored_exactly(tiny_model: Path) -> None:
         assert state.absmax.shape == absmax.shape and state.absmax.dtype == absmax.dtype
         torch.testing.assert_close(state.absmax, absmax, rtol=2**-8, atol=0)
         assert tuple(state.shape) == tuple(shape) and not state.nested
+
+
+def test_offloading_stays_around_liger_s_own_loss(monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    """liger's fused loss installs its own instance ``forward``; the offloading wrapper is put on
+    after it, so it still runs (before, the offload hooks were silently dropped)."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    from xpukit.loading.lora import apply_lora
+    from xpukit.planning.training.lora_request import resolve_lora
+
+    def apply(*, model: Any, **kwargs: Any) -> None:  # liger with its fused loss: a new forward
+        if kwargs.get("fused_linear_cross_entropy", True):
+            model.forward = types.MethodType(type(model).forward, model)
+
+    _fake_liger(monkeypatch, apply)  # no functional entry point: liger's own loss stays
+    request = resolve_lora({"gradient_checkpointing": "offload", "liger": True}, quantized=False)
+    assert request is not None
+    model, notes = apply_lora(
+        AutoModelForCausalLM.from_pretrained(tiny_model), request, compute_dtype="float32", quantized=False,
+        device=device_profile("h100"),
+    )  # fmt: skip
+    assert any("liger's fused loss in its own chunks" in n for n in notes)
+    assert getattr(model.get_base_model().forward, "_xpukit_offload", False)

@@ -157,10 +157,6 @@ def _new_adapters(
     if request.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         notes.append("gradient checkpointing on (use_reentrant=False; input embeddings require grad)")
-    if request.gradient_checkpointing == "offload":
-        from xpukit.loading.training.offload import offload_saved_activations
-
-        notes.append(offload_saved_activations(model, device))
     from xpukit.loading.training.liger import apply_liger
     from xpukit.planning.training.loss_chunk import LOSS_CHUNK_TOKENS
 
@@ -173,6 +169,10 @@ def _new_adapters(
         from xpukit.loading.training.liger import apply_liger_norms
 
         notes += apply_liger_norms(model, device)  # speed, not memory: docstring there
+    if request.gradient_checkpointing == "offload":  # last: liger's own loss replaces ``forward``
+        from xpukit.loading.training.offload import offload_saved_activations
+
+        notes.append(offload_saved_activations(model, device))
     try:
         peft_model = _attach(model, request, config)
     except (ValueError, KeyError, RuntimeError) as exc:

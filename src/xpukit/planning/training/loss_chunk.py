@@ -15,9 +15,10 @@ from __future__ import annotations
 
 __all__ = ["LOSS_CHUNK_TOKENS", "liger_chunk", "liger_chunk_mem_const"]
 
-# Tokens per chunk: each chunk's products then do 2 × 512 = 1 024 flops per byte of lm_head read,
-# above the ~206 of an H200 (989 dense bf16 TFLOP/s over 4.8 TB/s), so the re-reads of the head
-# no longer bound the loss (docs/training.md "liger's loss chunk").
+# Tokens per chunk: each of a chunk's products then does 512 flops per byte of lm_head it reads (2
+# flops per token and bf16 weight of 2 bytes), above the ~206 of an H200 (989 dense bf16 TFLOP/s
+# over 4.8 TB/s), so the re-reads of the head no longer bound the loss (docs/training.md "liger's
+# loss chunk").
 LOSS_CHUNK_TOKENS = 512
 
 # liger checks chunk_mem_const is a positive int; past vocab / hidden every call is one chunk.

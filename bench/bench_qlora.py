@@ -252,6 +252,12 @@ def main() -> int:
         "chunk is about this many times tokens x hidden; liger's default 1)",
     )
     parser.add_argument(
+        "--liger-rope",
+        action="store_true",
+        help="xpukit variants: liger-kernel's RoPE kernel as the model family's apply_rotary_pos_emb in "
+        "this process (xpukit leaves transformers' RoPE; a measurement switch)",
+    )
+    parser.add_argument(
         "--chunked-loss-tokens",
         type=int,
         help="xpukit variants: xpukit's chunked cross-entropy at this many tokens a chunk instead of "
@@ -699,6 +705,7 @@ def load_xpukit(
 
     if args.liger_chunk_mem_const:
         liger_chunks(args.liger_chunk_mem_const)
+    rope_note = liger_rope(args.shape) if args.liger_rope else None
     if variant == "xpukit-nocheck":  # the check's own cost: the same load with a check of nothing
         fused_lora.check_blocks = lambda model, groups, dtype: []  # type: ignore[assignment]
     else:
@@ -732,7 +739,27 @@ def load_xpukit(
         notes.append("(fused by the bench: the plan does not know lora={'fused': ...} yet)")
     if args.chunked_loss_tokens:
         notes.append(chunked_loss_instead(model, args.chunked_loss_tokens))
+    if rope_note:
+        notes.append(rope_note)
     return model, notes, plan
+
+
+def liger_rope(shape: str) -> str:
+    """liger-kernel's RoPE kernel in place of transformers' ``apply_rotary_pos_emb`` of the shape's
+    modeling module, for this process (the bench loads one model a process). transformers' RoPE is
+    a handful of elementwise kernels each way (``rotate_half``'s slice, neg and cat, two products and
+    a sum), part of the elementwise time that separates xpukit's device time from unsloth's
+    (docs/benchmarks.md "Other families"). liger's kernel infers a partial rotary width (Phi-3) from
+    ``cos``."""
+    import importlib
+
+    import transformers
+    from liger_kernel.transformers import liger_rotary_pos_emb
+
+    config_class = getattr(transformers, SHAPES[shape][0])
+    module = importlib.import_module(config_class.__module__.replace(".configuration_", ".modeling_"))
+    module.apply_rotary_pos_emb = liger_rotary_pos_emb  # type: ignore[attr-defined]
+    return f"(bench) liger-kernel's RoPE as {module.__name__}.apply_rotary_pos_emb in this process"
 
 
 def chunked_loss_instead(model: Any, tokens: int) -> str:

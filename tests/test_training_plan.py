@@ -433,3 +433,24 @@ def test_the_graphs_buffers_are_in_the_estimate_one_shape_or_a_packed_rows_bucke
     assert "graph_buffers" not in off.estimate
     shape = model_shape(reference_config("qwen3-8b"))
     assert shape is not None and graph_buffer_bytes(shape, 300, compute_bytes=2) == 4 * (512 + 256) * 4096 * 2
+
+
+@pytest.mark.parametrize("liger", [True, False])
+def test_the_fused_path_takes_liger_s_loss_first_where_it_runs(
+    monkeypatch: pytest.MonkeyPatch, liger: bool
+) -> None:
+    """In 512-token chunks liger's loss is faster than the plain one (docs/training.md "liger's loss
+    chunk"): on the fused path it is taken even when the plain loss fits; without liger, plain."""
+    import xpukit.planning.training.fit as fit
+
+    monkeypatch.setattr(fit, "liger_availability", lambda backend: (liger, "injected"))
+    plan = plan_load(
+        reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora={"packing": False},
+        batch_size=4, seq_len=512,
+    )  # fmt: skip
+    training = plan.training
+    assert training is not None and training.fits and training.gradient_checkpointing is False
+    assert training.loss == ("liger" if liger else "plain")
+    decision = next(d for d in training.decisions if d.name == "liger")
+    assert ("faster than the plain loss" in decision.reason) == liger
+    assert plan.decision("fused_lora").value is True

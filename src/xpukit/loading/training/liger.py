@@ -85,8 +85,8 @@ def decide_liger(
     if liger_version is None:
         return LigerDecision(
             use=False,
-            reason='liger-kernel not installed (pip install "xpukit[liger]" cut peak memory 29 % at '
-            "28 % fewer tokens/s in QLoRA training on an H200)",
+            reason='liger-kernel not installed (pip install "xpukit[liger]": its fused loss keeps no '
+            "logits, and in xpukit's 512-token chunks it is faster than the plain loss on an H200)",
         )
     if not triton:
         return LigerDecision(use=False, reason="liger-kernel installed but triton is not: not used")

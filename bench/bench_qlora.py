@@ -248,8 +248,9 @@ def main() -> int:
     parser.add_argument(
         "--liger-chunk-mem-const",
         type=int,
-        help="xpukit variants: liger's fused linear cross-entropy with this chunk_mem_const (its logits "
-        "chunk is about this many times tokens x hidden; liger's default 1)",
+        help="xpukit variants: liger's fused linear cross-entropy with this chunk_mem_const in place of "
+        "the per-call value xpukit passes for 512-token chunks (liger's chunk is about this many "
+        "times tokens x hidden; liger's default 1)",
     )
     parser.add_argument(
         "--liger-rope",
@@ -647,8 +648,8 @@ def liger_chunks(chunk_mem_const: int) -> None:
     hidden states (tokens × hidden): ``next_pow2(tokens / ceil(vocab / (c · hidden)))``. With c = 1
     and a large vocabulary the chunk is small (Gemma-3-4B at 2 048 tokens: 32 tokens, 64 chunks),
     and each chunk's two products read the whole ``lm_head`` weight (docs/benchmarks.md "Other
-    families"). liger's model forwards do not pass ``chunk_mem_const``, so the bench wraps the
-    function they call."""
+    families"). xpukit now passes its own per call (docs/training.md "liger's loss chunk"); this
+    fixed value replaces it, to try other chunk sizes."""
     import functools
 
     from liger_kernel.transformers import functional

@@ -165,10 +165,6 @@ def _new_adapters(
     )
     if request.loss == "chunked":
         notes.append(_chunked_loss(model))
-    if fused and request.liger is False and not request.liger_given:
-        from xpukit.loading.training.liger import apply_liger_norms
-
-        notes += apply_liger_norms(model, device)  # speed, not memory: docstring there
     if request.gradient_checkpointing == "offload":  # last: liger's own loss replaces ``forward``
         from xpukit.loading.training.offload import offload_saved_activations
 

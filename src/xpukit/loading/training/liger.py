@@ -170,32 +170,6 @@ def _own_loss(base: Any, loss_chunk: int | None) -> tuple[bool, str | None]:
     return (problem is None), problem
 
 
-def apply_liger_norms(model: Any, device: DeviceFacts) -> list[str]:
-    """liger-kernel's RMSNorm alone, for speed, where the fused 4-bit LoRA path runs.
-
-    The training plan's ``liger`` decision is about memory: liger's fused linear cross-entropy,
-    which costs speed and is only taken when the step needs it to fit. Its RMSNorm is the other
-    way round: one Triton kernel each way instead of the fp32 round trip of transformers' norm (on
-    the H200 profile of the fused path, elementwise kernels were 52 ms of a 192 ms step against
-    unsloth's 6 ms, docs/benchmarks.md). So with the fused path and the plan's liger off, the norms
-    alone are patched in; the loss stays unfused. Returns notes; never raises.
-    """
-    base, model_type, version, decision = _decide(model, device, wanted=None, given=False)
-    if not decision.use:
-        return [f"fused path without liger's RMSNorm: {decision.reason}"]
-    failed = _patch(
-        base, rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=False
-    )
-    if failed is not None:
-        note = f"liger-kernel {version}'s RMSNorm failed on {model_type!r} ({failed})"
-        logger.warning(note)
-        return [note]
-    return [
-        f"liger-kernel {version}'s RMSNorm on {device.backend} for the fused path's speed (the loss "
-        "stays unfused: the plan did not need liger's memory saver)"
-    ]
-
-
 def _decide(
     model: Any, device: DeviceFacts, *, wanted: bool | None, given: bool
 ) -> tuple[Any, str | None, str | None, LigerDecision]:

@@ -106,8 +106,8 @@ def plan_training(
         batch_size / seq_len: the step to plan for (``None``: the defaults above).
         max_positions: the model's context length (caps the default ``seq_len``).
         liger_available: whether liger-kernel can run here, and why (not).
-        fused: the fused 4-bit LoRA path will run (it saves less per layer, and brings liger's
-            RMSNorm where liger can run unless ``lora={"liger": False}``).
+        fused: the fused 4-bit LoRA path will run (it saves less per layer, and takes liger's loss,
+            with its RMSNorm, first where liger can run unless ``lora={"liger": False}``).
         quantized: 4-bit weights, dequantised in backward (a transient the checkpointed rungs count).
 
     Returns:
@@ -124,7 +124,6 @@ def plan_training(
 
     user_gc, user_liger = request.gradient_checkpointing_given, request.liger
     liger_ok, liger_why = liger_available
-    fused_norms = fused and liger_ok and not (request.liger_given and request.liger is False)
     dequant = dequant_transient(shape, compute_bytes=a, fused_lora=fused) if quantized else 0
 
     def kind(fused_ce: bool) -> str:  # which fused cross-entropy: liger's where it may run
@@ -142,7 +141,7 @@ def plan_training(
             targets=request.config.get("target_modules"), dropout=dropout,
             mask_bytes=1 if backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=fused_ce,
             fused_lora=fused and measured, dequant_bytes=dequant, chunked_loss=kind(fused_ce) == "chunked",
-            kernel_norms=measured and (kind(fused_ce) == "liger" or fused_norms),
+            kernel_norms=measured and kind(fused_ce) == "liger",
         )  # fmt: skip
         if graphs and checkpointing_problem(request, gc) is None:  # the graphs' own buffers: one
             # shape, or a packed row's buckets

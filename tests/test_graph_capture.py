@@ -31,6 +31,7 @@ class RerunBackend:
     def __init__(self) -> None:
         self.graphs: list[RerunGraph] = []
         self.warm_pools: list[Any] = []
+        self.events: list[str] = []
 
     def new_graph(self) -> RerunGraph:
         self.graphs.append(RerunGraph())
@@ -40,14 +41,19 @@ class RerunBackend:
         return None
 
     def capture(self, graph: RerunGraph, body: Any, pool: Any) -> None:
+        self.events.append("capture")
         graph.body = body
         body()
 
     def synchronize(self) -> None:
         pass
 
+    def release_cached(self) -> None:
+        self.events.append("release")
+
     def warm_up(self, pool: Any) -> Any:
         self.warm_pools.append(pool)
+        self.events.append("warm-up")
         return contextlib.nullcontext()
 
 
@@ -313,7 +319,7 @@ def test_the_device_graph_api_the_capture_names_exists_in_this_torch(kind: str) 
 
     backend = GraphBackend(kind)
     assert backend.graph_class.__name__ == {"cuda": "CUDAGraph", "xpu": "XPUGraph"}[kind]
-    for name in ("graph", "graph_pool_handle", "synchronize", "Stream", "stream"):
+    for name in ("graph", "graph_pool_handle", "synchronize", "Stream", "stream", "empty_cache"):
         assert callable(getattr(backend.module, name)), name
     assert "pool" in inspect.signature(backend.module.graph).parameters
     if kind == "cuda":  # the warm-ups' pool (GraphBackend.warm_up)
@@ -511,6 +517,30 @@ def test_warm_ups_allocate_from_the_captures_pool_on_the_captures_stream() -> No
     with backend.warm_up((3, 4)):
         pass
     assert events == [("stream", stream)]
+
+
+def test_each_capture_first_hands_the_default_pools_cache_back() -> None:
+    """The first training pass runs eagerly and leaves a step's activations cached in the default
+    pool, which the graphs' pool cannot reuse; every capture releases that cache before its warm-up
+    (on an H200 the two held the activations twice: docs/training.md "CUDA graphs of the decoder
+    layers")."""
+    from types import SimpleNamespace
+
+    from xpukit.loading.device_graph import GraphBackend
+    from xpukit.loading.training.graph_capture import SharedGrads
+
+    net = _net()
+    backend = RerunBackend()
+    shared = SharedGrads([p for p in net.parameters() if p.requires_grad])
+    _captured(net, backend, shared, 3)
+    _captured(net, backend, shared, 5)
+    assert backend.events == ["release", "warm-up", "capture", "capture"] * 2
+
+    emptied: list[bool] = []
+    real = GraphBackend("cuda")
+    real.module = SimpleNamespace(empty_cache=lambda: emptied.append(True))
+    real.release_cached()
+    assert emptied == [True]
 
 
 def test_plain_values_of_other_types_are_other_shapes() -> None:

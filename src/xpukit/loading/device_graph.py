@@ -53,6 +53,16 @@ class GraphBackend:
     def synchronize(self) -> None:
         self.module.synchronize()
 
+    def release_cached(self) -> None:
+        """Hand the device's default pool's free cached blocks back to the driver (``empty_cache``).
+
+        The graphs' pool cannot take blocks the default pool caches, and the first training pass runs
+        eagerly: without this its activations stay cached there while the captures take as much again
+        into the pool (docs/training.md "CUDA graphs of the decoder layers"). A live graph pool keeps
+        its blocks; only unused default-pool blocks (and pools of freed graphs) are released.
+        """
+        self.module.empty_cache()
+
     def side_stream(self) -> Any:
         """Run on the captures' side stream (outside any pool)."""
         return self.module.stream(self._side())

@@ -212,6 +212,8 @@ def capture(
     wanted = [s for s in samples if s.requires_grad]
     leaves = stand_ins.leaves
     backend.synchronize()
+    # What the eager passes left cached in the default pool goes back to the device, for the pool.
+    backend.release_cached()
     # Lazily built state stays out of the graphs; the passes reuse the pool's free memory.
     with backend.warm_up(pool), stand_ins.installed():
         for _ in range(warmup):

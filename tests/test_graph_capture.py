@@ -198,6 +198,50 @@ def test_layer_graphs_on_a_lora_model_train_as_the_eager_layers(
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
+def test_captures_run_the_checked_rope_and_train_as_the_eager_layers(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a RoPE function that passes the check (a plain PyTorch stand-in for liger-kernel's,
+    which needs a GPU), the captures run it in place of the family's own, which is back after each
+    capture; losses and gradients equal the eager layers'."""
+    import sys
+
+    from xpukit.loading.training import graph_rope
+
+    used: list[int] = []
+
+    def rope(q: Any, k: Any, cos: Any, sin: Any, position_ids: Any = None, unsqueeze_dim: int = 1) -> Any:
+        used.append(q.shape[-2])
+        c, s = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        half = q.shape[-1] // 2
+
+        def rotate(x: Any) -> Any:
+            return x * c + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * s
+
+        return rotate(q), rotate(k)
+
+    monkeypatch.setattr(graph_rope, "_liger_rope", lambda: rope)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(3, 500, (2, n), generator=gen) for n in (10, 10, 7, 10)]
+    runs = []
+    for graphed in (False, True):
+        model = _lora(tiny_model, graphed)
+        losses = []
+        for ids in batches:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(float(loss.detach()))
+        runs.append((losses, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    graphs = model.xpukit_layer_graphs
+    module = sys.modules[type(graphs.layers[0].self_attn).__module__]
+    assert graphs.rope.active, graphs.rope.note
+    assert module.apply_rotary_pos_emb is not rope
+    assert sorted(set(used)) == [7, 10]  # the two captures (the check itself uses cos's 10 or 7 rows)
+    assert runs[1][0] == pytest.approx(runs[0][0], rel=1e-5)
+    for a, b in zip(runs[0][1], runs[1][1], strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
 def test_packed_rows_take_a_captured_shape_once_the_graphs_keep_no_more(tiny_model: Path) -> None:
     """Packing over the graphs with room for two shapes: rows pad to their 16-token bucket until two
     are captured, then a row whose bucket is not captured takes the shortest captured shape that

@@ -159,7 +159,7 @@ def _faked(monkeypatch: pytest.MonkeyPatch, layers: list[Any]) -> tuple[Any, lis
     graphs.forwards = [lambda h, *a, layer=layer, **k: layer(h) for layer in layers]
     replays: list[tuple[Any, ...]] = []
 
-    def fake_capture(hidden: Any, inputs: Any, templates: Any, key: Any) -> None:
+    def fake_capture(hidden: Any, inputs: Any, templates: Any, key: Any, calls: Any) -> None:
         def run(h: Any, *values: Any, key: Any = key) -> Any:
             replays.append(key)
             for layer in layers:
@@ -205,6 +205,38 @@ def test_first_call_eager_then_each_shape_captured_and_replayed(monkeypatch: pyt
     assert graphs.stats["captures"] == 3 and graphs.stats["graphed"] == 5 and len(graphs.keys) == 3
     first_layer = graphs.keys[2][-1][0]  # (positional, keyword) signature of layer 0's arguments
     assert ("attention_mask", ("tensor", 0, (1, 1, 3, 3), torch.bool)) in first_layer[1]
+
+
+def test_the_first_call_runs_each_layer_checkpointed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager first call would leave a step's activations cached beside the graphs' pool: it
+    keeps only the layers' inputs, and its backward recomputes each layer once (the same gradients);
+    later eager calls (a shape beyond the bound) run plain."""
+    torch = pytest.importorskip("torch")
+    layers = [torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(3)]
+    graphs, _ = _faked(monkeypatch, layers)
+    runs = [0] * 3
+    graphs.forwards = [
+        lambda h, *a, i=i, layer=layer, **k: (runs.__setitem__(i, runs[i] + 1), layer(h))[1]
+        for i, layer in enumerate(layers)
+    ]
+    for layer in layers:
+        layer.train()
+    rotary = (torch.zeros(1), torch.zeros(1))
+    x = torch.randn(2, 4, requires_grad=True)
+    h = x
+    for i in range(3):
+        h = graphs.forward(i, h, attention_mask=None, position_embeddings=rotary)
+    assert runs == [1, 1, 1]
+    h.sum().backward()
+    assert runs == [2, 2, 2]  # recomputed in the backward: checkpointed
+    want = torch.autograd.grad(layers[2](layers[1](layers[0](x))).sum(), x)[0]
+    torch.testing.assert_close(x.grad, want)
+    graphs.max_shapes = 0  # every later call eager: plain, not checkpointed
+    h = torch.randn(3, 4, requires_grad=True)
+    for i in range(3):
+        h = graphs.forward(i, h, attention_mask=None, position_embeddings=rotary)
+    h.sum().backward()
+    assert runs == [3, 3, 3]
 
 
 def test_shapes_beyond_the_bound_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:

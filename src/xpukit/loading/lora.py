@@ -182,19 +182,20 @@ def _new_adapters(
             "compute is float16: trainable (LoRA) weights are float32 so GradScaler can unscale their "
             f"gradients ({changed} cast); frozen base weights stay float16"
         )
+    # liger's SwiGLU inside the fused MLP and its RoPE inside the layer graphs are speed choices, not
+    # the plan's memory saver: only the user's own lora={"liger": False} keeps them out.
+    no_liger = request.liger_given and request.liger is False
     if fused:
         from xpukit.loading.training.fused_lora import apply_fused_lora
 
-        # liger's SwiGLU inside the fused MLP is a speed choice, not the plan's memory saver: only the
-        # user's own lora={"liger": False} keeps it out.
-        no_liger = request.liger_given and request.liger is False
         notes += apply_fused_lora(peft_model, insist=insist, liger=False if no_liger else None)
     if graphs:
         from xpukit.loading.training.fused_lora import fused_everywhere
         from xpukit.loading.training.layer_graphs import install_layer_graphs
 
         if fused and fused_everywhere(peft_model):
-            notes.append(install_layer_graphs(peft_model, checkpoint=request.gradient_checkpointing is True))
+            checkpoint = request.gradient_checkpointing is True
+            notes.append(install_layer_graphs(peft_model, checkpoint=checkpoint, rope=not no_liger))
         else:  # the graphs were measured on whole fused blocks only
             notes.append(
                 "CUDA graphs of the decoder layers: not installed (not every block runs the fused path, "

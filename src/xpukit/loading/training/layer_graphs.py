@@ -1,11 +1,10 @@
 """Device graphs of the decoder layers for LoRA training: the host's Python leaves the training step.
 
-A 4-bit LoRA step of 2 048 tokens on an 8B model is bound by the host, not the device: on an H200
-the device was busy 31 % of the step (docs/benchmarks.md, QLoRA section), the rest is Python
-launching some 6 000 kernels one by one (autograd, peft, the fused functions, Triton's launcher).
-:func:`install_layer_graphs` captures the decoder layers' forward and backward as graphs
-(``torch.cuda.graph``; ``torch.xpu.graph`` on Intel GPUs; :mod:`.graph_capture`) and
-replays them; the step then costs what the device needs (4 995 → 13 043 tokens/s, measured there).
+A 4-bit LoRA step of 2 048 tokens on an 8B model is bound by the host: on an H200 the device was
+busy 31 % of the step (docs/benchmarks.md, QLoRA section), the rest is Python launching some 6 000
+kernels. :func:`install_layer_graphs` captures the decoder layers' forward and backward as graphs
+(``torch.cuda.graph``; ``torch.xpu.graph`` on Intel GPUs; :mod:`.graph_capture`) and replays them;
+the step then costs what the device needs (4 995 → 13 043 tokens/s, measured there).
 
 How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
 
@@ -25,15 +24,16 @@ How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
   reuses the activations' memory of the others and the pool stays about one step's activations,
   plus each shape's input and output buffers. The adapters' gradients are one set of buffers for
   all shapes (:class:`.graph_capture.SharedGrads`; ``.grad`` are views of them), not one per shape.
-  The first training call runs eagerly (it warms lazily built state); a new shape after it is
-  captured on first sight (after one warm-up pass, where the kernels' autotuning happens).
+  The first training call runs eagerly (it warms lazily built state), each layer checkpointed so
+  that its activations are not left cached beside the pool; a new shape after it is captured on
+  first sight (after one warm-up pass, where the kernels autotune), with liger-kernel's RoPE where
+  it agrees with the model's own (:mod:`.graph_rope`).
 * The capture runs on stand-in parameters (:class:`.graph_capture.StandIns`: new leaves on the
   same storage, in place only while the capture runs), so an earlier step's autograd graph that is
   still referenced cannot invalidate it; the backward graph adds their gradients into the shared
   buffers, which the real parameters' ``.grad`` are.
-* A graph's buffers hold one pass at a time: a second forward before the first one's backward (two
-  forwards, one backward) runs eagerly, as does everything while that first pass is alive. A pass
-  whose outputs are dropped without backward frees the graphs for the next one.
+* A graph's buffers hold one pass at a time: a second forward before the first one's backward runs
+  eagerly, as does everything while that first pass is alive (dropped outputs free the graphs).
 * With plain gradient checkpointing (``lora={"graphs": True, "gradient_checkpointing": True}``)
   each layer is checkpointed inside the captured stack (non-reentrant ``torch.utils.checkpoint``),
   so the backward graph recomputes it; transformers' per-layer checkpointing is turned off, and the
@@ -54,6 +54,7 @@ from typing import Any
 
 from xpukit.loading.device_graph import GraphBackend
 from xpukit.loading.training.graph_capture import NothingToTrain, SharedGrads, StandIns, capture
+from xpukit.loading.training.graph_rope import GraphRope
 from xpukit.loading.training.layer_calls import (
     NO_CACHE,
     Call,
@@ -75,6 +76,7 @@ GRAPH_BACKENDS = ("cuda", "xpu")
 MAX_SHAPES = GRAPH_SHAPES
 # Attention implementations that take everything they need from the mask and the rotary tensors.
 _MASK_ATTENTION = ("sdpa", "eager")
+_FIRST_CALL = "first training call (warms lazily built state; shapes are captured from the next)"
 
 
 class LayerGraphs:
@@ -87,16 +89,24 @@ class LayerGraphs:
         unsupported: why these layers can never replay (seen on an eager pass), else ``None``.
         keys: the captured calls' shapes, dtypes, autocast states and input ``requires_grad``.
         max_shapes: how many shapes are captured at most.
+        rope: whether the captures run liger-kernel's RoPE (:class:`.graph_rope.GraphRope`).
     """
 
     def __init__(
-        self, layers: list[Any], *, attention: str = "sdpa", backend: Any = None, checkpoint: bool = False
+        self,
+        layers: list[Any],
+        *,
+        attention: str = "sdpa",
+        backend: Any = None,
+        checkpoint: bool = False,
+        rope: bool = False,
     ) -> None:
         self.layers = layers
         self.forwards = [layer.forward for layer in layers]
         self.attention = attention
         # Each layer checkpointed here, replayed or not (transformers' own checkpointing is off then).
         self.checkpoint = checkpoint
+        self.rope = GraphRope(layers, wanted=rope)
         self.max_shapes = MAX_SHAPES
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
@@ -109,6 +119,7 @@ class LayerGraphs:
         # The device's graph API (device_graph.GraphBackend); the CPU tests pass a stand-in.
         self.backend = backend
         self._warm = False
+        self._light = False  # this call runs eagerly with each layer checkpointed (the first call)
         self._watch: Watch | None = None  # what the captured graphs read
         self._input: Any = None  # a pass to run as a stack: its input, and each layer's arguments
         self._calls: list[Call] = []
@@ -164,7 +175,7 @@ class LayerGraphs:
             return "a forward before the previous one's backward"
         if not self._warm:
             self._warm = True
-            return "first training call (warms lazily built state; shapes are captured from the next)"
+            return _FIRST_CALL
         return None
 
     def _drop(self) -> None:
@@ -199,6 +210,9 @@ class LayerGraphs:
         over. Any other call runs each layer's own forward."""
         if index == 0:
             why = self._why_eager(hidden_states, kwargs.get("past_key_values"), kwargs)
+            # The first call's activations would stay cached beside the graphs' pool: checkpointed,
+            # it holds only the layers' inputs (its backward recomputes each layer once).
+            self._light = why == _FIRST_CALL
             self._active = why is None
             if why is not None:
                 self._eager(why)
@@ -228,7 +242,7 @@ class LayerGraphs:
         if key not in self._graphs:
             if len(self._graphs) >= self.max_shapes:
                 return self._stack_eagerly(hidden, calls, f"a shape beyond the {self.max_shapes} captured")
-            why = self._capture(hidden, inputs, templates, key)
+            why = self._capture(hidden, inputs, templates, key, calls)
             if why is not None:
                 return self._stack_eagerly(hidden, calls, why)
         self.stats["graphed"] += 1
@@ -254,7 +268,8 @@ class LayerGraphs:
         import torch
 
         own = getattr(self.layers[0], "gradient_checkpointing", False)  # turned on again: transformers'
-        if own or not (self.checkpoint and torch.is_grad_enabled() and self.layers[0].training):
+        wanted = self.checkpoint or (self._light and not capturing)
+        if own or not (wanted and torch.is_grad_enabled() and self.layers[0].training):
             return forward(hidden, *args, **kwargs)
         from torch.utils.checkpoint import checkpoint
 
@@ -266,7 +281,7 @@ class LayerGraphs:
         )
 
     def _capture(
-        self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...]
+        self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...], calls: list[Call]
     ) -> str | None:
         """Capture this shape; ``None`` when it was, else why the call runs eagerly."""
         import torch
@@ -291,9 +306,14 @@ class LayerGraphs:
             self._graphs.clear()  # what is trained changed: the gradient buffers with it
             self._trained = (current, SharedGrads(current.real))
         stand_ins, grads = self._trained
-        try:
+        self.rope.decide(calls)
+
+        def captured() -> Any:
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
-                run = capture(stack, samples, stand_ins, grads, backend=backend, pool=self._pool)
+                return capture(stack, samples, stand_ins, grads, backend=backend, pool=self._pool)
+
+        try:
+            run = self.rope.run(captured, keep=NothingToTrain)
         except NothingToTrain:  # adapters switched off: nothing to capture a backward of
             return "nothing in the layers requires grad (adapters off)"
         except Exception as exc:
@@ -332,13 +352,14 @@ class LayerGraphs:
         self._pending = False
 
 
-def install_layer_graphs(model: Any, *, checkpoint: bool = False) -> str:
+def install_layer_graphs(model: Any, *, checkpoint: bool = False, rope: bool = True) -> str:
     """Wrap the decoder layers' ``forward`` of ``model`` (a PeftModel or transformers model) so that
     matching training calls replay device graphs; returns a note. ``model.xpukit_layer_graphs`` is
     the :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs). ``checkpoint``: each
     layer is checkpointed inside the graphs (and on the eager passes) instead of by transformers,
     whose checkpointing flags are turned off here (so ``training_args`` does not ask ``Trainer`` to
-    turn them on again)."""
+    turn them on again). ``rope``: the captures run liger-kernel's RoPE where it agrees with the
+    model's own (:mod:`.graph_rope`; ``False`` when the user turned liger off)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
@@ -354,13 +375,15 @@ def install_layer_graphs(model: Any, *, checkpoint: bool = False) -> str:
                 module.gradient_checkpointing = False
         if getattr(base, "_require_grads_hook", None) is not None:  # only reentrant checkpoints need it
             base.disable_input_require_grads()
-    graphs = LayerGraphs(list(layers), attention=attention, checkpoint=checkpoint)
+    graphs = LayerGraphs(list(layers), attention=attention, checkpoint=checkpoint, rope=rope)
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(graphs.forward, index)
     model.xpukit_layer_graphs = graphs
     inside = ", each layer checkpointed inside them (the backward graph recomputes it)" if checkpoint else ""
+    rope_note = "; liger-kernel's RoPE where it agrees with the model's own (.rope.note)" if rope else ""
     return (
         f"graphs of the {len(layers)} decoder layers: forward and backward of the whole stack captured "
         f"per training shape (up to {graphs.max_shapes}, one memory pool) from the second training "
-        f"call, replayed for matching calls{inside} (model.xpukit_layer_graphs.stats)"
+        f"call (the first runs eagerly, each layer checkpointed), replayed for matching calls{inside}"
+        f"{rope_note} (model.xpukit_layer_graphs.stats)"
     )

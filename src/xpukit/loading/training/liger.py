@@ -22,8 +22,9 @@ norm/MLP classes and the module-level ``apply_rotary_pos_emb`` for Triton versio
 every later model of that architecture in the process runs them, a CPU model included, which then
 fails ("Pointer argument cannot be accessed from Triton (cpu tensor?)"; seen on an H200). xpukit
 puts those module attributes back after the call, so only this model changes; the instance patches
-(norm and MLP forwards, the fused loss in ``forward``) stay. RoPE has no instance-level patch, so it
-is left to transformers (it saves little next to the fused loss).
+(norm and MLP forwards, the fused loss in ``forward``) stay. RoPE has no instance-level patch, so
+liger's RoPE runs only where xpukit's layer graphs capture the layers, put in place for the capture
+alone (:mod:`xpukit.loading.training.graph_rope`).
 """
 
 from __future__ import annotations
@@ -139,9 +140,9 @@ def apply_liger(
         return [note]
     notes = [
         f"applied {decision.reason} to this model only (fused linear cross-entropy, RMSNorm, "
-        "SwiGLU/GeGLU; RoPE left to transformers). On the unfused path it traded speed for memory "
-        "(H200, with liger's own loss chunks: 29 % less peak memory, 28 % fewer tokens/s); "
-        "lora={'liger': False} turns it off"
+        "SwiGLU/GeGLU; RoPE only inside the layer graphs, where they run). On the unfused path it "
+        "traded speed for memory (H200, with liger's own loss chunks: 29 % less peak memory, 28 % "
+        "fewer tokens/s); lora={'liger': False} turns it off"
     ]
     if own_loss:
         from xpukit.loading.training.chunked_loss import apply_chunked_loss

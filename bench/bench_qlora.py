@@ -546,6 +546,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "micro_batch_run": micro,
         "lora_grad_gb": round(sum(p.numel() * 4 for p in trainable) / 1e9, 3),
         "notes": [str(n) for n in notes],
+        "graphs_rope": graphs.rope.note if (graphs := getattr(model, "xpukit_layer_graphs", None)) else None,
         "versions": versions(),
         "date": time.strftime("%Y-%m-%d"),
         **({"profile": profile} if profile is not None else {}),

@@ -290,6 +290,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             row[key] = dict(counters.stats)
             extra = getattr(counters, "eager_reasons", None) or getattr(counters, "passed", None)
             row[f"{key}_other"] = dict(extra or {})
+    rope = getattr(getattr(model, "xpukit_layer_graphs", None), "rope", None)
+    if rope is not None:
+        row["graphs_rope"] = rope.note
     del trainer, model
     return row
 

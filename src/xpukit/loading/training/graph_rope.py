@@ -3,8 +3,9 @@
 transformers' RoPE is ``q * cos + rotate_half(q) * sin`` and the same for ``k``: a slice, a
 negation, a concatenation, two products and a sum each way, forward and backward, for every layer.
 liger-kernel's ``liger_rotary_pos_emb`` does ``q`` and ``k`` in one Triton kernel each way. On an
-H200 (Llama-3.1-8B shape, fused 4-bit LoRA in the layer graphs, 4 × 512 tokens) it took the step's
-device time from 146.4 to 134.2 ms (docs/benchmarks.md "Other families").
+H200 (fused 4-bit LoRA in the layer graphs, 4 × 512 tokens) it took Llama-3.1-8B's step from 146.4 to
+134.2 ms of device time, measured with liger's function swapped in for a whole bench process
+(docs/benchmarks.md "Other families").
 
 transformers' attention calls the module-level ``apply_rotary_pos_emb`` of its modeling module, and
 a module attribute is process-wide: set for good, every later model of the family in the process

@@ -167,3 +167,44 @@ def test_a_capture_that_fails_with_it_runs_once_more_without(monkeypatch: pytest
     with pytest.raises(KeyError):
         again.run(nothing, keep=KeyError)  # not a failure of liger's: passed on, liger's stays
     assert again.active
+
+
+def _family_calls(family: str) -> tuple[list[Any], list[tuple[Any, dict[str, Any]]]]:
+    """The decoder layers of a tiny model of ``family`` (tests/test_fused_lora.py's configs) and the
+    arguments each received in one forward."""
+    import transformers
+
+    from test_fused_lora import _SMALL, FAMILIES
+
+    config_class, extra = FAMILIES[family]
+    extra = {k: v for k, v in extra.items() if k != "attn_implementation"}
+    config = getattr(transformers, config_class)(**{**_SMALL, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    layers = list(model.model.layers)
+    calls: list[tuple[Any, dict[str, Any]]] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a, k: calls.append((a, dict(k))), with_kwargs=True)
+        for layer in layers
+    ]
+    with torch.no_grad():
+        model(input_ids=torch.arange(3, 15).reshape(2, 6))
+    for hook in hooks:
+        hook.remove()
+    return layers, calls
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["gemma1", "gemma2", "gemma3", "granite", "olmo2", "qwen3", "smollm3", "mistral-swa", "phi3", "glm4",
+     "qwen3-moe", "mixtral"],
+)  # fmt: skip
+def test_every_fused_family_takes_the_halves_formula_but_glm4(
+    monkeypatch: pytest.MonkeyPatch, family: str
+) -> None:
+    """Each family the fused path covers, checked as at its first capture with liger's formula: all
+    rotate halves (liger's kernel is taken), GLM-4 rotates adjacent pairs (its own RoPE stays)."""
+    layers, calls = _family_calls(family)
+    rope = _rope(monkeypatch, layers, half_rope)
+    rope.decide(calls)
+    assert rope.active == (family != "glm4"), rope.note

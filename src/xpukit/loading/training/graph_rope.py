@@ -29,6 +29,8 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from xpukit.planning.model.shape import model_shape
+
 __all__ = ["ROPE_GLOBAL", "TOLERANCE", "GraphRope", "rope_difference"]
 
 ROPE_GLOBAL = "apply_rotary_pos_emb"
@@ -46,12 +48,11 @@ def _liger_rope() -> Any:
 
 
 def _head_dim(attn: Any) -> int | None:
-    config = getattr(attn, "config", None)
-    value = getattr(attn, "head_dim", None) or getattr(config, "head_dim", None)
-    if value is None and config is not None:
-        heads = getattr(config, "num_attention_heads", None)
-        value = config.hidden_size // heads if heads else None
-    return int(value) if value else None
+    """The attention's head size: its own attribute, else its config's (:func:`model_shape`)."""
+    if getattr(attn, "head_dim", None):
+        return int(attn.head_dim)
+    shape = model_shape(attn.config) if getattr(attn, "config", None) is not None else None
+    return shape.head_dim if shape is not None else None
 
 
 def rope_difference(own: Any, other: Any, cos: Any, sin: Any, head_dim: int) -> float:

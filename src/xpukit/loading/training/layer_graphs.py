@@ -115,6 +115,9 @@ class LayerGraphs:
         self._forced: str | None = None  # every call runs eagerly, for this reason (eager_inside)
         self.rope = GraphRope(layers, wanted=rope)
         self.max_shapes = MAX_SHAPES
+        # Warm-up passes before each capture after the first (kernels built and autotuned once;
+        # docs/training.md "What a capture costs").
+        self.warmups = 1
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
         self.failed: str | None = None
@@ -349,7 +352,10 @@ class LayerGraphs:
 
         def captured() -> Any:
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
-                return capture(stack, samples, stand_ins, grads, backend=backend, pool=self._pool)
+                warmup = self.warmups if self._graphs else 1  # the first capture always warms up
+                return capture(
+                    stack, samples, stand_ins, grads, backend=backend, pool=self._pool, warmup=warmup
+                )
 
         try:
             run = self.rope.run(captured, keep=NothingToTrain)

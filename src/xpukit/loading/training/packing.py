@@ -46,17 +46,20 @@ _MARK = "_xpukit_packing"
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
 
 
-def padded_length(tokens: int, captured: Iterable[int], bucket: int, *, full: bool = False) -> int:
+def padded_length(
+    tokens: int, captured: Iterable[int], bucket: int, *, full: bool = False, seen: int | None = None
+) -> int:
     """The length a packed row of ``tokens`` is padded to where the layers run as graphs: the next
     multiple of ``bucket``; when the graphs capture no more shapes (``full``) and that one is not
     among the ``captured`` row lengths, the shortest captured length that holds the row instead, so
-    that the step replays rather than running eagerly beside the graphs' memory. ``bucket`` 1: not
-    padded."""
+    that the step replays rather than running eagerly beside the graphs' memory. With ``seen`` (how
+    often this bucket came before), a bucket seen for the first time also takes the shortest captured
+    length that holds it: a shape is captured only once it recurs. ``bucket`` 1: not padded."""
     if bucket <= 1:
         return tokens
     target = -(-tokens // bucket) * bucket
     shapes = list(captured)
-    if not full or target in shapes:
+    if target in shapes or not (full or seen == 0):
         return target
     above = [s for s in shapes if s >= tokens]
     return min(above) if above else target
@@ -90,6 +93,10 @@ class Packing:
         self.pad_id = pad_id
         self.graphs = graphs
         self.max_tokens = max_tokens
+        # Capture a bucket only once it recurs: on first sight a row takes a captured shape that holds
+        # it (docs/training.md "What a capture costs"); the buckets seen so far, counted.
+        self.capture_on_recurrence = False
+        self.seen: Counter[int] = Counter()
         self.stats: Counter[str] = Counter()
         self.passed: Counter[str] = Counter()
 
@@ -206,7 +213,12 @@ class Packing:
         graphs = self.graphs
         captured = graphs.captured_tokens() if graphs is not None else ()
         full = graphs is not None and graphs.full()
-        extra = (padded_length(total, captured, self.bucket, full=full) - total) if pad else 0
+        extra = 0
+        if pad:
+            bucket = -(-total // self.bucket) * self.bucket
+            seen = self.seen[bucket] if self.capture_on_recurrence else None
+            self.seen[bucket] += 1
+            extra = padded_length(total, captured, self.bucket, full=full, seen=seen) - total
         if extra:
             filler = (
                 tokens.new_full((extra,), self.pad_id)

@@ -288,7 +288,6 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
     import torch.utils.checkpoint as ckpt
 
     import xpukit.loading.training.graph_offload as graph_offload
-
     from xpukit import training_args
     from xpukit.loading.training.layer_graphs import install_layer_graphs
 

@@ -102,3 +102,22 @@ def test_a_budget_too_small_for_the_worst_case_keeps_the_whole_batch_by_tokens(
     assert training.estimate["peak"] <= training.room
     unpacked = _plan("h200", 1024, max_memory={0: "8GB"}, lora={"packing": False})
     assert unpacked.training is not None and unpacked.training.micro_batch < 4
+
+
+def test_host_slots_keep_every_buffer_a_graph_copies_to() -> None:
+    """A larger shape gets a larger pinned buffer (for the next power of two of rows); the earlier one
+    stays alive, since graphs captured with it write to its addresses at every replay."""
+    import torch
+
+    from xpukit.loading.training.graph_offload import HostSlots
+
+    host = HostSlots(pin=False)
+    small = host.slots(3, torch.zeros(1, 5, 4))
+    assert len(small) == 3 and small[0].shape == (1, 5, 4) and host.buffer.numel() == 3 * 8 * 4
+    again = host.slots(3, torch.zeros(1, 8, 4))  # fits the buffer made for 8 rows
+    assert again[0].untyped_storage().data_ptr() == small[0].untyped_storage().data_ptr()
+    large = host.slots(3, torch.zeros(1, 9, 4))
+    assert large[2].shape == (1, 9, 4) and len(host.kept) == 2 and host.buffer.numel() == 3 * 16 * 4
+    assert host.bytes == (3 * 8 * 4 + 3 * 16 * 4) * 4
+    host.clear()
+    assert host.buffer is None and not host.kept and host.bytes == 0

@@ -13,7 +13,10 @@ without the host.
 
 Passes never overlap (a second forward before the first one's backward runs eagerly,
 :mod:`.layer_graphs`), so every captured shape uses the same buffer, each from its start; a shape
-larger than the buffer gets a larger one, and the graphs captured before keep the old one.
+larger than the buffer gets a larger one (sized for the next power of two of tokens, so it grows a
+few times at most), and every buffer a captured graph copies to stays alive as long as the graphs do:
+a replay writes to the addresses it was captured with (freed pinned memory there crashed the process
+on an H200).
 """
 
 from __future__ import annotations
@@ -33,19 +36,29 @@ class HostSlots:
 
     def __init__(self, *, pin: bool) -> None:
         self.pin = pin
-        self.buffer: Any = None  # flat, of the compute dtype
-        self.bytes = 0
+        self.buffer: Any = None  # flat, of the compute dtype: the one new captures use
+        self.kept: list[Any] = []  # every buffer a captured graph copies to
+        self.bytes = 0  # all of them
 
     def slots(self, layers: int, like: Any) -> list[Any]:
-        """``layers`` host tensors of ``like``'s shape and dtype, views of the one buffer."""
+        """``layers`` host tensors of ``like``'s shape and dtype, views of the current buffer."""
         import torch
 
         n = like.numel()
         need = layers * n
         if self.buffer is None or self.buffer.dtype != like.dtype or self.buffer.numel() < need:
-            self.buffer = torch.empty(need, dtype=like.dtype, device="cpu", pin_memory=self.pin)
-            self.bytes = self.buffer.numel() * self.buffer.element_size()
+            rows = like.shape[-2] if like.dim() >= 2 else 1
+            grown = need * (1 << max(rows - 1, 0).bit_length()) // max(rows, 1)  # the next power of two
+            self.buffer = torch.empty(max(grown, need), dtype=like.dtype, device="cpu", pin_memory=self.pin)
+            self.kept.append(self.buffer)
+            self.bytes = sum(b.numel() * b.element_size() for b in self.kept)
         return [self.buffer[i * n : (i + 1) * n].view(like.shape) for i in range(layers)]
+
+    def clear(self) -> None:
+        """The graphs were dropped: their buffers may go."""
+        self.buffer = None
+        self.kept.clear()
+        self.bytes = 0
 
 
 @contextlib.contextmanager

@@ -205,6 +205,7 @@ class LayerGraphs:
         self._graphs.clear()
         self._pool = self._trained = None
         self._watch = None
+        self.host.clear()
 
     def _alive(self) -> bool:
         """Whether the last replayed pass's autograd graph is still referenced."""

@@ -131,7 +131,8 @@ PLANNING_LEVELS: dict[str, int] = {
     "xpukit.planning.for_training": 4,
     "xpukit.planning.arguments": 4,
     "xpukit.planning.request": 5,
-    "xpukit.planning.plan": 6,
+    "xpukit.planning.stages": 6,
+    "xpukit.planning.plan": 7,
 }
 
 

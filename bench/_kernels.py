@@ -1,7 +1,14 @@
 """Device-kernel categories for the benchmarks' profiles (bench_qlora ``--profile``, bench_decode
-``--breakdown``): one table, so both scripts count GEMM, attention, copies … the same way."""
+``--breakdown``): one table, so both scripts count GEMM, attention, copies … the same way; and the
+profiler readings of a training step (device kernels, host functions)."""
 
 from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from _harness import synchronize
 
 # Kernel-name fragments by category, checked in this order (lower-case).
 KERNEL_CATEGORIES = (
@@ -31,3 +38,63 @@ def ms_per_step_by_category(us_by_name: dict[str, float], steps: int, digits: in
         category = kernel_category(name)
         out[category] = out.get(category, 0.0) + us
     return {k: round(v / 1e3 / steps, digits) for k, v in sorted(out.items())}
+
+
+def profile_steps(train_step: Any, device: str, steps: int) -> dict[str, Any]:
+    """Run ``steps`` training steps under torch.profiler; per-step kernel count and time by category."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.XPU if device == "xpu" else ProfilerActivity.CUDA
+    device_type = torch.autograd.DeviceType.XPU if device == "xpu" else torch.autograd.DeviceType.CUDA
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, activity]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            train_step()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == device_type]
+    by_name: dict[str, float] = {}
+    intervals = []
+    for event in kernels:
+        us = event.time_range.elapsed_us()
+        by_name[event.name] = by_name.get(event.name, 0.0) + us
+        intervals.append((event.time_range.start, event.time_range.end))
+    busy, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):  # the union of kernel intervals
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:30]
+    return {
+        "steps": steps,
+        "wall_ms_per_step": round(wall * 1e3 / steps, 2),
+        "device_ms_per_step": round(sum(by_name.values()) / 1e3 / steps, 2),
+        "gpu_busy_pct": round(100 * busy / 1e6 / wall, 1) if wall else None,
+        "kernels_per_step": round(len(kernels) / steps),
+        "ms_per_step_by_category": ms_per_step_by_category(by_name, steps),
+        "top_kernels_ms_per_step": [[name[:120], round(us / 1e3 / steps, 2)] for name, us in top],
+    }
+
+
+def host_profile(train_step: Any, device: str, steps: int) -> list[list[Any]]:
+    """cProfile over ``steps`` steps: the host's top functions, ``[name, own ms/step, calls/step,
+    cumulative ms/step]``."""
+    import cProfile
+    import pstats
+
+    synchronize(device)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        train_step()
+    synchronize(device)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in stats.items():
+        where = f"{Path(file).parent.name}/{Path(file).name}:{line}:{name}"
+        per_step = [round(own * 1e3 / steps, 2), round(calls / steps), round(cum * 1e3 / steps, 2)]
+        rows.append([where[-110:], *per_step])
+    return sorted(rows, key=lambda r: -r[1])[:25]

@@ -59,6 +59,7 @@ Usage::
     python bench/bench_decode.py --device cuda --shape qwen3-8b --shape qwen3-0.6b
     python bench/bench_decode.py --device cuda --shape qwen3-0.6b --variants fast,fast-hf --breakdown \
         --second-process
+    python bench/bench_decode.py --tiny                 # a CPU check in seconds
     python bench/bench_decode.py --device cpu --shape tiny --new-tokens 32 --threads 1
     python bench/bench_decode.py --device cpu --shape small --variants raw,static,compiled --batch 1
     python bench/bench_decode.py --device cuda --shape qwen3-8b --batch 1 --repeat 1 \
@@ -78,37 +79,16 @@ import sys
 import tempfile
 import time
 from datetime import datetime, timezone
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from _kernels import ms_per_step_by_category  # bench/_kernels.py, beside this script
+import _harness as h  # bench/_harness.py, beside this script: devices, memory, timing, rows
+from _shapes import build_decode_model as build
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _STARTED = time.perf_counter()  # the second process reports its start-up from here
+DECODE_PACKAGES = ("torch", "transformers", "accelerate", "xpukit", "torchao", "bitsandbytes")
 
-# Peak memory bandwidth per device, bytes/s, from the vendors' specification pages:
-# NVIDIA H200 datasheet (4.8 TB/s HBM3e), NVIDIA H100 SXM datasheet (3.35 TB/s), Intel Data Center
-# GPU Max 1550 product specifications (3.2768 TB/s), Intel Arc B580 product specifications
-# (456 GB/s). Matched as a substring of the device name; anything else needs --bandwidth.
-BANDWIDTH = {
-    "H200": 4.8e12,
-    "H100": 3.35e12,
-    "Max 1550": 3.2768e12,
-    "B580": 456e9,
-}
-# Small shapes for the CPU: xpukit's tiny qwen3, and a ~100M-parameter qwen3 (hidden 1024, 8 layers).
-SMALL_SHAPES: dict[str, dict[str, int]] = {
-    "tiny": {},
-    "small": {
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 8,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-    },
-}
 VARIANTS = (
     "raw", "xpukit", "fast", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
     "nf4", "int4", "int8", "int4-fast", "int8-fast", "fast-trees", "int4-fast-trees", "int8-fast-patterns",
@@ -121,7 +101,6 @@ QUANTIZED = {
     "int4-fast": ("4bit", True),
     "int8-fast": ("8bit", True),
 }
-REPLAY_STEPS = 64
 # fast_decode's load with the loop compiled the way it was before, for a same-run comparison:
 # quantize=, then the compile settings: inductor's CUDA-graph trees instead of the loop's own step
 # graph (docs/decode.md "Own step graphs"), or inductor's pattern matcher on for torchao int8 (its
@@ -131,29 +110,6 @@ RECOMPILED = {
     "int4-fast-trees": ("4bit", "reduce-overhead", False),
     "int8-fast-patterns": ("8bit", "default", True),
 }
-
-
-def build(shape: str, root: Path, device: str) -> Path:
-    """Write a model of ``shape`` with random weights to ``root / shape``; return its directory."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from xpukit.demo.tiny import build_tiny_model
-    from xpukit.planning.model.reference_models import reference_config
-
-    out = root / shape
-    if (out / "config.json").is_file():
-        return out
-    if shape in SMALL_SHAPES:
-        return build_tiny_model("qwen3", out, **SMALL_SHAPES[shape])
-    config = reference_config(shape)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(out)
-    del model
-    gc.collect()
-    return out
 
 
 def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
@@ -243,68 +199,6 @@ def stored_bytes(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size())
 
 
-def memory(device: str, peak: bool = False, reset: bool = False) -> float | None:
-    """Allocated (or peak allocated) device memory in GB on CUDA/XPU; ``None`` elsewhere."""
-    import torch
-
-    kind = device.split(":")[0]
-    module = getattr(torch, kind, None) if kind in {"cuda", "xpu"} else None
-    if module is None:
-        return None
-    if reset:
-        module.reset_peak_memory_stats()
-        return None
-    return round((module.max_memory_allocated() if peak else module.memory_allocated()) / 1e9, 3)
-
-
-def sync(device: str) -> None:
-    import torch
-
-    kind = device.split(":")[0]
-    if kind in {"cuda", "xpu", "mps"}:
-        getattr(torch, kind).synchronize()
-
-
-def timed_generate(model: Any, ids: Any, new_tokens: int, device: str) -> tuple[float, Any]:
-    import torch
-
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    sync(device)
-    return time.perf_counter() - start, out
-
-
-def bandwidth_for(device: str, given: float | None) -> tuple[float | None, str]:
-    import torch
-
-    kind = device.split(":")[0]
-    name = platform.processor() or "cpu"
-    if kind in {"cuda", "xpu"}:
-        name = getattr(torch, kind).get_device_name(torch.device(device))
-    if given:
-        return given, name
-    return next((bw for key, bw in BANDWIDTH.items() if key in name), None), name
-
-
-def versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for dist in ("torch", "transformers", "accelerate", "xpukit", "torchao", "bitsandbytes"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = "not installed"
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -344,8 +238,16 @@ def main() -> None:
         action="store_true",
         help="apply torchao's recommended inductor settings first (xpukit's torchao loads do not)",
     )
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a CPU check in seconds: --device cpu --shape tiny --batch 1 --new-tokens 8 --repeat 1",
+    )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # the second process's model
     args = parser.parse_args()
+    if args.tiny:
+        args.device, args.shape, args.batch = "cpu", args.shape or ["tiny"], args.batch or [1]
+        args.new_tokens, args.repeat = min(args.new_tokens, 8), min(args.repeat, 1)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -373,7 +275,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
         from torchao.quantization.utils import recommended_inductor_config_setter
 
         recommended_inductor_config_setter()
-    bandwidth, device_name = bandwidth_for(args.device, args.bandwidth)
+    bandwidth, device_name = h.bandwidth_for(args.device, args.bandwidth)
     common = {
         "bench": "decode",
         "date": datetime.now(timezone.utc).date().isoformat(),
@@ -381,7 +283,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
         "device": args.device,
         "device_name": device_name,
         "threads": torch.get_num_threads(),
-        "versions": versions(),
+        "versions": h.versions_with_python(DECODE_PACKAGES),
         "new_tokens": args.new_tokens,
         "prompt_len": args.prompt_len,
         "torchao_inductor_config": args.torchao_inductor_config,
@@ -390,7 +292,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
         print(json.dumps(common | child_row(args)), flush=True)
         return
     if args.breakdown:
-        print(json.dumps(common | {"measured_copy_bandwidth": copy_bandwidth(args.device)}), flush=True)
+        print(json.dumps(common | {"measured_copy_bandwidth": h.copy_bandwidth(args.device)}), flush=True)
     for shape in args.shape or ["qwen3-8b"]:
         start = time.perf_counter()
         path = build(shape, args.model_dir or root, args.device)
@@ -401,11 +303,11 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
             if args.deadline_s and time.perf_counter() - _STARTED > args.deadline_s:
                 print(json.dumps(common | {"shape": shape, "variant": variant, "skipped": "deadline"}))
                 continue
-            memory(args.device, reset=True)
+            h.allocated_gb(args.device, reset=True)
             start = time.perf_counter()
             model = load(variant, path, args.device, cache_len(args, path))
             load_s = time.perf_counter() - start
-            loaded_gb = memory(args.device)
+            loaded_gb = h.allocated_gb(args.device)
             if (
                 variant in {"fast", "fast-sdpa", "fast-hf"}
                 and args.cache_len
@@ -419,10 +321,10 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
             vocab = model.config.get_text_config().vocab_size
             for batch in args.batch or [1, 8]:
                 ids = prompt(batch, args.prompt_len, vocab).to(args.device)
-                first, out = timed_generate(model, ids, args.new_tokens, args.device)
-                counters = dynamo_counters()
+                first, out = h.timed_generate(model, ids, args.new_tokens, args.device)
+                counters = h.dynamo_counters()
                 times = [
-                    timed_generate(model, ids, args.new_tokens, args.device)[0] for _ in range(args.repeat)
+                    h.timed_generate(model, ids, args.new_tokens, args.device)[0] for _ in range(args.repeat)
                 ]
                 tokens = batch * args.new_tokens
                 roofline = batch * bandwidth / weights if bandwidth else None
@@ -454,7 +356,7 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
                         else None
                     ),
                     "memory_gb": loaded_gb,
-                    "peak_memory_gb": memory(args.device, peak=True),
+                    "peak_memory_gb": h.allocated_gb(args.device, peak=True),
                     "same_tokens_as_first_variant": bool(torch.equal(out.cpu(), reference[batch])),
                     "same_tokens_as": [
                         v
@@ -463,6 +365,8 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
                     ],
                 }
                 if args.breakdown:
+                    from _breakdown import breakdown  # bench/_breakdown.py: where a token's time goes
+
                     row["breakdown"] = breakdown(model, ids, args, counters, min(times))
                 print(json.dumps(row), flush=True)
             del model
@@ -479,135 +383,15 @@ def prompt(batch: int, length: int, vocab: int) -> Any:
     return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
 
 
-def dynamo_counters() -> dict[str, int]:
-    """The dynamo / inductor counters that say whether the timed calls compiled anything."""
-    from torch._dynamo.utils import counters
-
-    return {
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "unique_graphs": counters["stats"]["unique_graphs"],
-        "recompiles": sum(counters["recompiles"].values()),
-        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
-        "fxgraph_cache_hit": counters["inductor"]["fxgraph_cache_hit"],
-        "fxgraph_cache_miss": counters["inductor"]["fxgraph_cache_miss"],
-    }
-
-
 def _step_graph_stats(model: Any) -> dict[str, int] | None:
     """xpukit's own decode-step graphs: captures, replays, dropped (None where the loop has none)."""
     graphs = getattr(getattr(model, "xpukit_decode_loop", None), "step_graphs", None)
     return dict(graphs.stats) if graphs is not None else None
 
 
-def breakdown(
-    model: Any, ids: Any, args: argparse.Namespace, before: dict[str, int], best_s: float
-) -> dict[str, Any]:
-    """Where one call's time goes: the profiler's view, the counters, and the step alone."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    after = dynamo_counters()
-    out: dict[str, Any] = {
-        "during_timed_calls": {k: after[k] - before[k] for k in after},
-        "graph_breaks_total": after["graph_breaks"],
-        "ms_per_step_generate": round(best_s / args.new_tokens * 1e3, 3),
-    }
-    activities = [ProfilerActivity.CPU]
-    if args.device.startswith("cuda"):
-        activities.append(ProfilerActivity.CUDA)
-    elif args.device.startswith("xpu") and hasattr(ProfilerActivity, "XPU"):
-        activities.append(ProfilerActivity.XPU)
-    with profile(activities=activities) as prof:
-        wall, _ = timed_generate(model, ids, args.new_tokens, args.device)
-    device_us, kernels, launches = 0.0, 0, 0
-    by_name: dict[str, float] = {}
-    for avg in prof.key_averages():
-        self_device = float(getattr(avg, "self_device_time_total", 0.0) or 0.0)
-        if self_device > 0 and getattr(avg, "device_type", None) != torch.autograd.DeviceType.CPU:
-            device_us += self_device
-            kernels += int(avg.count)
-            by_name[avg.key] = by_name.get(avg.key, 0.0) + self_device
-        if avg.key in {"cudaGraphLaunch", "cuGraphLaunch"}:
-            launches += int(avg.count)
-    steps = args.new_tokens
-    out["profiled_call_s"] = round(wall, 4)
-    if len(activities) > 1:  # a device the profiler sees (not on the CPU)
-        out.update(
-            device_busy_fraction=round(device_us / 1e6 / wall, 4) if wall else None,
-            device_ms_per_step=round(device_us / 1e3 / steps, 3),
-            kernels_per_step=round(kernels / steps, 1),
-            graph_launches_per_step=round(launches / steps, 2),
-            device_ms_per_step_by_category=ms_per_step_by_category(by_name, steps, digits=3),
-            top_kernels_ms_per_step=[
-                [name[:100], round(us / 1e3 / steps, 3)]
-                for name, us in sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
-            ],
-        )
-    out["ms_call_one_token"] = one_token_ms(model, ids, args.device)
-    loop = getattr(model, "xpukit_decode_loop", None)
-    if loop is not None and loop.enabled and getattr(model, "xpukit_last_decode", {}).get("loop") == "xpukit":
-        out["same_model_without"] = ablations(model, loop, ids, args)
-        sync(args.device)
-        start = time.perf_counter()
-        loop.replay(REPLAY_STEPS)
-        sync(args.device)
-        out["ms_per_step_alone"] = round((time.perf_counter() - start) / REPLAY_STEPS * 1e3, 3)
-    return out
-
-
-def one_token_ms(model: Any, ids: Any, device: str) -> float:
-    """A call's fixed part, best of 3: a call for one new token (the prefill and what surrounds it)."""
-    return round(min(timed_generate(model, ids, 1, device)[0] for _ in range(3)) * 1e3, 3)
-
-
-def ablations(model: Any, loop: Any, ids: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """The same loaded model with one of the loop's measures switched off at a time (same run): the
-    attention window (the step attends over the whole cache) and the captured prefill."""
-    found: dict[str, Any] = {}
-    switches = {
-        "window": ("window_smallest", 2**62),  # past any cache: every window is the whole cache
-        "captured_prefill": ("capture_prefill", False),
-    }
-    for name, (attribute, off) in switches.items():
-        kept = getattr(loop, attribute)
-        setattr(loop, attribute, off)
-        try:
-            timed_generate(model, ids, args.new_tokens, args.device)  # warms and captures the new shape
-            times = [timed_generate(model, ids, args.new_tokens, args.device)[0] for _ in range(2)]
-            found[name] = {
-                "tok_s": round(ids.shape[0] * args.new_tokens / min(times), 2),
-                "ms_call_one_token": one_token_ms(model, ids, args.device),
-            }
-        finally:
-            setattr(loop, attribute, kept)
-    return found
-
-
-def copy_bandwidth(device: str) -> float | None:
-    """Device-to-device copy of 2 GiB, best of 5: read + write bytes per second."""
-    import torch
-
-    if not device.startswith(("cuda", "xpu")):
-        return None
-    src = torch.empty(2**30, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    del src, dst
-    return round(2 * 2**31 / best, -9)
-
-
 def second_process(args: argparse.Namespace, shape: str, path: Path) -> dict[str, Any]:
     """Run this script as a fresh process on ``path`` (its own empty inductor and triton caches)."""
-    fresh = Path(tempfile.mkdtemp(prefix="xpukit-bench-child-"))
-    env = dict(
-        os.environ, TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"), TRITON_CACHE_DIR=str(fresh / "triton")
-    )
+    env = h.fresh_caches("xpukit-bench-child-")
     command = [sys.executable, __file__, "--child", str(path), "--device", args.device]
     command += [f"--new-tokens={args.new_tokens}", f"--prompt-len={args.prompt_len}"]
     for batch in args.batch or [1, 8]:
@@ -634,13 +418,13 @@ def child_row(args: argparse.Namespace) -> dict[str, Any]:
     first_calls = {}
     for batch in args.batch or [1, 8]:
         ids = prompt(batch, args.prompt_len, model.config.get_text_config().vocab_size).to(args.device)
-        first_calls[str(batch)] = round(timed_generate(model, ids, args.new_tokens, args.device)[0], 3)
+        first_calls[str(batch)] = round(h.timed_generate(model, ids, args.new_tokens, args.device)[0], 3)
     return {
         "startup_s": round(start - _STARTED, 2),
         "load_and_warmup_s": round(loaded, 2),
         "warmup": warmup,
         "first_call_s": first_calls,
-        "counters": dynamo_counters(),
+        "counters": h.dynamo_counters(),
     }
 
 

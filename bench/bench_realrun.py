@@ -66,7 +66,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import bench_qlora as qlora  # bench/bench_qlora.py, beside this script: model shapes and helpers
+import _harness as h  # bench/_harness.py, beside this script: devices, memory, rounds, rows
+from _peers import load_unsloth
+from _shapes import SHAPES, build_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -117,7 +119,7 @@ def main() -> int:
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny shape that runs on CPU in seconds")
     parser.add_argument(
-        "--shape", default="qwen3-8b", choices=sorted(qlora.SHAPES), help="the model family and size"
+        "--shape", default="qwen3-8b", choices=sorted(SHAPES), help="the model family and size"
     )
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the widths)")
     parser.add_argument("--data", default="chat", choices=sorted(DATA))
@@ -125,8 +127,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per variant and round")
     parser.add_argument("--warmup", type=int, default=5, help="steps not timed")
     parser.add_argument("--log-every", type=int, default=5, help="logging_steps (each log syncs the device)")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds of all variants, interleaved")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
+    h.add_variant_arguments(parser, VARIANTS)
     parser.add_argument(
         "--max-memory",
         help="xpukit's device budget, e.g. 8GB; a comma-separated list runs each (none: no budget)",
@@ -135,42 +136,26 @@ def main() -> int:
     parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
     parser.add_argument("--model-cache", help="reuse (or build once into) this model directory")
     parser.add_argument("--tokenizer", help="a small local tokenizer (default: the demo model's)")
-    parser.add_argument("--variant-child", help=argparse.SUPPRESS)
-    parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (the timed steps start after it)")
     if args.variant_child:
-        print(json.dumps(run_variant(args)), flush=True)
+        h.emit(run_variant(args))
         return 0
-    variants = [v for v in args.variants.split(",") if v]
-    if set(variants) - set(VARIANTS):
-        parser.error(
-            f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}"
-        )
+    variants = h.chosen_variants(parser, args.variants, VARIANTS)
     budgets = [b for b in (args.max_memory or "").split(",") if b]
     if len(budgets) > 1:  # every variant at every budget, interleaved: rows named variant@budget
         variants = [f"{v}@{b}" for b in budgets for v in variants]
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
-        model_dir = Path(args.model_cache) if args.model_cache else Path(tmp) / "model"
-        qlora.ensure_model(args, model_dir, "realrun")
-        failed = qlora.interleaved_rounds(
-            args, variants, lambda v: run_child(args, v, model_dir), summary, "realrun"
-        )
-    return 1 if failed else 0
-
-
-def run_child(args: argparse.Namespace, variant: str, model_dir: Path) -> dict[str, Any]:
-    return qlora.run_child(args, variant, model_dir, script=__file__, bench="realrun")
+    return h.rounds_of_children(
+        args, variants, script=__file__, bench="realrun", summarize=summary, build=build_model
+    )
 
 
 def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     summed = ("tokens_per_s", "tokens_per_s_steady", "tokens_per_s_first20", "peak_mem_gb", "step_ms_median",
               "loss_last")  # fmt: skip
     kept = ("data", "micro_batch", "graphs", "packing", "plan", "max_memory", "budget_kept")
-    return qlora.summary(variant, rows, bench="realrun", summed=summed, kept=kept)
+    return h.summary(variant, rows, bench="realrun", summed=summed, kept=kept)
 
 
 class Counting:
@@ -196,7 +181,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         import unsloth  # noqa: F401  (before transformers, as unsloth requires)
     from transformers import AutoTokenizer, DataCollatorForLanguageModeling, TrainerCallback
 
-    device = qlora.pick_device(args.device)
+    device = h.pick_device(args.device)
     variant = args.variant_child
     dtype = "bfloat16" if device != "cpu" else "float32"
     tok_dir = args.tokenizer
@@ -236,7 +221,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     else:
         args.seq = longest  # unsloth's max_seq_length
         checkpointing = "unsloth-nogc" if variant == "unsloth-nogc" else "unsloth"
-        model = qlora.load_unsloth(args, checkpointing, dtype)[0]
+        model = load_unsloth(args, checkpointing, dtype)[0]
         if variant in ("unsloth", "unsloth-nogc"):
             from trl import SFTConfig
 
@@ -256,7 +241,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
     class Clock(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, *a: Any, **k: Any) -> None:
-            qlora.synchronize(device)
+            h.synchronize(device)
             times.append(time.perf_counter())
             captures.append(graphs.stats["captures"] if graphs is not None else 0)
 
@@ -272,8 +257,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     counting = Counting(trainer.data_collator)
     trainer.data_collator = counting
     trainer.add_callback(Clock())
-    qlora.synchronize(device)
-    qlora.reset_peak(device)
+    h.synchronize(device)
+    h.reset_peak(device)
     started = time.perf_counter()
     trainer.train()
     first = min(20, len(times))  # a short run's view: the first 20 steps, captures and warm-up included
@@ -286,11 +271,11 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     # On a GPU the peak is what the process held from the allocator (reserved): a replay of the layer
     # graphs writes its activations into the graphs' pool unseen by the allocated count, and the
     # pool stays reserved. Allocated and the pool's unallocated part are reported beside it.
-    allocated, _ = qlora.peak_memory(device)
-    reserved = qlora.peak_reserved(device)
+    allocated, _ = h.peak_memory(device)
+    reserved = h.peak_reserved(device)
     peak = reserved if reserved is not None else allocated
-    pools = qlora.memory_pools(device)
-    slack = qlora.graph_pool_slack(device, pools)
+    pools = h.memory_pools(device)
+    slack = h.graph_pool_slack(device, pools)
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
     row: dict[str, Any] = {
         "bench": "realrun", "variant": variant, "data": args.data, "device": device,
@@ -311,7 +296,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "loss_last": losses[-1] if losses else None, "max_memory": args.max_memory,
         "budget_kept": reserved <= _bytes(args.max_memory)
         if reserved is not None and args.max_memory else None,
-        "versions": qlora.versions(), "date": time.strftime("%Y-%m-%d"),
+        "versions": h.versions(), "date": h.today(),
     }  # fmt: skip
     if plan is not None and plan.training is not None:
         row["pass_tokens"] = plan.training.pass_tokens

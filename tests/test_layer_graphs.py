@@ -114,8 +114,10 @@ def test_every_checkpointing_rung_runs_captured_with_its_buffers_in_the_fit() ->
     inside = TrainingContext(training=inside_plan.training, checkpoint_in_graphs=True)
     assert training_kwargs(h200, context=inside, output_dir="o")["gradient_checkpointing"] is False
     # ... while the rules that follow checkpointing still see it: the 4-bit optimizer for a tight fit
-    tight = TrainingContext(training=inside_plan.training, checkpoint_in_graphs=True,
-                            gradient_checkpointing=True, quantized=True, bitsandbytes_version="0.50.2")  # fmt: skip
+    tight = TrainingContext(
+        training=inside_plan.training, checkpoint_in_graphs=True, gradient_checkpointing=True, quantized=True,
+        bitsandbytes_version="0.50.2",
+    )  # fmt: skip
     chosen = training_kwargs(h200, context=tight, output_dir="o")
     assert chosen["gradient_checkpointing"] is False and chosen["optim"] == "paged_adamw_8bit"
     plain = TrainingContext(training=inside_plan.training)

@@ -203,45 +203,21 @@ def run_demo(
     plot_path = _check_request(steps, batch_size, learning_rate, max_new_tokens, log_every, plot)
     require("peft", "xpukit demo (LoRA fine-tuning)")
     say = Narrator(stream)
-    keep = output_dir is not None
     with contextlib.ExitStack() as cleanup:
-        if output_dir is None:
-            work = Path(tempfile.mkdtemp(prefix="xpukit-demo-"))
-            cleanup.callback(shutil.rmtree, work, ignore_errors=True)
-        else:
-            work = Path(output_dir)
+        work = _workdir(cleanup, output_dir)
         cleanup.enter_context(quiet_known_noise(embedded=model is None))
-        from xpukit.demo.tiny import DEMO_PROMPTS, corpus_lines, demo_model_dir
+        from xpukit.demo.tiny import DEMO_PROMPTS, corpus_lines
 
+        source = _source(model, say)
         embedded = model is None
-        if model is None:
-            build_started = time.perf_counter()
-            source = str(demo_model_dir())
-            took = time.perf_counter() - build_started
-            how = f"built in {took:.1f} s" if took > 1 else "from the cache"
-            say(f"Embedded tiny model: {source} ({how})")
-        else:
-            source = os.fspath(model)
         lr = learning_rate if learning_rate is not None else (_LR_EMBEDDED if embedded else _LR_PRETRAINED)
 
         plan, quant_note = _plan(source, device=device, quantize=quantize, seed=seed)
         say("", plan.explain(), "", f"Quantization: {plan.quantization or 'none'}; {quant_note}", "")
         if embedded and plan.device.backend == "cpu":
             cleanup.enter_context(one_cpu_thread())
-
-        import transformers
-
-        from xpukit.loading.load import load_for_xpu
-
-        say("Loading ...")  # the plan's seed: set_seed(seed) right before the LoRA adapters are made
-        peft_model = load_for_xpu(plan)
+        peft_model, tokenizer = _load(plan, source, say)
         loaded_plan = peft_model.xpukit_plan
-        fallbacks = tuple(f"{e.what}: {e.planned} -> {e.actual} ({e.cause})" for e in loaded_plan.fallbacks)
-        for event in loaded_plan.events:
-            say(f"  {event.what}: {event.actual}" + (f" ({event.cause})" if event.cause else ""))
-        tokenizer = transformers.AutoTokenizer.from_pretrained(source)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token  # the collator pads batches
 
         say("", f"Before training (greedy, {max_new_tokens} new tokens):")
         before = _generate(peft_model, tokenizer, DEMO_PROMPTS, max_new_tokens)
@@ -249,44 +225,17 @@ def run_demo(
 
         say("", f"Fine-tuning the LoRA adapters on the bundled text ({len(corpus_lines())} lines):")
         run = train(
-            peft_model,
-            tokenizer,
-            corpus_lines(),
-            steps=steps,
-            batch_size=batch_size,
-            learning_rate=lr,
-            max_tokens=_MAX_TOKENS,
-            log_every=log_every,
-            seed=seed,
-            output_dir=work,
-            stream=say.stream,
-        )
+            peft_model, tokenizer, corpus_lines(), steps=steps, batch_size=batch_size, learning_rate=lr,
+            max_tokens=_MAX_TOKENS, log_every=log_every, seed=seed, output_dir=work, stream=say.stream,
+        )  # fmt: skip
 
         say("", "After training:")
         after = _generate(peft_model, tokenizer, DEMO_PROMPTS, max_new_tokens)
         say(*(f"  {p} | {t}" for p, t in after))
 
-        lora_layers, updated = lora_layers_updated(peft_model)
-        no_gradient = sorted(name for name, ok in run.first_gradients.items() if not ok)
-        if no_gradient:
-            logger.warning(
-                "%d of %d LoRA layers got no gradient at the first step, so the backward through the "
-                "base model is broken and training cannot reach them: %s",
-                len(no_gradient),
-                lora_layers,
-                ", ".join(no_gradient[:6]) + (" ..." if len(no_gradient) > 6 else ""),
-            )
-        if keep:
-            peft_model.save_pretrained(work)
-            tokenizer.save_pretrained(work)
-            say("", f"Adapter saved in {work} (load it with load_for_xpu({source!r}, lora={str(work)!r})).")
-        if plot_path is not None:
-            what = f"{loaded_plan.quantization} + LoRA" if loaded_plan.quantization else "LoRA"
-            plot_losses(
-                run.losses, plot_path, title=f"xpukit demo: {what} on {loaded_plan.device.torch_device}"
-            )
-            say(f"Loss curve saved to {plot_path}")
-
+        lora_layers, updated = _check_gradients(peft_model, run)
+        _keep(peft_model, tokenizer, run, say, work=work if output_dir is not None else None, source=source,
+              plot_path=plot_path)  # fmt: skip
         trainable, total = peft_model.get_nb_trainable_parameters()
         peak, memory_source = peak_memory(loaded_plan.device.backend)
         last = [loss for _, loss in run.losses[-max(1, min(log_every, len(run.losses))) :]]
@@ -315,11 +264,83 @@ def run_demo(
             memory_source=memory_source,
             before=before,
             after=after,
-            fallbacks=fallbacks,
+            fallbacks=tuple(
+                f"{e.what}: {e.planned} -> {e.actual} ({e.cause})" for e in loaded_plan.fallbacks
+            ),
             plot=str(plot_path) if plot_path is not None else None,
-            output_dir=str(work) if keep else None,
+            output_dir=str(work) if output_dir is not None else None,
             wall_seconds=time.perf_counter() - started,
         )
+
+
+def _workdir(cleanup: contextlib.ExitStack, output_dir: str | os.PathLike[str] | None) -> Path:
+    """``output_dir``, or a temporary directory removed at the end."""
+    if output_dir is not None:
+        return Path(output_dir)
+    work = Path(tempfile.mkdtemp(prefix="xpukit-demo-"))
+    cleanup.callback(shutil.rmtree, work, ignore_errors=True)
+    return work
+
+
+def _source(model: str | os.PathLike[str] | None, say: Narrator) -> str:
+    """The model to load: the one given, else the embedded tiny model (built once, cached)."""
+    if model is not None:
+        return os.fspath(model)
+    from xpukit.demo.tiny import demo_model_dir
+
+    build_started = time.perf_counter()
+    source = str(demo_model_dir())
+    took = time.perf_counter() - build_started
+    how = f"built in {took:.1f} s" if took > 1 else "from the cache"
+    say(f"Embedded tiny model: {source} ({how})")
+    return source
+
+
+def _load(plan: Any, source: str, say: Narrator) -> tuple[Any, Any]:
+    """The model loaded as planned (what ran said), and its tokenizer with a pad token."""
+    import transformers
+
+    from xpukit.loading.load import load_for_xpu
+
+    say("Loading ...")  # the plan's seed: set_seed(seed) right before the LoRA adapters are made
+    peft_model = load_for_xpu(plan)
+    for event in peft_model.xpukit_plan.events:
+        say(f"  {event.what}: {event.actual}" + (f" ({event.cause})" if event.cause else ""))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # the collator pads batches
+    return peft_model, tokenizer
+
+
+def _check_gradients(peft_model: Any, run: Any) -> tuple[int, int]:
+    """The LoRA layers, and how many training updated; a warning when some got no gradient."""
+    lora_layers, updated = lora_layers_updated(peft_model)
+    no_gradient = sorted(name for name, ok in run.first_gradients.items() if not ok)
+    if no_gradient:
+        logger.warning(
+            "%d of %d LoRA layers got no gradient at the first step, so the backward through the "
+            "base model is broken and training cannot reach them: %s",
+            len(no_gradient),
+            lora_layers,
+            ", ".join(no_gradient[:6]) + (" ..." if len(no_gradient) > 6 else ""),
+        )
+    return lora_layers, updated
+
+
+def _keep(
+    peft_model: Any, tokenizer: Any, run: Any, say: Narrator, *, work: Path | None, source: str,
+    plot_path: Path | None,
+) -> None:  # fmt: skip
+    """Save the adapter and tokenizer (``output_dir=``) and the loss curve (``plot=``)."""
+    loaded_plan = peft_model.xpukit_plan
+    if work is not None:
+        peft_model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        say("", f"Adapter saved in {work} (load it with load_for_xpu({source!r}, lora={str(work)!r})).")
+    if plot_path is not None:
+        what = f"{loaded_plan.quantization} + LoRA" if loaded_plan.quantization else "LoRA"
+        plot_losses(run.losses, plot_path, title=f"xpukit demo: {what} on {loaded_plan.device.torch_device}")
+        say(f"Loss curve saved to {plot_path}")
 
 
 # --- steps ---------------------------------------------------------------------------------------

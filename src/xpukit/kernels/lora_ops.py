@@ -202,7 +202,7 @@ def _gate_up_parts(n_in: int, out_features: int) -> tuple[tuple[int, slice], tup
 
 @functools.cache
 def _functions() -> Any:
-    """Define the autograd functions (needs torch; built once)."""
+    """Define the autograd functions (needs torch; built once) from the pieces below."""
     import torch
 
     class SharedInput(torch.autograd.Function):  # type: ignore[misc]
@@ -212,52 +212,11 @@ def _functions() -> Any:
         def forward(
             ctx: Any, x: torch.Tensor, dtype: torch.dtype, specs: Any, *adapters: torch.Tensor
         ) -> Any:
-            with torch.autocast(x.device.type, enabled=False):
-                x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-                cast = [t.to(dtype) for t in adapters]
-                outs, lora_in = [], []
-                for i, (weight, quant_state, scale, bias) in enumerate(specs):
-                    a, b = cast[2 * i], cast[2 * i + 1]
-                    y = x2 @ _dequant(weight, quant_state, dtype).t()
-                    if bias is not None:
-                        y.add_(bias.to(dtype))
-                    xa = x2 @ a.t()
-                    y.addmm_(xa, b.t(), alpha=scale)
-                    outs.append(y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype))
-                    lora_in.append(xa)
-            ctx.save_for_backward(x2, *cast, *lora_in)
-            ctx.specs, ctx.dtype, ctx.x_shape, ctx.x_dtype = specs, dtype, x.shape, x.dtype
-            ctx.adapter_dtypes = [t.dtype for t in adapters]
-            return tuple(outs)
+            return _shared_forward(ctx, x, dtype, specs, adapters)
 
         @staticmethod
         def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
-            n = len(ctx.specs)
-            x2, *rest = ctx.saved_tensors
-            cast, lora_in = rest[: 2 * n], rest[2 * n :]
-            need_x = ctx.needs_input_grad[0]
-            adapter_grads: list[torch.Tensor | None] = []
-            dx = None
-            with torch.autocast(x2.device.type, enabled=False):
-                for i, (weight, quant_state, scale, _) in enumerate(ctx.specs):
-                    a, b = cast[2 * i], cast[2 * i + 1]
-                    grad = grads[i]
-                    if grad is None:  # an output that was not used
-                        adapter_grads += [None, None]
-                        continue
-                    dy = grad.reshape(-1, b.shape[0]).to(ctx.dtype)
-                    dyb = dy @ b
-                    adapter_grads.append(_scaled_mm(dyb.t(), x2, scale).to(ctx.adapter_dtypes[2 * i]))
-                    adapter_grads.append(
-                        _scaled_mm(dy.t(), lora_in[i], scale).to(ctx.adapter_dtypes[2 * i + 1])
-                    )
-                    if need_x:
-                        w = _dequant(weight, quant_state, ctx.dtype)
-                        dx = dy @ w if dx is None else dx.addmm_(dy, w)
-                        dx.addmm_(dyb, a, alpha=scale)
-            if dx is not None:
-                dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-            return (dx, None, None, *adapter_grads)
+            return _shared_backward(ctx, grads)
 
     class GatedMLP(torch.autograd.Function):  # type: ignore[misc]
         """``down(act(gate(x)) * up(x))`` with the adapters (:func:`lora_gated_mlp`)."""
@@ -267,76 +226,11 @@ def _functions() -> Any:
             ctx: Any, x: torch.Tensor, dtype: torch.dtype, specs: Any, act: str, liger: bool,
             *adapters: torch.Tensor,
         ) -> Any:  # fmt: skip
-            n_in = len(specs) - 1
-            with torch.autocast(x.device.type, enabled=False):
-                x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-                cast = [t.to(dtype) for t in adapters]
-                xas = [x2 @ cast[2 * i].t() for i in range(n_in)]
-                halves: list[torch.Tensor] = []
-                w, held = x2, -1  # the dequantised weight of input projection `held`
-                for i, rows in _gate_up_parts(n_in, cast[1].shape[0]):
-                    weight, quant_state, scale, bias = specs[i]
-                    if held != i:
-                        w, held = _dequant(weight, quant_state, dtype), i
-                    y = x2 @ w[rows].t()
-                    if bias is not None:
-                        y.add_(bias[rows].to(dtype))
-                    y.addmm_(xas[i], cast[2 * i + 1][rows].t(), alpha=scale)
-                    halves.append(y)
-                del w
-                gate, up = halves
-                h = _act_mul(gate, up, act, liger)
-                wd4, qd, sd, bias_d = specs[-1]
-                ad, bd = cast[-2], cast[-1]
-                y = h @ _dequant(wd4, qd, dtype).t()
-                if bias_d is not None:
-                    y.add_(bias_d.to(dtype))
-                ha = h @ ad.t()
-                y.addmm_(ha, bd.t(), alpha=sd)
-            ctx.save_for_backward(x2, gate, up, ha, *xas, *cast)
-            ctx.specs, ctx.dtype, ctx.x_shape, ctx.x_dtype = specs, dtype, x.shape, x.dtype
-            ctx.adapter_dtypes, ctx.act, ctx.liger = [t.dtype for t in adapters], act, liger
-            return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+            return _gated_forward(ctx, x, dtype, specs, act, liger, adapters)
 
         @staticmethod
         def backward(ctx: Any, grad: torch.Tensor) -> Any:
-            n_in = len(ctx.specs) - 1
-            x2, gate, up, ha, *rest = ctx.saved_tensors
-            xas, cast = rest[:n_in], rest[n_in:]
-            wd4, qd, sd, _ = ctx.specs[-1]
-            ad, bd = cast[-2], cast[-1]
-            with torch.autocast(x2.device.type, enabled=False):
-                dy = grad.reshape(-1, bd.shape[0]).to(ctx.dtype)
-                dyb = dy @ bd
-                d_ad = _scaled_mm(dyb.t(), _act_mul(gate, up, ctx.act, ctx.liger), sd)  # h, recomputed
-                d_bd = _scaled_mm(dy.t(), ha, sd)
-                dh = dy @ _dequant(wd4, qd, ctx.dtype)
-                dh.addmm_(dyb, ad, alpha=sd)
-                d_halves = _act_mul_backward(gate, up, dh, ctx.act, ctx.liger)
-                del dh
-                grads: list[torch.Tensor] = []
-                dx: torch.Tensor | None = None
-                parts = _gate_up_parts(n_in, cast[1].shape[0])
-                for i in range(n_in):
-                    weight, quant_state, scale, _ = ctx.specs[i]
-                    a, b = cast[2 * i], cast[2 * i + 1]
-                    mine = [(d, rows) for d, (j, rows) in zip(d_halves, parts, strict=True) if j == i]
-                    dab = mine[0][0] @ b[mine[0][1]]  # the halves of a gate_up_proj share x Aᵀ: dA sums
-                    for d, rows in mine[1:]:
-                        dab.addmm_(d, b[rows])
-                    d_b = [_scaled_mm(d.t(), xas[i], scale) for d, _ in mine]
-                    grads += [_scaled_mm(dab.t(), x2, scale), d_b[0] if len(d_b) == 1 else torch.cat(d_b)]
-                    if ctx.needs_input_grad[0]:
-                        w = _dequant(weight, quant_state, ctx.dtype)
-                        for d, rows in mine:
-                            dx = d @ w[rows] if dx is None else dx.addmm_(d, w[rows])
-                        assert dx is not None
-                        dx.addmm_(dab, a, alpha=scale)
-            grads += [d_ad, d_bd]
-            adapter_grads = [g.to(dt) for g, dt in zip(grads, ctx.adapter_dtypes, strict=True)]
-            if dx is not None:
-                dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
-            return (dx, None, None, None, None, *adapter_grads)
+            return _gated_backward(ctx, grad)
 
     class _Functions:
         pass
@@ -345,3 +239,154 @@ def _functions() -> Any:
     functions.SharedInput = SharedInput  # type: ignore[attr-defined]
     functions.GatedMLP = GatedMLP  # type: ignore[attr-defined]
     return functions
+
+
+def _shared_forward(ctx: Any, x: Any, dtype: Any, specs: Any, adapters: tuple[Any, ...]) -> Any:
+    """Each projection of ``x``: the 4-bit product plus the scaled LoRA term; saves ``x`` and ``x Aᵀ``."""
+    import torch
+
+    with torch.autocast(x.device.type, enabled=False):
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        cast = [t.to(dtype) for t in adapters]
+        outs, lora_in = [], []
+        for i, (weight, quant_state, scale, bias) in enumerate(specs):
+            a, b = cast[2 * i], cast[2 * i + 1]
+            y = x2 @ _dequant(weight, quant_state, dtype).t()
+            if bias is not None:
+                y.add_(bias.to(dtype))
+            xa = x2 @ a.t()
+            y.addmm_(xa, b.t(), alpha=scale)
+            outs.append(y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype))
+            lora_in.append(xa)
+    ctx.save_for_backward(x2, *cast, *lora_in)
+    ctx.specs, ctx.dtype, ctx.x_shape, ctx.x_dtype = specs, dtype, x.shape, x.dtype
+    ctx.adapter_dtypes = [t.dtype for t in adapters]
+    return tuple(outs)
+
+
+def _shared_backward(ctx: Any, grads: tuple[Any, ...]) -> Any:
+    """The adapters' gradients per projection, and ``dx`` accumulated in one buffer."""
+    import torch
+
+    n = len(ctx.specs)
+    x2, *rest = ctx.saved_tensors
+    cast, lora_in = rest[: 2 * n], rest[2 * n :]
+    need_x = ctx.needs_input_grad[0]
+    adapter_grads: list[torch.Tensor | None] = []
+    dx = None
+    with torch.autocast(x2.device.type, enabled=False):
+        for i, (weight, quant_state, scale, _) in enumerate(ctx.specs):
+            a, b = cast[2 * i], cast[2 * i + 1]
+            grad = grads[i]
+            if grad is None:  # an output that was not used
+                adapter_grads += [None, None]
+                continue
+            dy = grad.reshape(-1, b.shape[0]).to(ctx.dtype)
+            dyb = dy @ b
+            adapter_grads.append(_scaled_mm(dyb.t(), x2, scale).to(ctx.adapter_dtypes[2 * i]))
+            adapter_grads.append(_scaled_mm(dy.t(), lora_in[i], scale).to(ctx.adapter_dtypes[2 * i + 1]))
+            if need_x:
+                w = _dequant(weight, quant_state, ctx.dtype)
+                dx = dy @ w if dx is None else dx.addmm_(dy, w)
+                dx.addmm_(dyb, a, alpha=scale)
+    if dx is not None:
+        dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+    return (dx, None, None, *adapter_grads)
+
+
+def _gate_and_up(x2: Any, cast: list[Any], specs: Any, dtype: Any, xas: list[Any]) -> list[Any]:
+    """``gate(x)`` and ``up(x)`` with their LoRA terms (two projections, or the halves of one)."""
+    n_in = len(specs) - 1
+    halves: list[Any] = []
+    w, held = x2, -1  # the dequantised weight of input projection `held`
+    for i, rows in _gate_up_parts(n_in, cast[1].shape[0]):
+        weight, quant_state, scale, bias = specs[i]
+        if held != i:
+            w, held = _dequant(weight, quant_state, dtype), i
+        y = x2 @ w[rows].t()
+        if bias is not None:
+            y.add_(bias[rows].to(dtype))
+        y.addmm_(xas[i], cast[2 * i + 1][rows].t(), alpha=scale)
+        halves.append(y)
+    del w
+    return halves
+
+
+def _gated_forward(
+    ctx: Any, x: Any, dtype: Any, specs: Any, act: str, liger: bool, adapters: tuple[Any, ...]
+) -> Any:
+    """``down(act(gate) * up)`` with the adapters; saves ``x``, ``gate``, ``up`` and the ``x Aᵀ``."""
+    import torch
+
+    n_in = len(specs) - 1
+    with torch.autocast(x.device.type, enabled=False):
+        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
+        cast = [t.to(dtype) for t in adapters]
+        xas = [x2 @ cast[2 * i].t() for i in range(n_in)]
+        gate, up = _gate_and_up(x2, cast, specs, dtype, xas)
+        h = _act_mul(gate, up, act, liger)
+        wd4, qd, sd, bias_d = specs[-1]
+        ad, bd = cast[-2], cast[-1]
+        y = h @ _dequant(wd4, qd, dtype).t()
+        if bias_d is not None:
+            y.add_(bias_d.to(dtype))
+        ha = h @ ad.t()
+        y.addmm_(ha, bd.t(), alpha=sd)
+    ctx.save_for_backward(x2, gate, up, ha, *xas, *cast)
+    ctx.specs, ctx.dtype, ctx.x_shape, ctx.x_dtype = specs, dtype, x.shape, x.dtype
+    ctx.adapter_dtypes, ctx.act, ctx.liger = [t.dtype for t in adapters], act, liger
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
+
+
+def _gate_up_backward(
+    ctx: Any, x2: Any, xas: list[Any], cast: list[Any], d_halves: Any
+) -> tuple[list[Any], Any]:
+    """The gate and up adapters' gradients and ``dx``, from the gradients of ``gate`` and ``up``."""
+    import torch
+
+    n_in = len(ctx.specs) - 1
+    grads: list[torch.Tensor] = []
+    dx: torch.Tensor | None = None
+    parts = _gate_up_parts(n_in, cast[1].shape[0])
+    for i in range(n_in):
+        weight, quant_state, scale, _ = ctx.specs[i]
+        a, b = cast[2 * i], cast[2 * i + 1]
+        mine = [(d, rows) for d, (j, rows) in zip(d_halves, parts, strict=True) if j == i]
+        dab = mine[0][0] @ b[mine[0][1]]  # the halves of a gate_up_proj share x Aᵀ: dA sums
+        for d, rows in mine[1:]:
+            dab.addmm_(d, b[rows])
+        d_b = [_scaled_mm(d.t(), xas[i], scale) for d, _ in mine]
+        grads += [_scaled_mm(dab.t(), x2, scale), d_b[0] if len(d_b) == 1 else torch.cat(d_b)]
+        if ctx.needs_input_grad[0]:
+            w = _dequant(weight, quant_state, ctx.dtype)
+            for d, rows in mine:
+                dx = d @ w[rows] if dx is None else dx.addmm_(d, w[rows])
+            assert dx is not None
+            dx.addmm_(dab, a, alpha=scale)
+    return grads, dx
+
+
+def _gated_backward(ctx: Any, grad: Any) -> Any:
+    """The down adapter's gradients, ``act(gate) * up`` recomputed, then gate's and up's (and ``dx``)."""
+    import torch
+
+    n_in = len(ctx.specs) - 1
+    x2, gate, up, ha, *rest = ctx.saved_tensors
+    xas, cast = rest[:n_in], rest[n_in:]
+    wd4, qd, sd, _ = ctx.specs[-1]
+    ad, bd = cast[-2], cast[-1]
+    with torch.autocast(x2.device.type, enabled=False):
+        dy = grad.reshape(-1, bd.shape[0]).to(ctx.dtype)
+        dyb = dy @ bd
+        d_ad = _scaled_mm(dyb.t(), _act_mul(gate, up, ctx.act, ctx.liger), sd)  # h, recomputed
+        d_bd = _scaled_mm(dy.t(), ha, sd)
+        dh = dy @ _dequant(wd4, qd, ctx.dtype)
+        dh.addmm_(dyb, ad, alpha=sd)
+        d_halves = _act_mul_backward(gate, up, dh, ctx.act, ctx.liger)
+        del dh
+        grads, dx = _gate_up_backward(ctx, x2, xas, cast, d_halves)
+    grads += [d_ad, d_bd]
+    adapter_grads = [g.to(dt) for g, dt in zip(grads, ctx.adapter_dtypes, strict=True)]
+    if dx is not None:
+        dx = dx.view(ctx.x_shape).to(ctx.x_dtype)
+    return (dx, None, None, None, None, *adapter_grads)

@@ -138,7 +138,46 @@ def load_for_xpu(
 
 
 def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) -> Any:
-    """Load the model a plan describes; see the module docstring for the steps."""
+    """Load the model a plan describes; see the module docstring for the steps.
+
+    The steps follow the plan's stages: the request checked before anything is read, the class and
+    keywords from the config, the Hub kernels the attention and kernels decisions need, the weights
+    placed, the adapters applied (or merged), decoding set up, and the events recorded on the plan.
+    A step that fails after the weights are read returns its error, so that the model is dropped
+    here before raising (a traceback must not keep the weights alive).
+    """
+    _check_before_reading(plan, warmup)
+    cls = _model_class(plan, model_class)
+    kwargs = _from_pretrained_kwargs(plan)
+    events: list[LoadEvent] = []
+    changes: dict[str, Any] = {}
+    # Everything that may import bitsandbytes (from_pretrained with 4-bit, peft for LoRA) runs inside
+    # the guard: on avx512_bf16 CPUs `import bitsandbytes` makes a Hub call with no timeout.
+    with offline_guard(_needs_offline_guard(plan)):
+        kwargs = _fetch_kernels(plan, kwargs, events, changes)
+        model, info = _read_weights(plan, cls, kwargs)
+        unused = _check_weights(plan, cls, model, info, events)
+        if unused is not None:
+            del model  # dropped before raising, so the traceback does not keep the weights alive
+            raise InvalidRequestError(unused)
+        if plan.lora is not None:
+            model, error = _adapters(model, plan, events)
+            if error is not None:
+                del model  # the error (and its traceback's frames) must not keep the weights alive
+                _drop_frames(error)
+                raise error
+    if plan.decode is not None:
+        from xpukit.loading.decode.fast_decode import apply_fast_decode, warm_up
+
+        events += apply_fast_decode(model, plan)
+        if warmup:
+            events += warm_up(model, plan)
+    model.xpukit_plan = plan.with_events(tuple(events), **changes)
+    return model
+
+
+def _check_before_reading(plan: LoadPlan, warmup: bool) -> None:
+    """The request: what can be refused before any weight is read (warm-up, bare config, runtime, extras)."""
     if warmup is not False and (warmup is not True or plan.decode is None):
         raise InvalidRequestError(
             f"warmup={warmup!r}: the warm-up compiles the decoding that fast_decode=True sets up. "
@@ -154,115 +193,127 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
         require_bnb(plan.quantization)  # MissingExtraError naming the fix, before any weight is read
     elif plan.quantization == "torchao":
         require("torchao", f"quantization {plan.decision('quantization').value}")
+
+
+def _model_class(plan: LoadPlan, model_class: Any) -> Any:
+    """The transformers class to load with: the one given, else the plan's."""
     import transformers
 
-    cls = (
-        model_class
-        if model_class is not None and not isinstance(model_class, str)
-        else getattr(transformers, model_class or plan.model_class)
-    )
+    if model_class is not None and not isinstance(model_class, str):
+        return model_class
+    return getattr(transformers, model_class or plan.model_class)
+
+
+def _from_pretrained_kwargs(plan: LoadPlan) -> dict[str, Any]:
+    """The config: ``from_pretrained``'s keywords, with the config already read for the plan."""
     kwargs = plan.from_pretrained_kwargs()
     if plan.config is not None:
         # The config already read for the plan: from_pretrained skips re-reading it. Keywords the
         # config consumed (overrides such as rope_scaling=) are already applied to it.
         kwargs = {k: v for k, v in kwargs.items() if k not in plan.config_kwargs}
         kwargs["config"] = copy.deepcopy(plan.config)
-    events: list[LoadEvent] = []
-    changes: dict[str, Any] = {}
-    # Everything that may import bitsandbytes (from_pretrained with 4-bit, peft for LoRA) runs inside
-    # the guard: on avx512_bf16 CPUs `import bitsandbytes` makes a Hub call with no timeout.
-    with offline_guard(_needs_offline_guard(plan)):
-        if plan.attention_kernel is not None:
-            fetch_attention_kernel(plan, kwargs, events, changes)
-        if plan.use_kernels:
-            fetch_layer_kernels(plan, kwargs, events, changes)
+    return kwargs
+
+
+def _fetch_kernels(
+    plan: LoadPlan, kwargs: dict[str, Any], events: list[LoadEvent], changes: dict[str, Any]
+) -> dict[str, Any]:
+    """Attention and kernels: the Hub kernels the plan chose, fetched under a time bound (a fallback
+    recorded when one cannot be had); ``merge=``'s keywords for the base it merges into."""
+    if plan.attention_kernel is not None:
+        fetch_attention_kernel(plan, kwargs, events, changes)
+    if plan.use_kernels:
+        fetch_layer_kernels(plan, kwargs, events, changes)
+    if plan.merge is not None:
+        from xpukit.loading.merge import merge_kwargs
+
+        kwargs = merge_kwargs(plan, kwargs)  # merge="dequantized": the 4-bit base training saw
+    return kwargs
+
+
+def _read_weights(plan: LoadPlan, cls: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Placement: ``from_pretrained`` with the plan's keywords, and its loading report."""
+    problem = None
+    kwargs.pop("output_loading_info", None)  # always asked: the load report decides below
+    try:
+        model, info = cls.from_pretrained(plan.model, output_loading_info=True, **kwargs)
+    except Exception as exc:
+        problem = weights_problem(plan, exc)
+        if problem is None:
+            raise
+    if problem is not None:  # raised outside `except`, so no traceback keeps the half-built model
+        raise InvalidRequestError(problem)
+    return model, info
+
+
+def _check_weights(
+    plan: LoadPlan, cls: Any, model: Any, info: dict[str, Any], events: list[LoadEvent]
+) -> str | None:
+    """Never a model with checkpoint weights left out (docs/planning.md "Model class (`model_class=`)"):
+    the problem, else ``None`` with the loading report's notes and the placement recorded."""
+    config = plan.config if plan.config is not None else model.config
+    unexpected = info.get("unexpected_keys")
+    user_class = any(d.name == "model_class" and d.source == "user" for d in plan.decisions)
+    unused, head_note = unexpected_weights_problem(
+        str(plan.model), cls.__name__, unexpected, config,
+        base_prefix=str(getattr(model, "base_model_prefix", "") or ""), user_class=user_class,
+    )  # fmt: skip
+    if unused is not None:
+        return unused
+    if head_note is not None:
+        logger.warning("%s", head_note)
+        events.append(LoadEvent(kind="note", what="weights", actual=head_note))
+    if info.get("missing_keys"):
+        new = ", ".join(sorted(info["missing_keys"]))
+        events.append(LoadEvent(kind="note", what="weights", actual=f"newly initialised: {new}"))
+    events.append(LoadEvent(kind="applied", what="placement", planned=plan.device_map, actual=_where(model)))
+    return None
+
+
+def _adapters(model: Any, plan: LoadPlan, events: list[LoadEvent]) -> tuple[Any, XpukitError | None]:
+    """Adapters and training: the LoRA adapters applied (or merged), and the error that refused them."""
+    from xpukit.loading.lora import apply_lora, lora_problem
+
+    assert plan.lora is not None
+    # plan_load checked the request against the model's facts; this safety net catches a model that
+    # differs from them (the caller drops the model before raising).
+    problem = lora_problem(model, plan.lora)
+    if problem is not None:
+        return model, InvalidRequestError(problem)
+    if plan.seed is not None and plan.lora.kind == "new":
+        from transformers import set_seed
+
+        set_seed(plan.seed)  # only the adapters' init draws random numbers after this
+        events.append(LoadEvent(kind="applied", what="seed", actual=f"set_seed({plan.seed})"))
+    try:
         if plan.merge is not None:
-            from xpukit.loading.merge import merge_kwargs
+            from xpukit.loading.merge import merge_adapter
 
-            kwargs = merge_kwargs(plan, kwargs)  # merge="dequantized": the 4-bit base training saw
-        problem = None
-        kwargs.pop("output_loading_info", None)  # always asked: the load report decides below
-        try:
-            model, info = cls.from_pretrained(plan.model, output_loading_info=True, **kwargs)
-        except Exception as exc:
-            problem = weights_problem(plan, exc)
-            if problem is None:
-                raise
-        if problem is not None:  # raised outside `except`, so no traceback keeps the half-built model
-            raise InvalidRequestError(problem)
-        # Never a model with checkpoint weights left out (docs/planning.md "Model class (`model_class=`)").
-        config = plan.config if plan.config is not None else model.config
-        unexpected = info.get("unexpected_keys")
-        user_class = any(d.name == "model_class" and d.source == "user" for d in plan.decisions)
-        unused, head_note = unexpected_weights_problem(
-            str(plan.model), cls.__name__, unexpected, config,
-            base_prefix=str(getattr(model, "base_model_prefix", "") or ""), user_class=user_class,
-        )  # fmt: skip
-        if unused is not None:
-            del model  # dropped before raising, so the traceback does not keep the weights alive
-            raise InvalidRequestError(unused)
-        if head_note is not None:
-            logger.warning("%s", head_note)
-            events.append(LoadEvent(kind="note", what="weights", actual=head_note))
-        if info.get("missing_keys"):
-            new = ", ".join(sorted(info["missing_keys"]))
-            events.append(LoadEvent(kind="note", what="weights", actual=f"newly initialised: {new}"))
-        events.append(
-            LoadEvent(kind="applied", what="placement", planned=plan.device_map, actual=_where(model))
-        )
-        if plan.lora is not None:
-            from xpukit.loading.lora import apply_lora, lora_problem
+            model, notes = merge_adapter(model, plan)
+        else:
+            fused = next((d for d in plan.decisions if d.name == "fused_lora"), None)
+            graphs = next((d for d in plan.decisions if d.name == "layer_graphs"), None)
+            packing = next((d for d in plan.decisions if d.name == "packing"), None)
+            model, notes = apply_lora(
+                model,
+                plan.lora,
+                compute_dtype=plan.dtype,
+                quantized=plan.quantization is not None,
+                device=plan.device,
+                fused=bool(fused is not None and fused.value),
+                fused_insist=fused is not None and fused.source == "user" and bool(fused.value),
+                graphs=bool(graphs is not None and graphs.value),
+                packing=int(packing.value) if packing is not None and packing.value else None,
+                pass_tokens=plan.training.pass_tokens if plan.training is not None else None,
+            )
+    except XpukitError as exc:
+        return model, exc
+    if plan.merge is None and plan.lora.trains:
+        from xpukit.loading.adapter_record import record_on_save
 
-            # plan_load checked the request against the model's facts; this safety net catches a
-            # model that differs from them. The loaded model is dropped before raising, so the
-            # traceback does not keep every weight alive.
-            problem = lora_problem(model, plan.lora)
-            if problem is not None:
-                del model
-                raise InvalidRequestError(problem)
-            if plan.seed is not None and plan.lora.kind == "new":
-                from transformers import set_seed
-
-                set_seed(plan.seed)  # only the adapters' init draws random numbers after this
-                events.append(LoadEvent(kind="applied", what="seed", actual=f"set_seed({plan.seed})"))
-            try:
-                if plan.merge is not None:
-                    from xpukit.loading.merge import merge_adapter
-
-                    model, notes = merge_adapter(model, plan)
-                else:
-                    fused = next((d for d in plan.decisions if d.name == "fused_lora"), None)
-                    graphs = next((d for d in plan.decisions if d.name == "layer_graphs"), None)
-                    packing = next((d for d in plan.decisions if d.name == "packing"), None)
-                    model, notes = apply_lora(
-                        model,
-                        plan.lora,
-                        compute_dtype=plan.dtype,
-                        quantized=plan.quantization is not None,
-                        device=plan.device,
-                        fused=bool(fused is not None and fused.value),
-                        fused_insist=fused is not None and fused.source == "user" and bool(fused.value),
-                        graphs=bool(graphs is not None and graphs.value),
-                        packing=int(packing.value) if packing is not None and packing.value else None,
-                        pass_tokens=plan.training.pass_tokens if plan.training is not None else None,
-                    )
-            except XpukitError as exc:
-                del model  # the error (and its traceback's frames) must not keep the weights alive
-                _drop_frames(exc)
-                raise
-            if plan.merge is None and plan.lora.trains:
-                from xpukit.loading.adapter_record import record_on_save
-
-                notes.append(record_on_save(model, dtype=plan.dtype, base_model=str(plan.model)))
-            events += [LoadEvent(kind="applied", what="lora", actual=note) for note in notes]
-    if plan.decode is not None:
-        from xpukit.loading.decode.fast_decode import apply_fast_decode, warm_up
-
-        events += apply_fast_decode(model, plan)
-        if warmup:
-            events += warm_up(model, plan)
-    model.xpukit_plan = plan.with_events(tuple(events), **changes)
-    return model
+        notes.append(record_on_save(model, dtype=plan.dtype, base_model=str(plan.model)))
+    events += [LoadEvent(kind="applied", what="lora", actual=note) for note in notes]
+    return model, None
 
 
 def check_runtime(plan: LoadPlan) -> None:

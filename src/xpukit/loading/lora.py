@@ -144,6 +144,46 @@ def _new_adapters(
     )
     if problem:  # before any change to the model
         raise InvalidRequestError(problem)
+    notes = _prepare_base(model, request, dtype=dtype, quantized=quantized, device=device)
+    try:
+        peft_model = _attach(model, request, config)
+    except (ValueError, KeyError, RuntimeError) as exc:
+        raise InvalidRequestError(
+            f"lora=: peft could not add adapters to this {type(model).__name__}: {exc}. The model has been "
+            "prepared (frozen, checkpointing): reload it before trying another lora= setting."
+        ) from exc
+    if dtype == "float16":
+        changed = _upcast_trainable(peft_model, torch.float32)
+        notes.append(
+            "compute is float16: trainable (LoRA) weights are float32 so GradScaler can unscale their "
+            f"gradients ({changed} cast); frozen base weights stay float16"
+        )
+    notes += _speedups(
+        peft_model,
+        request,
+        fused=fused,
+        graphs=graphs,
+        insist=insist,
+        packing=packing,
+        pass_tokens=pass_tokens,
+    )
+    trainable, total = _count_parameters(peft_model)
+    targets = targets_text(request.config.get("target_modules"))
+    what = f"LoRA adapter {request.adapter_path}, trainable," if request.kind == "adapter" else "LoRA"
+    notes.append(
+        f"{what} on {targets}: {trainable:,} trainable of {total:,} parameters "
+        f"({100 * trainable / max(total, 1):.2f} %)"
+    )
+    logger.info("LoRA applied: %s", "; ".join(notes))
+    return peft_model, notes
+
+
+def _prepare_base(
+    model: Any, request: LoraRequest, *, dtype: str, quantized: bool, device: DeviceFacts
+) -> list[str]:
+    """The base model made ready for adapters: frozen, cast, checkpointing, the loss, offloading."""
+    import torch
+
     notes: list[str] = []
     notes += restore_trainable_4bit_layout(model)
     for param in model.parameters():
@@ -172,19 +212,21 @@ def _new_adapters(
         from xpukit.loading.training.offload import offload_saved_activations
 
         notes.append(offload_saved_activations(model, device))
-    try:
-        peft_model = _attach(model, request, config)
-    except (ValueError, KeyError, RuntimeError) as exc:
-        raise InvalidRequestError(
-            f"lora=: peft could not add adapters to this {type(model).__name__}: {exc}. The model has been "
-            "prepared (frozen, checkpointing): reload it before trying another lora= setting."
-        ) from exc
-    if dtype == "float16":
-        changed = _upcast_trainable(peft_model, torch.float32)
-        notes.append(
-            "compute is float16: trainable (LoRA) weights are float32 so GradScaler can unscale their "
-            f"gradients ({changed} cast); frozen base weights stay float16"
-        )
+    return notes
+
+
+def _speedups(
+    peft_model: Any,
+    request: LoraRequest,
+    *,
+    fused: bool,
+    graphs: bool,
+    insist: bool,
+    packing: int | None,
+    pass_tokens: int | None = None,
+) -> list[str]:
+    """The fused path, the layer graphs and packing, on the model with its adapters."""
+    notes: list[str] = []
     # liger's SwiGLU inside the fused MLP and its RoPE inside the layer graphs are speed choices, not
     # the plan's memory saver: only the user's own lora={"liger": False} keeps them out.
     no_liger = request.liger_given and request.liger is False
@@ -209,15 +251,7 @@ def _new_adapters(
 
         graphs_of = getattr(peft_model, "xpukit_layer_graphs", None)  # their shapes, once full
         notes.append(install_packing(peft_model, bucket=packing, graphs=graphs_of, max_tokens=pass_tokens))
-    trainable, total = _count_parameters(peft_model)
-    targets = targets_text(request.config.get("target_modules"))
-    what = f"LoRA adapter {request.adapter_path}, trainable," if request.kind == "adapter" else "LoRA"
-    notes.append(
-        f"{what} on {targets}: {trainable:,} trainable of {total:,} parameters "
-        f"({100 * trainable / max(total, 1):.2f} %)"
-    )
-    logger.info("LoRA applied: %s", "; ".join(notes))
-    return peft_model, notes
+    return notes
 
 
 def _attach(model: Any, request: LoraRequest, config: Any) -> Any:

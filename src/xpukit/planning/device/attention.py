@@ -167,12 +167,24 @@ def choose_attention(
     ``host_modules`` says why some modules run off the accelerator (CPU offload, a device_map with
     ``cpu``/``disk``/``mps``): a Hub or flash kernel has no build for them.
     """
-    default = "sdpa" if model.supports_sdpa else "eager"
-    default_reason = (
-        "SDPA: torch's fused attention, fast on every device (GQA native on XPU from torch 2.8)"
-        if model.supports_sdpa
-        else f"{model.architecture} has no SDPA implementation, so eager is required"
-    )
+    named = _named_choice(attn, model)
+    if named is not None:
+        return named
+    default = _Default.of(model)
+    explicit = attn != "auto"
+    if host_modules is not None:
+        return _off_accelerator(attn, explicit, host_modules, default)
+    family_note = _intel_family_problem(device)
+    if family_note is not None and not explicit:
+        return default.choice(rejected=(("kernels-community/flash-attn2", family_note),))
+    problem, value, kernel, how = _flash_path(attn if explicit else "flash_attention_2", device, dtype, model)
+    if problem is None:
+        return _flash_taken(attn, explicit, device, value, kernel, how, family_note)
+    return _flash_not_had(attn, explicit, problem, default)
+
+
+def _named_choice(attn: str, model: ModelFacts) -> AttentionChoice | None:
+    """``eager``, ``sdpa`` and ``flex_attention``: taken as asked (refused where the model lacks it)."""
     if attn == "eager":
         return _asked("eager")
     if attn == "sdpa":
@@ -190,81 +202,88 @@ def choose_attention(
             "flex_attention",
             "note the first generate compiles with torch.compile (52 s once on a 2-core CPU)",
         )
-    explicit = attn != "auto"
-    if host_modules is not None:
-        why = f"{host_modules}, where flash-attention kernels have no build"
-        if explicit and host_modules.startswith("the given device_map"):
-            raise InvalidRequestError(
-                f"attn={attn!r}: {why}. Fix: attn='sdpa', or a device_map without cpu/disk/mps."
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _Default:
+    """SDPA, or eager for an architecture without SDPA, and why."""
+
+    value: str
+    reason: str
+
+    @classmethod
+    def of(cls, model: ModelFacts) -> _Default:
+        if model.supports_sdpa:
+            return cls(
+                "sdpa",
+                "SDPA: torch's fused attention, fast on every device (GQA native on XPU from torch 2.8)",
             )
-        elif explicit:
-            return AttentionChoice(
-                decision=Decision(
-                    name="attn_implementation",
-                    value=default,
-                    reason=f"{attn} was asked but cannot be had: {why}. Falling back to {default}",
-                    rejected=((attn, why),),
-                    source="fallback",
-                ),
-                value=default,
-                warning=f"attn={attn!r} cannot be had ({why}); using {default} instead",
-            )
-        return AttentionChoice(
-            decision=Decision(
-                name="attn_implementation",
-                value=default,
-                reason=default_reason,
-                rejected=(("kernels-community/flash-attn2", why),),
-            ),
-            value=default,
-        )
-    family_note = _intel_family_problem(device)
-    if family_note is not None and not explicit:
-        return AttentionChoice(
-            decision=Decision(
-                name="attn_implementation",
-                value=default,
-                reason=default_reason,
-                rejected=(("kernels-community/flash-attn2", family_note),),
-            ),
-            value=default,
-        )
-    problem, value, kernel, how = _flash_path(attn if explicit else "flash_attention_2", device, dtype, model)
-    if problem is None:
-        warning = None
-        if family_note is not None and explicit:
-            warning = f"attn={attn!r} on {device.name}: {family_note}; it may fail or be slow here"
-            how = f"{how}; {family_note}"
+        return cls("eager", f"{model.architecture} has no SDPA implementation, so eager is required")
+
+    def choice(self, *, rejected: tuple[tuple[str, str], ...]) -> AttentionChoice:
+        """The default, taken by ``attn="auto"`` with flash-attention rejected for a reason."""
         decision = Decision(
-            name="attn_implementation",
-            value=value,
-            reason=f"attn={attn!r} given: {how}" if explicit else how,
-            rejected=() if explicit else (("sdpa", "flash-attention-2 can be had here and is faster"),),
-            source="user" if explicit else "auto",
+            name="attn_implementation", value=self.value, reason=self.reason, rejected=rejected
         )
-        return AttentionChoice(decision=decision, value=value, kernel=kernel, warning=warning)
+        return AttentionChoice(decision=decision, value=self.value)
+
+    def fallback(self, attn: str, why: str) -> AttentionChoice:
+        """The default in place of an explicit request that cannot be had, with a warning."""
+        return AttentionChoice(
+            decision=Decision(
+                name="attn_implementation",
+                value=self.value,
+                reason=f"{attn} was asked but cannot be had: {why}. Falling back to {self.value}",
+                rejected=((attn, why),),
+                source="fallback",
+            ),
+            value=self.value,
+            warning=f"attn={attn!r} cannot be had ({why}); using {self.value} instead",
+        )
+
+
+def _off_accelerator(attn: str, explicit: bool, host_modules: str, default: _Default) -> AttentionChoice:
+    """Some modules run on the CPU, disk or MPS: auto takes the default, an explicit request falls back
+    (or is refused when the user's own device_map put them there)."""
+    why = f"{host_modules}, where flash-attention kernels have no build"
+    if explicit and host_modules.startswith("the given device_map"):
+        raise InvalidRequestError(
+            f"attn={attn!r}: {why}. Fix: attn='sdpa', or a device_map without cpu/disk/mps."
+        )
+    if explicit:
+        return default.fallback(attn, why)
+    return default.choice(rejected=(("kernels-community/flash-attn2", why),))
+
+
+def _flash_taken(
+    attn: str, explicit: bool, device: DeviceFacts, value: str, kernel: KernelRef | None, how: str,
+    family_note: str | None,
+) -> AttentionChoice:  # fmt: skip
+    """Flash attention can be had: taken (with a warning off the Intel families its kernels target)."""
+    warning = None
+    if family_note is not None and explicit:
+        warning = f"attn={attn!r} on {device.name}: {family_note}; it may fail or be slow here"
+        how = f"{how}; {family_note}"
+    decision = Decision(
+        name="attn_implementation",
+        value=value,
+        reason=f"attn={attn!r} given: {how}" if explicit else how,
+        rejected=() if explicit else (("sdpa", "flash-attention-2 can be had here and is faster"),),
+        source="user" if explicit else "auto",
+    )
+    return AttentionChoice(decision=decision, value=value, kernel=kernel, warning=warning)
+
+
+def _flash_not_had(attn: str, explicit: bool, problem: str, default: _Default) -> AttentionChoice:
+    """Flash attention cannot be had: refused when it cannot work on this device at all, else the
+    default (a fallback with a warning when it was asked for)."""
     if explicit and problem.startswith("!"):  # cannot work on this device at all: refuse
         raise InvalidRequestError(problem[1:])
     problem = problem.lstrip("!")
     if explicit:
-        warning = f"attn={attn!r} cannot be had ({problem}); using {default} instead"
-        decision = Decision(
-            name="attn_implementation",
-            value=default,
-            reason=f"{attn} was asked but cannot be had: {problem}. Falling back to {default}",
-            rejected=((attn, problem),),
-            source="fallback",
-        )
-        return AttentionChoice(decision=decision, value=default, warning=warning)
-    return AttentionChoice(
-        decision=Decision(
-            name="attn_implementation",
-            value=default,
-            reason=default_reason,
-            rejected=(("kernels-community/flash-attn2", problem.split(" Fix: ")[0]),),
-        ),
-        value=default,
-    )
+        return default.fallback(attn, problem)
+    return default.choice(rejected=(("kernels-community/flash-attn2", problem.split(" Fix: ")[0]),))
 
 
 # Intel families the Hub flash-attn2 XPU kernels target: Data Center Max (Ponte Vecchio) and Xe2

@@ -1,0 +1,393 @@
+"""The stages of :func:`xpukit.planning.plan.plan_load`, in the order they run.
+
+request → config → machine → model → placement → attention → adapters and training → decode → plan.
+Each stage is a function of what the stages before it decided, and returns a small frozen value: a
+reader sees at a glance what is known when each decision is taken. A new decision goes into the stage
+that first knows everything it needs (CONTRIBUTING.md). Warnings are returned by each stage and
+joined in stage order, which is the order the plan lists them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from xpukit.errors import InvalidRequestError
+from xpukit.machine.facts import DeviceFacts, MachineFacts
+from xpukit.planning.arguments import (
+    check_keywords,
+    check_lora_targets,
+    device_of_map,
+    host_modules_reason,
+    lora_request_for,
+    seed_decision,
+)
+from xpukit.planning.device.attention import AttentionChoice, choose_attention
+from xpukit.planning.device.choice import decide_dtype, machine_for, resolve_device
+from xpukit.planning.device.decode import DecodePlan, plan_decode
+from xpukit.planning.device.distributed import (
+    DistributedLoad,
+    RankPlacement,
+    place_rank,
+    plan_distributed,
+    shard_candidates,
+)
+from xpukit.planning.device.layer_kernels import KernelsChoice, choose_kernels
+from xpukit.planning.device.layout import Layout, plan_layout
+from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, recorded_request
+from xpukit.planning.for_training import Attempt, layout_for_training
+from xpukit.planning.loadplan import LoadPlan
+from xpukit.planning.model.classes import ModelClassChoice, choose_model_class
+from xpukit.planning.model.facts import ModelFacts, model_facts
+from xpukit.planning.model.source import read_config
+from xpukit.planning.request import LoadRequest
+from xpukit.planning.training.adapter_fit import check_saved_adapter
+from xpukit.planning.training.allocation import allocation_cap
+from xpukit.planning.training.base_record import BaseRecord
+from xpukit.planning.training.fit import training_plan_for
+from xpukit.planning.training.fused import decide_fused, fused_will_run
+from xpukit.planning.training.graphs import decide_layer_graphs, graphs_possible
+from xpukit.planning.training.lora_config import fit_lora_to_class
+from xpukit.planning.training.lora_request import LoraRequest
+from xpukit.planning.training.merge import MergePlan, plan_merge
+from xpukit.planning.training.packing import decide_packing, packing_wanted
+from xpukit.planning.training.training_plan import TrainingPlan
+from xpukit.planning.vocabulary import Decision
+
+__all__ = [
+    "Adapters",
+    "Asked",
+    "Attention",
+    "Config",
+    "Decode",
+    "Machine",
+    "Model",
+    "Placement",
+    "adapters_stage",
+    "attention_stage",
+    "config_stage",
+    "decode_stage",
+    "machine_stage",
+    "merge_stage",
+    "model_stage",
+    "placement_stage",
+    "plan_stage",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Asked:
+    """The request: ``plan_load``'s arguments as given, and as checked (:class:`LoadRequest`)."""
+
+    model: Any
+    req: LoadRequest
+    kwargs: dict[str, Any]  # from_pretrained's keywords (read_config takes its own out)
+    device: Any
+    device_map: Any
+    facts: MachineFacts | str | None
+    lora: Any
+    quantize: Any
+    offload: bool | None
+    force: bool
+    trainable: bool
+    model_class: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The model's config, where it came from, and the quantization asked (or recorded in it)."""
+
+    config: Any
+    source: Any
+    name: str
+    consumed: frozenset[str]
+    quant: QuantRequest
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    """The machine, this process's rank in a launched job, and the main device."""
+
+    machine: MachineFacts
+    facts_given: bool
+    rank: RankPlacement | None
+    main: DeviceFacts
+    candidates: tuple[DeviceFacts, ...]
+    device_decision: Decision
+    world: int  # processes of a launched job
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    """What the model is: its class, its facts, and a saved adapter checked against it."""
+
+    class_choice: ModelClassChoice
+    facts: ModelFacts
+    adapter_check: str | None
+    record: BaseRecord | None
+    warnings: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where the weights go, in which dtype and format; the LoRA request and its training plan."""
+
+    layout: Layout
+    lora: LoraRequest | None
+    training: TrainingPlan | None
+    distributed: DistributedLoad
+    warnings: tuple[str, ...]
+
+    @property
+    def dtype(self) -> str:
+        return str(self.layout.dtype.value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attention:
+    """The attention implementation and the Hub layer kernels."""
+
+    attention: AttentionChoice
+    kernels: KernelsChoice
+    warnings: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Adapters:
+    """The decisions about the adapters and their training, in the plan's order."""
+
+    decisions: tuple[Decision, ...]
+    warnings: tuple[str, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decode:
+    """``fast_decode``'s plan and decision (both ``None`` when not asked)."""
+
+    plan: DecodePlan | None
+    decision: Decision | None
+
+
+def _trust_remote_code(asked: Asked) -> bool:
+    return bool(asked.kwargs.get("trust_remote_code", False))
+
+
+def config_stage(asked: Asked, *, ours: tuple[str, ...]) -> Config:
+    """Read the config (never the weights) and check the leftover keywords against it."""
+    config, source, name, consumed = read_config(asked.model, asked.kwargs)
+    check_keywords(asked.kwargs, config, consumed, ours=ours)
+    quant = asked.req.quant
+    if asked.quantize is None and asked.lora is None and (recorded := recorded_request(config)) is not None:
+        # A merged checkpoint written to load quantized (docs/planning.md "Quantization for inference").
+        quant = recorded
+    return Config(config=config, source=source, name=name, consumed=consumed, quant=quant)
+
+
+def machine_stage(asked: Asked) -> Machine:
+    """The machine (a profile or this one), a launched job's rank, and the main device."""
+    strategy, device_text = asked.req.strategy, asked.req.device_text
+    machine, facts_given = machine_for(asked.facts)
+    if isinstance(asked.device_map, dict):
+        device_text = device_of_map(asked.device_map, device_text, machine)
+    rank = place_rank(device_text, asked.device_map, machine, strategy=strategy)  # a launched job's rank
+    if rank is not None:
+        device_text = rank.device_text
+    origin = None
+    if rank is not None:
+        origin = f"{rank.device_text}: this rank's own device in the launched job"
+    elif asked.device is None and device_text is not None:
+        origin = "device_map= given"
+    main, candidates, device_decision = resolve_device(device_text, machine, origin=origin)
+    if rank is not None and strategy in {"auto", "fsdp"}:
+        candidates = shard_candidates(main, machine)  # sized against the ranks' devices together
+    return Machine(
+        machine=machine, facts_given=facts_given, rank=rank, main=main, candidates=candidates,
+        device_decision=device_decision,
+        world=machine.launch.world_size if machine.launch is not None else 1,
+    )  # fmt: skip
+
+
+def model_stage(asked: Asked, cfg: Config) -> Model:
+    """The class to load with, the model's facts, and a trained adapter checked against its modules."""
+    req = asked.req
+    class_choice = choose_model_class(cfg.config, asked.model_class if req.class_name else None)
+    facts = model_facts(
+        cfg.config,
+        name=cfg.name,
+        trust_remote_code=_trust_remote_code(asked),
+        model_class=class_choice.cls or class_choice.name,
+    )
+    if facts.pre_quantized and cfg.quant.kind not in {None, "auto"}:
+        raise InvalidRequestError(
+            f"quantize={asked.quantize!r}: {cfg.name} is already quantized ({facts.pre_quantized}); it "
+            "cannot be quantized again. Fix: quantize=None."
+        )
+    warnings: list[str] = []
+    # A trained adapter: its tensors against the base's modules, before any weight is read.
+    adapter_check, record = check_saved_adapter(
+        req.lora, config=cfg.config, model_class=class_choice.cls or class_choice.name, base=facts.name,
+        force=asked.force, merging=req.merge is not None, warnings=warnings,
+        trust_remote_code=_trust_remote_code(asked),
+    )  # fmt: skip
+    return Model(
+        class_choice=class_choice, facts=facts, adapter_check=adapter_check, record=record,
+        warnings=tuple(warnings),
+    )  # fmt: skip
+
+
+def _attempt(
+    asked: Asked, cfg: Config, mach: Machine, model: Model, dtype_decision: Decision, quant: QuantRequest
+) -> Attempt:
+    """A layout with the training plan made for it (new adapters), and its warnings."""
+    req, main, facts = asked.req, mach.main, model.facts
+    said: list[str] = []
+    lay = plan_layout(
+        facts=facts, machine=mach.machine, main=main, candidates=mach.candidates,
+        dtype_decision=dtype_decision, quant=quant, device_map=asked.device_map,
+        max_memory=req.max_memory, offload=asked.offload is not False, headroom=req.headroom,
+        enforce_extras=not mach.facts_given, warnings=said,
+        serve=asked.lora is None and req.strategy is None,  # docs/planning.md "Quantization for inference"
+    )  # fmt: skip
+    request = lora_request_for(asked.lora, quantized=lay.quantization is not None, trainable=asked.trainable)
+    request = fit_lora_to_class(request, model.class_choice, facts)  # task, head, VLM targets
+    check_lora_targets(request, facts, enforce=not mach.facts_given, warnings=said)
+    fused = fused_will_run(request, facts, quantization=lay.quantization, backend=main.backend)
+    graphs = graphs_possible(
+        request, fused=fused, backend=main.backend, world_size=mach.world,
+        torch_version=mach.machine.torch_version,
+    )  # fmt: skip
+    train, request = training_plan_for(
+        request, config=cfg.config, max_positions=facts.max_positions, memory=lay.memory,
+        device=main, dtype=str(lay.dtype.value), batch_size=req.batch_size, seq_len=req.seq_len,
+        fused=fused, quantized=lay.quantization in {"4bit", "8bit"}, packed=packing_wanted(request, facts),
+        allocation_cap=allocation_cap(main, mach.machine.env), graphs=graphs,
+    )  # fmt: skip
+    return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
+
+
+def placement_stage(asked: Asked, cfg: Config, mach: Machine, model: Model) -> Placement:
+    """The dtype, the layout (with the training plan for new adapters), and a launched job's share."""
+    warnings: list[str] = []
+    dtype_decision = decide_dtype(asked.req.dtype, mach.main, warnings)
+    attempt = functools.partial(_attempt, asked, cfg, mach, model, dtype_decision)
+    chosen = layout_for_training(  # new adapters: 4-bit by fit, no silent weight offload
+        attempt(cfg.quant), replan=attempt, quantize_given=asked.quantize is not None,
+        offload=asked.offload, device=mach.main.torch_device,
+    )  # fmt: skip
+    warnings += chosen.warnings
+    training = chosen.training
+    if training is not None and (too_big := training.warning(mach.main.torch_device)) is not None:
+        warnings.append(too_big)
+    distributed = plan_distributed(
+        rank=mach.rank, strategy=asked.req.strategy, layout=chosen.layout, model_facts=model.facts,
+        main=mach.main, machine=mach.machine, user_device_map=asked.device_map,
+        user_quant_config=cfg.quant.user_config, lora=asked.lora is not None,
+    )  # fmt: skip
+    return Placement(
+        layout=chosen.layout, lora=chosen.lora, training=training, distributed=distributed,
+        warnings=tuple(warnings),
+    )  # fmt: skip
+
+
+def attention_stage(asked: Asked, mach: Machine, model: Model, place: Placement) -> Attention:
+    """The attention implementation and the Hub layer kernels, knowing where every module runs."""
+    host_modules = host_modules_reason(asked.device_map, place.layout.max_memory, mach.main)
+    attention = choose_attention(
+        asked.req.attn, mach.main, place.dtype, model.facts, host_modules=host_modules
+    )
+    kernels = choose_kernels(
+        asked.req.kernels, mach.main, model.facts, lora=place.lora is not None, host_modules=host_modules
+    )
+    warnings = tuple(w for w in (attention.warning, kernels.warning) if w)
+    return Attention(attention=attention, kernels=kernels, warnings=warnings)
+
+
+def adapters_stage(asked: Asked, mach: Machine, model: Model, place: Placement) -> Adapters:
+    """The LoRA decision, the training plan's, the fused path, the layer graphs, packing, the seed."""
+    lora, training, facts, main = place.lora, place.training, model.facts, mach.main
+    quantization = place.layout.quantization
+    decisions: list[Decision] = []
+    warnings: list[str] = []
+    if lora is not None:
+        checked = f"; adapter check: {model.adapter_check}" if model.adapter_check else ""
+        decisions.append(
+            Decision(name="lora", value=lora.describe(), reason=lora.reason + checked, source="user")
+        )
+        if lora.trainable and model.record is not None:
+            mismatch = model.record.training_mismatch(quantization)
+            warnings += [mismatch] if mismatch else []
+    decisions += list(training.decisions) if training is not None else []
+    fused = decide_fused(lora, facts, quantization=quantization, backend=main.backend)
+    decisions += [fused] if fused is not None else []
+    whole = fused_will_run(lora, facts, quantization=quantization, backend=main.backend)
+    graphs = decide_layer_graphs(
+        lora, fused=whole, training=training, backend=main.backend, world_size=mach.world,
+        torch_version=mach.machine.torch_version,
+    )  # fmt: skip
+    decisions += [graphs] if graphs is not None else []
+    packing = decide_packing(lora, facts, graphs=bool(graphs is not None and graphs.value))
+    decisions += [packing] if packing is not None else []
+    new_adapters = lora is not None and lora.kind == "new"
+    if asked.req.seed is not None or new_adapters:
+        decisions.append(seed_decision(asked.req.seed, new_adapters=new_adapters))
+    return Adapters(decisions=tuple(decisions), warnings=tuple(warnings))
+
+
+def decode_stage(asked: Asked, mach: Machine, model: Model, place: Placement) -> Decode:
+    """``fast_decode``: the static cache and compiled decoding, sized from the headroom."""
+    if not asked.req.fast_decode:
+        return Decode(plan=None, decision=None)
+    decode, decision = plan_decode(
+        device=mach.main,
+        dtype=place.dtype,
+        memory=place.layout.memory,
+        facts=model.facts,
+        quantization=place.layout.quantization,
+        device_map=place.distributed.device_map,
+        quantization_config=place.layout.quantization_config,
+    )
+    return Decode(plan=decode, decision=decision)
+
+
+def merge_stage(
+    asked: Asked, mach: Machine, model: Model, place: Placement, warnings: list[str]
+) -> MergePlan | None:
+    """``merge=``: which weights the adapter is merged into, and where (its warning joins ``warnings``)."""
+    if asked.req.merge is None:
+        return None
+    return plan_merge(
+        asked.req.merge, lora_request=place.lora, memory=place.layout.memory, main=mach.main,
+        machine=mach.machine, facts=model.facts, dtype=place.dtype, adapter_check=model.adapter_check or "",
+        record=model.record, warnings=warnings,
+    )  # fmt: skip
+
+
+def plan_stage(
+    asked: Asked, cfg: Config, mach: Machine, model: Model, place: Placement, attn: Attention,
+    adapters: Adapters, decode: Decode, warnings: tuple[str, ...],
+) -> LoadPlan:  # fmt: skip
+    """Every decision in the plan's order, and the frozen :class:`LoadPlan`."""
+    layout, distributed = place.layout, place.distributed
+    decisions = [mach.device_decision, layout.dtype, *layout.decisions, attn.attention.decision]
+    decisions = distributed.merged([*decisions, attn.kernels.decision])
+    decisions.insert(0, model.class_choice.decision)
+    decisions += adapters.decisions
+    decisions += [decode.decision] if decode.decision is not None else []
+    user_config = cfg.quant.user_config
+    return LoadPlan(
+        model=cfg.source, model_facts=model.facts, machine=mach.machine, device=mach.main, dtype=place.dtype,
+        quantization=layout.quantization,
+        quantization_config=head_skip_modules(model.facts, distributed.quantization_config, user_config),
+        attn_implementation=attn.attention.value,
+        attention_kernel=attn.attention.kernel.repo if attn.attention.kernel else None,
+        use_kernels=attn.kernels.use, device_map=distributed.device_map, max_memory=distributed.max_memory,
+        memory=layout.memory, lora=place.lora, decisions=tuple(decisions), warnings=warnings,
+        passthrough=asked.kwargs, model_class=model.class_choice.name, user_quantization_config=user_config,
+        kernel_config=attn.kernels.config if attn.kernels.use else None, config=cfg.config,
+        config_kwargs=cfg.consumed,
+        config_given="config" in asked.kwargs
+        or (cfg.source is not None and not isinstance(asked.model, (str, Path))),
+        seed=asked.req.seed, strategy=distributed.strategy, decode=decode.plan, training=place.training,
+    )  # fmt: skip

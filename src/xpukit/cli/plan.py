@@ -70,8 +70,18 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("--strategy", help="auto, ddp, fsdp or deepspeed: plan the load for that strategy")
     parser.add_argument(
         "--fast-decode",
-        action="store_true",
-        help="plan fast_decode=True: static KV cache and compiled decoding (docs/decode.md)",
+        action="store_const",
+        const=True,
+        default="auto",
+        help="plan fast_decode=True: static KV cache and compiled decoding (docs/decode.md); without "
+        "it fast_decode='auto', taken for torchao weights loaded to run on CUDA/XPU",
+    )
+    parser.add_argument(
+        "--no-fast-decode",
+        dest="fast_decode",
+        action="store_const",
+        const=False,
+        help="plan fast_decode=False: no static cache or compiled decoding, also where 'auto' takes it",
     )
     parser.add_argument(
         "--train",
@@ -129,7 +139,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
         "max_memory": parse_max_memory(args.max_memory) if args.max_memory else None,
         "headroom": args.headroom,
         "strategy": getattr(args, "strategy", None),
-        "fast_decode": bool(getattr(args, "fast_decode", False)),
+        "fast_decode": getattr(args, "fast_decode", "auto"),
         **_train(getattr(args, "train", None)),
     }
     check_request({}, **kwargs)

@@ -25,7 +25,7 @@ from xpukit.planning.arguments import (
 )
 from xpukit.planning.device.attention import choose_attention
 from xpukit.planning.device.choice import decide_dtype, machine_for, resolve_device
-from xpukit.planning.device.decode import plan_decode
+from xpukit.planning.device.decode import decide_decode
 from xpukit.planning.device.distributed import place_rank, plan_distributed, shard_candidates
 from xpukit.planning.device.layer_kernels import choose_kernels
 from xpukit.planning.device.layout import plan_layout
@@ -68,7 +68,7 @@ def plan_load(
     model_class: Any = None,
     seed: Any = None,
     strategy: Any = None,
-    fast_decode: bool = False,
+    fast_decode: bool | str = "auto",
     batch_size: int | None = None,
     seq_len: int | None = None,
     merge: Any = False,
@@ -116,7 +116,8 @@ def plan_load(
         fast_decode: ``True``: a static KV cache sized from the headroom and compiled decoding
             through the model's ``generation_config`` (CUDA, XPU; on the CPU and MPS nothing changes
             and the decision says why), as the plan's ``fast_decode`` decision says (docs/decode.md);
-            default off.
+            ``"auto"`` (default): taken for torchao weights loaded to run on CUDA/XPU, otherwise off;
+            ``"unfused"``: ``True`` without fused q/k/v and gate/up products; ``False``: off.
         batch_size: with new LoRA adapters, the sequences per optimizer step to plan training for
             (default 8); the memory savers are chosen by fit (docs/training.md "Training plan by fit").
         seq_len: with new LoRA adapters, the tokens per sequence (default 2048, capped at the
@@ -296,18 +297,19 @@ def plan_load(
     new_adapters = lora_request is not None and lora_request.kind == "new"
     if seed is not None or new_adapters:
         decisions.append(seed_decision(seed, new_adapters=new_adapters))
-    decode = None
-    if fast_decode:
-        decode, decode_decision = plan_decode(
-            device=main,
-            dtype=dtype_name,
-            memory=layout.memory,
-            facts=mfacts,
-            quantization=layout.quantization,
-            device_map=distributed.device_map,
-            quantization_config=layout.quantization_config,
-        )
-        decisions.append(decode_decision)
+    decode, decode_decision = decide_decode(
+        fast_decode,
+        serving=lora is None and strategy is None,
+        chosen_format=quant.user_config is None,
+        device=main,
+        dtype=dtype_name,
+        memory=layout.memory,
+        facts=mfacts,
+        quantization=layout.quantization,
+        device_map=distributed.device_map,
+        quantization_config=layout.quantization_config,
+    )
+    decisions += [decode_decision] if decode_decision is not None else []
     merge_plan = None if merge_request is None else plan_merge(
         merge_request, lora_request=lora_request, memory=layout.memory, main=main, machine=machine,
         facts=mfacts, dtype=dtype_name, adapter_check=adapter_check or "", record=record,

@@ -72,7 +72,7 @@ def _concat_subclass(torch: Any, weights: list[Any]) -> tuple[Any, str | None]:
         fused = cls.__tensor_unflatten__(inner, attrs, shape, None)
         exact = _same_products(torch, fused, weights)
     except Exception as exc:  # a layout whose slicing or construction does not follow these rules
-        return None, f"{cls.__name__} did not concatenate ({type(exc).__name__}: {exc})"
+        return None, f"{cls.__name__} did not concatenate ({type(exc).__name__}: {str(exc)[:100]})"
     if not exact:
         return None, f"{cls.__name__} concatenated does not compute its parts' products"
     return fused, None

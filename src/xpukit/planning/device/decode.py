@@ -55,6 +55,9 @@ FAST_DECODE_VALUES = (True, False, "auto", "unfused")
 # "Quantized models"): generate() skips compilation for them.
 _NOT_COMPILED_QUANT = {"4bit", "8bit"}
 _GPU = {"cuda", "xpu"}
+# torchao 0.18 formats whose inner tensors slice by rows (aten.slice), so that q/k/v and gate/up
+# concatenate (docs/decode.md "Fused projections"); plain_int32 (XPU int4) has no row slicing.
+_FUSABLE_TORCHAO = {("Int8WeightOnlyConfig", None), ("Int4WeightOnlyConfig", "tile_packed_to_4d")}
 # Measured on the H200, Qwen3-8B shape, batch 1 (docs/benchmarks.md "Quantized weights", docs/decode.md
 # "Fast by default"): what "auto" is decided on, and what the first compile costs.
 _AUTO_EVIDENCE = (
@@ -287,7 +290,7 @@ def _plan(
         grouped_attention=backend == "cuda",
         step_graph=backend == "cuda",
         inductor_patterns=not _int8_patterns_off(backend, quantization_config),
-        fused_projections=ask.fuse and quantization in {None, "torchao"},
+        fused_projections=ask.fuse and _fusable(quantization, quantization_config),
         weights=_weights_label(dtype, quantization_config),
     )
     return plan, Decision(
@@ -364,8 +367,7 @@ def _compiled_reason(plan: DecodePlan, backend: str) -> str:
     sizes = ", ".join(str(b) for b in plan.graph_batch_sizes)
     text = (
         "decoding step compiled (fullgraph, static shapes but the attention window's length, "
-        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use; "
-        + _WARMUP_COST
+        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use; " + _WARMUP_COST
     )
     if plan.grouped_attention:
         text += (
@@ -386,9 +388,22 @@ def _compiled_reason(plan: DecodePlan, backend: str) -> str:
     if plan.fused_projections:
         text += (
             "; q/k/v and gate/up fused into one product each at load, one read of their weights per "
-            'layer (fast_decode="unfused" keeps them apart: docs/decode.md "Fused projections")'
+            'layer, not yet measured (fast_decode="unfused" keeps them apart: docs/decode.md "Fused projections")'
         )
+    elif plan.weights.startswith("torchao"):
+        text += f'; q/k/v and gate/up kept apart: {plan.weights} does not slice by rows (docs/decode.md "Fused projections")'
+
     return text
+
+
+def _fusable(quantization: str | None, config: dict[str, Any] | None) -> bool:
+    """Weights whose rows concatenate: float ones, and the torchao formats that slice by rows."""
+    if quantization is None:
+        return True
+    if quantization != "torchao" or not config:
+        return False
+    kwargs = config.get("quant_type_kwargs") or {}
+    return (config.get("quant_type"), kwargs.get("int4_packing_format")) in _FUSABLE_TORCHAO
 
 
 def _weights_label(dtype: str, config: dict[str, Any] | None) -> str:

@@ -82,7 +82,8 @@ _CHILD = textwrap.dedent(
     first = time.perf_counter() - start
     counters = torch._dynamo.utils.counters
     print(json.dumps({"load_s": loaded, "first_call_s": first, "last": model.xpukit_last_decode,
-                      "cache": model.xpukit_decode_loop.cache_records, "inductor": dict(counters["inductor"])}))
+                      "cache": model.xpukit_decode_loop.cache_records,
+                      "inductor": dict(counters["inductor"])}))
     """
 )
 

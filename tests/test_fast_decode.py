@@ -250,5 +250,6 @@ def test_plan_cli_auto_and_no_fast_decode(capsys, monkeypatch):
     assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["decode"] == {"static_cache": True, "max_cache_len": 4096, "compile": "default"}
-    assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--no-fast-decode", "--json"]) == 0
+    off = ["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--no-fast-decode", "--json"]
+    assert main(off) == 0
     assert json.loads(capsys.readouterr().out)["decode"] is None

@@ -275,7 +275,8 @@ def decode_int4_check(torch: Any, device: DeviceFacts, *, compiled: bool = True)
     mode = ("compiled" if compiled else "eager") + (
         ", own step graph" if compiled and device.backend == "cuda" else ""
     )
-    return f"{fmt.label}, {mode}, fused {fused['attention']}+{fused['mlp']} of {2 * fused['blocks']} groups: {note}; first call {first:.1f} s"
+    groups = f"fused {fused['attention']}+{fused['mlp']} of {2 * fused['blocks']} groups"
+    return f"{fmt.label}, {mode}, {groups}: {note}; first call {first:.1f} s"
 
 
 def _tiny_config(*, layers: int, **extra: Any) -> Any:

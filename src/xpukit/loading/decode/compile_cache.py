@@ -10,13 +10,14 @@ first needed, so that a second process's first call hits the caches (docs/decode
 "Compile cache"). The blob holds every artifact torch registers with the mega-cache: inductor's FX
 graphs with their compiled Triton kernels bundled in (``bundle_triton_into_fx_graph_cache``, on by
 default), AOT-autograd's graphs, autotuning results and dynamo's profile-guided shapes; dynamo's own
-trace is not among them (only torch's experimental ``caching_precompile`` adds it), so it runs again. ``os.environ`` is never changed: no ``TORCHINDUCTOR_CACHE_DIR``.
+trace is not among them (only torch's experimental ``caching_precompile`` adds it), so it runs again.
+``os.environ`` is never changed: no ``TORCHINDUCTOR_CACHE_DIR``.
 
 The key hashes what makes a graph differ (the model config, dtype, device name and compute
 capability, torch / triton / transformers / torchao / bitsandbytes / xpukit versions, the weights'
-format and whether projections are fused, batch size, cache length, step, compile settings): a blob is only ever
-loaded where it was made. torch checks its own artifacts again on every hit, so a wrong blob costs
-a miss, not a wrong result. A cache dir that cannot be written (read-only, full) is recorded, never
+format and whether projections are fused, batch size, cache length, step, compile settings): a
+blob is only ever loaded where it was made. torch checks its own artifacts again on every hit, so
+a wrong blob costs a miss, not a wrong result. A cache dir that cannot be written (read-only, full) is recorded, never
 raised.
 """
 
@@ -85,7 +86,7 @@ def key_fields(
         "step": step,
         "compile": {k: v if isinstance(v, (str, int, bool)) else repr(v) for k, v in compile_options.items()},
         "versions": versions if versions is not None else _versions(),
-        "weights": {k: weights[k] for k in sorted(weights or {})},
+        "weights": dict(sorted((weights or {}).items())),
     }
 
 

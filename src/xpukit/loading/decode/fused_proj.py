@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["QKV_BUFFER", "GATE_UP_BUFFER", "concat_rows", "fuse_projections"]
+__all__ = ["GATE_UP_BUFFER", "QKV_BUFFER", "concat_rows", "fuse_projections"]
 
 QKV_BUFFER = "xpukit_qkv_weight"
 GATE_UP_BUFFER = "xpukit_gate_up_weight"
@@ -60,7 +60,7 @@ def _concat_subclass(torch: Any, weights: list[Any]) -> tuple[Any, str | None]:
     if any(n != names for n, _ in flat) or any(r != rest[0] for r in rest):
         return None, f"the parts' {cls.__name__} attributes differ"
     block = attrs.get("block_size")
-    if block is not None and list(block)[0] != 1:
+    if block is not None and next(iter(block)) != 1:
         return None, f"{cls.__name__} groups span rows (block_size {block})"
     try:
         dims = _row_dims(weights[0], names)
@@ -141,9 +141,10 @@ def _linears(parent: Any, names: tuple[str, ...]) -> tuple[list[Any] | None, str
     if any(type(layer) is not torch.nn.Linear for layer in layers):
         kinds = sorted({type(layer).__name__ for layer in layers})
         return None, f"{'/'.join(kinds)} layers (plain Linear layers only)"
-    if len({layer.bias is None for layer in layers}) > 1:
+    found = [layer for layer in layers if layer is not None]
+    if len({layer.bias is None for layer in found}) > 1:
         return None, "bias on some parts only"
-    return layers, None
+    return found, None
 
 
 def _install_fused(parent: Any, layers: list[Any], buffer: str) -> tuple[list[int], str | None]:

@@ -26,8 +26,8 @@ from typing import Any
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode.attention import NAME as GROUPED_ATTENTION
-from xpukit.loading.decode.progress import compile_progress
 from xpukit.loading.decode.buckets import WINDOW_SMALLEST, left_pad, prompt_length, window_length
+from xpukit.loading.decode.progress import compile_progress
 from xpukit.loading.decode.request import DecodeRequest, triage
 from xpukit.loading.decode.state import DecodeState, new_state
 from xpukit.loading.decode.step import decode_step, prefill_step

@@ -195,8 +195,8 @@ def decide_decode(
         if not _auto_applies(serving, chosen_format, device.backend, quantization):
             return None, None
         ask = _Ask(
-            lead=f"quantized weights to run on {device.backend}, so fast_decode by default ({_AUTO_EVIDENCE}; "
-            "fast_decode=False opts out)",
+            lead=f"quantized weights to run on {device.backend}, so fast_decode by default "
+            f"({_AUTO_EVIDENCE}; fast_decode=False opts out)",
             source="auto",
             fuse=True,
         )
@@ -265,7 +265,7 @@ def _plan(
     length, why_none = _cache_length(dtype, memory, facts)
     if length == 0:
         return _off(f"{ask.lead}, but {why_none}")
-    per_token = facts.kv_bytes_per_token * (2 if dtype == "float32" else 1)
+    per_token = (facts.kv_bytes_per_token or 0) * (2 if dtype == "float32" else 1)
     kv_bytes = length * per_token
     sized = _sized_reason(length, kv_bytes, why_none, memory.weights)
     no_compile = _why_not_compiled(device_map)
@@ -388,10 +388,14 @@ def _compiled_reason(plan: DecodePlan, backend: str) -> str:
     if plan.fused_projections:
         text += (
             "; q/k/v and gate/up fused into one product each at load, one read of their weights per "
-            'layer, not yet measured (fast_decode="unfused" keeps them apart: docs/decode.md "Fused projections")'
+            'layer, not yet measured (fast_decode="unfused" keeps them apart: docs/decode.md '
+            '"Fused projections")'
         )
     elif plan.weights.startswith("torchao"):
-        text += f'; q/k/v and gate/up kept apart: {plan.weights} does not slice by rows (docs/decode.md "Fused projections")'
+        text += (
+            f"; q/k/v and gate/up kept apart: {plan.weights} does not slice by rows "
+            '(docs/decode.md "Fused projections")'
+        )
 
     return text
 

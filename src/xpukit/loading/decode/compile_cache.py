@@ -17,8 +17,8 @@ The key hashes what makes a graph differ (the model config, dtype, device name a
 capability, torch / triton / transformers / torchao / bitsandbytes / xpukit versions, the weights'
 format and whether projections are fused, batch size, cache length, step, compile settings): a
 blob is only ever loaded where it was made. torch checks its own artifacts again on every hit, so
-a wrong blob costs a miss, not a wrong result. A cache dir that cannot be written (read-only, full) is recorded, never
-raised.
+a wrong blob costs a miss, not a wrong result. A cache dir that cannot be written (read-only, full)
+is recorded, never raised.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ chat-like distribution:
 
     chat       log-normal, median 256 tokens, clipped to [32, 1024]
     longtail   log-normal, median 384 tokens, wider, clipped to [32, 2048]
+    uniform    uniform in [64, 512] tokens
     fixed      every example 512 tokens (the fixed-shape step, for reference)
 
 Each variant trains ``--steps`` optimizer steps of ``--batch`` examples in its own process (so peak
@@ -23,6 +24,8 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     xpukit-adamw       xpukit with optim="adamw_torch_fused" instead of the plan's paged 8-bit AdamW
     xpukit-gc-graphs   xpukit with lora={"gradient_checkpointing": True, "graphs": True}: each layer
                        checkpointed inside the layer graphs (the budget case, device-bound)
+    xpukit-offload-graphs  xpukit with lora={"gradient_checkpointing": "offload", "graphs": True}: each
+                       layer's input copied to a pinned host slot and back inside the graphs
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
                        unsloth's recommended set-up (it turns padding-free batches on for text SFT)
     unsloth-nogc       the same with unsloth's checkpointing off (its fastest setting, more memory)
@@ -35,7 +38,10 @@ into their pool unseen by ``max_memory_allocated``, which is reported beside it)
 for xpukit the packing and graph counters (``model.xpukit_packing.stats``,
 ``model.xpukit_layer_graphs.stats``). Rounds interleave the variants (``--repeat``); the summary
 gives medians and ranges. ``--max-memory 8GB`` gives xpukit that budget (unsloth has none: its
-checkpointing is its memory setting).
+checkpointing is its memory setting); a list (``--max-memory 8GB,10GB,12GB,none``) runs every variant
+at every budget, the rows named ``variant@budget``. ``tokens_per_s_first20`` is a short run's figure:
+every non-padding token of the first 20 steps over the time from the start of training to the end of
+step 20 (captures, warm-up and all), as a notebook run of 20 steps sees it.
 
 Usage::
 
@@ -63,17 +69,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VARIANTS = (
     "xpukit", "xpukit-sft", "xpukit-nopack", "xpukit-eager", "xpukit-liger", "xpukit-adamw",
-    "xpukit-gc-graphs", "unsloth", "unsloth-nogc", "unsloth-trainer",
+    "xpukit-gc-graphs", "xpukit-offload-graphs", "unsloth", "unsloth-nogc", "unsloth-trainer",
 )  # fmt: skip
 # lora= and training_args keywords of the xpukit variants beside the one call.
 XPUKIT_LORA: dict[str, Any] = {
     "xpukit-nopack": {"packing": False}, "xpukit-eager": {"graphs": False}, "xpukit-liger": {"liger": True},
     "xpukit-gc-graphs": {"gradient_checkpointing": True, "graphs": True},
+    "xpukit-offload-graphs": {"gradient_checkpointing": "offload", "graphs": True},
 }  # fmt: skip
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {"xpukit-adamw": {"optim": "adamw_torch_fused"}}
 DATA = {  # median, sigma of log(length), low, high
     "chat": (256, 0.6, 32, 1024),
     "longtail": (384, 0.9, 32, 2048),
+    "uniform": (0, -1.0, 64, 512),  # sigma < 0: uniform in [low, high]
     "fixed": (512, 0.0, 512, 512),
 }
 
@@ -85,6 +93,9 @@ def lengths(kind: str, n: int, seed: int, scale: float = 1.0) -> list[int]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
+        if sigma < 0:
+            out.append(int(rng.uniform(low * scale, high * scale)))
+            continue
         value = median * scale * (rng.lognormvariate(0.0, sigma) if sigma else 1.0)
         out.append(int(min(max(value, low * scale), high * scale)))
     return out
@@ -113,7 +124,10 @@ def main() -> int:
     parser.add_argument("--log-every", type=int, default=5, help="logging_steps (each log syncs the device)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds of all variants, interleaved")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset")
-    parser.add_argument("--max-memory", help="xpukit's device budget, e.g. 8GB")
+    parser.add_argument(
+        "--max-memory",
+        help="xpukit's device budget, e.g. 8GB; a comma-separated list runs each (none: no budget)",
+    )
     parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
     parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
     parser.add_argument("--model-cache", help="reuse (or build once into) this model directory")
@@ -131,6 +145,9 @@ def main() -> int:
         parser.error(
             f"unknown variants {sorted(set(variants) - set(VARIANTS))}; choose from {', '.join(VARIANTS)}"
         )
+    budgets = [b for b in (args.max_memory or "").split(",") if b]
+    if len(budgets) > 1:  # every variant at every budget, interleaved: rows named variant@budget
+        variants = [f"{v}@{b}" for b in budgets for v in variants]
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.workdir) as tmp:
@@ -147,8 +164,9 @@ def run_child(args: argparse.Namespace, variant: str, model_dir: Path) -> dict[s
 
 
 def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    summed = ("tokens_per_s", "tokens_per_s_steady", "peak_mem_gb", "step_ms_median", "loss_last")
-    kept = ("data", "micro_batch", "graphs", "packing", "plan")
+    summed = ("tokens_per_s", "tokens_per_s_steady", "tokens_per_s_first20", "peak_mem_gb", "step_ms_median",
+              "loss_last")  # fmt: skip
+    kept = ("data", "micro_batch", "graphs", "packing", "plan", "max_memory", "budget_kept")
     return qlora.summary(variant, rows, bench="realrun", summed=summed, kept=kept)
 
 
@@ -167,6 +185,9 @@ class Counting:
 
 
 def run_variant(args: argparse.Namespace) -> dict[str, Any]:
+    args.variant_child, _, budget = args.variant_child.partition("@")
+    if budget:
+        args.max_memory = None if budget == "none" else budget
     if args.variant_child.startswith("unsloth"):
         os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
         import unsloth  # noqa: F401  (before transformers, as unsloth requires)
@@ -249,6 +270,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     qlora.reset_peak(device)
     started = time.perf_counter()
     trainer.train()
+    first = min(20, len(times))  # a short run's view: the first 20 steps, captures and warm-up included
     per_step = [sum(counting.tokens[i * accumulate : (i + 1) * accumulate]) for i in range(len(times))]
     timed = slice(args.warmup, len(times))
     steps = [b - a for a, b in zip(times[args.warmup - 1 : -1], times[args.warmup :], strict=True)]
@@ -268,6 +290,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "realrun", "variant": variant, "data": args.data, "device": device,
         "tokens_per_s": round(sum(per_step[timed]) / sum(steps), 1) if steps else None,
         "tokens_per_s_steady": round(sum(per_step[k] for k in steady) / steady_time, 1) if steady else None,
+        "tokens_per_s_first20": round(sum(per_step[:first]) / (times[first - 1] - started), 1)
+        if first else None,
+        "captures": captures[-1] if captures else 0,
         "captures_timed": captures[-1] - captures[args.warmup - 1] if captures else 0,
         "step_ms_median": round(1000 * statistics.median(steps), 1) if steps else None,
         "step_ms_range": [round(1000 * min(steps), 1), round(1000 * max(steps), 1)] if steps else None,
@@ -278,8 +303,13 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "graph_pool_slack_gb": round(slack / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
         "micro_batch": micro, "accumulation": accumulate, "losses": losses,
         "loss_last": losses[-1] if losses else None, "max_memory": args.max_memory,
+        "budget_kept": reserved <= _bytes(args.max_memory)
+        if reserved is not None and args.max_memory else None,
         "versions": qlora.versions(), "date": time.strftime("%Y-%m-%d"),
     }  # fmt: skip
+    if plan is not None and plan.training is not None:
+        row["pass_tokens"] = plan.training.pass_tokens
+        row["split_by_tokens"] = plan.training.split_by_tokens
     if plan is not None:
         row["plan"] = {d.name: str(d.value) for d in plan.decisions
                        if d.name in ("gradient_checkpointing", "liger", "loss", "micro_batch", "fused_lora",
@@ -295,6 +325,16 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         row["graphs_rope"] = rope.note
     del trainer, model
     return row
+
+
+def _bytes(text: str) -> int:
+    """``8GB`` / ``7.5GiB`` as bytes (the budget a row is checked against)."""
+    units = {"GIB": 2**30, "GB": 10**9, "MIB": 2**20, "MB": 10**6}
+    upper = text.strip().upper()
+    for unit, size in units.items():
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * size)
+    return int(upper)
 
 
 def _as_dataset(data: list[dict[str, list[int]]]) -> Any:

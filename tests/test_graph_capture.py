@@ -277,13 +277,17 @@ def test_packed_rows_take_a_captured_shape_once_the_graphs_keep_no_more(tiny_mod
     assert graphs.stats["captures"] == 2 and graphs.stats["graphed"] == 3
 
 
+@pytest.mark.parametrize("mode", [True, "offload"])
 def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
-    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: bool | str
 ) -> None:
-    """lora={"graphs": True, "gradient_checkpointing": True}: each layer checkpointed inside the
-    captured stack (the backward recomputes it with the stand-ins in place) and on the eager passes;
-    losses and gradients equal the plain eager layers over two shapes with accumulation."""
+    """lora={"graphs": True, "gradient_checkpointing": True | "offload"}: each layer checkpointed
+    inside the captured stack (the backward recomputes it with the stand-ins in place) and on the eager
+    passes; with "offload" each captured layer's input goes to its host slot and back. Losses and
+    gradients equal the plain eager layers over two shapes with accumulation."""
     import torch.utils.checkpoint as ckpt
+
+    import xpukit.loading.training.graph_offload as graph_offload
 
     from xpukit import training_args
     from xpukit.loading.training.layer_graphs import install_layer_graphs
@@ -296,6 +300,15 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ckpt, "checkpoint", counted)
+    came_back: list[Any] = []  # the layer inputs unpacked from their host slots
+    real_offloaded = graph_offload._Offloaded
+
+    class Offloaded(real_offloaded):  # type: ignore[misc,valid-type]
+        def __init__(self, slot: Any, device: Any) -> None:
+            super().__init__(slot, device)
+            came_back.append(slot)
+
+    monkeypatch.setattr(graph_offload, "_Offloaded", Offloaded)
     gen = torch.Generator().manual_seed(5)
     batches = [torch.randint(3, 500, (2, n), generator=gen) for n in (12, 12, 9, 12, 9, 9)]
     runs = []
@@ -305,7 +318,7 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
             eager = model  # no optimizer step changes its weights: the reference below too
         if graphed:
             model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-            install_layer_graphs(model, checkpoint=True)
+            install_layer_graphs(model, checkpoint=mode)
             model.xpukit_layer_graphs.backend = RerunBackend()
             layers = model.xpukit_layer_graphs.layers
             assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
@@ -328,6 +341,13 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
     stats = model.xpukit_layer_graphs.stats
     assert stats["captures"] == 2 and stats["graphed"] == 5 and stats["eager"] == 1
     assert False in calls  # inside the capture: no RNG state saved
+    if mode == "offload":  # every captured layer's input went through a host slot, one buffer for all
+        assert stats["host_slot_bytes"] > 0 and len(came_back) >= 5 * len(layers)
+        assert {s.untyped_storage().data_ptr() for s in came_back} == {
+            model.xpukit_layer_graphs.host.buffer.untyped_storage().data_ptr()
+        }
+    else:
+        assert not came_back
     # An eager checkpointed pass (a shape beyond those kept) given a KV cache to fill: the
     # recomputation must not fill it a second time.
     graphs = model.xpukit_layer_graphs

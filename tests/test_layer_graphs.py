@@ -49,8 +49,6 @@ def test_on_for_intel_gpus_with_a_torch_that_has_xpu_graphs() -> None:
     [
         ({"facts": "cpu"}, "need CUDA or an Intel GPU"),
         ({"lora": {"fused": False}}, "fused 4-bit LoRA path"),
-        ({"lora": {"gradient_checkpointing": True}}, "only where asked"),
-        ({"lora": {"gradient_checkpointing": "offload"}}, "pinned host memory"),
     ],
 )
 def test_off_where_not_measured(kwargs: dict[str, Any], why: str) -> None:
@@ -78,41 +76,49 @@ def test_the_user_turns_it_off_or_insists() -> None:
         resolve_lora({"graphs": "yes"}, quantized=True)
 
 
-def test_checkpointed_layers_inside_the_graphs_only_where_asked() -> None:
-    """With plain checkpointing the graphs capture the recomputation when lora={"graphs": True} asks
-    (not measured on a GPU yet, so never by the plan alone); their buffers are then in the estimate.
-    Offloaded checkpointing cannot be captured, and asking for it is refused."""
+def test_every_checkpointing_rung_runs_captured_with_its_buffers_in_the_fit() -> None:
+    """Plain and offloaded checkpointing both run inside the graphs (the recomputation captured; with
+    "offload" each layer's input in a host slot): the plan takes them by itself where the estimate,
+    the graphs' buffers and the recomputation in their pool included, fits; a budget that fits only
+    without those buffers runs eagerly, with that reason."""
     args: dict[str, Any] = {"facts": "h200", "quantize": "4bit", "batch_size": 4, "seq_len": 512}
-    asked = plan_load(
-        reference_config("qwen3-8b"), lora={"graphs": True, "gradient_checkpointing": True}, **args
+    for gc, text in ((True, "checkpointed inside the graphs"), ("offload", "pinned host slot")):
+        for lora in ({"gradient_checkpointing": gc}, {"graphs": True, "gradient_checkpointing": gc}):
+            plan = plan_load(reference_config("qwen3-8b"), lora=lora, **args)
+            graphs = _decision(plan)
+            assert graphs.value is True and text in graphs.reason, lora
+            assert plan.training is not None and plan.training.gradient_checkpointing == gc
+            assert plan.training.graphs and plan.training.estimate["graph_buffers"] > 0
+    eager = plan_load(
+        reference_config("qwen3-8b"), lora={"graphs": False, "gradient_checkpointing": True}, **args
     )
-    graphs = _decision(asked)
-    assert graphs.value is True and "checkpointed inside the graphs" in graphs.reason
-    assert asked.training is not None and asked.training.gradient_checkpointing is True
-    assert asked.training.estimate["graph_buffers"] > 0
-    alone = plan_load(reference_config("qwen3-8b"), lora={"gradient_checkpointing": True}, **args)
-    assert alone.training is not None and "graph_buffers" not in alone.training.estimate
-    with pytest.raises(InvalidRequestError, match=r"graphs': True.*pinned host memory.*Fix"):
-        plan_load(reference_config("qwen3-8b"), lora={"graphs": True, "gradient_checkpointing": "offload"},
-                  **args)  # fmt: skip
-    # Asking for graphs under a budget: the plan never picks the offloaded rung it would then refuse.
-    budget = plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, max_memory={0: "8GB"}, **args)
-    assert budget.training is not None and budget.training.gradient_checkpointing is True
-    assert _decision(budget).value is True
-    assert budget.training.estimate["graph_buffers"] > 0  # with the recomputation the eager loss cannot reuse
+    assert eager.training is not None and "graph_buffers" not in eager.training.estimate
+    # 8 GB: offloaded checkpointing fits 4 x 512 only without the graphs' memory (no liger here: the
+    # chunked loss's logits and the recomputation each keep a pool) -> eager, and it says why
+    budget = plan_load(reference_config("qwen3-8b"), lora=True, max_memory={0: "8GB"}, **args)
+    assert budget.training is not None and budget.training.gradient_checkpointing == "offload"
+    assert not budget.training.graphs and "graph_buffers" not in budget.training.estimate
+    assert (
+        _decision(budget).value is False and "only without the graphs' own memory" in _decision(budget).reason
+    )
+    # asking for the graphs there: only the captured rungs are tried (the leanest with a token budget)
+    asked = plan_load(reference_config("qwen3-8b"), lora={"graphs": True}, max_memory={0: "8GB"}, **args)
+    assert asked.training is not None and asked.training.graphs and _decision(asked).value is True
+    assert asked.training.estimate["graph_buffers"] > 0  # with the recomputation the eager loss cannot reuse
     # training_args leaves transformers' checkpointing off: xpukit checkpoints inside the graphs
     from xpukit.machine.profiles import device_profile
     from xpukit.training.keywords import TrainingContext, training_kwargs
 
+    inside_plan = plan_load(reference_config("qwen3-8b"), lora={"gradient_checkpointing": True}, **args)
     h200 = device_profile("h200")
-    inside = TrainingContext(training=asked.training, checkpoint_in_graphs=True)
+    inside = TrainingContext(training=inside_plan.training, checkpoint_in_graphs=True)
     assert training_kwargs(h200, context=inside, output_dir="o")["gradient_checkpointing"] is False
     # ... while the rules that follow checkpointing still see it: the 4-bit optimizer for a tight fit
-    tight = TrainingContext(training=asked.training, checkpoint_in_graphs=True, gradient_checkpointing=True,
-                            quantized=True, bitsandbytes_version="0.50.2")  # fmt: skip
+    tight = TrainingContext(training=inside_plan.training, checkpoint_in_graphs=True,
+                            gradient_checkpointing=True, quantized=True, bitsandbytes_version="0.50.2")  # fmt: skip
     chosen = training_kwargs(h200, context=tight, output_dir="o")
     assert chosen["gradient_checkpointing"] is False and chosen["optim"] == "paged_adamw_8bit"
-    plain = TrainingContext(training=asked.training)
+    plain = TrainingContext(training=inside_plan.training)
     assert training_kwargs(h200, context=plain, output_dir="o")["gradient_checkpointing"] is True
 
 

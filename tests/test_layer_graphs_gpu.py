@@ -59,21 +59,29 @@ def _steps(model: Any, ids: Any, steps: int) -> list[tuple[float, Any]]:
 
 @pytest.mark.parametrize(
     "lora",
-    [{"graphs": True}, {"graphs": True, "gradient_checkpointing": True}],
-    ids=["graphs", "checkpointed-inside-graphs"],
+    [
+        {"graphs": True},
+        {"graphs": True, "gradient_checkpointing": True},
+        {"graphs": True, "gradient_checkpointing": "offload"},
+    ],
+    ids=["graphs", "checkpointed-inside-graphs", "offloaded-inside-graphs"],
 )
 def test_graphed_layers_give_the_eager_losses_and_gradients(tiny_model: Any, lora: dict[str, Any]) -> None:
-    """Graphed layers (and, with checkpointing, the recomputation captured with them: docs/training.md
+    """Graphed layers (and, with checkpointing, the recomputation captured with them; with offloaded
+    checkpointing the copies of each layer's input to its pinned host slot and back: docs/training.md
     "CUDA graphs of the decoder layers") give the eager layers' losses and gradients."""
     import torch
 
     ids = (torch.arange(64, device="cuda").reshape(2, 32) * 7) % 500
     eager = _steps(_load(tiny_model, {"graphs": False}), ids, 4)
     model = _load(tiny_model, lora)
-    assert model.xpukit_layer_graphs.checkpoint == bool(lora.get("gradient_checkpointing"))
+    assert model.xpukit_layer_graphs.checkpoint == (lora.get("gradient_checkpointing") or False)
     graphed = _steps(model, ids, 4)
     stats = model.xpukit_layer_graphs.stats
     assert stats["captures"] == 1 and stats["graphed"] == 3 and stats["eager"] == 1
+    assert stats["pool_bytes"] > 0  # the pool's size is reported
+    if lora.get("gradient_checkpointing") == "offload":
+        assert stats["host_slot_bytes"] > 0 and model.xpukit_layer_graphs.host.buffer.is_pinned()
     if importlib.util.find_spec("liger_kernel") is not None:  # its RoPE in the replays, eager elsewhere
         assert model.xpukit_layer_graphs.rope.active, model.xpukit_layer_graphs.rope.note
     for (la, ga), (lb, gb) in zip(eager, graphed, strict=True):
@@ -175,3 +183,41 @@ def test_graphed_training_with_accumulation_and_optimizer_steps_ends_at_the_eage
     moved = (weights[0] - start).norm()  # the same seed: both runs start from these weights
     assert float(moved) > 0
     assert float((weights[0] - weights[1]).norm() / moved) < 5e-2
+
+
+@pytest.mark.parametrize("checkpointing", [True, "offload"])
+def test_a_step_split_by_tokens_trains_as_the_whole_step(tiny_model: Any, checkpointing: Any) -> None:
+    """A padded batch over the token budget (docs/training.md "A token budget per pass") runs as
+    checkpointed passes of whole examples, eagerly beside the graphs; its loss and LoRA gradients are
+    the whole step's, replayed, and the graphs replay again on the next step."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 500, (4, 48), generator=gen).cuda()
+    mask = torch.ones_like(ids)
+    mask[0, 30:] = 0
+    mask[3, :20] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    results = []
+    for budget in (None, 64):
+        model = _load(tiny_model, {"graphs": True, "gradient_checkpointing": checkpointing}, batch_size=4,
+                      seq_len=48)  # fmt: skip
+        model.train()
+        model.xpukit_packing.max_tokens = budget
+        out = []
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            out.append((float(loss.detach()), _grads(model)))
+            model.zero_grad(set_to_none=True)
+        results.append(out)
+        if budget:
+            assert model.xpukit_packing.stats["split_steps"] == 3
+            assert (
+                model.xpukit_layer_graphs.eager_reasons["a step over the token budget of 64, split by tokens"]
+                > 0
+            )
+    for (la, ga), (lb, gb) in zip(*results, strict=True):
+        assert abs(la - lb) <= 1e-2 * abs(la)
+        assert float((ga - gb).norm() / ga.norm()) < 2e-2

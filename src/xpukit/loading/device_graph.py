@@ -63,6 +63,22 @@ class GraphBackend:
         """
         self.module.empty_cache()
 
+    def pool_bytes(self, pool: Any) -> int | None:
+        """The device memory ``pool`` holds from the allocator (its segments' sizes), where the
+        device module can say (``MemPool.snapshot``, else the memory snapshot's segments of that
+        pool); ``None`` where it cannot."""
+        try:
+            if hasattr(pool, "snapshot"):
+                segments = pool.snapshot()
+            else:
+                pool_id = tuple(getattr(pool, "id", pool))
+                segments = [
+                    s for s in self.module.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool_id
+                ]
+            return int(sum(int(s.get("total_size", 0)) for s in segments))
+        except Exception:  # a device module without snapshots: the pool's size is not known
+            return None
+
     def side_stream(self) -> Any:
         """Run on the captures' side stream (outside any pool)."""
         return self.module.stream(self._side())

@@ -246,6 +246,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                         fused_insist=fused is not None and fused.source == "user" and bool(fused.value),
                         graphs=bool(graphs is not None and graphs.value),
                         packing=int(packing.value) if packing is not None and packing.value else None,
+                        pass_tokens=plan.training.pass_tokens if plan.training is not None else None,
                     )
             except XpukitError as exc:
                 del model  # the error (and its traceback's frames) must not keep the weights alive

@@ -55,6 +55,7 @@ def apply_lora(
     fused_insist: bool = False,
     graphs: bool = False,
     packing: int | None = None,
+    pass_tokens: int | None = None,
 ) -> tuple[Any, list[str]]:
     """Carry out a :class:`LoraRequest` on a loaded model.
 
@@ -79,6 +80,7 @@ def apply_lora(
         packing: for new adapters, run padded training batches as one row of their real tokens,
             padded to a multiple of this many tokens
             (:func:`xpukit.loading.training.packing.install_packing`); ``None``: batches run as given.
+        pass_tokens: with packing, the plan's token budget per pass (a longer row is split by tokens).
         fused_insist: with ``fused``, refuse (``InvalidRequestError``) when not every decoder block
             can be fused (``lora={"fused": True}``).
 
@@ -103,7 +105,7 @@ def apply_lora(
         return _load_adapter(model, request)
     return _new_adapters(
         model, request, dtype=dtype, quantized=quantized, device=device, fused=fused, insist=fused_insist,
-        graphs=graphs, packing=packing,
+        graphs=graphs, packing=packing, pass_tokens=pass_tokens,
     )  # fmt: skip
 
 
@@ -132,6 +134,7 @@ def _new_adapters(
     graphs: bool = False,
     insist: bool = False,
     packing: int | None = None,
+    pass_tokens: int | None = None,
 ) -> tuple[Any, list[str]]:
     import torch
 
@@ -194,7 +197,7 @@ def _new_adapters(
         from xpukit.loading.training.layer_graphs import install_layer_graphs
 
         if fused and fused_everywhere(peft_model):
-            checkpoint = request.gradient_checkpointing is True
+            checkpoint = request.gradient_checkpointing  # False, True or "offload": inside the graphs
             notes.append(install_layer_graphs(peft_model, checkpoint=checkpoint, rope=not no_liger))
         else:  # the graphs were measured on whole fused blocks only
             notes.append(
@@ -205,7 +208,7 @@ def _new_adapters(
         from xpukit.loading.training.packing import install_packing
 
         graphs_of = getattr(peft_model, "xpukit_layer_graphs", None)  # their shapes, once full
-        notes.append(install_packing(peft_model, bucket=packing, graphs=graphs_of))
+        notes.append(install_packing(peft_model, bucket=packing, graphs=graphs_of, max_tokens=pass_tokens))
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     what = f"LoRA adapter {request.adapter_path}, trainable," if request.kind == "adapter" else "LoRA"

@@ -175,7 +175,7 @@ def _destroy_process_group() -> None:
 
 def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingContext:
     plan_dtype = getattr(getattr(model, "xpukit_plan", None), "dtype", None)
-    in_graphs = getattr(getattr(model, "xpukit_layer_graphs", None), "checkpoint", False) is True
+    in_graphs = bool(getattr(getattr(model, "xpukit_layer_graphs", None), "checkpoint", False))
     return TrainingContext(
         world_size=_world_size(),
         torch_version=_torch_version(facts),

@@ -46,14 +46,18 @@ How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import time
 import weakref
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 from xpukit.loading.device_graph import GraphBackend
 from xpukit.loading.training.graph_capture import NothingToTrain, SharedGrads, StandIns, capture
+from xpukit.loading.training.graph_offload import HostSlots, offload_input
 from xpukit.loading.training.graph_rope import GraphRope
 from xpukit.loading.training.layer_calls import (
     NO_CACHE,
@@ -98,14 +102,17 @@ class LayerGraphs:
         *,
         attention: str = "sdpa",
         backend: Any = None,
-        checkpoint: bool = False,
+        checkpoint: bool | str = False,
         rope: bool = False,
     ) -> None:
         self.layers = layers
         self.forwards = [layer.forward for layer in layers]
         self.attention = attention
-        # Each layer checkpointed here, replayed or not (transformers' own checkpointing is off then).
+        # Each layer checkpointed here, replayed or not (transformers' own checkpointing is off then);
+        # "offload": the captured layers' inputs wait in host slots (graph_offload).
         self.checkpoint = checkpoint
+        self.host = HostSlots(pin=False)
+        self._forced: str | None = None  # every call runs eagerly, for this reason (eager_inside)
         self.rope = GraphRope(layers, wanted=rope)
         self.max_shapes = MAX_SHAPES
         self.stats: Counter[str] = Counter()
@@ -150,6 +157,8 @@ class LayerGraphs:
         """Why this call cannot replay, from what layer 0 sees (``None``: it may)."""
         import torch
 
+        if self._forced is not None:
+            return self._forced
         if self.unsupported is not None:
             return self.unsupported
         if self.failed is not None:
@@ -177,6 +186,16 @@ class LayerGraphs:
             self._warm = True
             return _FIRST_CALL
         return None
+
+    @contextlib.contextmanager
+    def eager_inside(self, why: str) -> Iterator[None]:
+        """Every call inside runs eagerly, counted under ``why`` (a pass split by tokens,
+        ``loading/training/packing.py``)."""
+        before, self._forced = self._forced, why
+        try:
+            yield
+        finally:
+            self._forced = before
 
     def _drop(self) -> None:
         """Forget every graph (their addresses are stale) and what they shared."""
@@ -261,10 +280,20 @@ class LayerGraphs:
             hidden = self._layer(forward, hidden, args, kwargs, capturing=False)
         return hidden
 
-    def _layer(self, forward: Any, hidden: Any, args: Any, kwargs: dict[str, Any], *, capturing: bool) -> Any:
+    def _layer(
+        self,
+        forward: Any,
+        hidden: Any,
+        args: Any,
+        kwargs: dict[str, Any],
+        *,
+        capturing: bool,
+        slot: Any = None,
+    ) -> Any:
         """One layer's forward; checkpointed (non-reentrant) in checkpoint mode while training with
-        grad. Inside a capture the RNG state is not saved (the device's generator state cannot be read
-        there; the fused path the graphs run on has no dropout)."""
+        grad, its saved input in ``slot`` on the host when captured with offloading. Inside a capture
+        the RNG state is not saved (the device's generator state cannot be read there; the fused path
+        the graphs run on has no dropout)."""
         import torch
 
         own = getattr(self.layers[0], "gradient_checkpointing", False)  # turned on again: transformers'
@@ -275,10 +304,12 @@ class LayerGraphs:
 
         # As transformers' checkpointed layers do: a recomputation would fill a KV cache a second time.
         kwargs = {**kwargs, **{k: v for k, v in NO_CACHE.items() if k in kwargs}}
-
-        return checkpoint(
-            forward, hidden, *args, use_reentrant=False, preserve_rng_state=not capturing, **kwargs
-        )
+        if slot is None:
+            return checkpoint(
+                forward, hidden, *args, use_reentrant=False, preserve_rng_state=not capturing, **kwargs
+            )
+        with offload_input(hidden, slot):  # the input the checkpoint saves waits in host memory
+            return checkpoint(forward, hidden, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
     def _capture(
         self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...], calls: list[Call]
@@ -286,15 +317,23 @@ class LayerGraphs:
         """Capture this shape; ``None`` when it was, else why the call runs eagerly."""
         import torch
 
+        started = time.perf_counter()
         kind = hidden.device.type
         backend = self._backend(kind)
         autocast = torch.is_autocast_enabled(kind)
         dtype = torch.get_autocast_dtype(kind) if autocast else hidden.dtype
         forwards = self.forwards
 
+        slots: list[Any] = [None] * len(forwards)
+        if self.checkpoint == "offload" and torch.is_grad_enabled():
+            self.host.pin = kind in GRAPH_BACKENDS
+            slots = self.host.slots(len(forwards), hidden)
+            self.stats["host_slot_bytes"] = self.host.bytes
+
         def stack(h: Any, *values: Any) -> Any:
-            for forward, (args, kwargs) in zip(forwards, templates, strict=True):
-                h = self._layer(forward, h, fill(args, values), fill(kwargs, values), capturing=True)
+            for forward, (args, kwargs), slot in zip(forwards, templates, slots, strict=True):
+                args, kwargs = fill(args, values), fill(kwargs, values)
+                h = self._layer(forward, h, args, kwargs, capturing=True, slot=slot)
             return h
 
         sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
@@ -330,6 +369,10 @@ class LayerGraphs:
         self._graphs[key] = run
         self._watch = Watch(self.layers)
         self.stats["captures"] += 1
+        self.stats["capture_ms"] += round(1000 * (time.perf_counter() - started))
+        pool = backend.pool_bytes(self._pool) if hasattr(backend, "pool_bytes") else None
+        if pool is not None:
+            self.stats["pool_bytes"] = pool
         return None
 
     def _backend(self, kind: str) -> Any:
@@ -352,7 +395,7 @@ class LayerGraphs:
         self._pending = False
 
 
-def install_layer_graphs(model: Any, *, checkpoint: bool = False, rope: bool = True) -> str:
+def install_layer_graphs(model: Any, *, checkpoint: bool | str = False, rope: bool = True) -> str:
     """Wrap the decoder layers' ``forward`` of ``model`` (a PeftModel or transformers model) so that
     matching training calls replay device graphs; returns a note. ``model.xpukit_layer_graphs`` is
     the :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs). ``checkpoint``: each
@@ -380,6 +423,8 @@ def install_layer_graphs(model: Any, *, checkpoint: bool = False, rope: bool = T
         layer.forward = functools.partial(graphs.forward, index)
     model.xpukit_layer_graphs = graphs
     inside = ", each layer checkpointed inside them (the backward graph recomputes it)" if checkpoint else ""
+    if checkpoint == "offload":
+        inside += ", its input copied to a pinned host slot and back inside the graphs"
     rope_note = "; liger-kernel's RoPE where it agrees with the model's own (.rope.note)" if rope else ""
     return (
         f"graphs of the {len(layers)} decoder layers: forward and backward of the whole stack captured "

@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Packing", "install_packing", "padded_length"]
+__all__ = ["Packing", "install_packing", "padded_length", "token_groups"]
 
 _MARK = "_xpukit_packing"
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
@@ -83,11 +83,13 @@ class Packing:
         bucket: int,
         pad_id: int,
         graphs: Any = None,
+        max_tokens: int | None = None,
     ) -> None:
         self.forward = forward
         self.bucket = max(int(bucket), 1)
         self.pad_id = pad_id
         self.graphs = graphs
+        self.max_tokens = max_tokens
         self.stats: Counter[str] = Counter()
         self.passed: Counter[str] = Counter()
 
@@ -146,12 +148,46 @@ class Packing:
         positions = torch.arange(total) - torch.repeat_interleave(firsts, lengths)
         index_dev = index.to(tokens.device, non_blocking=True)
         flat = tokens.flatten(0, 1).index_select(0, index_dev)
-        out = self._run(kwargs, flat, positions.to(tokens.device, non_blocking=True))
+        positions = positions.to(tokens.device, non_blocking=True)
+        groups = token_groups(lengths.tolist(), self.max_tokens)
+        if len(groups) > 1:
+            out, hidden = self._split(kwargs, flat, positions, groups)
+        else:
+            out = self._run(kwargs, flat, positions)
+            hidden = out.last_hidden_state[0, :total]
         self.stats["padding_removed"] += batch * length - total
-        hidden = out.last_hidden_state[0, :total]
         full = hidden.new_zeros(batch * length, hidden.shape[-1]).index_copy(0, index_dev, hidden)
         out["last_hidden_state"] = full.view(batch, length, -1)
         return out
+
+    def _split(self, kwargs: dict[str, Any], flat: Any, positions: Any, groups: list[int]) -> tuple[Any, Any]:
+        """A row over the token budget, run as passes of whole examples (``groups``: the tokens of
+        each), each checkpointed: its activations are dropped after its forward and recomputed in
+        backward one pass at a time, so no more than one pass's activations are held (docs/training.md
+        "A token budget per pass"). The passes run eagerly, each layer as the plan's rung has it."""
+        import torch
+        from torch.utils.checkpoint import checkpoint
+
+        why = f"a step over the token budget of {self.max_tokens}, split by tokens"
+        graphs = self.graphs
+
+        def one(part: Any, where: Any) -> Any:
+            if graphs is None:
+                return self._run(kwargs, part, where, pad=False).last_hidden_state
+            with graphs.eager_inside(why):
+                return self._run(kwargs, part, where, pad=False).last_hidden_state
+
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        outs, start = [], 0
+        for size in groups:
+            part, where = flat[start : start + size], positions[start : start + size]
+            outs.append(checkpoint(one, part, where, use_reentrant=False)[0, :size])
+            start += size
+        self.stats["split_steps"] += 1
+        self.stats["split_passes"] += len(groups)
+        hidden = torch.cat(outs)
+        return BaseModelOutputWithPast(last_hidden_state=hidden[None]), hidden
 
     def _bucketed(self, kwargs: dict[str, Any]) -> Any:
         """A batch already flattened by the collator: only padded to the bucket."""
@@ -162,22 +198,24 @@ class Packing:
         out["last_hidden_state"] = out.last_hidden_state[:, :total]
         return out
 
-    def _run(self, kwargs: dict[str, Any], tokens: Any, positions: Any) -> Any:
+    def _run(self, kwargs: dict[str, Any], tokens: Any, positions: Any, *, pad: bool = True) -> Any:
+        """The decoder over one packed row (``pad``: to its bucket, for the graphs)."""
         import torch
 
         total = int(tokens.shape[0])
         graphs = self.graphs
         captured = graphs.captured_tokens() if graphs is not None else ()
-        pad = padded_length(total, captured, self.bucket, full=graphs is not None and graphs.full()) - total
-        if pad:
+        full = graphs is not None and graphs.full()
+        extra = (padded_length(total, captured, self.bucket, full=full) - total) if pad else 0
+        if extra:
             filler = (
-                tokens.new_full((pad,), self.pad_id)
+                tokens.new_full((extra,), self.pad_id)
                 if tokens.dim() == 1
-                else tokens.new_zeros(pad, tokens.shape[1])
+                else tokens.new_zeros(extra, tokens.shape[1])
             )
             tokens = torch.cat([tokens, filler])
             positions = torch.cat(
-                [positions, torch.arange(pad, device=positions.device, dtype=positions.dtype)]
+                [positions, torch.arange(extra, device=positions.device, dtype=positions.dtype)]
             )
         rest = {
             k: v
@@ -189,8 +227,25 @@ class Packing:
         out = self.forward(**{name: tokens[None]}, position_ids=positions[None], attention_mask=None, **rest)
         self.stats["packed"] += 1
         self.stats["tokens"] += total
-        self.stats["bucket_padding"] += pad
+        self.stats["bucket_padding"] += extra
         return out
+
+
+def token_groups(lengths: list[int], max_tokens: int | None) -> list[int]:
+    """The packed row's examples (``lengths``, in order) gathered into passes of at most ``max_tokens``
+    tokens, whole examples each, greedily in order; returns each pass's tokens. One pass when the
+    row fits or no budget is set; an example longer than the budget is a pass of its own."""
+    if not max_tokens or sum(lengths) <= max_tokens:
+        return [sum(lengths)]
+    groups: list[int] = []
+    current = 0
+    for n in lengths:
+        if current and current + n > max_tokens:
+            groups.append(current)
+            current = 0
+        current += n
+    groups.append(current)
+    return groups
 
 
 def _tokens(kwargs: dict[str, Any]) -> Any:
@@ -211,11 +266,13 @@ def install_packing(
     *,
     bucket: int = 1,
     graphs: Any = None,
+    max_tokens: int | None = None,
 ) -> str:
     """Wrap the decoder under ``model`` (a PeftModel or a transformers causal LM) with
     :class:`Packing`; returns a note. ``model.xpukit_packing`` is the wrapper (``stats``, ``passed``).
     ``graphs``: the layers' ``LayerGraphs``, whose captured shapes a row takes once they are full
-    (:func:`padded_length`)."""
+    (:func:`padded_length`). ``max_tokens``: the plan's token budget per pass (a row with more is
+    split, :func:`token_groups`)."""
     decoder = _decoder(model)
     if decoder is None:
         return "packing: not installed (no decoder with layers under the model's head)"
@@ -231,7 +288,7 @@ def install_packing(
          if isinstance(v, int) and v >= 0),
         0,
     )  # fmt: skip
-    packing = Packing(forward, bucket=bucket, pad_id=pad_id, graphs=graphs)
+    packing = Packing(forward, bucket=bucket, pad_id=pad_id, graphs=graphs, max_tokens=max_tokens)
 
     @functools.wraps(forward)
     def packed(*args: Any, **kwargs: Any) -> Any:
@@ -241,6 +298,8 @@ def install_packing(
     decoder.forward = packed
     model.xpukit_packing = packing
     tail = f", the row padded to a multiple of {packing.bucket} tokens" if packing.bucket > 1 else ""
+    if max_tokens:
+        tail += f", a row over {max_tokens:,} tokens split by tokens into passes of whole examples"
     return (
         "packing: the decoder layers run a padded training batch as one row of its real tokens, positions "
         f"restarting per example{tail} (model.xpukit_packing.stats)"

@@ -15,7 +15,7 @@ An explicit choice wins: ``lora={"gradient_checkpointing": True | False | "offlo
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from xpukit._compat import installed_version, is_installed
@@ -36,7 +36,6 @@ from xpukit.planning.training.fit_reasons import (
     liger_decision,
     loss_decision,
 )
-from xpukit.planning.training.graphs import checkpointing_problem
 from xpukit.planning.training.training_plan import TrainingPlan, option_text
 from xpukit.planning.vocabulary import Decision
 
@@ -71,6 +70,137 @@ GC_OPTIONS: tuple[bool | str, ...] = (False, True, "offload")
 
 # Device types on which Triton, and so liger-kernel, runs (xpukit.loading.training.liger.TRITON_BACKENDS).
 _TRITON_BACKENDS = ("cuda", "xpu")
+
+
+# One rung of the ladder: (fused cross-entropy, gradient checkpointing, the layers as graphs).
+Rung = tuple[bool, bool | str, bool]
+
+
+@dataclass(frozen=True)
+class _Rungs:
+    """What sizing a pass needs, fixed before any rung is tried: the shape, the request, the device's
+    backend and the paths that will run (:func:`plan_training`'s arguments)."""
+
+    shape: ModelShape
+    request: LoraRequest
+    compute_bytes: int
+    backend: str
+    fused: bool
+    packed: bool
+    graphs: bool
+    dequant: int
+    liger_ok: bool
+
+    def kind(self, fused_ce: bool) -> str:
+        """Which cross-entropy: plain, else liger's where it may run, else xpukit's chunked one."""
+        if not fused_ce:
+            return "plain"
+        return "liger" if self.liger_ok and self.request.liger is not False else "chunked"
+
+    def estimate(self, rung: Rung, tokens: int) -> dict[str, int]:
+        """The activation estimate of a pass of ``tokens`` tokens on this rung (docs/training.md "The
+        activation estimate"), the graphs' own buffers included where the layers run as graphs."""
+        fused_ce, gc, graphs = rung
+        # The fused path's and liger's smaller saved tensors are counted on the rung without
+        # checkpointing, where they were measured (H200); the checkpointed rungs keep the unfused terms,
+        # which the 8 GB budget runs fit.
+        request, a, measured = self.request, self.compute_bytes, not gc
+        out = activation_bytes(
+            self.shape, tokens, compute_bytes=a, lora_r=int(request.config.get("r", 16)),
+            targets=request.config.get("target_modules"),
+            dropout=float(request.config.get("lora_dropout", 0) or 0) > 0,
+            mask_bytes=1 if self.backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=fused_ce,
+            fused_lora=self.fused and measured, dequant_bytes=self.dequant,
+            chunked_loss=self.kind(fused_ce) == "chunked",
+            kernel_norms=measured and self.kind(fused_ce) == "liger",
+        )  # fmt: skip
+        if graphs:  # the graphs' own buffers: one shape, or a packed row's buckets
+            held = graph_buffer_bytes(self.shape, tokens, compute_bytes=a, packed=self.packed)
+            if gc:  # the recomputation lives in the graphs' pool, which the eager loss cannot reuse
+                held += min(out["loss"], out["recompute"])
+            out = {**out, "graph_buffers": held, "peak": out["peak"] + held}
+        return out
+
+    def peak(self, rung: Rung, tokens: int) -> int:
+        return self.estimate(rung, tokens)["peak"]
+
+    def text(self, rung: Rung, micro: int, batch: int) -> str:
+        """The rung in words; where the layers may run as graphs, whether they do on it."""
+        text = option_text(self.kind(rung[0]), rung[1], micro, batch)
+        return text + (", graphs" if rung[2] else ", eager") if self.graphs else text
+
+    def pass_tokens(self, rung: Rung, room: int) -> int:
+        """The most tokens one pass may carry on this rung within ``room`` (0: not even one)."""
+        low, high = 0, 1 << 22  # 4 M tokens: beyond any pass a device holds
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self.peak(rung, mid) <= room else (low, mid - 1)
+        return low
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """The rung chosen, its micro-batch and the tokens a pass may carry, and the options tried."""
+
+    rung: Rung
+    micro: int
+    pass_tokens: int
+    by_tokens: bool  # the whole batch in one pass, split by tokens at run time where needed
+    tried: tuple[tuple[str, int], ...]
+
+
+def _choose(rungs: _Rungs, ladder: list[Rung], batch: int, seq: int, room: int) -> _Choice:
+    """The fastest rung whose worst step (``batch × seq`` tokens) fits; else, with packing, the
+    leanest rung (the graphs' first) with the whole batch in passes of the tokens that fit (split by
+    tokens at run time, only for steps that carry more); else the leanest rung at the largest
+    micro-batch that fits."""
+    tried: list[tuple[str, int]] = []
+    worst = batch * seq
+    for rung in ladder:
+        p = rungs.peak(rung, worst)
+        tried.append((rungs.text(rung, batch, batch), p))
+        if p <= room:
+            return _Choice(rung, batch, max(rungs.pass_tokens(rung, room), worst), False, tuple(tried))
+    if rungs.packed and batch > 1:  # one longest example must fit a pass
+        for group in (True, False):  # the graphs' leanest rung first: it runs device-bound
+            options = [r for r in ladder if r[2] is group]
+            if not options:
+                continue
+            rung = min(options, key=lambda r: rungs.peak(r, worst))
+            tokens = rungs.pass_tokens(rung, room)
+            if tokens >= seq:
+                tried.append((rungs.text(rung, batch, batch) + f", passes of up to {tokens:,} tokens",
+                              rungs.peak(rung, tokens)))  # fmt: skip
+                return _Choice(rung, batch, tokens, True, tuple(tried))
+    rung = min(ladder, key=lambda r: rungs.peak(r, worst))
+    micro = next((m for m in micro_batches(batch) if rungs.peak(rung, m * seq) <= room), 1)
+    tried.append((rungs.text(rung, micro, batch), rungs.peak(rung, micro * seq)))
+    return _Choice(rung, micro, micro * seq, False, tuple(tried))
+
+
+def _micro_batch_decision(choice: _Choice, batch: int, seq: int, fit_text: str) -> Decision:
+    micro = choice.micro
+    if choice.by_tokens:
+        return Decision(
+            name="micro_batch",
+            value=micro,
+            reason=f"the whole batch of {batch} in one pass of its real tokens (packing knows them per "
+            f"batch at run time) up to {choice.pass_tokens:,} tokens: {fit_text}; a step that carries "
+            'more is split by tokens into passes of at most that many (docs/training.md "A token '
+            'budget per pass"), where the worst case of every example at its longest would split every step',
+            rejected=((f"{batch} × {seq} tokens in one pass", "the worst case does not fit"),),
+        )
+    return Decision(
+        name="micro_batch",
+        value=micro,
+        reason=(
+            f"{micro} sequences per step × {batch // micro} gradient accumulation steps = batch "
+            f"{batch}: {fit_text}; training_args passes it on"
+            if micro < batch
+            else f"the whole batch of {batch} in one step: {fit_text}"
+        ),
+        rejected=tuple((m, "does not fit") for m in (batch,) if micro < batch),
+    )
 
 
 def plan_training(
@@ -109,83 +239,46 @@ def plan_training(
         fused: the fused 4-bit LoRA path will run (it saves less per layer, and takes liger's loss,
             with its RMSNorm, first where liger can run unless ``lora={"liger": False}``).
         quantized: 4-bit weights, dequantised in backward (a transient the checkpointed rungs count).
+        packed: padded batches run as one row of their real tokens: a pass's tokens are known per
+            batch at run time, so a batch whose worst case does not fit keeps its examples together
+            in passes of the tokens that fit (the token budget) instead of a smaller micro-batch.
+        graphs: the layers may run as graphs: their buffers are counted on every rung.
 
     Returns:
-        The :class:`TrainingPlan` with its three decisions.
+        The :class:`TrainingPlan` with its four decisions.
     """
     batch = batch_size or DEFAULT_BATCH_SIZE
     seq = seq_len or min(DEFAULT_SEQ_LEN, max_positions or DEFAULT_SEQ_LEN)
     a = 4 if compute_dtype == "float32" else 2
     lora_params = lora_parameters(shape, request)
-    reserve = TRAINING_RESERVE
-    fixed = weights + LORA_STATE_BYTES * lora_params + reserve
+    fixed = weights + LORA_STATE_BYTES * lora_params + TRAINING_RESERVE
     room = budget - fixed
-    dropout = float(request.config.get("lora_dropout", 0) or 0) > 0
-
     user_gc, user_liger = request.gradient_checkpointing_given, request.liger
     liger_ok, liger_why = liger_available
-    dequant = dequant_transient(shape, compute_bytes=a, fused_lora=fused) if quantized else 0
-
-    def kind(fused_ce: bool) -> str:  # which fused cross-entropy: liger's where it may run
-        if not fused_ce:
-            return "plain"
-        return "liger" if liger_ok and user_liger is not False else "chunked"
-
-    def estimate_for(fused_ce: bool, gc: bool | str, micro: int) -> dict[str, int]:
-        # The fused path's and liger's smaller saved tensors are counted on the rung without
-        # checkpointing, where they were measured (H200, docs/training.md "The activation
-        # estimate"); the checkpointed rungs keep the unfused terms, which the 8 GB budget runs fit.
-        measured = not gc
-        out = activation_bytes(
-            shape, micro * seq, compute_bytes=a, lora_r=int(request.config.get("r", 16)),
-            targets=request.config.get("target_modules"), dropout=dropout,
-            mask_bytes=1 if backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=fused_ce,
-            fused_lora=fused and measured, dequant_bytes=dequant, chunked_loss=kind(fused_ce) == "chunked",
-            kernel_norms=measured and kind(fused_ce) == "liger",
-        )  # fmt: skip
-        if graphs and checkpointing_problem(request, gc) is None:  # the graphs' own buffers: one
-            # shape, or a packed row's buckets
-            held = graph_buffer_bytes(shape, micro * seq, compute_bytes=a, packed=packed)
-            if gc:  # the recomputation lives in the graphs' pool, which the eager loss cannot reuse
-                held += min(out["loss"], out["recompute"])
-            out = {**out, "graph_buffers": held, "peak": out["peak"] + held}
-        return out
-
-    def peak(fused_ce: bool, gc: bool | str, micro: int) -> int:
-        return estimate_for(fused_ce, gc, micro)["peak"]
-
+    rungs = _Rungs(
+        shape, request, a, backend, fused, packed, graphs,
+        dequant_transient(shape, compute_bytes=a, fused_lora=fused) if quantized else 0, liger_ok,
+    )  # fmt: skip
     fused_first = (packed or fused) and liger_ok and user_liger is not False  # PACKED_LOSS, FUSED_LOSS
+    on_graphs: tuple[bool, ...] = ((True,) if request.graphs else (True, False)) if graphs else (False,)
     ladder = _ladder(
         request.gradient_checkpointing if user_gc else None, True if fused_first else user_liger,
-        offload=backend != "cpu",
+        offload=backend != "cpu", graphs=on_graphs,
     )  # fmt: skip
-    if graphs and request.graphs and not user_gc:  # graphs asked: only the rungs they can run with
-        ladder = [(ce, gc) for ce, gc in ladder if checkpointing_problem(request, gc) is None]
 
     def capped(micro: int) -> bool:  # the plain loss's logits, one tensor above the allocation cap
         return allocation_cap is not None and logits_bytes(micro, seq, shape.vocab) > allocation_cap
 
     if capped(batch):  # only the fused losses (the ladder always holds them)
-        ladder = [(lg, gc) for lg, gc in ladder if lg]
-    tried: list[tuple[str, int]] = []
-    chosen: tuple[bool, bool | str, int] | None = None
-    for lg, gc in ladder:
-        p = peak(lg, gc, batch)
-        tried.append((option_text(kind(lg), gc, batch, batch), p))
-        if p <= room:
-            chosen = (lg, gc, batch)
-            break
-    if chosen is None:  # the leanest option at the largest micro-batch that fits (1 at the least)
-        lg, gc = min(ladder, key=lambda option: peak(option[0], option[1], batch))
-        micro = next((m for m in micro_batches(batch) if peak(lg, gc, m) <= room), 1)
-        tried.append((option_text(kind(lg), gc, micro, batch), peak(lg, gc, micro)))
-        chosen = (lg, gc, micro)
-    fused_ce, gc, micro = chosen
-    loss = kind(fused_ce)
-    liger = loss == "liger"
-    fits = peak(fused_ce, gc, micro) <= room
-    estimate = estimate_for(fused_ce, gc, micro)
-    need = f"{format_bytes(estimate['peak'])} of activations for {micro} × {seq} tokens"
+        ladder = [r for r in ladder if r[0]]
+    choice = _choose(rungs, ladder, batch, seq, room)
+    (fused_ce, gc, captured), micro = choice.rung, choice.micro
+    loss = rungs.kind(fused_ce)
+    tokens = choice.pass_tokens if choice.by_tokens else micro * seq
+    estimate = rungs.estimate(choice.rung, tokens)
+    fits = estimate["peak"] <= room
+    what = f"passes of up to {tokens:,} tokens" if choice.by_tokens else f"{micro} × {seq} tokens"
+    need = f"{format_bytes(estimate['peak'])} of activations for {what}"
     rest = f"the {format_bytes(max(room, 0))} left beside weights and LoRA state"
     fit_text = f"{need} fit {rest}" if fits else f"{need} exceed {rest} (the smallest the plan can go)"
     why_fused = None  # the fused loss taken for another reason than memory
@@ -194,46 +287,26 @@ def plan_training(
     elif fused_ce and fused_first:
         why_fused = PACKED_LOSS if packed else FUSED_LOSS
     decisions = (
-        gc_decision(gc, user_gc, fit_text, tried),
-        liger_decision(liger, user_liger, liger_ok, liger_why, fit_text, why_fused),
+        gc_decision(gc, user_gc, fit_text, list(choice.tried)),
+        liger_decision(loss == "liger", user_liger, liger_ok, liger_why, fit_text, why_fused),
         loss_decision(
             loss, "lora={'liger': False} given" if user_liger is False else liger_why, why_fused or fit_text
         ),
-        Decision(
-            name="micro_batch",
-            value=micro,
-            reason=(
-                f"{micro} sequences per step × {batch // micro} gradient accumulation steps = batch "
-                f"{batch}: {fit_text}; training_args passes it on"
-                if micro < batch
-                else f"the whole batch of {batch} in one step: {fit_text}"
-            ),
-            rejected=tuple((m, "does not fit") for m in (batch,) if micro < batch),
-        ),
+        _micro_batch_decision(choice, batch, seq, fit_text),
     )
     return TrainingPlan(
-        batch_size=batch,
-        seq_len=seq,
-        batch_given=batch_size is not None,
-        seq_given=seq_len is not None,
-        micro_batch=micro,
-        gradient_accumulation_steps=max(1, batch // micro),
-        gradient_checkpointing=gc,
-        liger=liger,
-        budget=budget,
-        budget_rule=budget_rule,
-        fixed=fixed,
+        batch_size=batch, seq_len=seq, batch_given=batch_size is not None, seq_given=seq_len is not None,
+        micro_batch=micro, gradient_accumulation_steps=max(1, batch // micro), gradient_checkpointing=gc,
+        liger=loss == "liger", budget=budget, budget_rule=budget_rule, fixed=fixed,
         fixed_rule=(
             f"weights {format_bytes(weights)} + LoRA state {format_bytes(LORA_STATE_BYTES * lora_params)} "
             f"({lora_params:,} params × {LORA_STATE_BYTES} B: weight, grad, AdamW) + reserve "
-            f'{format_bytes(reserve)} (calibrated, docs/training.md "The activation estimate")'
+            f'{format_bytes(TRAINING_RESERVE)} (calibrated, docs/training.md "The activation estimate")'
         ),
-        estimate=estimate,
-        estimates=tuple(tried),
-        fits=fits,
-        decisions=decisions,
-        loss=loss,
-    )
+        estimate=estimate, estimates=choice.tried, fits=fits, decisions=decisions, loss=loss,
+        pass_tokens=choice.pass_tokens if packed else None, split_by_tokens=choice.by_tokens,
+        graphs=captured,
+    )  # fmt: skip
 
 
 def micro_batches(batch: int) -> list[int]:
@@ -243,12 +316,16 @@ def micro_batches(batch: int) -> list[int]:
     return [m for m in range(batch, 0, -1) if batch % m == 0]
 
 
-def _ladder(gc: bool | str | None, liger: bool | None, *, offload: bool) -> list[tuple[bool, bool | str]]:
-    """The sets of savers in the order tried (fastest first), as (fused cross-entropy, checkpointing);
-    a user's choice pins its saver (``lora={"liger": True}``: the fused loss, liger's where it runs)."""
+def _ladder(
+    gc: bool | str | None, liger: bool | None, *, offload: bool, graphs: tuple[bool, ...]
+) -> list[Rung]:
+    """The rungs in the order tried (fastest first), as (fused cross-entropy, checkpointing, graphs):
+    every set of savers with the layers as graphs, then every set eagerly (a step bound by the host
+    runs slower eagerly without savers than captured with checkpointing: H200, docs/benchmarks.md). A
+    user's choice pins its saver (``lora={"liger": True}``: the fused loss, liger's where it runs)."""
     gcs: list[bool | str] = [gc] if gc is not None else [False, True] + (["offload"] if offload else [])
     losses = [True] if liger else [False, True]
-    return [(ce, g) for g in gcs for ce in losses]
+    return [(ce, g, on) for on in graphs for g in gcs for ce in losses]
 
 
 # What the training plan keeps free beside weights, LoRA state and the activation estimate. Calibrated

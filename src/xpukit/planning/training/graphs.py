@@ -5,11 +5,12 @@ graphs and replays them, which takes the host's Python out of a step that is bou
 (H200, Qwen3-8B shape, 4-bit + fused LoRA, 4 × 512 tokens: 4 995 → 10 272 tokens/s,
 docs/benchmarks.md). It is on where that was measured: CUDA, the fused 4-bit LoRA path on whole
 blocks (attention and MLP; a model whose MLP keeps peft's modules does not qualify), no gradient
-checkpointing. With plain checkpointing ``lora={"graphs": True}`` captures the recomputation too
-(each layer checkpointed inside the graphs). On an H200 under an 8 GB budget that made the
-checkpointed step 1.55× the offloaded eager one, but the process reserved 9.08 GB (docs/benchmarks.md
-"Real runs"), so the plan does not take it by itself. Offloaded checkpointing stays eager: its copies to host
-memory allocate pinned buffers, which a capture cannot.
+checkpointing, and every checkpointing rung too: with plain checkpointing each layer is checkpointed
+inside the graphs (the backward graph recomputes it; on an H200 under an 8 GB budget 1.55× the
+offloaded eager step), with offloaded checkpointing each layer's input is also copied to a pinned host
+slot and back by the graphs themselves (docs/training.md "Offloaded checkpointing in the graphs"). The
+training plan counts the graphs' own buffers in its fit, so a budget that takes a checkpointing rung
+takes the graphs with it.
 
 On Intel GPUs the same capture runs through ``torch.xpu.graph`` (torch ≥ 2.11,
 docs/platform-notes.md "Graphs on Intel GPUs"); it is on there by the same rules, with the reason
@@ -35,7 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "XPU_GRAPHS_TORCH",
-    "checkpointing_problem",
     "decide_layer_graphs",
     "graph_api",
     "graphs_possible",
@@ -69,8 +69,7 @@ def graph_api(backend: str, torch_version: str | None) -> str | None:
 def layer_graphs_problem(
     fused: bool, backend: str, world_size: int = 1, torch_version: str | None = None
 ) -> str | None:
-    """Why the layers cannot run as graphs here, whatever the checkpointing (``None`` when they can;
-    :func:`checkpointing_problem` is the rest)."""
+    """Why the layers cannot run as graphs here (``None`` when they can), whatever the checkpointing."""
     if world_size > 1:
         return (
             f"a launched job of {world_size} processes: DDP and FSDP hook the parameters' gradient "
@@ -87,29 +86,11 @@ def layer_graphs_problem(
     return None
 
 
-def checkpointing_problem(request: LoraRequest, checkpointing: bool | str) -> str | None:
-    """Why the layers cannot run as graphs with this checkpointing (``None`` when they can): offloaded
-    checkpointing never; plain checkpointing only where ``lora={"graphs": True}`` asks. The training
-    plan's fit (its rungs and the graphs' buffers in the estimate) and the decision below both ask it."""
-    if checkpointing == "offload":
-        return (
-            "offloaded checkpointing copies each layer's input to pinned host memory it allocates, which "
-            "a capture cannot"
-        )
-    if checkpointing is True and not request.graphs:
-        return (
-            "gradient checkpointing: capturing the recomputation with the layers was 1.55x the offloaded "
-            "eager step on an H200 under 8 GB but reserved 9.08 GB, so it runs only where asked "
-            "(lora={'graphs': True})"
-        )
-    return None
-
-
 def graphs_possible(
     request: LoraRequest | None, *, fused: bool, backend: str, world_size: int, torch_version: str | None
 ) -> bool:
-    """Whether the layers may run as graphs, before the training plan chooses its checkpointing (which
-    :func:`checkpointing_problem` then judges): the plan counts the graphs' buffers where both allow."""
+    """Whether the layers may run as graphs, whatever checkpointing the training plan then chooses: the
+    plan counts the graphs' buffers where they may."""
     return (
         request is not None and request.kind == "new" and request.graphs is not False
         and layer_graphs_problem(fused, backend, world_size, torch_version) is None
@@ -137,19 +118,23 @@ def decide_layer_graphs(
                         reason="lora={'graphs': False} given: the decoder layers run eagerly")  # fmt: skip
     # The checkpointing that will run: the training plan's, else the request's (what loading applies).
     checkpointing = (training or request).gradient_checkpointing
-    problem = layer_graphs_problem(fused, backend, world_size, torch_version) or checkpointing_problem(
-        request, checkpointing
-    )
+    problem = layer_graphs_problem(fused, backend, world_size, torch_version)
     if problem is not None:
         if request.graphs:
             raise InvalidRequestError(
                 f"lora={{'graphs': True}} asks for graphs of the decoder layers, but {problem}. "
                 "Fix: drop 'graphs' (the layers then run eagerly, and the plan says why), or train on "
-                "CUDA or an Intel GPU with quantize='4bit', the fused path and gradient_checkpointing "
-                "False or True (not 'offload')."
+                "CUDA or an Intel GPU with quantize='4bit' and the fused path."
             )
         return Decision(name="layer_graphs", value=False, reason=f"the layers run eagerly: {problem}",
                         rejected=((True, problem),))  # fmt: skip
+    if training is not None and not training.graphs:
+        why = (
+            "the step fits the budget only without the graphs' own memory (their buffers and the "
+            "recomputation in their pool): the training plan's estimates of both are in its rungs"
+        )
+        return Decision(name="layer_graphs", value=False, reason=f"the layers run eagerly: {why}",
+                        rejected=((True, why),))  # fmt: skip
     who = "lora={'graphs': True} given: " if request.graphs else ""
     api = graph_api(backend, torch_version)
     where = (
@@ -158,12 +143,12 @@ def decide_layer_graphs(
         else "measured on CUDA (4 995 → 13 043 tokens/s on an H200); not yet run on an Intel GPU by "
         "xpukit: `xpukit doctor --selftest` captures and replays one training layer"
     )
-    recompute = (
-        ", each layer checkpointed inside the graphs (the backward graph recomputes it; on an H200 under "
-        "8 GB 1.55x the offloaded eager step)"
-        if checkpointing is True
-        else ""
-    )
+    recompute = {
+        True: ", each layer checkpointed inside the graphs (the backward graph recomputes it; on an H200 "
+        "under 8 GB 1.55x the offloaded eager step)",
+        "offload": ", each layer checkpointed inside the graphs with its input copied to a pinned host slot "
+        'and back by the graphs themselves (docs/training.md "Offloaded checkpointing in the graphs")',
+    }.get(checkpointing, "")
     return Decision(
         name="layer_graphs",
         value=True,

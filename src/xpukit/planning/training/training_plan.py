@@ -26,6 +26,7 @@ class TrainingPlan:
             cross-entropy) or ``"chunked"`` (xpukit's, where liger cannot run or was turned off).
         budget: bytes the device may fill; ``fixed``: weights + LoRA state + reserve.
         estimates: the peak activation bytes of each option tried, in order.
+        pass_tokens / split_by_tokens: the token budget per pass with packing (see the fields).
         decisions: ``gradient_checkpointing``, ``liger``, ``loss``, ``micro_batch``.
     """
 
@@ -46,6 +47,13 @@ class TrainingPlan:
     fits: bool
     decisions: tuple[Decision, ...]
     loss: str = "plain"
+    # With packing: the most real tokens one pass carries within the budget (a step with more is
+    # split by tokens at run time); ``split_by_tokens``: the worst case does not fit in one pass, so
+    # the whole batch is kept and only steps over ``pass_tokens`` are split.
+    pass_tokens: int | None = None
+    split_by_tokens: bool = False
+    # The layers run as graphs on the chosen rung (only where they may: ``graphs`` of the fit).
+    graphs: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -100,7 +108,10 @@ class TrainingPlan:
         )
 
     def _chosen(self) -> str:
-        return option_text(self.loss, self.gradient_checkpointing, self.micro_batch, self.batch_size)
+        text = option_text(self.loss, self.gradient_checkpointing, self.micro_batch, self.batch_size)
+        if self.split_by_tokens and self.pass_tokens is not None:
+            text += f", passes of up to {self.pass_tokens:,} tokens (split by tokens at run time)"
+        return text
 
 
 _LOSS_TEXT = {"liger": "liger's fused CE", "chunked": "chunked CE"}

@@ -1,0 +1,88 @@
+"""Offloaded checkpointing inside the layer graphs: each layer's input waits in host memory.
+
+With ``gradient_checkpointing="offload"`` each decoder layer is checkpointed and keeps only its input
+for backward; the eager rung (:mod:`.offload`) copies that input into pinned host memory it allocates
+per call, which a device graph cannot capture (an allocation is not a kernel). Here every captured
+layer copies its input into a **slot** of one pinned host buffer made before the capture, and the
+backward graph copies it back into device memory from the graphs' pool just before the layer is
+recomputed. Both copies are ordinary asynchronous copies on the capture's stream, which CUDA graphs
+record as memory-copy nodes (CUDA programming guide, "CUDA Graphs": memcpy nodes between device and
+page-locked host memory; docs/training.md "Offloaded checkpointing in the graphs"). The device then
+holds one layer's input and its recomputation at a time, as on the eager rung, and the step replays
+without the host.
+
+Passes never overlap (a second forward before the first one's backward runs eagerly,
+:mod:`.layer_graphs`), so every captured shape uses the same buffer, each from its start; a shape
+larger than the buffer gets a larger one, and the graphs captured before keep the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["HostSlots", "offload_input"]
+
+
+class HostSlots:
+    """One pinned host buffer, cut into a slot per layer for the shape being captured.
+
+    ``pin``: page-locked memory (on CUDA and XPU; the CPU tests' stand-in backend has none).
+    """
+
+    def __init__(self, *, pin: bool) -> None:
+        self.pin = pin
+        self.buffer: Any = None  # flat, of the compute dtype
+        self.bytes = 0
+
+    def slots(self, layers: int, like: Any) -> list[Any]:
+        """``layers`` host tensors of ``like``'s shape and dtype, views of the one buffer."""
+        import torch
+
+        n = like.numel()
+        need = layers * n
+        if self.buffer is None or self.buffer.dtype != like.dtype or self.buffer.numel() < need:
+            self.buffer = torch.empty(need, dtype=like.dtype, device="cpu", pin_memory=self.pin)
+            self.bytes = self.buffer.numel() * self.buffer.element_size()
+        return [self.buffer[i * n : (i + 1) * n].view(like.shape) for i in range(layers)]
+
+
+@contextlib.contextmanager
+def offload_input(hidden: Any, slot: Any) -> Iterator[None]:
+    """Inside: a tensor saved for backward that is ``hidden`` (the layer's input, which a
+    non-reentrant checkpoint saves) goes to ``slot`` on the host and comes back as a new device
+    tensor when backward needs it; everything else is saved as usual."""
+    import torch
+
+    def same(tensor: Any) -> bool:
+        return bool(
+            tensor.data_ptr() == hidden.data_ptr() and tensor.shape == hidden.shape
+            and tensor.dtype == hidden.dtype and tensor.device == hidden.device
+        )  # fmt: skip
+
+    def pack(tensor: Any) -> Any:
+        if not same(tensor):
+            return tensor
+        slot.copy_(tensor.detach(), non_blocking=True)
+        return _Offloaded(slot, tensor.device)
+
+    def unpack(packed: Any) -> Any:
+        if not isinstance(packed, _Offloaded):
+            return packed
+        out = torch.empty(packed.slot.shape, dtype=packed.slot.dtype, device=packed.device)
+        out.copy_(packed.slot, non_blocking=True)
+        return out
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+class _Offloaded:
+    """A saved tensor that waits in a host slot."""
+
+    __slots__ = ("device", "slot")
+
+    def __init__(self, slot: Any, device: Any) -> None:
+        self.slot = slot
+        self.device = device

@@ -300,7 +300,6 @@ MAX_BODY_LINES = 80
 LONG_FUNCTIONS = {
     "xpukit.planning.device.layout.plan_layout": "being changed for the training layout; its owner "
     "splits it along its rungs next",
-    "xpukit.planning.device.decode.plan_decode": "being changed for serving; its owner splits it next",
 }
 
 

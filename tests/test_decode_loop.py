@@ -422,6 +422,10 @@ def test_the_cache_key_changes_with_what_changes_the_graph():
         {"cache_len": 256},
         {"step": "sample-k50"},
         {"compile_options": {"mode": "default", "fullgraph": True}},
+        {"versions": {"torch": "2.11.0", "transformers": "5.17.0", "torchao": "0.18.0"}},
+        {"weights": {"weights": "torchao Int8WeightOnlyConfig", "fused": False}},
+        {"weights": {"weights": "bfloat16", "fused": True}},
+        {"weights": {"capability": "(9, 0)"}},
     ):
         assert compile_cache.cache_key(_fields(**change)) != key, change
 

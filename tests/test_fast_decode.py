@@ -47,11 +47,13 @@ def _greedy(model, tokenizer, batch):
         return model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False)
 
 
-def test_off_by_default_and_only_a_bool(tiny_model):
-    plan = plan_load(tiny_model)
+def test_auto_by_default_changes_nothing_here_and_only_known_values(tiny_model):
+    plan = plan_load(tiny_model)  # "auto" on the CPU, unquantized: as fast_decode=False
     assert plan.decode is None and "fast_decode" not in {d.name for d in plan.decisions}
-    with pytest.raises(InvalidRequestError, match="fast_decode=True"):
-        plan_load(tiny_model, fast_decode="auto")
+    assert plan_load(tiny_model, fast_decode="AUTO").decode is None
+    for bad in ("yes", 1, None):
+        with pytest.raises(InvalidRequestError, match="expected True, False, 'auto'"):
+            plan_load(tiny_model, fast_decode=bad)
 
 
 @pytest.mark.parametrize(("facts", "mode"), [("h200", "reduce-overhead"), ("max-1550", "default")])
@@ -235,4 +237,19 @@ def test_plan_cli_fast_decode(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["decode"] == {"static_cache": True, "max_cache_len": 4096, "compile": "default"}
     assert main(["plan", "qwen3-8b", "--assume", "max-1550", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["decode"] is None  # bf16: "auto" leaves it off
+
+
+def test_plan_cli_auto_and_no_fast_decode(capsys, monkeypatch):
+    import json
+
+    import xpukit.planning.device.layout as layout_module
+    from xpukit.cli.main import main
+
+    monkeypatch.setattr(layout_module, "torchao_version", lambda: "0.18.0")
+    assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["decode"] == {"static_cache": True, "max_cache_len": 4096, "compile": "default"}
+    off = ["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--no-fast-decode", "--json"]
+    assert main(off) == 0
     assert json.loads(capsys.readouterr().out)["decode"] is None

@@ -31,6 +31,14 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "model", metavar="MODEL", nargs="?", help="model directory, Hub id, or built-in shape name"
     )
+    _load_arguments(parser)
+    _placement_arguments(parser)
+    _use_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def _load_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``load_for_xpu`` would be given: device, dtype, attention, kernels, quantization."""
     parser.add_argument("--device", help="xpu, xpu:1, cuda, mps or cpu (default: the first available)")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16, float16 or float32 (default: auto)")
     parser.add_argument(
@@ -44,6 +52,10 @@ def add_parser(sub: Any) -> None:
         help="4bit, 8bit (the device's fastest format without --lora), nf4 (bitsandbytes) or auto (4-bit "
         "only when needed to fit)",
     )
+
+
+def _placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where it would go: the hardware assumed, the budgets, offloading, a rank of a launched job."""
     parser.add_argument(
         "--assume",
         metavar="PROFILE[xN]",
@@ -68,10 +80,24 @@ def add_parser(sub: Any) -> None:
         help="plan as rank R of a W-process launched job on one node (e.g. 1/2): its own device",
     )
     parser.add_argument("--strategy", help="auto, ddp, fsdp or deepspeed: plan the load for that strategy")
+
+
+def _use_arguments(parser: argparse.ArgumentParser) -> None:
+    """What it would be used for (decoding, training) and how the plan is shown."""
     parser.add_argument(
         "--fast-decode",
-        action="store_true",
-        help="plan fast_decode=True: static KV cache and compiled decoding (docs/decode.md)",
+        action="store_const",
+        const=True,
+        default="auto",
+        help="plan fast_decode=True: static KV cache and compiled decoding (docs/decode.md); without "
+        "it fast_decode='auto', taken for torchao weights loaded to run on CUDA/XPU",
+    )
+    parser.add_argument(
+        "--no-fast-decode",
+        dest="fast_decode",
+        action="store_const",
+        const=False,
+        help="plan fast_decode=False: no static cache or compiled decoding, also where 'auto' takes it",
     )
     parser.add_argument(
         "--train",
@@ -86,7 +112,6 @@ def add_parser(sub: Any) -> None:
         "alternatives and the from_pretrained keywords (default: each choice with one line of reason)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,7 +154,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
         "max_memory": parse_max_memory(args.max_memory) if args.max_memory else None,
         "headroom": args.headroom,
         "strategy": getattr(args, "strategy", None),
-        "fast_decode": bool(getattr(args, "fast_decode", False)),
+        "fast_decode": getattr(args, "fast_decode", "auto"),
         **_train(getattr(args, "train", None)),
     }
     check_request({}, **kwargs)

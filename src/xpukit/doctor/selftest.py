@@ -3,7 +3,8 @@
 The planner decides from recorded facts; this is how an owner of a device checks those facts on the
 real thing (and pastes the JSON into a bug report). Each check is tiny (256×256 tensors) and never
 fatal: a failure is recorded with the exception text. On a CUDA or XPU device the ``decode`` check
-compiles xpukit's decode loop as ``fast_decode=True`` does (tens of seconds, the compile).
+compiles xpukit's decode loop as ``fast_decode=True`` does (tens of seconds, the compile), and
+``decode-int4`` decodes a tiny int4 model the way ``quantize="4bit"`` loads it to run there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 
-__all__ = ["CheckResult", "run_selftest"]
+__all__ = ["NEAR_TIE", "CheckResult", "decode_int4_check", "run_selftest"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +38,8 @@ class CheckResult:
 # Largest relative error accepted for a 256x256 matmul against an fp32 CPU reference: a few
 # units of each format's precision after 256-term sums (measured: bf16 4e-3, fp16 5e-4).
 TOLERANCE = {"bfloat16": 5e-2, "float16": 1e-2, "float32": 1e-4}
+# Top-two logit gap under which bf16 rounding may swap a greedy token (as tests/test_serve_quant_gpu.py).
+NEAR_TIE = 0.125
 
 
 def run_selftest(machine: MachineFacts) -> list[CheckResult]:
@@ -110,6 +113,7 @@ def _device_checks(torch: Any, device: DeviceFacts) -> list[CheckResult]:
             device.free_memory_known,
         )
         check("decode", lambda: _decode_check(torch, name, device.backend))
+        check("decode-int4", lambda: decode_int4_check(torch, device))
         check("layer-graphs", lambda: _graphs_check(torch, name))
         check("layer-graphs-checkpointed", lambda: _graphs_check(torch, name, checkpoint=True))
     return out
@@ -198,6 +202,81 @@ def _decode_check(torch: Any, name: str, backend: str) -> str:
     return (
         f"compiled mode={mode}: tokens equal eager; first call {first:.1f} s, then {per_token:.2f} ms/token"
     )
+
+
+def decode_int4_check(torch: Any, device: DeviceFacts, *, compiled: bool = True) -> str:
+    """A tiny int4 model decoded the way ``quantize="4bit"`` loads it to run here: the device's torchao
+    int4 format, fused projections, xpukit's loop compiled as ``fast_decode`` compiles it (``compiled``
+    False: eager, as on the CPU), against transformers' plain ``generate`` over the same weights.
+
+    Greedy tokens must be equal wherever plain ``generate``'s top two logits are at least
+    :data:`NEAR_TIE` apart (bf16 rounding may swap a near tie; docs/decode.md "Fast by default").
+    """
+    from xpukit._compat import is_installed
+    from xpukit.planning.device.serve_quant import serve_format, torchao_config, torchao_version
+
+    fmt = serve_format(device, "4bit", "bfloat16", torchao_version() if is_installed("torchao") else None)
+    if fmt.library != "torchao" or fmt.config is None:
+        return f"skipped: no torchao int4 here ({fmt.reason})"
+    from torchao.quantization import quantize_
+    from transformers import AutoModelForCausalLM
+
+    from xpukit.loading.decode.fused_proj import fuse_projections
+    from xpukit.loading.decode.loop import install_decode_loop
+    from xpukit.planning.device.decode import compile_settings
+
+    config = _tiny_config(layers=2, initializer_range=0.2)
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = (
+        128,
+        256,
+        8,
+    )  # int4 groups of 128
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        ids = torch.randint(3, 512, (1, 8))
+    model = model.to(device.torch_device).eval()
+    linear = torch.nn.Linear
+    quantize_(
+        model,
+        torchao_config(fmt.config).quant_type,
+        filter_fn=lambda m, fqn: isinstance(m, linear) and "lm_head" not in fqn,
+    )
+    args = {
+        "input_ids": ids.to(device.torch_device),
+        "max_new_tokens": 8,
+        "min_new_tokens": 8,
+        "do_sample": False,
+    }
+    with torch.no_grad():
+        plain = model.generate(**args, output_scores=True, return_dict_in_generate=True)
+    fused = fuse_projections(model)
+    options = compile_settings("default") if compiled else None
+    install_decode_loop(
+        model, max_cache_len=256, compile_options=options, step_graphs=compiled and device.backend == "cuda"
+    )
+    start = time.perf_counter()
+    fast = model.generate(**args)
+    _sync(torch, device)
+    first = time.perf_counter() - start
+    if model.xpukit_last_decode.get("loop") != "xpukit":
+        raise RuntimeError(f"generate() ran {model.xpukit_last_decode}")
+    differ = (fast.cpu() != plain.sequences.cpu())[0, ids.shape[1] :].nonzero()
+    note = "tokens equal plain generate()"
+    if len(differ):
+        at = int(differ[0, 0])
+        top = plain.scores[at].float().topk(2, -1).values[0]
+        margin = float(top[0] - top[1])
+        if margin >= NEAR_TIE:
+            raise ArithmeticError(
+                f"{fmt.label}: new token {at} differs from plain generate() (margin {margin:.3f})"
+            )
+        note = f"tokens equal plain generate() up to a near tie at new token {at} (margin {margin:.3f})"
+    mode = ("compiled" if compiled else "eager") + (
+        ", own step graph" if compiled and device.backend == "cuda" else ""
+    )
+    groups = f"fused {fused['attention']}+{fused['mlp']} of {2 * fused['blocks']} groups"
+    return f"{fmt.label}, {mode}, {groups}: {note}; first call {first:.1f} s"
 
 
 def _tiny_config(*, layers: int, **extra: Any) -> Any:

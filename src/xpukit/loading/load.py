@@ -58,7 +58,7 @@ def load_for_xpu(
     model_class: Any = None,
     seed: Any = None,
     strategy: Any = None,
-    fast_decode: bool = False,
+    fast_decode: bool | str = "auto",
     warmup: bool = False,
     batch_size: int | None = None,
     seq_len: int | None = None,
@@ -77,8 +77,10 @@ def load_for_xpu(
     plans the load for that distributed strategy: ``fsdp`` loads without a device_map for sharding
     (docs/distributed.md "What xpukit decides"); a rank of a launched job loads on its own device.
     ``fast_decode=True`` sets a static KV cache and compiled decoding on ``model.generation_config``
-    as the plan's ``fast_decode`` decision says; ``warmup=True`` then runs one short generation at
-    load and records its time (the compile) as a ``warmup`` event (docs/decode.md). With new LoRA
+    as the plan's ``fast_decode`` decision says (the default ``"auto"`` does so for torchao weights
+    loaded to run on CUDA/XPU); ``warmup=True`` then runs one short generation at load and records
+    its time (the compile) as a ``warmup`` event, else the first ``generate()`` compiles, with a
+    progress line (docs/decode.md). With new LoRA
     adapters, ``batch_size=`` and ``seq_len=`` size the training step the memory savers are chosen
     for (checkpointing, offload, liger, micro-batch; docs/training.md "Training plan by fit").
     ``merge=True`` with ``lora=`` an adapter directory returns a plain transformers model with the

@@ -51,7 +51,7 @@ def plan_load(
     model_class: Any = None,
     seed: Any = None,
     strategy: Any = None,
-    fast_decode: bool = False,
+    fast_decode: bool | str = "auto",
     batch_size: int | None = None,
     seq_len: int | None = None,
     merge: Any = False,
@@ -99,7 +99,8 @@ def plan_load(
         fast_decode: ``True``: a static KV cache sized from the headroom and compiled decoding
             through the model's ``generation_config`` (CUDA, XPU; on the CPU and MPS nothing changes
             and the decision says why), as the plan's ``fast_decode`` decision says (docs/decode.md);
-            default off.
+            ``"auto"`` (default): taken for torchao weights loaded to run on CUDA/XPU, otherwise off;
+            ``"unfused"``: ``True`` without fused q/k/v and gate/up products; ``False``: off.
         batch_size: with new LoRA adapters, the sequences per optimizer step to plan training for
             (default 8); the memory savers are chosen by fit (docs/training.md "Training plan by fit").
         seq_len: with new LoRA adapters, the tokens per sequence (default 2048, capped at the
@@ -150,7 +151,7 @@ def plan_load(
     place = placement_stage(asked, cfg, mach, described)
     attention = attention_stage(asked, mach, described, place)
     adapters = adapters_stage(asked, mach, described, place)
-    decode = decode_stage(asked, mach, described, place)
+    decode = decode_stage(asked, cfg, mach, described, place)
     warnings = [*described.warnings, *place.warnings, *attention.warnings, *adapters.warnings]
     merge_plan = merge_stage(asked, mach, described, place, warnings)
     for warning in warnings:

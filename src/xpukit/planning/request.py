@@ -48,7 +48,7 @@ class LoadRequest:
     class_name: str | None
     seed: int | None
     strategy: str | None
-    fast_decode: bool
+    fast_decode: bool | str
     batch_size: int | None
     seq_len: int | None
     merge: MergeRequest | None
@@ -70,7 +70,7 @@ def check_request(
     model_class: Any = None,
     seed: Any = None,
     strategy: Any = None,
-    fast_decode: Any = False,
+    fast_decode: Any = "auto",
     batch_size: Any = None,
     seq_len: Any = None,
     merge: Any = False,

@@ -26,7 +26,7 @@ from xpukit.planning.arguments import (
 )
 from xpukit.planning.device.attention import AttentionChoice, choose_attention
 from xpukit.planning.device.choice import decide_dtype, machine_for, resolve_device
-from xpukit.planning.device.decode import DecodePlan, plan_decode
+from xpukit.planning.device.decode import DecodePlan, decide_decode
 from xpukit.planning.device.distributed import (
     DistributedLoad,
     RankPlacement,
@@ -335,11 +335,14 @@ def adapters_stage(asked: Asked, mach: Machine, model: Model, place: Placement) 
     return Adapters(decisions=tuple(decisions), warnings=tuple(warnings))
 
 
-def decode_stage(asked: Asked, mach: Machine, model: Model, place: Placement) -> Decode:
-    """``fast_decode``: the static cache and compiled decoding, sized from the headroom."""
-    if not asked.req.fast_decode:
-        return Decode(plan=None, decision=None)
-    decode, decision = plan_decode(
+def decode_stage(asked: Asked, cfg: Config, mach: Machine, model: Model, place: Placement) -> Decode:
+    """``fast_decode``: the static cache and compiled decoding, sized from the headroom; ``"auto"``
+    takes it for torchao weights xpukit chose, loaded to run on CUDA/XPU (docs/decode.md "Fast by
+    default")."""
+    decode, decision = decide_decode(
+        asked.req.fast_decode,
+        serving=asked.lora is None and asked.req.strategy is None,
+        chosen_format=cfg.quant.user_config is None,
         device=mach.main,
         dtype=place.dtype,
         memory=place.layout.memory,

@@ -7,13 +7,18 @@ on by default), under a per-user temporary directory that a reboot or a fresh co
 every artifact compiled in this process into one blob; xpukit writes that blob to
 ``<xpukit cache>/compile/<key>.bin`` after a new graph compiled and loads it before the graph is
 first needed, so that a second process's first call hits the caches (docs/decode.md
-"Compile cache"). ``os.environ`` is never changed: no ``TORCHINDUCTOR_CACHE_DIR``.
+"Compile cache"). The blob holds every artifact torch registers with the mega-cache: inductor's FX
+graphs with their compiled Triton kernels bundled in (``bundle_triton_into_fx_graph_cache``, on by
+default), AOT-autograd's graphs, autotuning results and dynamo's profile-guided shapes; dynamo's own
+trace is not among them (only torch's experimental ``caching_precompile`` adds it), so it runs again.
+``os.environ`` is never changed: no ``TORCHINDUCTOR_CACHE_DIR``.
 
-The key hashes what makes a graph differ (the model config, dtype, device name, torch / triton /
-transformers / xpukit versions, batch size, cache length, compile settings): a blob is only ever
-loaded where it was made. torch checks its own artifacts again on every hit, so a wrong blob costs
-a miss, not a wrong result. A cache dir that cannot be written (read-only, full) is recorded, never
-raised.
+The key hashes what makes a graph differ (the model config, dtype, device name and compute
+capability, torch / triton / transformers / torchao / bitsandbytes / xpukit versions, the weights'
+format and whether projections are fused, batch size, cache length, step, compile settings): a
+blob is only ever loaded where it was made. torch checks its own artifacts again on every hit, so
+a wrong blob costs a miss, not a wrong result. A cache dir that cannot be written (read-only, full)
+is recorded, never raised.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ __all__ = ["CACHE_FORMAT", "cache_key", "compile_cache_dir", "key_fields", "load
 
 logger = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump when the decode step's code changes what it compiles
+CACHE_FORMAT = 2  # bump when the decode step's code changes what it compiles
 # Config entries that name the checkpoint, not the graph.
 _IGNORED_CONFIG = {"_name_or_path", "transformers_version", "_commit_hash", "name_or_path"}
 
@@ -53,6 +58,7 @@ def key_fields(
     step: str,
     compile_options: dict[str, Any],
     versions: dict[str, str] | None = None,
+    weights: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Everything the compile-cache key depends on, as a JSON-able dict.
 
@@ -64,7 +70,10 @@ def key_fields(
         cache_len: the static cache length.
         step: which decode step (``greedy``, ``sample-k50-p``: the sampling settings that shape it).
         compile_options: the ``torch.compile`` keyword arguments (a backend is named by ``repr``).
-        versions: torch, triton, transformers, xpukit versions (default: the installed ones).
+        versions: torch, triton, transformers, torchao, bitsandbytes, xpukit versions (default: the
+            installed ones).
+        weights: what the load did to the weights and where they run: their format (``bfloat16``, a
+            torchao format), whether q/k/v and gate/up are fused, the device's compute capability.
     """
     config = {k: v for k, v in sorted(model_config.items()) if k not in _IGNORED_CONFIG}
     return {
@@ -77,6 +86,7 @@ def key_fields(
         "step": step,
         "compile": {k: v if isinstance(v, (str, int, bool)) else repr(v) for k, v in compile_options.items()},
         "versions": versions if versions is not None else _versions(),
+        "weights": dict(sorted((weights or {}).items())),
     }
 
 
@@ -164,7 +174,15 @@ def _versions() -> dict[str, str]:
     from importlib import metadata
 
     out = {}
-    for dist in ("torch", "triton", "pytorch-triton-xpu", "transformers", "xpukit"):
+    for dist in (
+        "torch",
+        "triton",
+        "pytorch-triton-xpu",
+        "transformers",
+        "torchao",
+        "bitsandbytes",
+        "xpukit",
+    ):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

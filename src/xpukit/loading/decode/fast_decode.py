@@ -84,12 +84,16 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         settings["disable_compile"] = True
     from xpukit.loading.decode.loop import install_decode_loop
 
+    events: list[LoadEvent] = [LoadEvent(kind="applied", what="fast_decode", actual=settings)]
+    fused = _fused_projections(target) if decode.fused_projections else None
+    events += [fused] if fused is not None else []
     options = decode.loop_compile_options()
     install_decode_loop(
         target,
         max_cache_len=int(decode.max_cache_len or 0),
         compile_options=options,
         step_graphs=decode.step_graph,
+        cache_fields={"weights": decode.weights, "fused": fused is not None and fused.kind == "applied"},
     )
     loop_event = LoadEvent(
         kind="applied",
@@ -102,10 +106,25 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         cause="generate() runs xpukit's decode loop for greedy and plain sampling, transformers' "
         "for everything else; model.xpukit_last_decode says which ran",
     )
-    events = [LoadEvent(kind="applied", what="fast_decode", actual=settings), loop_event]
+    events.append(loop_event)
     if decode.grouped_attention:
         events.append(_grouped_attention(target))
     return events
+
+
+def _fused_projections(model: Any) -> LoadEvent:
+    """q/k/v and gate/up fused into one product each (docs/decode.md "Fused projections")."""
+    from xpukit.loading.decode.fused_proj import fuse_projections
+
+    done = fuse_projections(model)
+    fused = done["attention"] + done["mlp"]
+    cause = "one product over one weight per group at each decode step"
+    if "kept" in done:
+        cause += "; kept apart: " + "; ".join(f"{n}x {why}" for why, n in done["kept"].items())
+        logger.info("fused projections: %s", cause)
+    if not fused:  # planned, not had: the weights allow no fusion (bitsandbytes, a packed format)
+        return LoadEvent(kind="fallback", what="fused_projections", planned=True, actual=done, cause=cause)
+    return LoadEvent(kind="applied", what="fused_projections", actual=done, cause=cause)
 
 
 def _grouped_attention(model: Any) -> LoadEvent:

@@ -27,6 +27,7 @@ from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode.attention import NAME as GROUPED_ATTENTION
 from xpukit.loading.decode.buckets import WINDOW_SMALLEST, left_pad, prompt_length, window_length
+from xpukit.loading.decode.progress import compile_progress
 from xpukit.loading.decode.request import DecodeRequest, triage
 from xpukit.loading.decode.state import DecodeState, new_state
 from xpukit.loading.decode.step import decode_step, prefill_step
@@ -73,6 +74,7 @@ class DecodeLoop:
         compile_options: dict[str, Any] | None = None,
         check_every: int = CHECK_EVERY,
         cache_dir: Any = None,
+        cache_fields: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
         self.step_graphs: StepGraphs | None = None  # set_compile(..., step_graphs=True)
@@ -81,6 +83,7 @@ class DecodeLoop:
         self.compile_options = compile_options
         self.check_every = check_every
         self.cache_dir = cache_dir
+        self.cache_fields = dict(cache_fields or {})  # what the model's load changed (fused weights)
         self.cache_records: list[dict[str, Any]] = []
         self.graphs: set[tuple[int, str]] = set()
         self.window_smallest = WINDOW_SMALLEST
@@ -171,9 +174,12 @@ class DecodeLoop:
         self._last = (request, state)
         done = request.new_tokens
         for i in range(1, request.new_tokens):
-            self._call(step, request, state, ids.shape[1] + i)
-            if i == 1 and self.compile_options:
+            if i == 1 and self.compile_options and (batch, _step_name(request)) not in self.graphs:
+                with compile_progress(self._compiling(request, batch)):  # the step compiles here
+                    self._call(step, request, state, ids.shape[1] + i)
                 self._after_compile(request, batch)
+            else:
+                self._call(step, request, state, ids.shape[1] + i)
             if request.eos_ids and (i + 1) % self.check_every == 0 and not bool(state.unfinished.any()):
                 done = i + 1
                 break
@@ -183,6 +189,11 @@ class DecodeLoop:
             first_eos = torch.where(hit.any(-1), hit.int().argmax(-1), done - 1)
             new = new[:, : int(first_eos.max()) + 1]
         return torch.cat([given, new.clone()], dim=1)
+
+    def _compiling(self, request: DecodeRequest, batch: int) -> str:
+        record = self.cache_records[-1] if self.cache_records else {}
+        cached = "from the compile cache" if record.get("loaded") else "nothing in the compile cache"
+        return f"compiling the decode step for batch {batch} ({_step_name(request)}, {cached})"
 
     def _window(self, state: DecodeState, needed: int) -> Any:
         """The attention window of a step or prefill when ``needed`` cache slots hold tokens, or
@@ -328,10 +339,11 @@ class DecodeLoop:
 
         model = self.model
         device = model.device
-        name = device.type
+        name, capability = device.type, None
         module = getattr(torch, device.type, None)
         if device.type in {"cuda", "xpu"} and module is not None:
             name = module.get_device_name(device)
+            capability = repr(module.get_device_capability(device))
         fields = compile_cache.key_fields(
             model.config.to_dict(),
             dtype=str(model.dtype).removeprefix("torch."),
@@ -340,6 +352,7 @@ class DecodeLoop:
             cache_len=self._cache_len(),
             step=kind,
             compile_options=self.compile_options or {},
+            weights={**self.cache_fields, "capability": capability},
         )
         return compile_cache.cache_key(fields)
 
@@ -370,17 +383,19 @@ def install_decode_loop(
     compile_options: dict[str, Any] | None,
     cache_dir: Any = None,
     step_graphs: bool = False,
+    cache_fields: dict[str, Any] | None = None,
 ) -> DecodeLoop:
     """Give ``model`` xpukit's decode loop behind its own ``generate`` (on this instance only).
 
     ``model.generate(...)`` then asks :func:`~xpukit.loading.decode.request.triage` per call;
     ``model.xpukit_decode_loop`` is the loop, ``model.xpukit_last_decode`` says which loop ran last.
     ``step_graphs=True`` captures the compiled step as one device graph (``compile_options`` must then
-    make no graphs of their own: docs/decode.md "Own step graphs").
+    make no graphs of their own: docs/decode.md "Own step graphs"). ``cache_fields`` go into the
+    compile cache's key (the weights' format, whether projections are fused).
     """
     import functools
 
-    loop = DecodeLoop(model, max_cache_len=max_cache_len, cache_dir=cache_dir)
+    loop = DecodeLoop(model, max_cache_len=max_cache_len, cache_dir=cache_dir, cache_fields=cache_fields)
     loop.set_compile(compile_options, step_graphs=step_graphs)
     original = model.generate
 

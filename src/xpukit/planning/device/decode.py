@@ -1,10 +1,14 @@
-"""``fast_decode=True``: a static KV cache and compiled decoding, decided from the plan's facts.
+"""``fast_decode``: a static KV cache and compiled decoding, decided from the plan's facts.
 
 Pure: the device, dtype, quantization, placement and the headroom's KV budget decide; nothing is read.
 The rules and the measurements behind them are in docs/decode.md "Rules"; transformers' own
 mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`` and
 ``compile_config``) does the work, :mod:`xpukit.loading.decode.fast_decode` sets it on the loaded model.
 
+* ``fast_decode="auto"`` (the default): taken for quantized inference on a GPU, where plain
+  ``generate`` over torchao weights measured slower than bf16 (docs/decode.md "Fast by default");
+  every other load is left as ``fast_decode=False`` leaves it. ``True`` asks for it anywhere;
+  ``"unfused"`` is ``True`` without the fused projections (docs/decode.md "Fused projections").
 * The static cache holds ``max_cache_len`` tokens per sequence: the KV part of the headroom
   (headroom minus its weight share and runtime reserve, docs/planning.md) divided by the KV bytes of
   one token, capped by the model's context length, rounded down to a multiple of 256.
@@ -14,8 +18,7 @@ mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`
   nothing is captured (inductor's graph trees are CUDA-only, docs/decode.md "XPU").
 * Quantized weights (docs/decode.md "Quantized models"): bitsandbytes — nothing changes (transformers
   does not compile it, and the static cache alone measured slower than plain ``generate``); torchao
-  int4/int8 — compiled static-cache decoding on CUDA only, where it is the path torchao's own figures
-  are measured on; elsewhere nothing changes until it is measured.
+  int4/int8 — compiled static-cache decoding on CUDA and XPU.
 * CPU and MPS: nothing changes, and the decision says why (docs/decode.md "CPU measurements").
 """
 
@@ -35,26 +38,43 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CACHE_LENGTH_STEP",
+    "FAST_DECODE_VALUES",
     "GRAPH_BATCH_SIZES",
     "DecodePlan",
     "check_fast_decode",
     "compile_settings",
+    "decide_decode",
     "plan_decode",
 ]
 
 CACHE_LENGTH_STEP = 256  # max_cache_len is a multiple of this (docs/decode.md "Cache length")
 # Batch sizes the warm-up compiles: each costs one compile (docs/decode.md "Batch sizes").
 GRAPH_BATCH_SIZES = (1,)
+FAST_DECODE_VALUES = (True, False, "auto", "unfused")
 # bitsandbytes' quantizers report is_compileable False in transformers 5.22 (docs/decode.md
 # "Quantized models"): generate() skips compilation for them.
 _NOT_COMPILED_QUANT = {"4bit", "8bit"}
-# Where compiled static-cache decoding over torchao weights is taken (docs/decode.md "Quantized models").
-_TORCHAO_FAST_BACKENDS = {"cuda"}
+_GPU = {"cuda", "xpu"}
+# torchao 0.18 formats whose inner tensors slice by rows (aten.slice), so that q/k/v and gate/up
+# concatenate (docs/decode.md "Fused projections"); plain_int32 (XPU int4) has no row slicing.
+_FUSABLE_TORCHAO = {("Int8WeightOnlyConfig", None), ("Int4WeightOnlyConfig", "tile_packed_to_4d")}
+# Measured on the H200, Qwen3-8B shape, batch 1 (docs/benchmarks.md "Quantized weights", docs/decode.md
+# "Fast by default"): what "auto" is decided on, and what the first compile costs.
+_AUTO_EVIDENCE = (
+    "on the H200 (Qwen3-8B shape, batch 1) torchao int4 ran 13 tokens/s with plain generate() against "
+    "253 with fast_decode, int8 13.3 against 81-87, bf16 plain 23"
+)
+_WARMUP_COST = (
+    "the first generate() at a new batch size compiles the decode step (measured on the H200 for the "
+    "36-layer Qwen3-8B shape: 119 s cold for int4, 71 s for bf16; 15 s in a later process that finds "
+    "the compile cache; it grows with the layers), with a progress line while it runs; "
+    'warmup=True compiles at load instead (docs/decode.md "Warm-up")'
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DecodePlan:
-    """What ``fast_decode=True`` sets on the model's ``generation_config``.
+    """What ``fast_decode`` sets on the model's ``generation_config`` and loop.
 
     Attributes:
         static_cache: set ``cache_implementation="static"``.
@@ -72,6 +92,9 @@ class DecodePlan:
             graph itself (docs/decode.md "Own step graphs").
         inductor_patterns: ``False`` compiles the loop's step with inductor's pattern matcher off
             (torchao int8 on CUDA: docs/decode.md "Quantized models").
+        fused_projections: q/k/v and gate/up become one product each at load (docs/decode.md
+            "Fused projections").
+        weights: the weights' format as the compile cache keys it (``bfloat16``, the torchao label).
     """
 
     static_cache: bool
@@ -83,6 +106,8 @@ class DecodePlan:
     grouped_attention: bool = False
     step_graph: bool = False
     inductor_patterns: bool = True
+    fused_projections: bool = False
+    weights: str = ""
 
     def loop_compile_options(self) -> dict[str, Any] | None:
         """The ``torch.compile`` keyword arguments of xpukit's loop (``None``: eager). Its own step
@@ -103,17 +128,29 @@ class DecodePlan:
         }
 
 
-def check_fast_decode(value: Any) -> bool:
-    """``fast_decode`` is a bool; anything else is refused before anything is read.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Ask:
+    """How ``fast_decode`` was asked: the reasons' first words, the decision's source when had."""
+
+    lead: str
+    source: str
+    fuse: bool
+
+
+def check_fast_decode(value: Any) -> bool | str:
+    """``fast_decode`` is ``True``, ``False``, ``"auto"`` or ``"unfused"``; anything else is refused
+    before anything is read.
 
     Raises:
-        InvalidRequestError: not ``True`` / ``False``.
+        InvalidRequestError: another value.
     """
     if isinstance(value, bool):
         return value
+    if isinstance(value, str) and value.strip().lower() in {"auto", "unfused"}:
+        return value.strip().lower()
     raise InvalidRequestError(
-        f"fast_decode={value!r}: expected True or False (there is no 'auto': the compile warm-up "
-        "costs tens of seconds, so it is asked for). Fix: fast_decode=True."
+        f"fast_decode={value!r}: expected True, False, 'auto' (the default: taken for quantized inference "
+        "on a GPU) or 'unfused' (True without fused projections). Fix: fast_decode=True."
     )
 
 
@@ -127,6 +164,48 @@ def compile_settings(mode: str, *, patterns: bool = True) -> dict[str, Any]:
             f"inductor options cannot go with mode {mode!r} (torch.compile takes one of the two)"
         )
     return {"fullgraph": True, "dynamic": False, "options": {"pattern_matcher": False}}
+
+
+def decide_decode(
+    fast_decode: bool | str,
+    *,
+    serving: bool,
+    chosen_format: bool,
+    device: DeviceFacts,
+    dtype: str,
+    memory: MemoryEstimate,
+    facts: ModelFacts,
+    quantization: str | None,
+    device_map: Any,
+    quantization_config: dict[str, Any] | None = None,
+) -> tuple[DecodePlan | None, Decision | None]:
+    """``fast_decode`` as asked: ``False`` and an ``"auto"`` that does not apply give ``(None, None)``.
+
+    Args:
+        fast_decode: the checked argument (:func:`check_fast_decode`).
+        serving: loaded to run (no adapters, no distributed strategy).
+        chosen_format: the quantization is the format xpukit chose for ``quantize="4bit"``/``"8bit"``/
+            ``"auto"`` (or recorded in the checkpoint), not a config the user gave.
+        device, dtype, memory, facts, quantization, device_map, quantization_config: as
+            :func:`plan_decode`.
+    """
+    if fast_decode is False:
+        return None, None
+    if fast_decode == "auto":
+        if not _auto_applies(serving, chosen_format, device.backend, quantization):
+            return None, None
+        ask = _Ask(
+            lead=f"quantized weights to run on {device.backend}, so fast_decode by default "
+            f"({_AUTO_EVIDENCE}; fast_decode=False opts out)",
+            source="auto",
+            fuse=True,
+        )
+    else:
+        ask = _Ask(lead=f"fast_decode={fast_decode!r} given", source="user", fuse=fast_decode is True)
+    return _plan(
+        ask, device=device, dtype=dtype, memory=memory, facts=facts, quantization=quantization,
+        device_map=device_map, quantization_config=quantization_config,
+    )  # fmt: skip
 
 
 def plan_decode(
@@ -155,23 +234,105 @@ def plan_decode(
         The :class:`DecodePlan` and its ``fast_decode`` :class:`Decision` (``source="user"`` when
         everything asked for is had, ``"fallback"`` when part is not, with the reason).
     """
+    return _plan(
+        _Ask(lead="fast_decode=True given", source="user", fuse=True), device=device, dtype=dtype,
+        memory=memory, facts=facts, quantization=quantization, device_map=device_map,
+        quantization_config=quantization_config,
+    )  # fmt: skip
+
+
+def _auto_applies(serving: bool, chosen_format: bool, backend: str, quantization: str | None) -> bool:
+    """``"auto"`` takes the fast path for xpukit's torchao formats loaded to run on a GPU only."""
+    return serving and chosen_format and backend in _GPU and quantization == "torchao"
+
+
+def _plan(
+    ask: _Ask,
+    *,
+    device: DeviceFacts,
+    dtype: str,
+    memory: MemoryEstimate,
+    facts: ModelFacts,
+    quantization: str | None,
+    device_map: Any,
+    quantization_config: dict[str, Any] | None,
+) -> tuple[DecodePlan, Decision]:
+    """The rules in order: the device, the weights, the cache's size, the placement, then compiled."""
     backend = device.backend
+    refused = _device_refuses(backend) or _quantized_not_faster(quantization)
+    if refused is not None:
+        return _off(f"{ask.lead}, but {refused}")
+    length, why_none = _cache_length(dtype, memory, facts)
+    if length == 0:
+        return _off(f"{ask.lead}, but {why_none}")
+    per_token = (facts.kv_bytes_per_token or 0) * (2 if dtype == "float32" else 1)
+    kv_bytes = length * per_token
+    sized = _sized_reason(length, kv_bytes, why_none, memory.weights)
+    no_compile = _why_not_compiled(device_map)
+    if no_compile is not None:
+        plan = DecodePlan(
+            static_cache=True, max_cache_len=length, compile=False, compile_mode=None, kv_bytes=kv_bytes
+        )
+        return plan, Decision(
+            name="fast_decode",
+            value=plan.describe(),
+            reason=f"{ask.lead}: {sized}; not compiled: {no_compile}",
+            rejected=(("compiled decoding", no_compile),),
+            source="fallback",
+        )
+    plan = DecodePlan(
+        static_cache=True,
+        max_cache_len=length,
+        compile=True,
+        compile_mode="reduce-overhead" if backend == "cuda" else "default",
+        kv_bytes=kv_bytes,
+        graph_batch_sizes=GRAPH_BATCH_SIZES,
+        grouped_attention=backend == "cuda",
+        step_graph=backend == "cuda",
+        inductor_patterns=not _int8_patterns_off(backend, quantization_config),
+        fused_projections=ask.fuse and _fusable(quantization, quantization_config),
+        weights=_weights_label(dtype, quantization_config),
+    )
+    return plan, Decision(
+        name="fast_decode",
+        value=plan.describe(),
+        reason=f"{ask.lead}: {sized}; {_compiled_reason(plan, backend)}",
+        source=ask.source,  # type: ignore[arg-type]
+    )
+
+
+def _device_refuses(backend: str) -> str | None:
     if backend == "cpu":
-        return _off(
-            "asked, but nothing changes on the CPU: compiling the decoding step took 53-352 s and was "
-            'not reliably faster, nor was a static cache alone (docs/decode.md "CPU measurements")'
+        return (
+            "nothing changes on the CPU: compiling the decoding step took 53-352 s and was not reliably "
+            'faster, nor was a static cache alone (docs/decode.md "CPU measurements")'
         )
     if backend == "mps":
-        return _off(
-            "asked, but nothing changes on MPS: transformers' generate() compiles only on cuda/xpu, and "
-            'a static cache was not measured on MPS (docs/decode.md "Rules")'
+        return (
+            "nothing changes on MPS: transformers' generate() compiles only on cuda/xpu, and a static "
+            'cache was not measured on MPS (docs/decode.md "Rules")'
         )
-    not_faster = _quantized_not_faster(backend, quantization)
-    if not_faster is not None:
-        return _off(not_faster)
+    return None
+
+
+def _quantized_not_faster(quantization: str | None) -> str | None:
+    """Why fast decoding over these quantized weights would not beat plain ``generate``, else ``None``."""
+    if quantization in _NOT_COMPILED_QUANT:
+        return (
+            f"nothing changes with bitsandbytes {quantization} weights: transformers' generate() "
+            "does not compile them, and a static cache without compiling measured slower than plain "
+            "and larger (4-bit Qwen3-8B shape on an H200: 12.7 tokens/s in 10.32 GB against 19.0 in 6.12 GB, "
+            'docs/decode.md "Quantized models")'
+        )
+    return None
+
+
+def _cache_length(dtype: str, memory: MemoryEstimate, facts: ModelFacts) -> tuple[int, str]:
+    """The static cache's tokens per sequence (0: none) and, with it, the KV budget it came from or
+    why there is none."""
     per_token = facts.kv_bytes_per_token
     if not per_token:
-        return _off("asked, but the config lacks the attention shape, so a static cache cannot be sized")
+        return 0, "the config lacks the attention shape, so a static cache cannot be sized"
     per_token *= 2 if dtype == "float32" else 1
     budget = memory.headroom - int(memory.weights * HEADROOM_WEIGHT_FRACTION) - HEADROOM_FIXED
     tokens = max(budget, 0) // per_token
@@ -179,31 +340,23 @@ def plan_decode(
         tokens = min(tokens, facts.max_positions)
     length = tokens // CACHE_LENGTH_STEP * CACHE_LENGTH_STEP
     if length == 0:
-        return _off(
-            f"asked, but the headroom leaves {format_bytes(max(budget, 0))} for the KV cache, under "
+        return 0, (
+            f"the headroom leaves {format_bytes(max(budget, 0))} for the KV cache, under "
             f"{CACHE_LENGTH_STEP} tokens ({format_bytes(per_token)} each). Fix: a larger headroom=."
         )
-    kv_bytes = length * per_token
-    sized = (
+    return length, format_bytes(budget)
+
+
+def _sized_reason(length: int, kv_bytes: int, budget: str, weights: int) -> str:
+    return (
         f"static KV cache of {length} tokens per sequence ({format_bytes(kv_bytes)} at batch 1, "
-        f"b times that at batch b; from the headroom's KV budget {format_bytes(budget)}); every step "
-        f"attends over all of it, {kv_bytes / max(memory.weights, 1):.0%} of the weights' bytes at "
+        f"b times that at batch b; from the headroom's KV budget {budget}); every step "
+        f"attends over all of it, {kv_bytes / max(weights, 1):.0%} of the weights' bytes at "
         'batch 1 (a shorter cache: docs/decode.md "Cache length")'
     )
-    no_compile = _why_not_compiled(device_map)
-    if no_compile is not None:
-        plan = DecodePlan(
-            static_cache=True, max_cache_len=length, compile=False, compile_mode=None, kv_bytes=kv_bytes
-        )
-        rejected = (("compiled decoding", no_compile),)
-        return plan, Decision(
-            name="fast_decode",
-            value=plan.describe(),
-            reason=f"fast_decode=True given: {sized}; not compiled: {no_compile}",
-            rejected=rejected,
-            source="fallback",
-        )
-    mode = "reduce-overhead" if backend == "cuda" else "default"
+
+
+def _compiled_reason(plan: DecodePlan, backend: str) -> str:
     graphs = (
         "xpukit's loop captures the step as one CUDA graph itself, one per attention window, and the "
         "prompt's prefill, one per prompt-length bucket (its compile mode default; "
@@ -211,56 +364,58 @@ def plan_decode(
         if backend == "cuda"
         else 'mode default (inductor\'s graph capture is CUDA-only: docs/decode.md "XPU")'
     )
-    plan = DecodePlan(
-        static_cache=True,
-        max_cache_len=length,
-        compile=True,
-        compile_mode=mode,
-        kv_bytes=kv_bytes,
-        graph_batch_sizes=GRAPH_BATCH_SIZES,
-        grouped_attention=backend == "cuda",
-        step_graph=backend == "cuda",
-        inductor_patterns=not _int8_patterns_off(backend, quantization_config),
+    sizes = ", ".join(str(b) for b in plan.graph_batch_sizes)
+    text = (
+        "decoding step compiled (fullgraph, static shapes but the attention window's length, "
+        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use; " + _WARMUP_COST
     )
-    extra = (
-        "; a decode step's attention over grouped key/value heads without transformers' repeat_kv copy "
-        '(docs/decode.md "Grouped decode attention")'
-        if backend == "cuda"
-        else ""
-    )
+    if plan.grouped_attention:
+        text += (
+            "; a decode step's attention over grouped key/value heads without transformers' repeat_kv "
+            'copy (docs/decode.md "Grouped decode attention")'
+        )
     if not plan.inductor_patterns:
-        extra += (
+        text += (
             "; inductor's pattern matcher off for the step: it rewrites torchao's int8 weight-only "
             "product into aten._weight_int8pack_mm, which read the weights at 0.15 TB/s on an H200 "
             '(15.9 against 81.3 tokens/s without it: docs/decode.md "Quantized models")'
         )
-    sizes = ", ".join(str(b) for b in GRAPH_BATCH_SIZES)
-    return plan, Decision(
-        name="fast_decode",
-        value=plan.describe(),
-        reason=f"fast_decode=True given: {sized}; decoding step compiled (fullgraph, static shapes "
-        "but the attention window's length, "
-        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use{extra}",
-        source="user",
-    )
+    if backend == "xpu" and plan.weights.startswith("torchao"):
+        text += (
+            f"; {plan.weights} on XPU by the CUDA measurement's rule, not yet measured on an Intel GPU "
+            "(xpukit doctor --selftest decodes a tiny int4 model this way)"
+        )
+    if plan.fused_projections:
+        text += (
+            "; q/k/v and gate/up fused into one product each at load, one read of their weights per "
+            'layer, not yet measured (fast_decode="unfused" keeps them apart: docs/decode.md '
+            '"Fused projections")'
+        )
+    elif plan.weights.startswith("torchao"):
+        text += (
+            f"; q/k/v and gate/up kept apart: {plan.weights} does not slice by rows "
+            '(docs/decode.md "Fused projections")'
+        )
+
+    return text
 
 
-def _quantized_not_faster(backend: str, quantization: str | None) -> str | None:
-    """Why fast decoding over these quantized weights would not beat plain ``generate``, else ``None``."""
-    if quantization in _NOT_COMPILED_QUANT:
-        return (
-            f"asked, but nothing changes with bitsandbytes {quantization} weights: transformers' generate() "
-            "does not compile them, and a static cache without compiling measured slower than plain "
-            "and larger (4-bit Qwen3-8B shape on an H200: 12.7 tokens/s in 10.32 GB against 19.0 in 6.12 GB, "
-            'docs/decode.md "Quantized models")'
-        )
-    if quantization == "torchao" and backend not in _TORCHAO_FAST_BACKENDS:
-        return (
-            f"asked, but nothing changes with torchao weights on {backend}: compiled decoding over them has "
-            "figures only for CUDA (torchao's), so it is not taken where it was never measured to beat plain "
-            'generate() (docs/decode.md "Quantized models")'
-        )
-    return None
+def _fusable(quantization: str | None, config: dict[str, Any] | None) -> bool:
+    """Weights whose rows concatenate: float ones, and the torchao formats that slice by rows."""
+    if quantization is None:
+        return True
+    if quantization != "torchao" or not config:
+        return False
+    kwargs = config.get("quant_type_kwargs") or {}
+    return (config.get("quant_type"), kwargs.get("int4_packing_format")) in _FUSABLE_TORCHAO
+
+
+def _weights_label(dtype: str, config: dict[str, Any] | None) -> str:
+    if not config:
+        return dtype
+    kwargs = config.get("quant_type_kwargs") or {}
+    packing = kwargs.get("int4_packing_format")
+    return f"torchao {config.get('quant_type')}" + (f" ({packing})" if packing else "")
 
 
 def _int8_patterns_off(backend: str, config: dict[str, Any] | None) -> bool:

@@ -1,0 +1,123 @@
+"""fast_decode="auto" on a GPU: a quantized load to run takes the fast path, and a second process is warm.
+
+Run with ``pytest -m gpu -s tests/test_decode_default_gpu.py`` on a CUDA (or XPU) machine with torchao
+(``xpukit[serve]``); a few minutes, most of it the compiles of the first process. The model is the
+tiny qwen3 widened so torchao's int4 groups divide every projection, in bfloat16. Greedy tokens are
+compared with the same weights' plain ``generate`` (``fast_decode=False``) along the steps whose top
+two logits are at least ``MIN_MARGIN`` apart. The second-process test prints its first call's
+seconds (the issue's target is 5 s; timing is read, not asserted: bench/bench_decode.py measures it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+MIN_MARGIN = 0.125  # as tests/test_serve_quant_gpu.py: bf16 rounding may swap a closer tie
+
+
+def _device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "xpu"
+
+
+@pytest.mark.parametrize("bits", ["4bit", "8bit"])
+def test_a_quantized_load_to_run_is_fast_by_default(wide_model: Path, bits: str) -> None:
+    import torch
+
+    from xpukit import load_for_xpu
+
+    device = _device()
+    ids = torch.arange(3, 3 + 7 * 12, 7).remainder(1000).unsqueeze(0).to(device)
+    plain = load_for_xpu(str(wide_model), quantize=bits, fast_decode=False)
+    with torch.no_grad():
+        want = plain.generate(
+            ids, max_new_tokens=16, do_sample=False, output_scores=True, return_dict_in_generate=True
+        )
+    del plain
+    model = load_for_xpu(str(wide_model), quantize=bits)  # nothing else asked
+    decision = model.xpukit_plan.decision("fast_decode")
+    assert decision.source == "auto" and decision.value["compile"] in {"default", "reduce-overhead"}
+    fused = (
+        next(e for e in model.xpukit_plan.events if e.what == "fused_projections")
+        if model.xpukit_plan.decode.fused_projections
+        else None
+    )
+    if fused is not None:  # planned where the format slices by rows: CUDA int4 and int8, XPU int8
+        assert fused.kind == "applied" and fused.actual["attention"] == fused.actual["blocks"], fused
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=16, do_sample=False)
+    last = model.xpukit_last_decode
+    assert last["loop"] == "xpukit" and last["compiled"] and last["step_graphs"] == (device == "cuda")
+    assert model.xpukit_decode_loop.graphs  # the step compiled on the first generate()
+    top = torch.stack(want.scores, 1).topk(2, -1).values[0]
+    steps = int(((top[:, 0] - top[:, 1]) >= MIN_MARGIN).long().cumprod(0).sum())
+    assert steps >= 4, f"the model's greedy path is too close to ties to compare ({steps} steps)"
+    start = ids.shape[1]
+    assert got[:, start : start + steps].tolist() == want.sequences[:, start : start + steps].tolist()
+
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys, time, torch
+    from xpukit.loading.load import load_for_xpu
+    start = time.perf_counter()
+    model = load_for_xpu(sys.argv[1], quantize=sys.argv[2])
+    loaded = time.perf_counter() - start
+    device = model.device
+    ids = torch.arange(3, 99, 3).remainder(1000).unsqueeze(0).to(device)
+    start = time.perf_counter()
+    model.generate(ids, max_new_tokens=32, do_sample=False)
+    getattr(torch, device.type).synchronize()
+    first = time.perf_counter() - start
+    counters = torch._dynamo.utils.counters
+    print(json.dumps({"load_s": loaded, "first_call_s": first, "last": model.xpukit_last_decode,
+                      "cache": model.xpukit_decode_loop.cache_records,
+                      "inductor": dict(counters["inductor"])}))
+    """
+)
+
+
+@pytest.mark.parametrize("bits", ["4bit"])
+def test_a_second_process_finds_the_default_path_in_the_compile_cache(
+    wide_model: Path, tmp_path: Path, bits: str, record_property: Any
+) -> None:
+    def child(name: str) -> dict[str, Any]:
+        # A fresh inductor and triton cache per process: only xpukit's cache can carry graphs over.
+        env = dict(
+            os.environ,
+            XPUKIT_CACHE_DIR=str(tmp_path / "xpukit"),
+            TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{name}"),
+            TRITON_CACHE_DIR=str(tmp_path / f"triton-{name}"),
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(wide_model), bits],
+            env=env, capture_output=True, text=True, timeout=540,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first = child("first")
+    [record] = first["cache"]
+    assert first["last"]["loop"] == "xpukit" and record["loaded"] is False and record["saved"] is True
+    second = child("second")
+    [record] = second["cache"]
+    assert second["last"]["loop"] == "xpukit" and record["loaded"] is True and record["artifacts"]
+    assert second["inductor"].get("fxgraph_cache_hit", 0) > 0
+    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
+    seconds = {
+        "first_process_s": round(first["first_call_s"], 2),
+        "second_process_s": round(second["first_call_s"], 2),
+    }
+    record_property("first_call", seconds)
+    print(f"\nfirst call of a {bits} default load (32 new tokens): {seconds} (target: second <= 5 s)")

@@ -6,42 +6,25 @@ kernels. :func:`install_layer_graphs` captures the decoder layers' forward and b
 (``torch.cuda.graph``; ``torch.xpu.graph`` on Intel GPUs; :mod:`.graph_capture`) and replays them;
 the step then costs what the device needs (4 995 → 13 043 tokens/s, measured there).
 
-How it stays correct (docs/training.md "CUDA graphs of the decoder layers"):
+How it stays correct, in short (the rules, with what was measured, are in docs/training.md "CUDA
+graphs of the decoder layers"):
 
-* Each layer's ``forward`` is wrapped on the instance (module names, saved adapters and merging are
-  unchanged). The whole stack of layers is one captured callable. Layer 0 decides whether a call
-  may replay; each layer then hands over its arguments and passes the stack's input on, and the
-  last layer runs the stack. Every tensor argument is a graph input, one per distinct tensor (the
-  mask and the position embeddings of each layer type: models with sliding-window layers give the
-  two kinds their own), and the shapes, dtypes and plain values of all arguments are part of the
-  captured shape. A model call replays a graph only when it matches a captured one: grad enabled,
-  training mode, no filled KV cache, SDPA or eager attention, the same input shape, arguments,
-  dtype, autocast state and ``requires_grad``. Anything else (evaluation, ``generate``, attention
-  kernels that read the positions, an argument that is not a tensor or a plain value) runs
-  eagerly, counted in :attr:`LayerGraphs.stats`.
-* Several shapes are kept (the buckets of packed rows, ``planning/training/packing.py``), up to
-  ``max_shapes``, all captured into one memory pool: passes never overlap (below), so a capture
-  reuses the activations' memory of the others and the pool stays about one step's activations,
-  plus each shape's input and output buffers. The adapters' gradients are one set of buffers for
-  all shapes (:class:`.graph_capture.SharedGrads`; ``.grad`` are views of them), not one per shape.
-  The first training call runs eagerly (it warms lazily built state), each layer checkpointed so
-  that its activations are not left cached beside the pool; a new shape after it is captured on
-  first sight (after one warm-up pass, where the kernels autotune), with liger-kernel's RoPE where
-  it agrees with the model's own (:mod:`.graph_rope`).
-* The capture runs on stand-in parameters (:class:`.graph_capture.StandIns`: new leaves on the
-  same storage, in place only while the capture runs), so an earlier step's autograd graph that is
-  still referenced cannot invalidate it; the backward graph adds their gradients into the shared
-  buffers, which the real parameters' ``.grad`` are.
-* A graph's buffers hold one pass at a time: a second forward before the first one's backward runs
-  eagerly, as does everything while that first pass is alive (dropped outputs free the graphs).
-* With plain gradient checkpointing (``lora={"graphs": True, "gradient_checkpointing": True}``)
-  each layer is checkpointed inside the captured stack (non-reentrant ``torch.utils.checkpoint``),
-  so the backward graph recomputes it; transformers' per-layer checkpointing is turned off, and the
-  eager passes are checkpointed the same way. The capture's backward runs with the stand-ins in
-  place, so a recomputation reads them.
-* Only the layers are captured; embeddings, the final norm, the loss and the optimizer stay eager.
-  A capture that fails turns the graphs off for this model, with a warning and the reason in
-  :attr:`LayerGraphs.failed`.
+* each layer's ``forward`` is wrapped on the instance; layer 0 decides whether a call may replay,
+  every layer hands over its arguments, and the last layer runs the whole stack as one captured
+  callable whose graph inputs are every tensor argument (masks and position embeddings of each layer
+  type); any other call (evaluation, ``generate``, other attention kernels) runs eagerly, counted in
+  :attr:`LayerGraphs.stats`;
+* up to ``max_shapes`` shapes share one memory pool and one set of adapter gradients
+  (:class:`.graph_capture.SharedGrads`); passes never overlap: a second forward before the first
+  one's backward runs eagerly;
+* the first training call runs eagerly, each layer checkpointed; a new shape after it is captured on
+  first sight, after a warm-up pass, on stand-in parameters (:class:`.graph_capture.StandIns`), with
+  liger-kernel's RoPE where it agrees with the model's own (:mod:`.graph_rope`);
+* with gradient checkpointing each layer is checkpointed inside the captured stack (the backward
+  graph recomputes it); with offloaded checkpointing its input also waits in a pinned host slot the
+  graphs copy to and back (:mod:`.graph_offload`);
+* only the layers are captured; a capture that fails turns the graphs off for the model, with a
+  warning and the reason in :attr:`LayerGraphs.failed`.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ An explicit choice wins: ``lora={"gradient_checkpointing": True | False | "offlo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from xpukit._compat import installed_version, is_installed
@@ -25,7 +25,6 @@ from xpukit.planning.model.shape import ModelShape, model_shape
 from xpukit.planning.training.activation_memory import (
     activation_bytes,
     dequant_transient,
-    graph_buffer_bytes,
     lora_parameters,
 )
 from xpukit.planning.training.allocation import cap_text, logits_bytes
@@ -36,7 +35,8 @@ from xpukit.planning.training.fit_reasons import (
     liger_decision,
     loss_decision,
 )
-from xpukit.planning.training.training_plan import TrainingPlan, option_text
+from xpukit.planning.training.rungs import Choice, Rungs, choose, ladder_of, micro_batches
+from xpukit.planning.training.training_plan import TrainingPlan
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
@@ -72,112 +72,7 @@ GC_OPTIONS: tuple[bool | str, ...] = (False, True, "offload")
 _TRITON_BACKENDS = ("cuda", "xpu")
 
 
-# One rung of the ladder: (fused cross-entropy, gradient checkpointing, the layers as graphs).
-Rung = tuple[bool, bool | str, bool]
-
-
-@dataclass(frozen=True)
-class _Rungs:
-    """What sizing a pass needs, fixed before any rung is tried: the shape, the request, the device's
-    backend and the paths that will run (:func:`plan_training`'s arguments)."""
-
-    shape: ModelShape
-    request: LoraRequest
-    compute_bytes: int
-    backend: str
-    fused: bool
-    packed: bool
-    graphs: bool
-    dequant: int
-    liger_ok: bool
-
-    def kind(self, fused_ce: bool) -> str:
-        """Which cross-entropy: plain, else liger's where it may run, else xpukit's chunked one."""
-        if not fused_ce:
-            return "plain"
-        return "liger" if self.liger_ok and self.request.liger is not False else "chunked"
-
-    def estimate(self, rung: Rung, tokens: int) -> dict[str, int]:
-        """The activation estimate of a pass of ``tokens`` tokens on this rung (docs/training.md "The
-        activation estimate"), the graphs' own buffers included where the layers run as graphs."""
-        fused_ce, gc, graphs = rung
-        # The fused path's and liger's smaller saved tensors are counted on the rung without
-        # checkpointing, where they were measured (H200); the checkpointed rungs keep the unfused terms,
-        # which the 8 GB budget runs fit.
-        request, a, measured = self.request, self.compute_bytes, not gc
-        out = activation_bytes(
-            self.shape, tokens, compute_bytes=a, lora_r=int(request.config.get("r", 16)),
-            targets=request.config.get("target_modules"),
-            dropout=float(request.config.get("lora_dropout", 0) or 0) > 0,
-            mask_bytes=1 if self.backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=fused_ce,
-            fused_lora=self.fused and measured, dequant_bytes=self.dequant,
-            chunked_loss=self.kind(fused_ce) == "chunked",
-            kernel_norms=measured and self.kind(fused_ce) == "liger",
-        )  # fmt: skip
-        if graphs:  # the graphs' own buffers: one shape, or a packed row's buckets
-            held = graph_buffer_bytes(self.shape, tokens, compute_bytes=a, packed=self.packed)
-            if gc:  # the recomputation lives in the graphs' pool, which the eager loss cannot reuse
-                held += min(out["loss"], out["recompute"])
-            out = {**out, "graph_buffers": held, "peak": out["peak"] + held}
-        return out
-
-    def peak(self, rung: Rung, tokens: int) -> int:
-        return self.estimate(rung, tokens)["peak"]
-
-    def text(self, rung: Rung, micro: int, batch: int) -> str:
-        """The rung in words; where the layers may run as graphs, whether they do on it."""
-        text = option_text(self.kind(rung[0]), rung[1], micro, batch)
-        return text + (", graphs" if rung[2] else ", eager") if self.graphs else text
-
-    def pass_tokens(self, rung: Rung, room: int) -> int:
-        """The most tokens one pass may carry on this rung within ``room`` (0: not even one)."""
-        low, high = 0, 1 << 22  # 4 M tokens: beyond any pass a device holds
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if self.peak(rung, mid) <= room else (low, mid - 1)
-        return low
-
-
-@dataclass(frozen=True)
-class _Choice:
-    """The rung chosen, its micro-batch and the tokens a pass may carry, and the options tried."""
-
-    rung: Rung
-    micro: int
-    pass_tokens: int
-    by_tokens: bool  # the whole batch in one pass, split by tokens at run time where needed
-    tried: tuple[tuple[str, int], ...]
-
-
-def _choose(rungs: _Rungs, ladder: list[Rung], batch: int, seq: int, room: int) -> _Choice:
-    """The fastest rung whose worst step (``batch × seq`` tokens) fits; else, with packing, the rung
-    that carries the most tokens a pass, with the whole batch in passes of the tokens that fit (split
-    by tokens at run time, only for steps that carry more); else the leanest rung at the largest
-    micro-batch that fits."""
-    tried: list[tuple[str, int]] = []
-    worst = batch * seq
-    for rung in ladder:
-        p = rungs.peak(rung, worst)
-        tried.append((rungs.text(rung, batch, batch), p))
-        if p <= room:
-            return _Choice(rung, batch, max(rungs.pass_tokens(rung, room), worst), False, tuple(tried))
-    if rungs.packed and batch > 1:
-        # The rung that carries the most tokens a pass, so that the fewest steps are split: a split
-        # step runs eagerly, and what it leaves cached in the device's default pool stays beside the
-        # graphs' pool (H200, 8 GB: 9.07 GB reserved with the graphs' leanest rung, docs/benchmarks.md).
-        rung = max(ladder, key=lambda r: (rungs.pass_tokens(r, room), r[2]))
-        tokens = rungs.pass_tokens(rung, room)
-        if tokens >= seq:  # one longest example fits a pass
-            tried.append((rungs.text(rung, batch, batch) + f", passes of up to {tokens:,} tokens",
-                          rungs.peak(rung, tokens)))  # fmt: skip
-            return _Choice(rung, batch, tokens, True, tuple(tried))
-    rung = min(ladder, key=lambda r: rungs.peak(r, worst))
-    micro = next((m for m in micro_batches(batch) if rungs.peak(rung, m * seq) <= room), 1)
-    tried.append((rungs.text(rung, micro, batch), rungs.peak(rung, micro * seq)))
-    return _Choice(rung, micro, micro * seq, False, tuple(tried))
-
-
-def _micro_batch_decision(choice: _Choice, batch: int, seq: int, fit_text: str) -> Decision:
+def _micro_batch_decision(choice: Choice, batch: int, seq: int, fit_text: str) -> Decision:
     micro = choice.micro
     if choice.by_tokens:
         return Decision(
@@ -254,13 +149,13 @@ def plan_training(
     room = budget - fixed
     user_gc, user_liger = request.gradient_checkpointing_given, request.liger
     liger_ok, liger_why = liger_available
-    rungs = _Rungs(
+    rungs = Rungs(
         shape, request, a, backend, fused, packed, graphs,
         dequant_transient(shape, compute_bytes=a, fused_lora=fused) if quantized else 0, liger_ok,
     )  # fmt: skip
     fused_first = (packed or fused) and liger_ok and user_liger is not False  # PACKED_LOSS, FUSED_LOSS
     on_graphs: tuple[bool, ...] = ((True,) if request.graphs else (True, False)) if graphs else (False,)
-    ladder = _ladder(
+    ladder = ladder_of(
         request.gradient_checkpointing if user_gc else None, True if fused_first else user_liger,
         offload=backend != "cpu", graphs=on_graphs,
     )  # fmt: skip
@@ -270,7 +165,7 @@ def plan_training(
 
     if capped(batch):  # only the fused losses (the ladder always holds them)
         ladder = [r for r in ladder if r[0]]
-    choice = _choose(rungs, ladder, batch, seq, room)
+    choice = choose(rungs, ladder, batch, seq, room)
     (fused_ce, gc, captured), micro = choice.rung, choice.micro
     loss = rungs.kind(fused_ce)
     tokens = choice.pass_tokens if choice.by_tokens else micro * seq
@@ -306,25 +201,6 @@ def plan_training(
         pass_tokens=choice.pass_tokens if packed else None, split_by_tokens=choice.by_tokens,
         graphs=captured,
     )  # fmt: skip
-
-
-def micro_batches(batch: int) -> list[int]:
-    """The micro-batches a step of ``batch`` sequences can be split into, largest first: the divisors
-    of ``batch``, so that micro-batch × accumulation steps is the batch asked for (batch 6: 6, 3, 2, 1;
-    a micro-batch of 4 would make it 4 or 8)."""
-    return [m for m in range(batch, 0, -1) if batch % m == 0]
-
-
-def _ladder(
-    gc: bool | str | None, liger: bool | None, *, offload: bool, graphs: tuple[bool, ...]
-) -> list[Rung]:
-    """The rungs in the order tried (fastest first), as (fused cross-entropy, checkpointing, graphs):
-    every set of savers with the layers as graphs, then every set eagerly (a step bound by the host
-    runs slower eagerly without savers than captured with checkpointing: H200, docs/benchmarks.md). A
-    user's choice pins its saver (``lora={"liger": True}``: the fused loss, liger's where it runs)."""
-    gcs: list[bool | str] = [gc] if gc is not None else [False, True] + (["offload"] if offload else [])
-    losses = [True] if liger else [False, True]
-    return [(ce, g, on) for on in graphs for g in gcs for ce in losses]
 
 
 # What the training plan keeps free beside weights, LoRA state and the activation estimate. Calibrated

@@ -52,9 +52,11 @@ def test_auto_on_every_profile(profile: str, quantize: str | None) -> None:
 @pytest.mark.parametrize(
     ("profile", "quantize", "fused", "mode"),
     [
-        ("h200", "4bit", True, "reduce-overhead"),  # tinygemm's tile-packed int4 slices by rows
+        # tinygemm's tile-packed int4 slices by rows, but its scales come out non-contiguous, which
+        # torchao's int4 product asserts against (seen on the H200): kept apart
+        ("h200", "4bit", False, "reduce-overhead"),
         ("h200", "8bit", True, "reduce-overhead"),
-        ("h100", "4bit", True, "reduce-overhead"),
+        ("h100", "4bit", False, "reduce-overhead"),
         ("max-1550", "4bit", False, "default"),  # plain_int32 has no row slicing in torchao 0.18
         ("arc-b580", "4bit", False, "default"),
         ("arc-b580", "8bit", True, "default"),
@@ -68,7 +70,8 @@ def test_gpu_formats_take_the_same_rules(profile: str, quantize: str, fused: boo
     assert plan.decode is not None and plan.decode.fused_projections is fused
     assert plan.decode.weights == plan.decode.weights.strip() and plan.decode.weights.startswith("torchao")
     assert ("fused into one product each" in decision.reason) is fused
-    assert ("does not slice by rows" in decision.reason) is not fused
+    kept_apart = ("does not slice by rows" in decision.reason) or ("non-contiguous" in decision.reason)
+    assert kept_apart is not fused
     xpu = device_profile(profile).backend == "xpu"
     assert ("not yet measured on an Intel GPU" in decision.reason) is xpu
     assert plan.decode.step_graph is not xpu

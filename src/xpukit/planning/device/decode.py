@@ -57,7 +57,9 @@ _NOT_COMPILED_QUANT = {"4bit", "8bit"}
 _GPU = {"cuda", "xpu"}
 # torchao 0.18 formats whose inner tensors slice by rows (aten.slice), so that q/k/v and gate/up
 # concatenate (docs/decode.md "Fused projections"); plain_int32 (XPU int4) has no row slicing.
-_FUSABLE_TORCHAO = {("Int8WeightOnlyConfig", None), ("Int4WeightOnlyConfig", "tile_packed_to_4d")}
+# tinygemm's int4 (tile_packed_to_4d) is kept apart: its row slices leave scale_and_zero non-contiguous,
+# which torchao's int4 matmul asserts against (H200, torchao 0.18, 2026-12-04).
+_FUSABLE_TORCHAO = {("Int8WeightOnlyConfig", None)}
 # Measured on the H200, Qwen3-8B shape, batch 1 (docs/benchmarks.md "Quantized weights", docs/decode.md
 # "Fast by default"): what "auto" is decided on, and what the first compile costs.
 _AUTO_EVIDENCE = (
@@ -389,6 +391,12 @@ def _compiled_reason(plan: DecodePlan, backend: str) -> str:
         text += (
             "; q/k/v and gate/up fused into one product each at load, one read of their weights per "
             'layer, not yet measured (fast_decode="unfused" keeps them apart: docs/decode.md '
+            '"Fused projections")'
+        )
+    elif "tile_packed_to_4d" in plan.weights:
+        text += (
+            f"; q/k/v and gate/up kept apart: {plan.weights}'s row slices leave its scales "
+            "non-contiguous, which torchao's int4 product refuses (H200, torchao 0.18; docs/decode.md "
             '"Fused projections")'
         )
     elif plan.weights.startswith("torchao"):

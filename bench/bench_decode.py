@@ -10,18 +10,22 @@ every weight once), from the table below or ``--bandwidth``. One JSON line per r
 Variants:
 
 * ``raw``: ``AutoModelForCausalLM.from_pretrained(path, dtype=<the plan's dtype>).to(device)``;
-* ``xpukit``: ``load_for_xpu(path, device=...)``;
+* ``xpukit``: ``load_for_xpu(path, device=...)`` (bf16: the default leaves it plain);
 * ``fast``: ``load_for_xpu(path, device=..., fast_decode=True, warmup=True)``: xpukit's decode loop;
+  ``fast-unfused``: ``fast_decode="unfused"`` instead (no fused q/k/v and gate/up: what fusion gains);
 * ``fast-sdpa``: ``fast`` with transformers' SDPA attention in the decode step too (its
   ``repeat_kv`` copy of the cache) instead of xpukit's grouped decode attention
   (``xpukit.loading.decode.attention``), to measure what that saves;
 * ``fast-hf``: the same load with xpukit's loop switched off (``model.xpukit_decode_loop.enabled =
   False``): transformers' ``generate`` with the same static cache and compile settings;
-* quantized weights (docs/decode.md "Quantized models"): ``nf4`` is ``load_for_xpu(path,
-  quantize="nf4")`` (bitsandbytes); ``int4`` / ``int8`` are ``quantize="4bit"`` / ``"8bit"`` (the
-  device's fastest format: torchao where it runs, the row's ``quantization`` says which);
-  ``int4-fast`` / ``int8-fast`` add ``fast_decode=True, warmup=True`` (the row's ``fast_decode`` is
-  the plan's decision: where the plan does not take it, nothing changes);
+* quantized weights (docs/decode.md "Fast by default", "Quantized models"): ``nf4`` is
+  ``load_for_xpu(path, quantize="nf4")`` (bitsandbytes); ``int4`` / ``int8`` are ``quantize="4bit"`` /
+  ``"8bit"`` and nothing else (the device's fastest format, the row's ``quantization`` says which;
+  on CUDA/XPU the default fast path, compiled inside the first ``generate``: ``first_call_s``);
+  ``int4-plain`` / ``int8-plain`` add ``fast_decode=False`` (plain ``generate``, the old default);
+  ``int4-fast`` / ``int8-fast`` add ``fast_decode=True, warmup=True``, ``int4-fast-unfused`` /
+  ``int8-fast-unfused`` ``fast_decode="unfused", warmup=True``. The row's ``fast_path`` says which
+  decoding the load set up, or ``none:`` and why (the CPU has no fast path);
 * ``fast-trees`` / ``int4-fast-trees``: ``fast`` / ``int4-fast`` with the loop's step compiled with
   ``mode="reduce-overhead"`` (inductor's CUDA-graph trees) instead of xpukit's own step graph;
   ``int8-fast-patterns``: ``int8-fast`` with inductor's pattern matcher on, as before xpukit turned
@@ -34,25 +38,33 @@ Variants:
 ``--breakdown`` adds, per row, where a token's time goes (docs/decode.md "Where a token's time goes"):
 one more call under ``torch.profiler`` (device busy fraction = kernel time / wall time of that call,
 kernels and CUDA-graph launches per token, device time by category and the top kernels), dynamo's
-counters over the timed calls (graph breaks,
-new graphs, CUDA-graph skips), a call's fixed part (``ms_call_one_token``: a call for one new token,
-the prefill and what surrounds it), and for xpukit's loop the decode step alone (``loop.replay``: 64
-steps, one sync) against the per-token time of the whole call, and the same model with the
-attention window and the captured prefill each switched off (``same_model_without``); plus a
-measured copy bandwidth of the device.
+counters over the timed calls (graph breaks, new graphs, CUDA-graph skips), a call's fixed part
+(``ms_call_one_token``: a call for one new token, the prefill and what surrounds it), and for
+xpukit's loop the decode step alone (``loop.replay``: 64 steps, one sync) against the per-token time
+of the whole call, and the same model with the attention window and the captured prefill each
+switched off (``same_model_without``); plus a measured copy bandwidth of the device.
 
 ``--second-process`` adds a row per shape: a fresh process (its own empty inductor and triton
-caches, the same xpukit cache dir) loads with ``fast_decode=True, warmup=True`` and times its load,
-warm-up and first call at each batch size, so only xpukit's compile cache can make it warm.
+caches, the same ``XPUKIT_CACHE_DIR``) loads with ``fast_decode=True, warmup=True`` and times its
+load, warm-up and first call at each batch size, so only xpukit's compile cache can make it warm.
+``--second-process-quantize Q`` (``none``, ``4bit``, ``8bit``; repeatable) does the same for what a
+user's second process does: ``load_for_xpu(path, quantize=Q)`` (``none``: bf16 with
+``fast_decode=True``), no warm-up, its first ``generate`` timed (then one more call for tok/s). It
+runs right after the variant in ``--variants`` whose run fills that cache (``int4``/``int4-fast``,
+``int8``/``int8-fast``, ``fast``); the row's ``compile_cache`` says whether the blob was loaded.
 
 Caches: unless ``--keep-caches``, this process points ``XPUKIT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``
-and ``TRITON_CACHE_DIR`` at fresh directories under its temporary root, so every warm-up here is cold.
+and ``TRITON_CACHE_DIR`` at fresh directories under its temporary root: the first compile of each
+graph here is cold, a later variant's compile of the same graph (``int4-fast`` after ``int4``) is not.
 ``--model-dir`` keeps the random-weight models between runs (an 8B shape takes a minute to write).
-Every row has ``weights_bytes`` (the stored bytes of the parameters, inner tensors of torchao's
-quantized ones included), and on CUDA/XPU ``memory_gb`` (allocated after the load and warm-up) and
-``peak_memory_gb`` (the most allocated from the load to the last call). ``--deadline-s`` skips the
-variants that would start after that many seconds (a ``skipped`` row each), so a bounded run still
-reports what it measured.
+Every row has the date, the versions, ``weights_bytes`` (the stored bytes of the parameters, inner
+tensors of torchao's quantized ones included), ``first_call_s`` apart from ``tok_s`` (best of the
+timed calls), ``memory_gb`` on CUDA/XPU (allocated after the load and warm-up) and ``peak_memory_gb``
+(the most allocated from the load to the last call; on the CPU the process's resident high-water
+mark). After each variant a ``summary`` line holds its tok/s, first call and peak memory by batch
+size. Rows are printed as they are measured. ``--deadline-s`` skips the variants, batch sizes and
+second processes that would start after that many seconds (a ``skipped`` row each), so a bounded run
+still reports what it measured.
 
 Usage::
 
@@ -63,25 +75,23 @@ Usage::
     python bench/bench_decode.py --device cpu --shape tiny --new-tokens 32 --threads 1
     python bench/bench_decode.py --device cpu --shape small --variants raw,static,compiled --batch 1
     python bench/bench_decode.py --device cuda --shape qwen3-8b --batch 1 --repeat 1 \
-        --variants int4-fast,int4,nf4,int8,fast --model-dir /dev/shm/xpukit-bench --deadline-s 150
+        --variants int4,int4-plain,xpukit,int8 --second-process-quantize 4bit --deadline-s 240
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import _decode_rows as rows  # bench/_decode_rows.py: fast path, summary line, the second process
 import _harness as h  # bench/_harness.py, beside this script: devices, memory, timing, rows
 from _shapes import build_decode_model as build
 
@@ -90,16 +100,25 @@ _STARTED = time.perf_counter()  # the second process reports its start-up from h
 DECODE_PACKAGES = ("torch", "transformers", "accelerate", "xpukit", "torchao", "bitsandbytes")
 
 VARIANTS = (
-    "raw", "xpukit", "fast", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
-    "nf4", "int4", "int8", "int4-fast", "int8-fast", "fast-trees", "int4-fast-trees", "int8-fast-patterns",
+    "raw", "xpukit", "fast", "fast-unfused", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
+    "nf4", "int4", "int8", "int4-plain", "int8-plain", "int4-fast", "int8-fast", "int4-fast-unfused",
+    "int8-fast-unfused", "fast-trees", "int4-fast-trees", "int8-fast-patterns",
 )  # fmt: skip
-# The quantized variants: quantize= and fast_decode (docs/decode.md "Quantized models").
-QUANTIZED = {
-    "nf4": ("nf4", False),
-    "int4": ("4bit", False),
-    "int8": ("8bit", False),
-    "int4-fast": ("4bit", True),
-    "int8-fast": ("8bit", True),
+# Loads through load_for_xpu's own arguments: variant -> (quantize, fast_decode, warmup)
+# (docs/decode.md "Fast by default", "Fused projections", "Quantized models").
+LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
+    "xpukit": (None, "auto", False),  # bf16: the default leaves it plain
+    "fast": (None, True, True),
+    "fast-unfused": (None, "unfused", True),
+    "nf4": ("nf4", "auto", False),
+    "int4": ("4bit", "auto", False),  # the default: the fast path, compiled in the first generate
+    "int8": ("8bit", "auto", False),
+    "int4-plain": ("4bit", False, False),
+    "int8-plain": ("8bit", False, False),
+    "int4-fast": ("4bit", True, True),
+    "int8-fast": ("8bit", True, True),
+    "int4-fast-unfused": ("4bit", "unfused", True),
+    "int8-fast-unfused": ("8bit", "unfused", True),
 }
 # fast_decode's load with the loop compiled the way it was before, for a same-run comparison:
 # quantize=, then the compile settings: inductor's CUDA-graph trees instead of the loop's own step
@@ -132,16 +151,12 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
             model.xpukit_bench_note = f"loop compiled: {loop.compile_options}"
         model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)
         return model
-    if variant in QUANTIZED:
-        quantize, fast = QUANTIZED[variant]
-        if fast:
-            return load_for_xpu(path, device=device, quantize=quantize, fast_decode=True, warmup=True)
-        return load_for_xpu(path, device=device, quantize=quantize)
+    if variant in LOADS:
+        quantize, fast, warmup = LOADS[variant]
+        return load_for_xpu(path, device=device, quantize=quantize, fast_decode=fast, warmup=warmup)
     if variant == "raw":
         dtype = getattr(torch, plan_load(path, device=device).dtype)
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
-    if variant == "fast":
-        return load_for_xpu(path, device=device, fast_decode=True, warmup=True)
     if variant == "fast-sdpa":  # fast, with transformers' SDPA in the decode step too
         from xpukit.loading.decode.fast_decode import warm_up
 
@@ -190,15 +205,6 @@ def cache_len(args: argparse.Namespace, path: Path) -> int:
     return -(-(args.prompt_len + args.new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
 
 
-def stored_bytes(tensor: Any) -> int:
-    """Bytes a tensor stores: a tensor subclass (torchao's quantized weights) counts its inner tensors."""
-    flatten = getattr(type(tensor), "__tensor_flatten__", None)
-    if flatten is not None:
-        names, _ = tensor.__tensor_flatten__()
-        return sum(stored_bytes(getattr(tensor, name)) for name in names)
-    return int(tensor.numel() * tensor.element_size())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -226,7 +232,14 @@ def main() -> None:
     )
     parser.add_argument("--breakdown", action="store_true", help="profile where a token's time goes")
     parser.add_argument(
-        "--second-process", action="store_true", help="time a fresh process's warm-up and first call"
+        "--second-process", action="store_true", help="time a fresh process's bf16 warm-up and first call"
+    )
+    parser.add_argument(
+        "--second-process-quantize",
+        action="append",
+        choices=sorted(rows.CHILD_LOADS),
+        help="repeatable: a fresh process loads load_for_xpu(path, quantize=Q) (none: bf16 with "
+        "fast_decode=True), no warm-up, and times its first generate, with this run's compile cache",
     )
     parser.add_argument("--model-dir", type=Path, help="build the random-weight models here and reuse them")
     parser.add_argument("--keep-caches", action="store_true", help="use the usual compile and xpukit caches")
@@ -244,6 +257,7 @@ def main() -> None:
         help="a CPU check in seconds: --device cpu --shape tiny --batch 1 --new-tokens 8 --repeat 1",
     )
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # the second process's model
+    parser.add_argument("--child-quantize", help=argparse.SUPPRESS)  # its --second-process-quantize
     args = parser.parse_args()
     if args.tiny:
         args.device, args.shape, args.batch = "cpu", args.shape or ["tiny"], args.batch or [1]
@@ -252,6 +266,14 @@ def main() -> None:
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}; choose from {', '.join(VARIANTS)}")
+    for quantize in args.second_process_quantize or []:
+        sources = rows.CHILD_SOURCES[quantize]
+        if not args.keep_caches and not set(sources) & set(variants):
+            parser.error(
+                f"--second-process-quantize {quantize} reads the compile cache that one of the variants "
+                f"{', '.join(sources)} fills in this run, and --variants has none of them. Fix: add one "
+                "to --variants, or pass --keep-caches to use the usual caches"
+            )
     with tempfile.TemporaryDirectory(prefix="xpukit-bench-decode-") as root:
         if not args.keep_caches and args.child is None:
             for name, sub in (
@@ -289,143 +311,137 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
         "torchao_inductor_config": args.torchao_inductor_config,
     }
     if args.child is not None:
-        print(json.dumps(common | child_row(args)), flush=True)
+        h.emit(common | rows.child_row(args, _STARTED))
         return
+    late = lambda: bool(args.deadline_s) and time.perf_counter() - _STARTED > args.deadline_s  # noqa: E731
     if args.breakdown:
-        print(json.dumps(common | {"measured_copy_bandwidth": h.copy_bandwidth(args.device)}), flush=True)
+        h.emit(common | {"measured_copy_bandwidth": h.copy_bandwidth(args.device)})
     for shape in args.shape or ["qwen3-8b"]:
         start = time.perf_counter()
         path = build(shape, args.model_dir or root, args.device)
-        print(json.dumps(common | {"shape": shape, "build_s": round(time.perf_counter() - start, 1)}))
+        h.emit(common | {"shape": shape, "build_s": round(time.perf_counter() - start, 1)})
         reference: dict[int, Any] = {}
         outputs: dict[tuple[str, int], Any] = {}
+        children = list(args.second_process_quantize or [])
+
         for variant in variants:
-            if args.deadline_s and time.perf_counter() - _STARTED > args.deadline_s:
-                print(json.dumps(common | {"shape": shape, "variant": variant, "skipped": "deadline"}))
+            if late():
+                h.emit(common | {"shape": shape, "variant": variant, "skipped": "deadline"})
                 continue
-            h.allocated_gb(args.device, reset=True)
-            start = time.perf_counter()
-            model = load(variant, path, args.device, cache_len(args, path))
-            load_s = time.perf_counter() - start
-            loaded_gb = h.allocated_gb(args.device)
-            if (
-                variant in {"fast", "fast-sdpa", "fast-hf"}
-                and args.cache_len
-                and model.generation_config.cache_implementation
-            ):
-                model.generation_config.max_cache_len = args.cache_len
-            weights = sum(stored_bytes(p) for p in model.parameters())
-            plan = getattr(model, "xpukit_plan", None)
-            events = list(plan.events if plan else []) + list(getattr(model, "xpukit_bench_warmup", []))
-            warmup = next((e.actual for e in events if e.what == "warmup"), None)
-            vocab = model.config.get_text_config().vocab_size
-            for batch in args.batch or [1, 8]:
-                ids = prompt(batch, args.prompt_len, vocab).to(args.device)
-                first, out = h.timed_generate(model, ids, args.new_tokens, args.device)
-                counters = h.dynamo_counters()
-                times = [
-                    h.timed_generate(model, ids, args.new_tokens, args.device)[0] for _ in range(args.repeat)
-                ]
-                tokens = batch * args.new_tokens
-                roofline = batch * bandwidth / weights if bandwidth else None
-                best = tokens / min(times)
-                reference.setdefault(batch, out.cpu())
-                outputs[(variant, batch)] = out.cpu()
-                row = common | {
-                    "shape": shape,
-                    "params": sum(p.numel() for p in model.parameters()),
-                    "weights_bytes": weights,
-                    "dtype": str(model.dtype).removeprefix("torch."),
-                    "variant": variant,
-                    "batch": batch,
-                    "cache_len": getattr(model.generation_config, "max_cache_len", None),
-                    "load_s": round(load_s, 2),
-                    "first_call_s": round(first, 3),
-                    "tok_s": round(best, 2),
-                    "tok_s_median": round(tokens / statistics.median(times), 2),
-                    "roofline_tok_s": round(roofline, 1) if roofline else None,
-                    "roofline_fraction": round(best / roofline, 4) if roofline else None,
-                    "warmup": warmup,
-                    "note": getattr(model, "xpukit_bench_note", None),
-                    "step_graphs": _step_graph_stats(model),
-                    "loop": (getattr(model, "xpukit_last_decode", None) or {}).get("loop", "transformers"),
-                    "quantization": plan.decision("quantization").value if plan else None,
-                    "fast_decode": (
-                        plan.decision("fast_decode").to_dict()
-                        if plan and any(d.name == "fast_decode" for d in plan.decisions)
-                        else None
-                    ),
-                    "memory_gb": loaded_gb,
-                    "peak_memory_gb": h.allocated_gb(args.device, peak=True),
-                    "same_tokens_as_first_variant": bool(torch.equal(out.cpu(), reference[batch])),
-                    "same_tokens_as": [
-                        v
-                        for (v, b), o in outputs.items()
-                        if b == batch and v != variant and torch.equal(o, out.cpu())
-                    ],
-                }
-                if args.breakdown:
-                    from _breakdown import breakdown  # bench/_breakdown.py: where a token's time goes
-
-                    row["breakdown"] = breakdown(model, ids, args, counters, min(times))
-                print(json.dumps(row), flush=True)
-            del model
-            gc.collect()
-            if args.device.startswith(("cuda", "xpu")):
-                getattr(torch, args.device.split(":")[0]).empty_cache()
+            measure(args, variant, path, shape, common, bandwidth, reference, outputs, late)
+            for quantize in [q for q in children if variant in rows.CHILD_SOURCES[q]]:
+                children.remove(quantize)  # right after the variant that filled its compile cache
+                second(args, common | {"shape": shape}, path, root, quantize, late())
+        for quantize in children:  # --keep-caches: the usual cache, whatever filled it
+            second(args, common | {"shape": shape}, path, root, quantize, late())
         if args.second_process:
-            print(json.dumps(common | second_process(args, shape, path)), flush=True)
+            second(args, common | {"shape": shape}, path, root, None, late())
 
 
-def prompt(batch: int, length: int, vocab: int) -> Any:
+def second(args: argparse.Namespace, common: dict[str, Any], path: Path, root: Path, quantize: str | None,
+           late: bool) -> None:  # fmt: skip
+    """A fresh process's first call (``rows.second_process``), or a ``skipped`` row past the deadline."""
+    if late:
+        name = f"second-process-{quantize}" if quantize else "fast-second-process"
+        h.emit(common | {"variant": name, "skipped": "deadline"})
+        return
+    h.emit(common | rows.second_process(args, __file__, path, root, quantize))
+
+
+def measure(
+    args: argparse.Namespace,
+    variant: str,
+    path: Path,
+    shape: str,
+    common: dict[str, Any],
+    bandwidth: float | None,
+    reference: dict[int, Any],
+    outputs: dict[tuple[str, int], Any],
+    late: Any,
+) -> None:
+    """Load ``variant``, then per batch size a first call and ``--repeat`` timed calls: a row each
+    (a batch size that would start after ``--deadline-s`` gets a ``skipped`` row), then its summary."""
     import torch
 
-    return torch.randint(3, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
-
-
-def _step_graph_stats(model: Any) -> dict[str, int] | None:
-    """xpukit's own decode-step graphs: captures, replays, dropped (None where the loop has none)."""
-    graphs = getattr(getattr(model, "xpukit_decode_loop", None), "step_graphs", None)
-    return dict(graphs.stats) if graphs is not None else None
-
-
-def second_process(args: argparse.Namespace, shape: str, path: Path) -> dict[str, Any]:
-    """Run this script as a fresh process on ``path`` (its own empty inductor and triton caches)."""
-    env = h.fresh_caches("xpukit-bench-child-")
-    command = [sys.executable, __file__, "--child", str(path), "--device", args.device]
-    command += [f"--new-tokens={args.new_tokens}", f"--prompt-len={args.prompt_len}"]
-    for batch in args.batch or [1, 8]:
-        command.append(f"--batch={batch}")
+    h.reset_peak(args.device)
     start = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    row: dict[str, Any] = {"shape": shape, "variant": "fast-second-process", "process_s": 0.0}
-    row["process_s"] = round(time.perf_counter() - start, 2)
-    if done.returncode != 0:
-        row["error"] = done.stderr[-2000:]
-        return row
-    child = json.loads(done.stdout.strip().splitlines()[-1])
-    return row | {k: v for k, v in child.items() if k not in {"bench", "date", "machine", "versions"}}
-
-
-def child_row(args: argparse.Namespace) -> dict[str, Any]:
-    """The second process: load with fast_decode + warm-up, then one call at each batch size."""
-    from xpukit.loading.load import load_for_xpu
-
-    start = time.perf_counter()
-    model = load_for_xpu(args.child, device=args.device, fast_decode=True, warmup=True)
-    loaded = time.perf_counter() - start
-    warmup = next((e.actual for e in model.xpukit_plan.events if e.what == "warmup"), None)
-    first_calls = {}
+    model = load(variant, path, args.device, cache_len(args, path))
+    load_s = time.perf_counter() - start
+    loaded_gb = h.allocated_gb(args.device)
+    if (
+        variant in {"fast", "fast-sdpa", "fast-hf"}
+        and args.cache_len
+        and model.generation_config.cache_implementation
+    ):
+        model.generation_config.max_cache_len = args.cache_len
+    weights = sum(rows.stored_bytes(p) for p in model.parameters())
+    plan = getattr(model, "xpukit_plan", None)
+    events = list(plan.events if plan else []) + list(getattr(model, "xpukit_bench_warmup", []))
+    warmup = next((e.actual for e in events if e.what == "warmup"), None)
+    vocab = model.config.get_text_config().vocab_size
+    done: list[dict[str, Any]] = []
+    skipped: list[int] = []
     for batch in args.batch or [1, 8]:
-        ids = prompt(batch, args.prompt_len, model.config.get_text_config().vocab_size).to(args.device)
-        first_calls[str(batch)] = round(h.timed_generate(model, ids, args.new_tokens, args.device)[0], 3)
-    return {
-        "startup_s": round(start - _STARTED, 2),
-        "load_and_warmup_s": round(loaded, 2),
-        "warmup": warmup,
-        "first_call_s": first_calls,
-        "counters": h.dynamo_counters(),
-    }
+        if done and late():
+            skipped.append(batch)
+            h.emit(common | {"shape": shape, "variant": variant, "batch": batch, "skipped": "deadline"})
+            continue
+        ids = rows.prompt(batch, args.prompt_len, vocab).to(args.device)
+        first, out = h.timed_generate(model, ids, args.new_tokens, args.device)
+        counters = h.dynamo_counters()
+        times = [h.timed_generate(model, ids, args.new_tokens, args.device)[0] for _ in range(args.repeat)]
+        tokens = batch * args.new_tokens
+        roofline = batch * bandwidth / weights if bandwidth else None
+        best = tokens / min(times)
+        reference.setdefault(batch, out.cpu())
+        outputs[(variant, batch)] = out.cpu()
+        row = common | {
+            "shape": shape,
+            "params": sum(p.numel() for p in model.parameters()),
+            "weights_bytes": weights,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "variant": variant,
+            "batch": batch,
+            "cache_len": getattr(model.generation_config, "max_cache_len", None),
+            "load_s": round(load_s, 2),
+            "first_call_s": round(first, 3),  # with the default fast path: the compile, in generate
+            "first_call_over_timed_s": round(first - min(times), 3),
+            "tok_s": round(best, 2),
+            "tok_s_median": round(tokens / statistics.median(times), 2),
+            "roofline_tok_s": round(roofline, 1) if roofline else None,
+            "roofline_fraction": round(best / roofline, 4) if roofline else None,
+            "warmup": warmup,
+            "note": getattr(model, "xpukit_bench_note", None),
+            "fast_path": rows.fast_path(model),
+            "compile_cache": rows.cache_records(model, batch),
+            "step_graphs": rows.step_graph_stats(model),
+            "loop": (getattr(model, "xpukit_last_decode", None) or {}).get("loop", "transformers"),
+            "quantization": plan.decision("quantization").value if plan else None,
+            "fast_decode": (
+                plan.decision("fast_decode").to_dict()
+                if plan and any(d.name == "fast_decode" for d in plan.decisions)
+                else None
+            ),
+            "memory_gb": loaded_gb,
+            "peak_memory_gb": rows.peak_gb(args.device),
+            "same_tokens_as_first_variant": bool(torch.equal(out.cpu(), reference[batch])),
+            "same_tokens_as": [
+                v
+                for (v, b), o in outputs.items()
+                if b == batch and v != variant and torch.equal(o, out.cpu())
+            ],
+        }
+        if args.breakdown:
+            from _breakdown import breakdown  # bench/_breakdown.py: where a token's time goes
+
+            row["breakdown"] = breakdown(model, ids, args, counters, min(times))
+        h.emit(row)
+        done.append(row)
+    h.emit(common | {"shape": shape} | rows.summary_row(variant, done, skipped))
+    del model
+    gc.collect()
+    if args.device.startswith(("cuda", "xpu")):
+        getattr(torch, args.device.split(":")[0]).empty_cache()
 
 
 if __name__ == "__main__":

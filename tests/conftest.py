@@ -229,6 +229,20 @@ def silent_endpoint() -> Iterator[str]:
 # --- training ------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def liger(monkeypatch: pytest.MonkeyPatch) -> Callable[[bool], None]:
+    """Arrange whether the plan finds liger-kernel runnable on CUDA/XPU (``liger(False)``: as where it
+    is not installed), whatever this environment has: plans for an assumed GPU read the installed
+    packages, and the suite runs both without liger-kernel and with every extra."""
+    import xpukit.planning.training.fit as fit
+
+    def arrange(available: bool) -> None:
+        why = "liger-kernel can run (arranged)" if available else "liger-kernel is not installed (arranged)"
+        monkeypatch.setattr(fit, "liger_availability", lambda backend: (available, why))
+
+    return arrange
+
+
 def _train_losses(model: Any, args: Any, tok: Any, data: list[Any]) -> list[float]:
     from transformers import DataCollatorForLanguageModeling, Trainer
 

@@ -306,3 +306,23 @@ def test_real_host_reports_kernels_and_hub_without_network() -> None:
     assert h.hub_offline is True and h.hub_reachable is None
     if h.packages.get("kernels"):
         assert h.kernels_accepted is not None and "kernels" in h.kernels_reason
+
+
+def test_what_the_versions_enable_from_hand_made_facts() -> None:
+    from xpukit.doctor.ecosystem import enabled_by_versions
+
+    newest = {"transformers": "5.25.0", "kernels": "0.19.1", "liger-kernel": "0.8.5", "triton": "3.9.0",
+              "bitsandbytes": "0.50.2", "peft": "0.21.2", "deepspeed": "0.19.8"}  # fmt: skip
+    lines = enabled_by_versions(newest, kernels_accepted=True, kernels_reason="kernels 0.19.1 is installed")
+    text = "\n".join(lines)
+    assert "Hub kernels: on" in text and "transformers 5.25.0 turns use_kernels on" in text
+    assert "liger-kernel 0.8.5 (triton 3.9.0)" in text and "deepspeed 0.19.8" in text
+    older = {"transformers": "5.22.2", "kernels": "0.19.1", "bitsandbytes": "0.47.0"}
+    reason = "kernels 0.19.1 is installed, but transformers 5.22.2 accepts only kernels>=0.17.2,<0.18"
+    text = "\n".join(enabled_by_versions(older, kernels_accepted=False, kernels_reason=reason))
+    assert f"Hub kernels: off ({reason})" in text and "turns use_kernels on" not in text
+    assert 'liger-kernel: off (needs liger-kernel and triton: pip install "xpukit[liger]")' in text
+    assert (
+        "no XPU backend before 0.48" in text
+        and "no strategy='deepspeed' (pip install \"xpukit[deepspeed]\")" in text
+    )

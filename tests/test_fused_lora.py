@@ -422,6 +422,25 @@ def test_fused_mlp_supersedes_an_instance_forward(tiny_model: Path) -> None:
     assert len(calls) == 5
 
 
+def test_the_liger_gate_note_only_where_liger_runs_it(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gated step runs in liger-kernel's kernels only on CUDA/XPU: on this CPU the notes never
+    mention liger, installed or not; on an (arranged) XPU with liger's kernels they do, once."""
+    from xpukit.loading.training import fused_lora
+
+    monkeypatch.setattr(fused_lora, "liger_gate_available", lambda: True)  # as where liger is installed
+    notes = fused_lora.apply_fused_lora(_peft(_load_4bit(tiny_model)), insist=True)
+    assert len(notes) == 2 and not any("liger" in n for n in notes)
+    monkeypatch.setattr(fused_lora, "_gate_device", lambda new: "xpu" if new else None)
+    model = _peft(_load_4bit(tiny_model))
+    notes = fused_lora.apply_fused_lora(model, insist=True)
+    assert notes[2].startswith("fused MLP: SwiGLU/GeGLU (tanh) in liger-kernel's Triton kernels")
+    assert fused_lora.apply_fused_lora(model, insist=True, liger=False) == notes[:1]  # nothing new fused
+    notes = fused_lora.apply_fused_lora(_peft(_load_4bit(tiny_model)), insist=True, liger=False)
+    assert not any("liger" in n for n in notes)  # lora={"liger": False}
+
+
 def test_apply_lora_fused_with_checkpointing(tiny_model: Path) -> None:
     """Through apply_lora (xpukit's preparation: gradient checkpointing on, recomputing q/k/v)."""
     from xpukit.loading.lora import apply_lora

@@ -80,9 +80,10 @@ def test_hub_attention_kernel_that_cannot_be_had_falls_back(tiny_model, monkeypa
     # A kernel the cache claims to have (refs/v1 → snapshot) but whose files are not there: the plan
     # takes it; fetching it at load fails; the load goes on with SDPA and says why.
     root = tmp_path / "kernels--acme--attn-kernel"
+    commit = "abc123" + "0" * 34  # a full commit id, as the kernels library writes (>= 0.19 needs one)
     (root / "refs").mkdir(parents=True)
-    (root / "refs" / "v1").write_text("abc123")
-    (root / "snapshots" / "abc123").mkdir(parents=True)
+    (root / "refs" / "v1").write_text(commit)
+    (root / "snapshots" / commit).mkdir(parents=True)
     monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
     # dtype pinned: flash attention computes in half precision, which the plan picks on a CPU only
     # where it is native; the fallback under test must not depend on the CPU.

@@ -133,7 +133,8 @@ def test_decide_liger(
 
 
 def _fake_liger(monkeypatch: pytest.MonkeyPatch, apply: Any) -> None:
-    """Stand in for liger-kernel (not installed here) with ``apply`` as its instance entry point."""
+    """Stand in for liger-kernel, installed or not, with ``apply`` as its instance entry point and no
+    functional entry point (the real one, imported by an earlier test in this process, hidden too)."""
     import types
 
     import xpukit.loading.training.liger as liger
@@ -143,6 +144,8 @@ def _fake_liger(monkeypatch: pytest.MonkeyPatch, apply: Any) -> None:
     transformers_module._apply_liger_kernel_to_instance = apply  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "liger_kernel", package)
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", transformers_module)
+    transformers_module.__path__ = []  # a package with no submodules: `import ….functional` fails
+    monkeypatch.delitem(sys.modules, "liger_kernel.transformers.functional", raising=False)
     monkeypatch.setattr(liger, "is_installed", lambda module: True)
     monkeypatch.setattr(liger, "installed_version", lambda package: "0.8.5")
     monkeypatch.setattr(liger, "_supported_model_types", lambda: frozenset({"qwen3"}))

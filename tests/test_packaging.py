@@ -42,13 +42,17 @@ def test_docs_and_build_tools_are_extras_with_pins() -> None:
     assert {*docs, "mkdocstrings-python", "build", "setuptools"} <= pins
 
 
-def test_ci_runs_the_suite_then_the_release_check() -> None:
+def test_ci_runs_both_legs_then_the_release_check() -> None:
     lines = [
         line
         for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
         if line and not line.startswith(("#", "set ", "cd "))
     ]
-    assert lines == ["scripts/test -q", "exec scripts/check-package"]
+    assert lines == ["scripts/test -q", "scripts/test-newest -q", "exec scripts/check-package"]
+    newest = (ROOT / "scripts" / "test-newest").read_text(encoding="utf-8")
+    # a fresh virtualenv, every extra, nothing pinned but the CPU torch
+    assert 'rm -rf "$venv"' in newest and '-e "$root[all,liger,deepspeed,test]"' in newest
+    assert "constraints/dev.txt" in newest and "-c " not in newest
     check = (ROOT / "scripts" / "check-package").read_text(encoding="utf-8")
     for step in ("python -m build", "--no-deps", "doctor --json", "mkdocs build --strict", 'cd "$work"'):
         assert step in check

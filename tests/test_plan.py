@@ -38,9 +38,10 @@ def fake_kernel(cache: Path, repo: str, version: int) -> None:
     """Lay out a Hub kernel in a kernels cache the way the kernels library does (refs/vN → snapshot)."""
     root = cache / f"kernels--{repo.replace('/', '--')}"
     (root / "refs").mkdir(parents=True, exist_ok=True)
-    (root / "refs" / f"v{version}").write_text("0123abcd")
-    (root / "snapshots" / "0123abcd").mkdir(parents=True, exist_ok=True)
-    (root / "snapshots" / "0123abcd" / "README.md").write_text("fake")
+    commit = "0123abcd" * 5  # a full commit id: kernels >= 0.19 refuses anything shorter
+    (root / "refs" / f"v{version}").write_text(commit)
+    (root / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    (root / "snapshots" / commit / "README.md").write_text("fake")
 
 
 @pytest.fixture
@@ -345,18 +346,25 @@ def test_use_kernels_rules(shapes, monkeypatch, tmp_path):
     assert offline.use_kernels is False and "not in the local cache" in offline.decision("use_kernels").reason
     asked = plan_load(shapes["qwen3-0.6b"], facts="arc-b580", kernels=True)
     assert asked.use_kernels is False and asked.decision("use_kernels").source == "fallback"
+    assert offline.from_pretrained_kwargs()["use_kernels"] is False  # given: transformers >= 5.25 defaults on
     if not hub.kernels_support().accepted:
         return
-    for repo, version in (
-        ("kernels-community/rmsnorm", 1),
-        ("kernels-community/activation", 1),
-        ("kernels-community/rotary", 2),
-    ):
-        fake_kernel(tmp_path, repo, version)
+    from xpukit.planning.device.layer_kernels import mapping_refs
+
+    # The kernels this transformers' default mapping names for Qwen3's layers on XPU (they differ by
+    # release: 5.22 maps RMSNorm to kernels-community/rmsnorm, 5.25 no RMSNorm kernel on XPU).
+    refs = mapping_refs(offline.model_facts.kernel_layers, "xpu")
+    assert refs
     monkeypatch.setenv("KERNELS_CACHE", str(tmp_path))
+    for ref in refs[1:]:
+        fake_kernel(tmp_path, ref.repo, ref.version or 1)
+    one_missing = plan_load(shapes["qwen3-0.6b"], facts="arc-b580")
+    assert one_missing.use_kernels is False and refs[0].repo in one_missing.decision("use_kernels").reason
+    fake_kernel(tmp_path, refs[0].repo, refs[0].version or 1)
     cached = plan_load(shapes["qwen3-0.6b"], facts="arc-b580")
     assert cached.use_kernels is True and cached.from_pretrained_kwargs()["use_kernels"] is True
-    assert "kernels-community/rmsnorm" in cached.decision("use_kernels").reason
+    reason = cached.decision("use_kernels").reason
+    assert "in the local kernel cache" in reason and all(ref.repo in reason for ref in refs)
 
 
 # --- quantization --------------------------------------------------------------------------------

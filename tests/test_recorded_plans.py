@@ -259,7 +259,7 @@ def injected(env: dict[str, Any], cache: Path) -> Iterator[None]:
                 if any(value is real for real in replacements):
                     mp.setattr(module, attr, replacements[value])
         mp.setattr(attention, "_kernel_version", lambda repo: ATTENTION_KERNEL_VERSION)
-        mp.setattr(layer_kernels, "_mapping_refs", mapping_refs)
+        mp.setattr(layer_kernels, "mapping_refs", mapping_refs)
         yield
 
 

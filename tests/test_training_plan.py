@@ -123,7 +123,8 @@ def _plan(**kw: Any) -> Any:
     return plan_load(reference_config("qwen3-8b"), quantize="4bit", batch_size=4, seq_len=512, **kw)
 
 
-def test_room_means_no_savers_and_a_budget_means_savers() -> None:
+def test_room_means_no_savers_and_a_budget_means_savers(liger: Any) -> None:
+    liger(False)  # the savers without liger's fused loss; with it, below
     roomy = _plan(facts="h200")
     assert roomy.decision("gradient_checkpointing").value is False
     assert roomy.decision("micro_batch").value == 4
@@ -132,9 +133,13 @@ def test_room_means_no_savers_and_a_budget_means_savers() -> None:
     assert small.decision("gradient_checkpointing").value is True
     assert small.lora.gradient_checkpointing is True
     rejected = [v for v, _ in small.decision("gradient_checkpointing").rejected]
-    # liger-kernel is not installed here; the layers run as graphs on every rung tried first
+    # liger-kernel off (arranged); the layers run as graphs on every rung tried first
     assert rejected == ["no savers, graphs", "chunked CE, graphs"]
     assert small.decision("layer_graphs").value is True  # checkpointing inside the graphs
+    liger(True)  # liger's fused loss is the first thing tried, before any saver
+    with_liger = _plan(facts="arc-b580").decision("gradient_checkpointing")
+    assert with_liger.rejected[0][0] == "liger's fused CE, graphs"
+    liger(False)
     tight = _plan(facts="h200", max_memory={0: "8GB"})
     assert tight.decision("gradient_checkpointing").value == "offload"
     # the calibrated reserve keeps the whole batch (measured 7.74 GB on the H200: it fits 8 GB)
@@ -275,7 +280,10 @@ def test_a_chunked_plan_loads_with_the_chunked_loss(
     assert any(str(n).startswith("chunked cross-entropy: lm_head + loss in chunks of 64") for n in notes)
 
 
-def test_explain_cli_and_training_args_follow_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+def test_explain_cli_and_training_args_follow_the_plan(
+    capsys: pytest.CaptureFixture[str], liger: Any
+) -> None:
+    liger(False)  # the step as it is without liger-kernel: no savers, the plain loss
     plan = _plan(facts="h200", max_memory={0: "8GB"})
     text = plan.explain(verbose=True)
     assert "Training memory (batch 4 [given] × seq 512 [given]" in text
@@ -400,10 +408,12 @@ def test_estimate_matches_the_h200_graph_peaks_of_other_families(
     assert abs(estimate - measured) / measured <= 0.15, (estimate, measured)
 
 
-def test_a_step_whose_logits_cross_the_arc_allocation_cap_takes_a_fused_loss() -> None:
+def test_a_step_whose_logits_cross_the_arc_allocation_cap_takes_a_fused_loss(liger: Any) -> None:
     """Arc GPUs refuse one allocation above 4 GiB (docs/platform-notes.md §6.5): the plain loss's fp32
     logits of Qwen3-0.6B at 4 x 2 048 tokens are 4.98 GB, so the plan takes a fused loss there, says
-    why, and keeps the plain one where the logits fit under the cap or the card has none."""
+    why, and keeps the plain one where the logits fit under the cap or the card has none (arranged
+    without liger-kernel, whose fused loss the plan takes wherever it can run)."""
+    liger(False)
     from dataclasses import replace
 
     from xpukit.machine.profiles import machine_profile
@@ -422,6 +432,9 @@ def test_a_step_whose_logits_cross_the_arc_allocation_cap_takes_a_fused_loss() -
     assert (
         plan_load(reference_config("qwen3-0.6b"), facts="max-1550", **args).decision("loss").value == "plain"
     )
+    liger(True)
+    small = plan_load(reference_config("qwen3-0.6b"), facts="arc-pro-b60", **(args | {"seq_len": 1024}))
+    assert small.decision("loss").value == "liger" and "allocation cap" not in small.decision("loss").reason
 
 
 def test_the_graphs_buffers_are_in_the_estimate_one_shape_or_a_packed_rows_buckets() -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any
 
+from xpukit.cli.output import emit_json
 from xpukit.demo.run import DEFAULT_BATCH_SIZE, DEFAULT_STEPS  # light: xpukit.demo.run imports torch lazily
 
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         stream=sys.stderr if args.json else sys.stdout,
     )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        emit_json(result.to_dict())
     else:
         print("\nSummary")
         print(result.render())

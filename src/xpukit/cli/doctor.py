@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
+
+from xpukit.cli.output import emit_json
 
 
 def add_parser(sub: Any) -> None:
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             extras={"selftest": {"summary": summary, "checks": checks, "passed": not unexpected}},
         )
     if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
+        emit_json(report.to_dict())
     else:
         print(report.render())
     selftest_ok = report.extras.get("selftest", {}).get("passed", True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import runpy
@@ -35,6 +34,7 @@ from pathlib import Path
 from types import FrameType
 
 from xpukit import _environ, _platform
+from xpukit.cli.output import emit_json
 from xpukit.errors import InvalidRequestError
 from xpukit.select.devices import DeviceSelection, select_devices
 
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                 "command": command,
                 "shell": selection.command_line(command, args.shell),
             }
-            print(json.dumps(data, indent=2))
+            emit_json(data)
         else:
             print(selection.command_line(command, args.shell))
         return 0
@@ -282,7 +282,7 @@ def _run_torchrun(args: argparse.Namespace, command: list[str]) -> int:
                 "nproc_per_node": nproc,
                 "shell": shell,
             }
-            print(json.dumps(data, indent=2))
+            emit_json(data)
         else:
             print(shell)
         return 0

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from xpukit import __version__
 from xpukit.cli.logs import command_logging
+from xpukit.cli.output import reserved_stdout
 from xpukit.errors import XpukitError
 
 # Subcommand modules, in the order `--help` lists them.
@@ -57,7 +58,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # Only xpukit's records print under xpukit's name; other libraries' only with --verbose, under
     # their own names (cli/logs.py).
-    with command_logging(bool(args.verbose)) as collected:
+    # With --json, standard output is the JSON alone: other libraries' prints go to stderr.
+    with (
+        reserved_stdout(bool(getattr(args, "json", False))),
+        command_logging(bool(args.verbose)) as collected,
+    ):
         args.log_records = collected.records
         try:
             return int(args.run(args))

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import textwrap
 from typing import Any
+
+from xpukit.cli.output import emit_json
 
 
 def add_parser(sub: Any) -> None:
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
             quantize=args.quantize,
         )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        emit_json(result.to_dict())
         return 0
     if args.explain:
         print(result.plan.explain(), end="\n\n")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import json
 import textwrap
 from typing import Any
 
 from xpukit.cli.logs import notes_for, plan_warnings_printed
+from xpukit.cli.output import emit_json
 from xpukit.errors import InvalidRequestError
 
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         plan = _plan(args, request)
     notes = notes_for(getattr(args, "log_records", []), plan)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "notes": notes}, indent=2))
+        emit_json({**plan.to_dict(), "notes": notes})
         return 0
     print(plan.explain(verbose=bool(getattr(args, "explain", False))))
     if notes:

@@ -28,6 +28,7 @@ PACKAGES = (
     "bitsandbytes",
     "kernels",
     "liger-kernel",
+    "deepspeed",
     "matplotlib",
     "triton",
     "pytorch-triton-xpu",

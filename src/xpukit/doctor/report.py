@@ -8,6 +8,7 @@ from typing import Any
 
 from xpukit import __version__
 from xpukit.doctor.checks import Finding, diagnose
+from xpukit.doctor.ecosystem import enabled_by_versions
 from xpukit.doctor.host import HostFacts, gather_host
 from xpukit.machine.facts import MachineFacts
 
@@ -42,8 +43,17 @@ class DoctorReport:
             "machine": self.machine.to_dict(),
             "host": self.host.to_dict(),
             "findings": [asdict(f) for f in self.findings],
+            "enabled": self.enabled,
             **self.extras,
         }
+
+    @property
+    def enabled(self) -> list[str]:
+        """What the installed versions enable (:func:`xpukit.doctor.ecosystem.enabled_by_versions`)."""
+        host = self.host
+        return enabled_by_versions(
+            host.packages, kernels_accepted=host.kernels_accepted, kernels_reason=host.kernels_reason
+        )
 
     def render(self) -> str:
         """Human-readable report, readable at a glance."""
@@ -78,6 +88,7 @@ class DoctorReport:
         lines.append(f"hub          {hub}")
         if self.host.kernels_reason:
             lines.append(f"kernels      {self.host.kernels_reason}")
+        lines += [f"{'enables' if i == 0 else '':<12} {line}" for i, line in enumerate(self.enabled)]
         for key, value in self.extras.items():
             if isinstance(value, dict) and "summary" in value:
                 lines.append(f"{key:<12} {value['summary']}")

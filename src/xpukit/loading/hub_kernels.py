@@ -75,7 +75,7 @@ def fetch_layer_kernels(
     except Exception as exc:
         cause = f"{type(exc).__name__}: {exc}"
         logger.warning("Hub layer kernels could not be had (%s); loading without use_kernels", cause)
-        kwargs.pop("use_kernels", None)
+        kwargs["use_kernels"] = False  # never left out: transformers >= 5.25 would kernelize anyway
         kwargs.pop("kernel_config", None)
         events.append(LoadEvent(kind="fallback", what="use_kernels", planned=True, actual=False, cause=cause))
         changes["use_kernels"] = False

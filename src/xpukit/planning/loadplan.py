@@ -124,10 +124,11 @@ class LoadPlan:
             kwargs["max_memory"] = dict(self.max_memory)
         if self.quantization is not None:
             kwargs["quantization_config"] = self._bnb_config()
-        if self.use_kernels:
-            kwargs["use_kernels"] = True
-            if self.kernel_config is not None:
-                kwargs["kernel_config"] = self._kernel_config()
+        # Always given: from transformers 5.25 a missing use_kernels means True (docs/known-issues.md
+        # "transformers 5.25: use_kernels on by default"), which would override the plan's "off".
+        kwargs["use_kernels"] = self.use_kernels
+        if self.use_kernels and self.kernel_config is not None:
+            kwargs["kernel_config"] = self._kernel_config()
         kwargs.update(self.passthrough)
         if self.config_given and self.config is not None:
             kwargs["config"] = self.config
@@ -200,10 +201,9 @@ class LoadPlan:
                 else ("TorchAoConfig" if self.quantization == "torchao" else "BitsAndBytesConfig")
             )
             out["quantization_config"] = {kind: jsonable(self.quantization_config)}
-        if self.use_kernels:
-            out["use_kernels"] = True
-            if self.kernel_config is not None:
-                out["kernel_config"] = jsonable(self.kernel_config)
+        out["use_kernels"] = self.use_kernels
+        if self.use_kernels and self.kernel_config is not None:
+            out["kernel_config"] = jsonable(self.kernel_config)
         out.update({k: jsonable(v) for k, v in self.passthrough.items() if k != "config"})
         if self.config_given and self.config is not None:
             out["config"] = f"<the given {type(self.config).__name__}>"

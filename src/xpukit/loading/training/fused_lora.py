@@ -110,13 +110,24 @@ def apply_fused_lora(model: Any, *, insist: bool, liger: bool | None = None, che
     if check and new:
         notes.append(_prove(base, new, blocks, insist, kept))
     notes.insert(0, _summary(blocks, kept))
-    if any(b.mlp is not None for b in blocks) and liger_on and liger_gate_available():
+    if liger_on and _gate_device(new) in ("cuda", "xpu") and liger_gate_available():
+        # Only where the gated step really runs in liger's kernels (the blocks fused by this call
+        # are on CUDA/XPU): on the CPU it runs in PyTorch whether liger-kernel is installed or not.
         notes.append(
-            "fused MLP: SwiGLU/GeGLU (tanh) in liger-kernel's Triton kernels on CUDA/XPU (PyTorch "
-            "elsewhere); it supersedes liger's MLP forward on these blocks"
+            "fused MLP: SwiGLU/GeGLU (tanh) in liger-kernel's Triton kernels; it supersedes liger's "
+            "MLP forward on these blocks"
         )
     logger.info("fused LoRA: %s", "; ".join(notes))
     return notes
+
+
+def _gate_device(new: list[_Block]) -> str | None:
+    """The device type of the first MLP this call fused (``None``: it fused no MLP)."""
+    for block in new:
+        if block.mlp is not None:
+            weight = getattr(block.module.mlp, block.mlp.projections[-1]).get_base_layer().weight
+            return str(weight.device.type)
+    return None
 
 
 def fused_everywhere(model: Any) -> bool:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["NO_CACHE", "Call", "Unsupported", "Watch", "fill", "flatten", "outputs_recorded"]
+__all__ = ["NO_CACHE", "Call", "Unsupported", "Watch", "fill", "flatten", "given_cache", "outputs_recorded"]
 
 # One layer call's (positional arguments after the hidden states, keyword arguments).
 Call = tuple[tuple[Any, ...], dict[str, Any]]
@@ -71,8 +71,15 @@ class Unsupported(Exception):
     """A layer argument the graphs cannot carry (the message is the eager reason)."""
 
 
-# Layer arguments the captured stack leaves out: training passes have no KV cache to fill.
-NO_CACHE = {"past_key_values": None, "past_key_value": None, "use_cache": False}
+# Layer arguments the captured stack leaves out: training passes have no KV cache to fill. The cache
+# is ``cache=`` from transformers 5.25 (``past_key_values=`` before, still accepted until 5.40).
+NO_CACHE = {"cache": None, "past_key_values": None, "past_key_value": None, "use_cache": False}
+
+
+def given_cache(kwargs: dict[str, Any]) -> Any:
+    """The KV cache a model or layer call was given, under either of transformers' names."""
+    cache = kwargs.get("cache")
+    return cache if cache is not None else kwargs.get("past_key_values")
 
 
 def flatten(

@@ -49,6 +49,7 @@ from xpukit.loading.training.layer_calls import (
     Watch,
     fill,
     flatten,
+    given_cache,
     outputs_recorded,
 )
 from xpukit.planning.training.activation_memory import GRAPH_SHAPES
@@ -215,7 +216,7 @@ class LayerGraphs:
         the stack: the captured graph of this shape, or the layers eagerly over what they handed
         over. Any other call runs each layer's own forward."""
         if index == 0:
-            why = self._why_eager(hidden_states, kwargs.get("past_key_values"), kwargs)
+            why = self._why_eager(hidden_states, given_cache(kwargs), kwargs)
             # The first call's activations would stay cached beside the graphs' pool: checkpointed,
             # it holds only the layers' inputs (its backward recomputes each layer once).
             self._light = why == _FIRST_CALL

@@ -40,6 +40,8 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
+from xpukit.loading.training.layer_calls import given_cache
+
 __all__ = ["Packing", "install_packing", "padded_length", "token_groups"]
 
 _MARK = "_xpukit_packing"
@@ -115,7 +117,7 @@ class Packing:
         if args:
             return "positional arguments"
         mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
-        cache = kwargs.get("past_key_values")
+        cache = given_cache(kwargs)
         tokens = _tokens(kwargs)
         if tokens is None or tokens.dim() != (2 if kwargs.get("input_ids") is not None else 3):
             return "no [batch, length] input"
@@ -232,7 +234,15 @@ class Packing:
         rest = {
             k: v
             for k, v in kwargs.items()
-            if k not in ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "past_key_values")
+            if k
+            not in (
+                "input_ids",
+                "inputs_embeds",
+                "attention_mask",
+                "position_ids",
+                "past_key_values",
+                "cache",
+            )
         }
         rest["use_cache"] = False  # a cache would turn transformers' per-example masks off
         name = "input_ids" if tokens.dim() == 1 else "inputs_embeds"

@@ -15,9 +15,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from xpukit._compat import version_at_least
 from xpukit.errors import InvalidRequestError
 from xpukit.hub import kernels_support
 from xpukit.machine.facts import DeviceFacts
@@ -25,7 +26,20 @@ from xpukit.planning.device.attention import KernelRef, device_type, obtainable
 from xpukit.planning.model.facts import ModelFacts
 from xpukit.planning.vocabulary import Decision
 
-__all__ = ["KERNEL_CONFIG_DEVICES", "KernelsChoice", "choose_kernels", "parse_kernels"]
+__all__ = [
+    "DEFAULT_ON_FROM",
+    "KERNEL_CONFIG_DEVICES",
+    "KernelsChoice",
+    "choose_kernels",
+    "default_on_note",
+    "mapping_refs",
+    "parse_kernels",
+]
+
+# transformers 5.25 turned ``use_kernels`` on when it is not given (``USE_HUB_KERNELS`` unset), and
+# made ``kernels`` a required dependency (docs/known-issues.md "transformers 5.25: use_kernels on by
+# default").
+DEFAULT_ON_FROM = "5.25"
 
 # Device types KernelConfig accepts (transformers KERNELS_SUPPORTED_DEVICE_TYPES): no cpu, no mps.
 KERNEL_CONFIG_DEVICES = ("cuda", "rocm", "xpu", "npu", "neuron", "tpu")
@@ -65,7 +79,28 @@ def choose_kernels(
     """Decide ``use_kernels`` (see the module docstring for the rules).
 
     ``host_modules`` says why some modules run on the CPU, disk or MPS, where Hub kernels have no build.
+    Off is always passed as ``use_kernels=False``: from transformers 5.25 leaving it out kernelizes the
+    model (docs/known-issues.md "transformers 5.25: use_kernels on by default"); the reason says so there.
     """
+    choice = _choose(value, device, model, lora=lora, host_modules=host_modules)
+    note = default_on_note()
+    if choice.use or note is None:
+        return choice
+    decision = replace(choice.decision, reason=f"{choice.decision.reason} ({note})")
+    return replace(choice, decision=decision)
+
+
+def default_on_note(transformers_version: str | None = None) -> str | None:
+    """Why ``use_kernels=False`` is passed explicitly, for a transformers that kernelizes by default."""
+    found = transformers_version or kernels_support().transformers
+    if not version_at_least(found, DEFAULT_ON_FROM):
+        return None
+    return f"passed as use_kernels=False: transformers {found} kernelizes every model when it is left out"
+
+
+def _choose(
+    value: object, device: DeviceFacts, model: ModelFacts, *, lora: bool, host_modules: str | None
+) -> KernelsChoice:
     mode, config = parse_kernels(value)
     where = device_type(device)
     if mode == "off":
@@ -105,7 +140,7 @@ def choose_kernels(
         return KernelsChoice(
             decision=Decision(name="use_kernels", value=False, reason=f"off: {why}"), use=False
         )
-    refs = _mapping_refs(model.kernel_layers, where) if config is None else _user_refs(config, where)
+    refs = mapping_refs(model.kernel_layers, where) if config is None else _user_refs(config, where)
     ok, why = obtainable(refs) if refs else (kernels_support().accepted, kernels_support().reason)
     if ok:
         what = ", ".join(sorted({r.repo for r in refs})) or "the mapped layers"
@@ -143,7 +178,7 @@ def _not_had(mode: str, why: str) -> KernelsChoice:
     )
 
 
-def _mapping_refs(layers: tuple[str, ...], device_type: str) -> list[KernelRef]:
+def mapping_refs(layers: tuple[str, ...], device_type: str) -> list[KernelRef]:
     """The Hub kernels transformers' default mapping would load for these layers (inference mode)."""
     if not layers or not kernels_support().accepted:
         return []

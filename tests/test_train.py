@@ -464,3 +464,46 @@ def test_a_slow_precision_warns_as_load_for_xpu_does(
     if slow:
         assert said == [f"training_args({flag}=True): {load_said[0].removeprefix('dtype=')}"]
         assert "only emulated (slow)" in said[0]
+
+
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        {"per_device_train_batch_size": -1},
+        {"per_device_train_batch_size": 0},
+        {"per_device_train_batch_size": 2.5},
+        {"gradient_accumulation_steps": 0},
+    ],
+)
+def test_a_batch_size_that_is_not_positive_is_refused_before_output_dir(
+    keywords: dict[str, Any], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(InvalidRequestError, match=r"not a positive int.*Fix"):
+        training_args(facts=device_profile("cpu"), output_dir=str(out), **keywords)
+    assert not out.exists()
+
+
+def test_a_quantized_model_loaded_to_run_is_refused_with_the_qlora_fix(tmp_path: Path) -> None:
+    """A model with quantized weights and no adapters (loaded to run) cannot be fine-tuned: refused in
+    training_args, before output_dir is made; with adapters it passes."""
+    out = tmp_path / "out"
+    linear = SimpleNamespace(requires_grad=True)
+    quantized = SimpleNamespace(is_quantized=True, quantization_method="torchao", parameters=lambda: [linear])
+    with pytest.raises(InvalidRequestError, match=r"torchao weights and no adapters.*lora=True"):
+        training_args(quantized, facts=device_profile("cpu"), output_dir=str(out))
+    assert not out.exists()
+    adapters = SimpleNamespace(**vars(quantized), peft_config={"default": None})
+    args = training_args(adapters, facts=device_profile("cpu"), output_dir=str(out))
+    assert args.output_dir == str(out)
+
+
+def test_a_real_int4_load_to_run_is_refused(tiny_model: Path, tmp_path: Path) -> None:
+    pytest.importorskip("torchao")
+    from xpukit import load_for_xpu
+
+    model = load_for_xpu(tiny_model, device="cpu", quantize="4bit")
+    out = tmp_path / "out"
+    with pytest.raises(InvalidRequestError, match=r"no adapters.*lora=True"):
+        training_args(model, output_dir=str(out), max_steps=1)
+    assert not out.exists()

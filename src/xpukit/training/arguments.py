@@ -116,7 +116,9 @@ def training_args(
     if isinstance(model, (str, os.PathLike)):  # training_args("out"), as TrainingArguments("out")
         model, kwargs = None, _output_dir_given_first(model, kwargs)
     cls = check_config_class(config_class)
+    _refuse_batch_size(kwargs)
     _refuse_nothing_to_train(model)
+    _refuse_quantized_without_adapters(model)
     device = _training_device(model, facts, use_cpu=bool(kwargs.get("use_cpu")))
     context = _context(model, facts)
     keywords = training_kwargs(device, context=context, **kwargs)
@@ -217,6 +219,42 @@ def _refuse_nothing_to_train(model: Any) -> None:
         f"tensors does not require grad). Fix: load_for_xpu(base, lora={path!r}, trainable=True) to train a "
         "saved adapter further, lora=True for new adapters, or unfreeze what should train "
         "(param.requires_grad_(True))."
+    )
+
+
+_BATCH_KEYWORDS = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
+
+
+def _refuse_batch_size(kwargs: dict[str, Any]) -> None:
+    """A batch size or accumulation that is not a positive int, refused before anything is built:
+    ``Trainer`` would fail later, after making ``output_dir``."""
+    for name in _BATCH_KEYWORDS:
+        value = kwargs.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise InvalidRequestError(
+                f"training_args: {name}={value!r} is not a positive int. Trainer would fail at its first "
+                f"step, after making output_dir. Fix: {name}=1 or more (or leave it out: the plan's "
+                "micro-batch and accumulation are used)."
+            )
+
+
+def _refuse_quantized_without_adapters(model: Any) -> None:
+    """A quantized model loaded to run (no adapters) cannot be fine-tuned: ``Trainer`` refuses purely
+    quantized models at ``train()``, after making ``output_dir`` (docs/training.md "The one-call
+    flow")."""
+    if model is None or not getattr(model, "is_quantized", False):
+        return
+    if hasattr(model, "peft_config") or getattr(model, "_hf_peft_config_loaded", False):
+        return
+    method = getattr(model, "quantization_method", None)
+    how = getattr(method, "value", method) or "quantized"
+    raise InvalidRequestError(
+        f"training_args: this {type(model).__name__} has {how} weights and no adapters: it was loaded to "
+        "run, and Trainer cannot fine-tune purely quantized weights (it refuses at train(), after making "
+        'output_dir). Fix: load_for_xpu(model, quantize="4bit", lora=True) for QLoRA (bitsandbytes 4-bit '
+        "with LoRA adapters), or load without quantize= to train full weights."
     )
 
 

@@ -236,6 +236,12 @@ def test_a_keyword_typo_is_refused_before_any_weight_is_read(shapes, tiny_model,
     ):
         with pytest.raises(InvalidRequestError, match=rf"Unknown keyword: {typo}=.*did you mean {right}\?"):
             load_for_xpu(str(tiny_model), **{typo: "x"})
+    # a LoRA setting given flat is pointed into lora=, not at the closest name (lora_r is close to "lora")
+    for flat, field in (("lora_r", "r"), ("lora_alpha", "lora_alpha"), ("target_modules", "target_modules")):
+        with pytest.raises(
+            InvalidRequestError, match=rf"{flat}=8 \(did you mean lora=\{{'{field}': 8\}}\?\)"
+        ):
+            load_for_xpu(str(tiny_model), lora=True, **{flat: 8})
     with pytest.raises(
         InvalidRequestError, match="rope_theta"
     ):  # not a Qwen3 config attribute in transformers 5

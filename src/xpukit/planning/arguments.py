@@ -274,6 +274,10 @@ def check_keywords(
     ours = sorted(ours)
     parts = []
     for key in unknown:
+        field = _lora_field(key)
+        if field is not None:  # a LoRA setting given flat: it goes inside lora=
+            parts.append(f"{key}={kwargs[key]!r} (did you mean lora={{{field!r}: {kwargs[key]!r}}}?)")
+            continue
         close = difflib.get_close_matches(key, list(dict.fromkeys([*ours, *sorted(named)])), n=2, cutoff=0.7)
         parts.append(f"{key}={kwargs[key]!r}" + (f" (did you mean {' or '.join(close)}?)" if close else ""))
     raise InvalidRequestError(
@@ -282,6 +286,17 @@ def check_keywords(
         "so from_pretrained would pass it to the model's __init__, which fails with a TypeError. "
         f"xpukit's keywords: {', '.join(ours)}."
     )
+
+
+# LoRA settings a user may give as keywords of their own; they belong in lora= (a LoraConfig field).
+_LORA_FIELDS = {"lora_r": "r", "lora_rank": "r", "rank": "r", "r": "r", "lora_alpha": "lora_alpha",
+                "alpha": "lora_alpha", "lora_dropout": "lora_dropout", "target_modules": "target_modules",
+                "lora_target_modules": "target_modules", "lora_targets": "target_modules"}  # fmt: skip
+
+
+def _lora_field(key: str) -> str | None:
+    """The ``LoraConfig`` field a stray keyword names (``lora_r`` → ``r``), else ``None``."""
+    return _LORA_FIELDS.get(key)
 
 
 @functools.cache

@@ -127,6 +127,22 @@ def test_cpu_and_mps_change_nothing_and_say_why(facts):
     decision = plan.decision("fast_decode")
     assert decision.source == "fallback" and decision.value == {"static_cache": False, "compile": False}
     assert ("CPU" if facts == "cpu" else "MPS") in decision.reason
+    # what happens comes first: the short explain (each reason's first clause) says it
+    where = "the CPU" if facts == "cpu" else "MPS"
+    assert decision.reason.startswith(f"nothing changes on {where}")
+    assert f"nothing changes on {where}" in plan.explain()
+
+
+def test_a_cpu_load_asked_for_fast_decode_says_nothing_changes(tiny_model, caplog):
+    """fast_decode=True on the CPU: the load's log says it changes nothing, and why."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="xpukit"):
+        model = load_for_xpu(tiny_model, fast_decode=True)
+    said = [r.getMessage() for r in caplog.records if "fast_decode changes nothing" in r.getMessage()]
+    assert len(said) == 1 and "nothing changes on the CPU" in said[0]
+    note = next(e for e in model.xpukit_plan.events if e.what == "fast_decode")
+    assert "nothing changes on the CPU" in str(note.actual)
 
 
 @pytest.mark.slow

@@ -62,8 +62,11 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
                 kind="fallback", what="fast_decode", planned=decode.describe(), actual=None, cause=cause
             )
         ]
-    if not decode.static_cache:
-        return [LoadEvent(kind="note", what="fast_decode", actual="generation config unchanged")]
+    if not decode.static_cache:  # asked for, but nothing changes here (the CPU, MPS, bitsandbytes)
+        decision = next((d for d in plan.decisions if d.name == "fast_decode"), None)
+        why = decision.reason if decision is not None else "the plan keeps plain generate()"
+        logger.warning("fast_decode changes nothing for this load: %s", why)
+        return [LoadEvent(kind="note", what="fast_decode", actual=f"generation config unchanged: {why}")]
     from transformers import CompileConfig
 
     from xpukit.planning.device.decode import compile_settings

@@ -262,8 +262,8 @@ def _plan(
     """The rules in order: the device, the weights, the cache's size, the placement, then compiled."""
     backend = device.backend
     refused = _device_refuses(backend) or _quantized_not_faster(quantization)
-    if refused is not None:
-        return _off(f"{ask.lead}, but {refused}")
+    if refused is not None:  # what happens first: the short explain and the load's log show that
+        return _off(f"{refused} ({ask.lead})")
     length, why_none = _cache_length(dtype, memory, facts)
     if length == 0:
         return _off(f"{ask.lead}, but {why_none}")

@@ -297,3 +297,21 @@ def test_cli_merge_quantize_flag(
     assert (
         _load(tmp_path / "out", None, "float32").xpukit_plan.decision("quantization").value == "torchao int8"
     )
+
+
+def test_a_cpu_int4_load_says_how_many_layers_it_quantized(tmp_path: Path) -> None:
+    """A 64-wide tiny model: torchao's CPU int4 takes only the layers whose input width is a multiple
+    of its group size; the load says how many of the linear layers it quantized."""
+    pytest.importorskip("torchao")
+    from xpukit import load_for_xpu
+    from xpukit.demo.tiny import build_tiny_model
+
+    path = build_tiny_model("qwen3", tmp_path / "m", seed=0)
+    model = load_for_xpu(path, device="cpu", dtype="bfloat16", quantize="4bit")  # torchao int4 on the CPU
+    said = [str(e.actual) for e in model.xpukit_plan.events if e.what == "quantized_layers"]
+    assert len(said) == 1, (model.xpukit_plan.quantization, [e.what for e in model.xpukit_plan.events])
+    assert " linear layers quantized" in said[0]
+    import re
+
+    done, total = map(int, re.search(r"(\d+) of (\d+) linear layers", said[0]).groups())
+    assert 0 < done < total and "group size" in said[0]

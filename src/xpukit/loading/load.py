@@ -269,6 +269,10 @@ def _check_weights(
         new = ", ".join(sorted(info["missing_keys"]))
         events.append(LoadEvent(kind="note", what="weights", actual=f"newly initialised: {new}"))
     events.append(LoadEvent(kind="applied", what="placement", planned=plan.device_map, actual=_where(model)))
+    if plan.quantization == "torchao":  # how many layers the format really took
+        from xpukit.loading.quantized_layers import quantized_layers_event
+
+        events.append(quantized_layers_event(model, str(plan.decision("quantization").value)))
     return None
 
 

@@ -343,3 +343,33 @@ def test_real_devices_follow_the_selection() -> None:
         assert seen("1") == [physical[1]]
         assert seen("1,0") == [physical[1], physical[0]]
         assert seen(f"GPU-{physical[1][:8]}") == [physical[1]]
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("ZE_FLAT_DEVICE_HIERARCHY", "flat", "is not one of"),
+        ("ZE_AFFINITY_MASK", "0,a", "entries the runtime cannot read"),
+    ],
+)
+def test_launch_refuses_what_the_ranks_would_inherit_as_doctor_reports_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], variable: str, value: str, said: str
+) -> None:
+    """`xpukit launch --nproc 2` checks the environment the ranks inherit the way `xpukit doctor` does:
+    a hierarchy the driver ignores or an unreadable mask is refused before anything starts, with the
+    fix; a selection that replaces the variable is not refused."""
+    for name in SELECTION_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, value)
+    code = main(["launch", "--backend", "xpu", "--nproc", "2", "--dry-run", "--", "t.py"])
+    err = capsys.readouterr().err
+    assert code != 0 and said in err and "Fix:" in err and "the ranks would inherit" in err
+    if variable == "ZE_AFFINITY_MASK":  # --devices replaces the mask: nothing inherited to refuse
+        given = ["launch", "--devices", "0", "--backend", "xpu", "--dry-run", "--", "python", "t.py"]
+        assert main(given) == 0
+        capsys.readouterr()
+    monkeypatch.delenv(variable)  # a variable the runtime never reads: a warning, the launch goes on
+    monkeypatch.setenv("UR_L0_USE_RELAXED_ALLOCATION_LIMITS", "1")
+    assert main(["launch", "--backend", "xpu", "--nproc", "2", "--dry-run", "--", "t.py"]) == 0
+    err = capsys.readouterr().err
+    assert "xpukit launch: warning: UR_L0_USE_RELAXED_ALLOCATION_LIMITS is set" in err

@@ -35,6 +35,7 @@ from types import FrameType
 
 from xpukit import _environ, _platform
 from xpukit.cli.output import emit_json
+from xpukit.doctor.checks import environment_findings
 from xpukit.errors import InvalidRequestError
 from xpukit.select.devices import DeviceSelection, select_devices
 
@@ -126,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is None:
         raise InvalidRequestError("--devices is required (or --nproc N to start torchrun).")
     selection = select_devices(args.devices, backend=args.backend, hierarchy=args.hierarchy)
+    _check_inherited(selection)
     for note in selection.notes:
         logger.info("%s", note)
     for line in warnings_for(selection, command, os.environ):
@@ -247,12 +249,29 @@ def _send(proc: subprocess.Popen[bytes], signum: int) -> None:
 _LAUNCHERS = ("torchrun", "accelerate", "mpirun", "mpiexec", "deepspeed")
 
 
+def _check_inherited(selection: DeviceSelection | None) -> None:
+    """What the ranks would inherit from this environment, checked as ``xpukit doctor`` checks it:
+    an unreadable device mask or a hierarchy the driver ignores is refused before anything starts
+    (the selection's own variables replace the inherited ones and are not checked here); a variable
+    the runtime never reads is a warning."""
+    replaced = set(selection.env) | set(selection.unset) if selection is not None else set()
+    inherited = {k: v for k, v in os.environ.items() if k not in replaced}
+    for finding in environment_findings(inherited):
+        if finding.code in ("mask-unreadable", "hierarchy-ignored"):
+            raise InvalidRequestError(
+                f"xpukit launch: the ranks would inherit {finding.message} Fix: {finding.fix} "
+                "(or give --devices, whose selection replaces the mask)."
+            )
+        print(f"xpukit launch: warning: {finding.message} Fix: {finding.fix}", file=sys.stderr)
+
+
 def _run_torchrun(args: argparse.Namespace, command: list[str]) -> int:
     backend = (args.backend or "").lower() or None
     selection = None
     if args.devices is not None and backend != "cpu":
         selection = select_devices(args.devices, backend=backend, hierarchy=args.hierarchy)
         backend = selection.backend
+    _check_inherited(selection)
     nproc = _nproc(args.nproc, selection)
     program = Path(command[0]).name if command else ""
     if program in _LAUNCHERS or command[1:3] == ["-m", "torch.distributed.run"]:

@@ -8,7 +8,7 @@ docs/platform-notes.md §6 and docs/platform-notes.md §6.4–6.5.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -17,7 +17,7 @@ from xpukit.doctor.host import HostFacts
 from xpukit.machine.facts import MachineFacts
 from xpukit.select.spec import HIERARCHIES, MASK_VARIABLE, unreadable_mask_entries
 
-__all__ = ["CHECKS", "Check", "Finding", "Severity", "diagnose"]
+__all__ = ["CHECKS", "Check", "Finding", "Severity", "diagnose", "environment_findings"]
 
 
 Severity = Literal["error", "warning", "info"]
@@ -184,20 +184,28 @@ def _cuda_mask(machine: MachineFacts, host: HostFacts) -> Iterator[Finding]:
 
 def _misspelled_variables(machine: MachineFacts, host: HostFacts) -> Iterator[Finding]:
     """Variables people export that the runtime never reads."""
+    return _misspelled(machine.env)
+
+
+def _misspelled(env: Mapping[str, str]) -> Iterator[Finding]:
     for wrong, right in _MISSPELLED.items():
-        if wrong in machine.env:
+        if wrong in env:
             yield Finding(
                 severity="warning",
                 code="misspelled-variable",
                 message=f"{wrong} is set, but the runtime reads {right}; this one does nothing.",
-                fix=f"export {right}={machine.env[wrong]} (and unset {wrong})",
+                fix=f"export {right}={env[wrong]} (and unset {wrong})",
             )
 
 
 def _unreadable_masks(machine: MachineFacts, host: HostFacts) -> Iterator[Finding]:
     """Device masks with entries the runtime cannot read."""
+    return _unreadable(machine.env)
+
+
+def _unreadable(env: Mapping[str, str]) -> Iterator[Finding]:
     for backend, variable in MASK_VARIABLE.items():
-        mask = machine.env.get(variable)
+        mask = env.get(variable)
         unreadable = unreadable_mask_entries(backend, mask) if mask is not None else []
         if unreadable:
             xpu = backend == "xpu"
@@ -215,7 +223,11 @@ def _unreadable_masks(machine: MachineFacts, host: HostFacts) -> Iterator[Findin
 
 def _hierarchy(machine: MachineFacts, host: HostFacts) -> Iterator[Finding]:
     """ZE_FLAT_DEVICE_HIERARCHY is a value the driver reads."""
-    hierarchy = machine.env.get("ZE_FLAT_DEVICE_HIERARCHY")
+    return _hierarchy_value(machine.env)
+
+
+def _hierarchy_value(env: Mapping[str, str]) -> Iterator[Finding]:
+    hierarchy = env.get("ZE_FLAT_DEVICE_HIERARCHY")
     if hierarchy is not None and hierarchy not in HIERARCHIES:
         fix = (
             f"export ZE_FLAT_DEVICE_HIERARCHY={hierarchy.strip().upper()}"
@@ -337,6 +349,12 @@ CHECKS: tuple[Check, ...] = (
     _device_notes,
 )
 _ORDER = {"error": 0, "warning": 1, "info": 2}
+
+
+def environment_findings(env: Mapping[str, str]) -> list[Finding]:
+    """The checks that read the environment alone (misspelled variables, unreadable device masks, a
+    hierarchy the driver ignores), for a process about to start others (``xpukit launch``)."""
+    return [*_misspelled(env), *_unreadable(env), *_hierarchy_value(env)]
 
 
 def diagnose(machine: MachineFacts, host: HostFacts) -> list[Finding]:

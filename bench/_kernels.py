@@ -42,11 +42,9 @@ def ms_per_step_by_category(us_by_name: dict[str, float], steps: int, digits: in
 
 def profile_steps(train_step: Any, device: str, steps: int) -> dict[str, Any]:
     """Run ``steps`` training steps under torch.profiler; per-step kernel count and time by category."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.XPU if device == "xpu" else ProfilerActivity.CUDA
-    device_type = torch.autograd.DeviceType.XPU if device == "xpu" else torch.autograd.DeviceType.CUDA
     synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, activity]) as prof:
         start = time.perf_counter()
@@ -54,6 +52,15 @@ def profile_steps(train_step: Any, device: str, steps: int) -> dict[str, Any]:
             train_step()
         synchronize(device)
         wall = time.perf_counter() - start
+    return profile_summary(prof, wall, steps, device)
+
+
+def profile_summary(prof: Any, wall: float, steps: int, device: str) -> dict[str, Any]:
+    """The device's view of ``steps`` profiled steps of ``wall`` seconds: kernels per step, device time
+    by category, and the share of the wall time the device was busy (the union of kernel intervals)."""
+    import torch
+
+    device_type = torch.autograd.DeviceType.XPU if device == "xpu" else torch.autograd.DeviceType.CUDA
     kernels = [e for e in prof.events() if e.device_type == device_type]
     by_name: dict[str, float] = {}
     intervals = []

@@ -132,6 +132,10 @@ def main() -> int:
         "--max-memory",
         help="xpukit's device budget, e.g. 8GB; a comma-separated list runs each (none: no budget)",
     )
+    parser.add_argument(
+        "--profile-steps", type=int, default=0,
+        help="profile the last N steps (torch.profiler): the device's busy share, kernels, device ms a step",
+    )  # fmt: skip
     parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
     parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
     parser.add_argument("--model-cache", help="reuse (or build once into) this model directory")
@@ -239,11 +243,29 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     captures: list[int] = []  # graphs captured so far, at each step's end
     graphs = getattr(model, "xpukit_layer_graphs", None)
 
+    profiled: dict[str, Any] = {}
+    profile_from = args.steps - args.profile_steps if args.profile_steps and device != "cpu" else None
+
     class Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            if profile_from is not None and len(times) == profile_from:
+                from torch.profiler import ProfilerActivity, profile
+
+                kind = ProfilerActivity.XPU if device == "xpu" else ProfilerActivity.CUDA
+                profiled["prof"] = profile(activities=[ProfilerActivity.CPU, kind])
+                profiled["prof"].__enter__()
+                profiled["start"] = time.perf_counter()
+
         def on_step_end(self, *a: Any, **k: Any) -> None:
             h.synchronize(device)
             times.append(time.perf_counter())
             captures.append(graphs.stats["captures"] if graphs is not None else 0)
+            if "prof" in profiled and len(times) == args.steps:
+                from _kernels import profile_summary
+
+                wall = time.perf_counter() - profiled["start"]
+                profiled["prof"].__exit__(None, None, None)
+                profiled["summary"] = profile_summary(profiled.pop("prof"), wall, args.profile_steps, device)
 
     if variant in ("xpukit-sft", "unsloth", "unsloth-nogc"):
         from trl import SFTTrainer
@@ -261,6 +283,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     h.reset_peak(device)
     started = time.perf_counter()
     trainer.train()
+    if profile_from is not None:  # the profiled steps run slower: the timed figures leave them out
+        times, captures = times[:profile_from], captures[:profile_from]
     first = min(20, len(times))  # a short run's view: the first 20 steps, captures and warm-up included
     per_step = [sum(counting.tokens[i * accumulate : (i + 1) * accumulate]) for i in range(len(times))]
     timed = slice(args.warmup, len(times))
@@ -298,13 +322,15 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         if reserved is not None and args.max_memory else None,
         "versions": h.versions(), "date": h.today(),
     }  # fmt: skip
+    if "summary" in profiled:
+        row["profile"] = profiled["summary"]
     if plan is not None and plan.training is not None:
         row["pass_tokens"] = plan.training.pass_tokens
         row["split_by_tokens"] = plan.training.split_by_tokens
     if plan is not None:
         row["plan"] = {d.name: str(d.value) for d in plan.decisions
                        if d.name in ("gradient_checkpointing", "liger", "loss", "micro_batch", "fused_lora",
-                                     "layer_graphs", "packing")}  # fmt: skip
+                                     "layer_graphs", "packing", "input_embedding")}  # fmt: skip
     for attr, key in (("xpukit_packing", "packing"), ("xpukit_layer_graphs", "graphs")):
         counters = getattr(model, attr, None)
         if counters is not None:

@@ -87,24 +87,24 @@ def test_intel_cards_keep_the_whole_batch_in_the_graphs(
 def test_a_budget_too_small_for_the_worst_case_keeps_the_whole_batch_by_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """H200 facts under 8 GB with liger (what the H200 runs): 4 × 1024 does not fit one pass, so the
-    plan keeps the whole batch on the rung that carries the most tokens a pass (the eager offloaded
-    one: a split step's eager memory would stay beside the graphs' pool) and sizes a pass by tokens;
-    without packing it splits the batch by sequences instead; asking for the graphs takes their
-    leanest rung by tokens."""
+    """H200 facts under 7 GB with liger: 4 × 1024 does not fit one pass, even with the input
+    embedding in host memory, so the plan keeps the whole batch on the rung that carries the most
+    tokens a pass (the eager offloaded one: a split step's eager memory would stay beside the graphs'
+    pool) and sizes a pass by tokens; without packing it splits the batch by sequences instead;
+    asking for the graphs takes their leanest rung by tokens."""
     import xpukit.planning.training.fit as fit
 
     monkeypatch.setattr(fit, "liger_availability", lambda backend: (True, "injected"))
-    plan = _plan("h200", 1024, max_memory={0: "8GB"})
+    plan = _plan("h200", 1024, max_memory={0: "7GB"})
     training = plan.training
     assert training is not None and training.split_by_tokens and training.micro_batch == 4
     assert 2048 <= (training.pass_tokens or 0) < 4096 and not training.graphs
     assert training.gradient_checkpointing == "offload"
     assert "split by tokens" in plan.decision("micro_batch").reason
     assert training.estimate["peak"] <= training.room
-    unpacked = _plan("h200", 1024, max_memory={0: "8GB"}, lora={"packing": False})
+    unpacked = _plan("h200", 1024, max_memory={0: "7GB"}, lora={"packing": False})
     assert unpacked.training is not None and unpacked.training.micro_batch < 4
-    graphs = _plan("h200", 1024, max_memory={0: "8GB"}, lora={"graphs": True})
+    graphs = _plan("h200", 1024, max_memory={0: "7GB"}, lora={"graphs": True})
     assert graphs.training is not None and graphs.training.graphs and graphs.training.split_by_tokens
     assert (graphs.training.pass_tokens or 0) < (training.pass_tokens or 0)
 

@@ -237,8 +237,11 @@ def _read_weights(plan: LoadPlan, cls: Any, kwargs: dict[str, Any]) -> tuple[Any
     """Placement: ``from_pretrained`` with the plan's keywords, and its loading report."""
     problem = None
     kwargs.pop("output_loading_info", None)  # always asked: the load report decides below
+    from xpukit.loading.training.host_embedding import weights_apart
+
     try:
-        model, info = cls.from_pretrained(plan.model, output_loading_info=True, **kwargs)
+        with weights_apart(plan.training is not None and plan.training.embedding_on_host):
+            model, info = cls.from_pretrained(plan.model, output_loading_info=True, **kwargs)
     except Exception as exc:
         problem = weights_problem(plan, exc)
         if problem is None:
@@ -311,6 +314,7 @@ def _adapters(model: Any, plan: LoadPlan, events: list[LoadEvent]) -> tuple[Any,
                 graphs=bool(graphs is not None and graphs.value),
                 packing=int(packing.value) if packing is not None and packing.value else None,
                 pass_tokens=plan.training.pass_tokens if plan.training is not None else None,
+                host_embedding=plan.training is not None and plan.training.embedding_on_host,
             )
     except XpukitError as exc:
         return model, exc

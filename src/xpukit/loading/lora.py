@@ -56,6 +56,7 @@ def apply_lora(
     graphs: bool = False,
     packing: int | None = None,
     pass_tokens: int | None = None,
+    host_embedding: bool = False,
 ) -> tuple[Any, list[str]]:
     """Carry out a :class:`LoraRequest` on a loaded model.
 
@@ -81,6 +82,8 @@ def apply_lora(
             padded to a multiple of this many tokens
             (:func:`xpukit.loading.training.packing.install_packing`); ``None``: batches run as given.
         pass_tokens: with packing, the plan's token budget per pass (a longer row is split by tokens).
+        host_embedding: for new adapters, the frozen input embedding moves to host memory
+            (:func:`xpukit.loading.training.host_embedding.install_host_embedding`).
         fused_insist: with ``fused``, refuse (``InvalidRequestError``) when not every decoder block
             can be fused (``lora={"fused": True}``).
 
@@ -105,7 +108,7 @@ def apply_lora(
         return _load_adapter(model, request)
     return _new_adapters(
         model, request, dtype=dtype, quantized=quantized, device=device, fused=fused, insist=fused_insist,
-        graphs=graphs, packing=packing, pass_tokens=pass_tokens,
+        graphs=graphs, packing=packing, pass_tokens=pass_tokens, host_embedding=host_embedding,
     )  # fmt: skip
 
 
@@ -135,6 +138,7 @@ def _new_adapters(
     insist: bool = False,
     packing: int | None = None,
     pass_tokens: int | None = None,
+    host_embedding: bool = False,
 ) -> tuple[Any, list[str]]:
     import torch
 
@@ -167,6 +171,10 @@ def _new_adapters(
         packing=packing,
         pass_tokens=pass_tokens,
     )
+    if host_embedding:
+        from xpukit.loading.training.host_embedding import install_host_embedding
+
+        notes.append(install_host_embedding(peft_model))
     trainable, total = _count_parameters(peft_model)
     targets = targets_text(request.config.get("target_modules"))
     what = f"LoRA adapter {request.adapter_path}, trainable," if request.kind == "adapter" else "LoRA"

@@ -262,7 +262,7 @@ def _attempt(
         request, config=cfg.config, max_positions=facts.max_positions, memory=lay.memory,
         device=main, dtype=str(lay.dtype.value), batch_size=req.batch_size, seq_len=req.seq_len,
         fused=fused, quantized=lay.quantization in {"4bit", "8bit"}, packed=packing_wanted(request, facts),
-        allocation_cap=allocation_cap(main, mach.machine.env), graphs=graphs,
+        allocation_cap=allocation_cap(main, mach.machine.env), graphs=graphs, single_process=mach.world == 1,
     )  # fmt: skip
     return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
 

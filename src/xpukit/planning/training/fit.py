@@ -35,6 +35,7 @@ from xpukit.planning.training.fit_reasons import (
     liger_decision,
     loss_decision,
 )
+from xpukit.planning.training.host_embedding import embedding_decision, host_embedding_bytes
 from xpukit.planning.training.rungs import Choice, Rungs, choose, ladder_of, micro_batches
 from xpukit.planning.training.training_plan import TrainingPlan
 from xpukit.planning.vocabulary import Decision
@@ -115,6 +116,7 @@ def plan_training(
     packed: bool = False,
     allocation_cap: int | None = None,
     graphs: bool = False,
+    host_embedding: int = 0,
 ) -> TrainingPlan:
     """Choose the fastest set of memory savers whose estimated peak fits (module docstring).
 
@@ -137,6 +139,9 @@ def plan_training(
             batch at run time, so a batch whose worst case does not fit keeps its examples together
             in passes of the tokens that fit (the token budget) instead of a smaller micro-batch.
         graphs: the layers may run as graphs: their buffers are counted on every rung.
+        host_embedding: bytes of a frozen, untied input embedding that may live in host memory
+            (0: it may not); it moves there only where that lets a faster step fit
+            (:func:`xpukit.planning.training.host_embedding.embedding_decision`).
 
     Returns:
         The :class:`TrainingPlan` with its four decisions.
@@ -166,6 +171,14 @@ def plan_training(
     if capped(batch):  # only the fused losses (the ladder always holds them)
         ladder = [r for r in ladder if r[0]]
     choice = choose(rungs, ladder, batch, seq, room)
+    on_host = None
+    if host_embedding:
+        choice, on_host = embedding_decision(
+            choice, lambda extra: choose(rungs, ladder, batch, seq, room + extra), host_embedding, room,
+            batch, ladder,
+        )  # fmt: skip
+        if on_host is not None and on_host.value == "host":
+            fixed, room = fixed - host_embedding, room + host_embedding
     (fused_ce, gc, captured), micro = choice.rung, choice.micro
     loss = rungs.kind(fused_ce)
     tokens = choice.pass_tokens if choice.by_tokens else micro * seq
@@ -187,19 +200,22 @@ def plan_training(
             loss, "lora={'liger': False} given" if user_liger is False else liger_why, why_fused or fit_text
         ),
         _micro_batch_decision(choice, batch, seq, fit_text),
+    ) + ((on_host,) if on_host is not None else ())
+    fixed_rule = (
+        f"weights {format_bytes(weights)} + LoRA state {format_bytes(LORA_STATE_BYTES * lora_params)} "
+        f"({lora_params:,} params × {LORA_STATE_BYTES} B: weight, grad, AdamW) + reserve "
+        f'{format_bytes(TRAINING_RESERVE)} (calibrated, docs/training.md "The activation estimate")'
     )
+    if on_host is not None and on_host.value == "host":
+        fixed_rule += f" − the input embedding's {format_bytes(host_embedding)}, in host memory"
     return TrainingPlan(
         batch_size=batch, seq_len=seq, batch_given=batch_size is not None, seq_given=seq_len is not None,
         micro_batch=micro, gradient_accumulation_steps=max(1, batch // micro), gradient_checkpointing=gc,
         liger=loss == "liger", budget=budget, budget_rule=budget_rule, fixed=fixed,
-        fixed_rule=(
-            f"weights {format_bytes(weights)} + LoRA state {format_bytes(LORA_STATE_BYTES * lora_params)} "
-            f"({lora_params:,} params × {LORA_STATE_BYTES} B: weight, grad, AdamW) + reserve "
-            f'{format_bytes(TRAINING_RESERVE)} (calibrated, docs/training.md "The activation estimate")'
-        ),
+        fixed_rule=fixed_rule,
         estimate=estimate, estimates=choice.tried, fits=fits, decisions=decisions, loss=loss,
         pass_tokens=choice.pass_tokens if packed else None, split_by_tokens=choice.by_tokens,
-        graphs=captured,
+        graphs=captured, embedding_on_host=on_host is not None and on_host.value == "host",
     )  # fmt: skip
 
 
@@ -240,6 +256,7 @@ def training_plan_for(
     packed: bool = False,
     allocation_cap: int | None = None,
     graphs: bool = False,
+    single_process: bool = True,
 ) -> tuple[TrainingPlan | None, LoraRequest | None]:
     """The training plan for adapters to train (new ones, or a saved one with ``trainable=True``), and
     the request updated to follow it.
@@ -278,7 +295,11 @@ def training_plan_for(
         packed=packed,
         allocation_cap=allocation_cap,
         graphs=graphs,
-    )
+        host_embedding=host_embedding_bytes(
+            config, request, backend=device.backend, compute_bytes=4 if dtype == "float32" else 2,
+            single_process=single_process,
+        ),
+    )  # fmt: skip
     updated = replace(
         request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger, loss=plan.loss
     )

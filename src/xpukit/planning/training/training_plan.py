@@ -54,6 +54,8 @@ class TrainingPlan:
     split_by_tokens: bool = False
     # The layers run as graphs on the chosen rung (only where they may: ``graphs`` of the fit).
     graphs: bool = False
+    # The frozen input embedding lives in host memory (its bytes are not in ``fixed``).
+    embedding_on_host: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -111,6 +113,8 @@ class TrainingPlan:
         text = option_text(self.loss, self.gradient_checkpointing, self.micro_batch, self.batch_size)
         if self.split_by_tokens and self.pass_tokens is not None:
             text += f", passes of up to {self.pass_tokens:,} tokens (split by tokens at run time)"
+        if self.embedding_on_host:
+            text += ", input embedding in host memory"
         return text
 
 

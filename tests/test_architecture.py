@@ -36,6 +36,7 @@ STAGES: dict[str, int] = {
     "xpukit.errors": 0,
     "xpukit._compat": 0,
     "xpukit._environ": 0,
+    "xpukit._quiet": 0,
     "xpukit.hub": 0,
     "xpukit._platform": 0,
     "xpukit.machine": 1,

@@ -54,10 +54,15 @@ class _TorchaoImportNoise(logging.Filter):
     transformers imports torchao whenever it is installed (``transformers/quantizers/auto.py``), and
     torchao then logs ``Failed to load …/_C_mxfp8…so`` / ``_C_cutlass_90a…so`` (CUDA-only kernels
     xpukit never uses) and torch logs one ``register_constant`` deprecation per torchao enum: noise
-    on every CPU or XPU run (docs/planning.md "Quantization for inference"). Anything else passes.
+    on every CPU or XPU run (docs/planning.md "Quantization for inference"). Anything else passes,
+    and everything with ``XPUKIT_VERBOSE=1`` / ``xpukit --verbose`` (xpukit/_quiet.py).
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
+        from xpukit._quiet import is_verbose
+
+        if is_verbose():
+            return True
         message = str(record.msg)
         if record.name == "torchao":
             cuda_only = "_C_mxfp8" in message or "_C_cutlass" in message

@@ -23,10 +23,12 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
+
+from xpukit import _quiet
+from xpukit._quiet import KNOWN, KnownRecord
 
 __all__ = ["KNOWN", "Collected", "KnownRecord", "command_logging", "library_output", "notes_for"]
 
@@ -46,45 +48,10 @@ class Collected(logging.Handler):
             self.records.append(record)
 
 
-@dataclass(frozen=True, slots=True)
-class KnownRecord:
-    """A third-party log record that can matter to a plan, and the note xpukit prints for it."""
-
-    logger: str  # the logger name's prefix
-    contains: str  # a piece of the message
-    note: str
-    matters: Callable[[Any], bool]  # given the LoadPlan: does this record change what it means?
-
-
-def _cpu_4bit(plan: Any) -> bool:
-    return bool(plan.device.backend == "cpu" and plan.quantization == "4bit")
-
-
-# bitsandbytes 0.50 tries to load an optimised CPU 4-bit kernel from the Hub when it is imported; it
-# logs a warning when the kernel is not cached and the Hub is offline, and uses its built-in CPU path
-# instead (docs/known-issues.md "bitsandbytes: import reaches the Hub on avx512_bf16 CPUs"). That only
-# matters where 4-bit layers run on the CPU. The `kernels` package's "Skipping publisher trust check"
-# in offline mode is not about the plan at all, and stays quiet.
-KNOWN: tuple[KnownRecord, ...] = (
-    KnownRecord(
-        logger="bitsandbytes",
-        contains="gemm_4bit_forward",
-        note="bitsandbytes could not load its optimised CPU 4-bit kernel from the Hub (not cached, or "
-        "the Hub is offline): the 4-bit layers on this CPU run on bitsandbytes' built-in path, which "
-        "is slower. Online once (or with the kernel cached) it is used.",
-        matters=_cpu_4bit,
-    ),
-)
-
-
 def notes_for(records: list[logging.LogRecord], plan: Any) -> list[str]:
-    """xpukit's notes for the collected records that matter to ``plan`` (each note once)."""
-    notes: list[str] = []
-    for known in KNOWN:
-        hit = any(r.name.startswith(known.logger) and known.contains in r.getMessage() for r in records)
-        if hit and known.matters(plan) and known.note not in notes:
-            notes.append(known.note)
-    return notes
+    """xpukit's notes for ``records`` and what the quieted imports logged (xpukit/_quiet.py) that
+    matter to ``plan`` (each note once)."""
+    return _quiet.notes_for([*records, *_quiet.collected()], plan)
 
 
 @contextmanager

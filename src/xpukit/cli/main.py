@@ -10,8 +10,10 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from xpukit import __version__
+from xpukit._quiet import quiet_imports, verbose
 from xpukit.cli.logs import command_logging
 from xpukit.cli.output import reserved_stdout
 from xpukit.errors import XpukitError
@@ -62,6 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with (
         reserved_stdout(bool(getattr(args, "json", False))),
         command_logging(bool(args.verbose)) as collected,
+        verbose(bool(args.verbose)) if args.verbose else nullcontext(),
+        quiet_imports(),  # other libraries' import-time messages: only with --verbose (_quiet.py)
     ):
         args.log_records = collected.records
         try:

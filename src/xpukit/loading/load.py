@@ -22,7 +22,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from xpukit import _quiet
 from xpukit._compat import require
+from xpukit._quiet import quiet_imports
 from xpukit.errors import DeviceUnavailableError, InvalidRequestError, XpukitError
 from xpukit.hub import hub_offline, hub_status, offline_guard
 from xpukit.loading.hub_kernels import (
@@ -109,34 +111,36 @@ def load_for_xpu(
         >>> tiny.xpukit_plan.device.torch_device, type(tiny).__name__
         ('cpu', 'PeftModelForCausalLM')
     """
-    if isinstance(model, LoadPlan):
-        plan = model
-    else:
-        plan = plan_load(
-            model,
-            device=device,
-            dtype=dtype,
-            attn=attn,
-            kernels=kernels,
-            device_map=device_map,
-            max_memory=max_memory,
-            quantize=quantize,
-            lora=lora,
-            offload=offload,
-            headroom=headroom,
-            facts=facts,
-            model_class=model_class,
-            seed=seed,
-            strategy=strategy,
-            fast_decode=fast_decode,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            merge=merge,
-            force=force,
-            trainable=trainable,
-            **from_pretrained_kwargs,
-        )
-    return carry_out(plan, model_class=model_class, warmup=warmup)
+    # Other libraries imported while loading say nothing unless verbose (xpukit/_quiet.py).
+    with quiet_imports():
+        if isinstance(model, LoadPlan):
+            plan = model
+        else:
+            plan = plan_load(
+                model,
+                device=device,
+                dtype=dtype,
+                attn=attn,
+                kernels=kernels,
+                device_map=device_map,
+                max_memory=max_memory,
+                quantize=quantize,
+                lora=lora,
+                offload=offload,
+                headroom=headroom,
+                facts=facts,
+                model_class=model_class,
+                seed=seed,
+                strategy=strategy,
+                fast_decode=fast_decode,
+                batch_size=batch_size,
+                seq_len=seq_len,
+                merge=merge,
+                force=force,
+                trainable=trainable,
+                **from_pretrained_kwargs,
+            )
+        return carry_out(plan, model_class=model_class, warmup=warmup)
 
 
 def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) -> Any:
@@ -155,7 +159,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
     changes: dict[str, Any] = {}
     # Everything that may import bitsandbytes (from_pretrained with 4-bit, peft for LoRA) runs inside
     # the guard: on avx512_bf16 CPUs `import bitsandbytes` makes a Hub call with no timeout.
-    with offline_guard(_needs_offline_guard(plan)):
+    with offline_guard(_needs_offline_guard(plan)), _quiet.quiet_load():
         kwargs = _fetch_kernels(plan, kwargs, events, changes)
         model, info = _read_weights(plan, cls, kwargs)
         unused = _check_weights(plan, cls, model, info, events)
@@ -168,6 +172,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
                 del model  # the error (and its traceback's frames) must not keep the weights alive
                 _drop_frames(error)
                 raise error
+    events += _import_notes(plan)
     if plan.decode is not None:
         from xpukit.loading.decode.fast_decode import apply_fast_decode, warm_up
 
@@ -176,6 +181,17 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
             events += warm_up(model, plan)
     model.xpukit_plan = plan.with_events(tuple(events), **changes)
     return model
+
+
+def _import_notes(plan: LoadPlan) -> list[LoadEvent]:
+    """What an optional kernel another library could not load costs this load, in xpukit's words:
+    a ``note`` event on every load it matters to, logged once per process (xpukit/_quiet.py)."""
+    events = []
+    for note in _quiet.notes_for(_quiet.collected(), plan):
+        events.append(LoadEvent(kind="note", what="kernels", actual=note))
+        if _quiet.say_once(note):
+            logger.warning("%s", note)
+    return events
 
 
 def _check_before_reading(plan: LoadPlan, warmup: bool) -> None:

@@ -263,12 +263,15 @@ def check_keywords(
     a ``TypeError`` after the checkpoint was opened (``quantise="4bit"``, ``devcie="cpu"``). A model
     with its own code (``trust_remote_code=True``) may take any keyword: not checked.
     """
+    consumed = set(consumed)
+    left = [k for k in kwargs if k not in consumed and not hasattr(config, k)]
+    if not left or kwargs.get("trust_remote_code"):
+        return  # nothing to check: transformers' modeling code is not imported for it
     keywords = _from_pretrained_keywords()
-    if keywords is None or kwargs.get("trust_remote_code"):
+    if keywords is None:
         return
     accepted, named = keywords
-    consumed = set(consumed)
-    unknown = [k for k in kwargs if k not in consumed and k not in accepted and not hasattr(config, k)]
+    unknown = [k for k in left if k not in accepted]
     if not unknown:
         return
     ours = sorted(ours)

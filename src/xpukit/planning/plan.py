@@ -12,6 +12,7 @@ import inspect
 import logging
 from typing import Any
 
+from xpukit._quiet import quiet_imports
 from xpukit.machine.facts import MachineFacts
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.request import check_request
@@ -133,32 +134,34 @@ def plan_load(
         >>> plan.device_map, plan.dtype
         ('xpu:0', 'bfloat16')
     """
-    kwargs = dict(from_pretrained_kwargs)
-    # Everything that can be checked without reading anything is checked first.
-    req = check_request(
-        kwargs, device=device, dtype=dtype, attn=attn, kernels=kernels, device_map=device_map,
-        max_memory=max_memory, quantize=quantize, lora=lora, headroom=headroom, model_class=model_class,
-        seed=seed, strategy=strategy, fast_decode=fast_decode, batch_size=batch_size, seq_len=seq_len,
-        merge=merge, force=force, trainable=trainable,
-    )  # fmt: skip
-    asked = Asked(
-        model=model, req=req, kwargs=kwargs, device=device, device_map=device_map, facts=facts, lora=lora,
-        quantize=quantize, offload=offload, force=force, trainable=trainable, model_class=model_class,
-    )  # fmt: skip
-    cfg = config_stage(asked, ours=_XPUKIT_KEYWORDS)
-    mach = machine_stage(asked)
-    described = model_stage(asked, cfg)
-    place = placement_stage(asked, cfg, mach, described)
-    attention = attention_stage(asked, mach, described, place)
-    adapters = adapters_stage(asked, mach, described, place)
-    decode = decode_stage(asked, cfg, mach, described, place)
-    warnings = [*described.warnings, *place.warnings, *attention.warnings, *adapters.warnings]
-    merge_plan = merge_stage(asked, mach, described, place, warnings)
-    for warning in warnings:
-        logger.warning("%s", warning)
-    plan = plan_stage(asked, cfg, mach, described, place, attention, adapters, decode, tuple(warnings))
-    # merge=: the plan as the merge carries it out (docs/planning.md "Merge (`merge=`)").
-    return plan if merge_plan is None else replace_plan(plan, merge_plan)
+    # Other libraries imported while planning say nothing unless verbose (xpukit/_quiet.py).
+    with quiet_imports():
+        kwargs = dict(from_pretrained_kwargs)
+        # Everything that can be checked without reading anything is checked first.
+        req = check_request(
+            kwargs, device=device, dtype=dtype, attn=attn, kernels=kernels, device_map=device_map,
+            max_memory=max_memory, quantize=quantize, lora=lora, headroom=headroom, model_class=model_class,
+            seed=seed, strategy=strategy, fast_decode=fast_decode, batch_size=batch_size, seq_len=seq_len,
+            merge=merge, force=force, trainable=trainable,
+        )  # fmt: skip
+        asked = Asked(
+            model=model, req=req, kwargs=kwargs, device=device, device_map=device_map, facts=facts, lora=lora,
+            quantize=quantize, offload=offload, force=force, trainable=trainable, model_class=model_class,
+        )  # fmt: skip
+        cfg = config_stage(asked, ours=_XPUKIT_KEYWORDS)
+        mach = machine_stage(asked)
+        described = model_stage(asked, cfg)
+        place = placement_stage(asked, cfg, mach, described)
+        attention = attention_stage(asked, mach, described, place)
+        adapters = adapters_stage(asked, mach, described, place)
+        decode = decode_stage(asked, cfg, mach, described, place)
+        warnings = [*described.warnings, *place.warnings, *attention.warnings, *adapters.warnings]
+        merge_plan = merge_stage(asked, mach, described, place, warnings)
+        for warning in warnings:
+            logger.warning("%s", warning)
+        plan = plan_stage(asked, cfg, mach, described, place, attention, adapters, decode, tuple(warnings))
+        # merge=: the plan as the merge carries it out (docs/planning.md "Merge (`merge=`)").
+        return plan if merge_plan is None else replace_plan(plan, merge_plan)
 
 
 # plan_load's own keywords (load_for_xpu takes the same): the "did you mean" of check_keywords.

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 from xpukit import _environ
 from xpukit._compat import installed_version
+from xpukit._quiet import quiet_imports
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
 from xpukit.machine.facts import DeviceFacts, MachineFacts
@@ -111,27 +112,29 @@ def training_args(
         args = training_args(model, output_dir="out", per_device_train_batch_size=4)
         Trainer(model=model, args=args, train_dataset=data).train()
     """
-    from xpukit.training.config_class import build_config, check_config_class
+    # Other libraries imported here say nothing unless verbose (xpukit/_quiet.py).
+    with quiet_imports():
+        from xpukit.training.config_class import build_config, check_config_class
 
-    if isinstance(model, (str, os.PathLike)):  # training_args("out"), as TrainingArguments("out")
-        model, kwargs = None, _output_dir_given_first(model, kwargs)
-    cls = check_config_class(config_class)
-    _refuse_batch_size(kwargs)
-    _refuse_nothing_to_train(model)
-    _refuse_quantized_without_adapters(model)
-    device = _training_device(model, facts, use_cpu=bool(kwargs.get("use_cpu")))
-    context = _context(model, facts)
-    keywords = training_kwargs(device, context=context, **kwargs)
-    if strategy is not None:
-        from xpukit.training.strategy import apply_strategy
+        if isinstance(model, (str, os.PathLike)):  # training_args("out"), as TrainingArguments("out")
+            model, kwargs = None, _output_dir_given_first(model, kwargs)
+        cls = check_config_class(config_class)
+        _refuse_batch_size(kwargs)
+        _refuse_nothing_to_train(model)
+        _refuse_quantized_without_adapters(model)
+        device = _training_device(model, facts, use_cpu=bool(kwargs.get("use_cpu")))
+        context = _context(model, facts)
+        keywords = training_kwargs(device, context=context, **kwargs)
+        if strategy is not None:
+            from xpukit.training.strategy import apply_strategy
 
-        keywords, reasons = apply_strategy(strategy, model, device, keywords, kwargs, context.world_size)
-        for reason in reasons:
-            logger.info("training_args: %s", reason)
-    if context.world_size > 1:
-        _destroy_process_group_at_exit()
-    _restore_repacked_4bit(model)
-    return build_config(cls, keywords, kwargs)
+            keywords, reasons = apply_strategy(strategy, model, device, keywords, kwargs, context.world_size)
+            for reason in reasons:
+                logger.info("training_args: %s", reason)
+        if context.world_size > 1:
+            _destroy_process_group_at_exit()
+        _restore_repacked_4bit(model)
+        return build_config(cls, keywords, kwargs)
 
 
 def _output_dir_given_first(output_dir: str | os.PathLike[str], kwargs: dict[str, Any]) -> dict[str, Any]:

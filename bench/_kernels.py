@@ -61,7 +61,12 @@ def profile_summary(prof: Any, wall: float, steps: int, device: str) -> dict[str
     import torch
 
     device_type = torch.autograd.DeviceType.XPU if device == "xpu" else torch.autograd.DeviceType.CUDA
-    kernels = [e for e in prof.events() if e.device_type == device_type]
+    # Device events less the user annotations the profiler also draws on the device's timeline (the
+    # optimizer's step range spans its kernels and the gaps between them).
+    kernels = [
+        e for e in prof.events()
+        if e.device_type == device_type and not getattr(e, "is_user_annotation", False)
+    ]  # fmt: skip
     by_name: dict[str, float] = {}
     intervals = []
     for event in kernels:

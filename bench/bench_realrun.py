@@ -29,6 +29,8 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     xpukit-lean        xpukit with fewer captures: no warm-up pass before a capture after the first
                        (model.xpukit_layer_graphs.warmups = 0) and a bucket captured only once it
                        recurs (model.xpukit_packing.capture_on_recurrence)
+    xpukit-nowarm      xpukit without the warm-up pass before a capture after the first only
+    xpukit-b512        xpukit-nowarm with the packed row padded to a multiple of 512 tokens (fewer shapes)
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
                        unsloth's recommended set-up (it turns padding-free batches on for text SFT)
     unsloth-nogc       the same with unsloth's checkpointing off (its fastest setting, more memory)
@@ -74,7 +76,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VARIANTS = (
     "xpukit", "xpukit-sft", "xpukit-nopack", "xpukit-eager", "xpukit-liger", "xpukit-adamw",
-    "xpukit-gc-graphs", "xpukit-offload-graphs", "xpukit-lean", "unsloth", "unsloth-nogc", "unsloth-trainer",
+    "xpukit-gc-graphs", "xpukit-offload-graphs", "xpukit-lean", "xpukit-nowarm", "xpukit-b512", "unsloth",
+    "unsloth-nogc", "unsloth-trainer",
 )  # fmt: skip
 # lora= and training_args keywords of the xpukit variants beside the one call.
 XPUKIT_LORA: dict[str, Any] = {
@@ -213,9 +216,14 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         model = load_for_xpu(args.model_dir, device=device, dtype=dtype, quantize="4bit", lora=lora, seed=0,
                              batch_size=args.batch, seq_len=longest, max_memory=budget)  # fmt: skip
         plan = model.xpukit_plan
-        if variant == "xpukit-lean" and getattr(model, "xpukit_layer_graphs", None) is not None:
+        if (
+            variant in ("xpukit-lean", "xpukit-nowarm", "xpukit-b512")
+            and getattr(model, "xpukit_layer_graphs", None) is not None
+        ):
             model.xpukit_layer_graphs.warmups = 0
-            model.xpukit_packing.capture_on_recurrence = True
+            model.xpukit_packing.capture_on_recurrence = variant == "xpukit-lean"
+            if variant == "xpukit-b512":
+                model.xpukit_packing.bucket = 512
         if variant == "xpukit-sft":
             from trl import SFTConfig
 

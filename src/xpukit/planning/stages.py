@@ -327,7 +327,10 @@ def adapters_stage(asked: Asked, mach: Machine, model: Model, place: Placement) 
         torch_version=mach.machine.torch_version,
     )  # fmt: skip
     decisions += [graphs] if graphs is not None else []
-    packing = decide_packing(lora, facts, graphs=bool(graphs is not None and graphs.value))
+    checkpointing = training.gradient_checkpointing if training is not None else False
+    packing = decide_packing(
+        lora, facts, graphs=bool(graphs is not None and graphs.value), checkpointing=checkpointing
+    )
     decisions += [packing] if packing is not None else []
     new_adapters = lora is not None and lora.kind == "new"
     if asked.req.seed is not None or new_adapters:

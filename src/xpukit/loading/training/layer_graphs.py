@@ -99,9 +99,11 @@ class LayerGraphs:
         self._forced: str | None = None  # every call runs eagerly, for this reason (eager_inside)
         self.rope = GraphRope(layers, wanted=rope)
         self.max_shapes = MAX_SHAPES
-        # Warm-up passes before each capture after the first (kernels built and autotuned once;
-        # docs/training.md "What a capture costs").
-        self.warmups = 1
+        # Warm-up passes before each capture after the first. Checkpointed: none, the first capture's
+        # warm-up built and autotuned the kernels (H200, 8 GB: 3 447 against 3 264 tokens/s over 20
+        # steps); without checkpointing one, as measured with room (docs/training.md "What a capture
+        # costs").
+        self.warmups = 0 if checkpoint else 1
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
         self.failed: str | None = None

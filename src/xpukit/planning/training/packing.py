@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.training.activation_memory import GRAPH_BUCKET
+from xpukit.planning.training.activation_memory import GRAPH_BUCKET, graph_bucket
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
@@ -49,13 +49,17 @@ def packing_wanted(request: LoraRequest | None, facts: ModelFacts) -> bool:
     )  # fmt: skip
 
 
-def decide_packing(request: LoraRequest | None, facts: ModelFacts, *, graphs: bool) -> Decision | None:
+def decide_packing(
+    request: LoraRequest | None, facts: ModelFacts, *, graphs: bool, checkpointing: bool | str = False
+) -> Decision | None:
     """The ``packing`` decision for new adapters (``None`` for no LoRA or a trained adapter).
 
     Args:
         request: the resolved ``lora=``.
         facts: the model's facts.
         graphs: the layers run as CUDA graphs (the ``layer_graphs`` decision): pad to buckets.
+        checkpointing: the training plan's checkpointing: inside the graphs the buckets are coarser
+            (:func:`.activation_memory.graph_bucket`).
 
     Raises:
         InvalidRequestError: ``lora={"packing": True}`` where packing cannot work.
@@ -75,13 +79,15 @@ def decide_packing(request: LoraRequest | None, facts: ModelFacts, *, graphs: bo
             )
         return Decision(name="packing", value=False, reason=f"padded batches run as given: {problem}",
                         rejected=((True, problem),))  # fmt: skip
-    bucket = GRAPH_BUCKET if graphs else 1
+    bucket = graph_bucket(checkpointing) if graphs else 1
     who = "lora={'packing': True} given: " if request.packing else ""
     tail = (
         f"; the row is padded to a multiple of {bucket} tokens so that the layers' CUDA graphs replay"
         if bucket > 1
         else ""
     )
+    if bucket > GRAPH_BUCKET:
+        tail += " (checkpointed: a capture also records the recomputation, so fewer, coarser shapes)"
     return Decision(
         name="packing",
         value=bucket,

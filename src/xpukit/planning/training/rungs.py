@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from xpukit.planning.training.activation_memory import activation_bytes, graph_buffer_bytes
+from xpukit.planning.training.activation_memory import activation_bytes, graph_bucket, graph_buffer_bytes
 from xpukit.planning.training.training_plan import option_text
 
 if TYPE_CHECKING:
@@ -65,7 +65,9 @@ class Rungs:
             kernel_norms=measured and self.kind(fused_ce) == "liger",
         )  # fmt: skip
         if graphs:  # the graphs' own buffers: one shape, or a packed row's buckets
-            held = graph_buffer_bytes(self.shape, tokens, compute_bytes=a, packed=self.packed)
+            held = graph_buffer_bytes(
+                self.shape, tokens, compute_bytes=a, packed=self.packed, bucket=graph_bucket(gc)
+            )
             if gc:  # the recomputation lives in the graphs' pool, which the eager loss cannot reuse
                 held += min(out["loss"], out["recompute"])
             out = {**out, "graph_buffers": held, "peak": out["peak"] + held}

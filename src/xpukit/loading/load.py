@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from pathlib import Path
 from typing import Any
 
 from xpukit import _quiet
@@ -31,6 +30,7 @@ from xpukit.loading.hub_kernels import (
     fetch_attention_kernel,
     fetch_layer_kernels,
 )
+from xpukit.loading.load_problems import weights_problem
 from xpukit.planning.device.choice import INSTALL_FIX
 from xpukit.planning.device.quantization import require_bnb
 from xpukit.planning.loadplan import LoadPlan
@@ -378,28 +378,6 @@ def _drop_frames(exc: BaseException | None) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__
-
-
-def weights_problem(plan: LoadPlan, exc: BaseException) -> str | None:
-    """The message for a weights file safetensors cannot read (truncated, corrupt), else ``None``."""
-    from safetensors import SafetensorError, safe_open
-
-    if not isinstance(exc, SafetensorError):
-        return None
-    broken = []
-    local = Path(str(plan.model))
-    for file in sorted(local.glob("*.safetensors")) if local.is_dir() else ():
-        try:
-            with safe_open(str(file), framework="pt"):
-                pass
-        except SafetensorError as bad:
-            broken.append(f"{file.name} ({bad})")
-    what = ", ".join(broken) if broken else f"a .safetensors file ({exc})"
-    return (
-        f"Loading {plan.model!r}: {what} cannot be read: the file is truncated or corrupt (an interrupted "
-        "download or copy). Fix: download the model again (hf download <id> --force-download) or write it "
-        "again with save_pretrained(); nothing was loaded."
-    )
 
 
 def _needs_offline_guard(plan: LoadPlan) -> bool:

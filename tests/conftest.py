@@ -192,6 +192,18 @@ def tiny_model(tiny_models: Mapping[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bf16_base(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 saved in bfloat16 (its config says so), with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("bf16-base")
+    AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def demo_model() -> Path:
     """The ``xpukit demo`` default model, built once into the session's scratch cache."""
     from xpukit.demo.tiny import demo_model_dir

@@ -10,20 +10,20 @@ directory when it has one (tokens added in training), else from the base. ``quan
 ``"int8"`` records in config.json that the checkpoint loads quantized (docs/planning.md
 "Quantization for inference"): the weights stay in full precision on disk, and
 ``load_for_xpu(out)`` quantizes them to the device's fastest format as they load. Everything is
-written to a temporary sibling of ``out`` and renamed into place at the end, so a failure leaves no
-half-written checkpoint.
+written to a temporary sibling of ``out`` and renamed into place at the end (:mod:`xpukit._partial`),
+so a failure, SIGTERM or Ctrl-C leaves no half-written checkpoint, and one left by a killed merge
+is removed by the next write into the same folder.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xpukit._partial import writing
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.device.quantization import RECORDED_QUANTIZE_KEY
@@ -148,9 +148,7 @@ def save_merged(
     if dtype_from == "record":  # the plan's dtype decision took the recorded dtype, and says why
         chosen, why = plan.dtype, plan.decision("dtype").reason
     tokenizer_from = _tokenizer_source(Path(adapter), base)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    try:
+    with writing(target) as partial:  # removed on an error, SIGTERM or Ctrl-C; swept if killed
         try:
             if recorded is not None:
                 setattr(model.config, RECORDED_QUANTIZE_KEY, recorded)  # read back by plan_load
@@ -161,10 +159,7 @@ def save_merged(
             _save_tokenizer(tokenizer_from, partial)
         if target.exists():
             target.rmdir()  # empty, checked above
-        partial.chmod(0o755)
         partial.rename(target)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     files = tuple(sorted(p.name for p in target.iterdir()))
     return MergeResult(
         out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan,

@@ -188,7 +188,7 @@ def _merge_dtype(dtype: str | None, base: Any, adapter: str | os.PathLike[str]) 
     own, why = checkpoint_dtype(base)
     return (
         own,
-        f"{why}: {adapter} has no {RECORD_FILE} recording the dtype it was trained in",
+        f"{why}; no {RECORD_FILE} records the dtype the adapter trained in",
         "checkpoint",
     )
 

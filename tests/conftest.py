@@ -192,6 +192,18 @@ def tiny_model(tiny_models: Mapping[str, Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bf16_base(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 saved in bfloat16 (its config says so), with its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("bf16-base")
+    AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
 def demo_model() -> Path:
     """The ``xpukit demo`` default model, built once into the session's scratch cache."""
     from xpukit.demo.tiny import demo_model_dir
@@ -284,3 +296,30 @@ def perturbed_adapter() -> Callable[..., Path]:
     ``load_for_xpu`` (float32, CPU), its ``lora_B`` drawn from ``seed`` (a trained adapter's B is far
     from its zero start), saved to ``out`` by the model's ``save_pretrained``."""
     return _perturbed_adapter
+
+
+def _partial_folder(final: Path, pid: int | None = None, *, host: str | None = None) -> Path:
+    import os
+    import subprocess
+    import sys
+
+    from xpukit import _partial
+
+    if pid is None:  # a process that has ended (and been waited for)
+        code = "import os; print(os.getpid())"
+        pid = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
+    name = _partial.partial_path(final).name.replace(f"-{os.getpid()}-", f"-{pid}-")
+    if host is not None:
+        name = name.replace(f".xpukit-{_partial._host()}-", f".xpukit-{host}-")
+    path = final.with_name(name)
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_bytes(b"half")
+    return path
+
+
+@pytest.fixture
+def partial_folder() -> Callable[..., Path]:
+    """``partial_folder(final, pid=None, *, host=None) -> Path``: a half-written folder of ``final``,
+    named as xpukit names it for process ``pid`` (default: one that has ended) of machine ``host``
+    (default: this one's tag), with a file in it."""
+    return _partial_folder

@@ -3,7 +3,7 @@
 Stages, lowest first (docs/index.md#architecture-facts--plan--act):
 
 0. base: ``xpukit.errors``, ``xpukit._compat``, ``xpukit._environ``, ``xpukit.hub``,
-   ``xpukit._platform``
+   ``xpukit._platform``, ``xpukit._partial``
 1. ``xpukit.machine`` — what the machine is (facts, probe, profiles, precision)
 2. ``xpukit.select`` (device selection) and ``xpukit.planning`` (deciding) — side by side, neither
    imports the other
@@ -39,6 +39,7 @@ STAGES: dict[str, int] = {
     "xpukit._quiet": 0,
     "xpukit.hub": 0,
     "xpukit._platform": 0,
+    "xpukit._partial": 0,
     "xpukit.machine": 1,
     "xpukit.select": 2,
     "xpukit.planning": 2,

@@ -307,18 +307,6 @@ def _cli(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def bf16_base(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen3 saved in bfloat16 (its config says so), with its tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("bf16-base")
-    AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
-    return out
-
-
 @pytest.mark.slow
 def test_cli_round_trip(bf16_base: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
     import torch
@@ -328,7 +316,8 @@ def test_cli_round_trip(bf16_base: Path, adapters: dict[str, Path], tmp_path: Pa
     proc = _cli(str(bf16_base), str(adapters["qlora"]), str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     said = " ".join(proc.stdout.split())  # unwrapped
-    assert "dtype bfloat16: the base checkpoint's own dtype" in said
+    # The adapter trained in float32 (its record says so): merged in it, not in the base's bf16.
+    assert "dtype float32: the dtype the adapter was trained in (float32), recorded with it in" in said
     assert "into the dequantised 4-bit base of" in said and "(as its xpukit_base.json says), on cpu" in said
     assert f"the tokenizer from {bf16_base}" in said
     assert "Plan for" not in proc.stdout and len(proc.stdout.splitlines()) < 15  # --explain prints it
@@ -338,18 +327,16 @@ def test_cli_round_trip(bf16_base: Path, adapters: dict[str, Path], tmp_path: Pa
     names = {p.name for p in out.iterdir()}
     assert {"model.safetensors", "config.json", "generation_config.json", "tokenizer.json"} <= names
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]
-    assert {v["dtype"] for v in _header(out / "model.safetensors").values()} == {"BF16"}
+    assert {v["dtype"] for v in _header(out / "model.safetensors").values()} == {"F32"}
     config = json.loads((out / "config.json").read_text())
-    assert config["dtype"] == "bfloat16" and "quantization_config" not in config
+    assert config["dtype"] == "float32" and "quantization_config" not in config
     reloaded = AutoModelForCausalLM.from_pretrained(out)
-    assert type(reloaded).__name__ == "Qwen3ForCausalLM" and reloaded.dtype == torch.bfloat16
+    assert type(reloaded).__name__ == "Qwen3ForCausalLM" and reloaded.dtype == torch.float32
     assert AutoTokenizer.from_pretrained(out).vocab_size > 0
     inputs = _inputs(bf16_base)
     from xpukit import load_for_xpu
 
-    in_process = load_for_xpu(
-        bf16_base, device="cpu", dtype="bfloat16", lora=str(adapters["qlora"]), merge=True
-    )
+    in_process = load_for_xpu(bf16_base, device="cpu", lora=str(adapters["qlora"]), merge=True)
     torch.testing.assert_close(_logits(reloaded, inputs), _logits(in_process, inputs), rtol=0, atol=0)
 
     again = _cli(str(bf16_base), str(adapters["qlora"]), str(out))  # OUT is not empty now
@@ -398,7 +385,7 @@ def test_cli_refusals_in_process(tiny_model: Path, adapters: dict[str, Path], tm
         (
             ["--into", "original", "--dtype", "fp8"],
             "--dtype 'fp8'",
-            "Default: the base checkpoint's own dtype",
+            "Default: the dtype the adapter was trained in, as its xpukit_base.json records, else",
         ),
     ]
     for extra, found, fix in cases:
@@ -413,6 +400,23 @@ def test_cli_refusals_in_process(tiny_model: Path, adapters: dict[str, Path], tm
         from xpukit.loading.save_merged import save_merged
 
         save_merged(tiny_model, adapters["lora"], adapters["lora"])
+
+
+def test_without_a_record_the_merge_takes_the_base_checkpoints_dtype_and_says_so(
+    bf16_base: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    from xpukit.cli.merge import summary
+    from xpukit.loading.save_merged import save_merged
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(adapters["lora"], adapter)
+    (adapter / "xpukit_base.json").unlink()
+    result = save_merged(bf16_base, adapter, tmp_path / "merged", merge="original")
+    assert (result.dtype, result.dtype_from) == ("bfloat16", "checkpoint")
+    said = " ".join(" ".join(summary(result, str(bf16_base))).split())  # unwrapped
+    assert "dtype bfloat16: the base checkpoint's own dtype" in said
+    assert "config.json says bfloat16); no xpukit_base.json records the dtype the adapter trained in" in said
+    assert result.to_dict()["dtype_from"] == "checkpoint"
 
 
 def test_a_device_too_small_merges_on_the_cpu_for_real(tiny_model: Path, adapters: dict[str, Path]) -> None:

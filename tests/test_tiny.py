@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +158,7 @@ def test_demo_cache_key_follows_the_recipe(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_partial_builds_are_not_taken_for_finished_ones(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, partial_folder: Callable[..., Path]
 ) -> None:
     models = tmp_path / "models"
     name = f"tiny-{tiny.DEMO_ARCHITECTURE}-demo-{tiny._demo_key()}"
@@ -178,16 +177,14 @@ def test_partial_builds_are_not_taken_for_finished_ones(
     # next to the temporary directory of a build that was killed outright.
     (models / name).mkdir()
     (models / name / "config.json").write_text("{}")
-    killed = models / f".{name}.killed.partial"
-    killed.mkdir()
-    os.utime(killed, (time.time() - 2 * tiny._STALE_AFTER_S,) * 2)
-    running = models / f".{name}.running.partial"  # a build still in progress elsewhere: left alone
-    running.mkdir()
+    killed = partial_folder(models / name)  # the partial folder of a build killed outright: swept
+    running = partial_folder(models / name, os.getppid())  # a build in progress elsewhere: left alone
 
     path = demo_model_dir(tmp_path)
     assert path == models / name
     assert (path / "xpukit-build.json").is_file() and (path / "model.safetensors").is_file()
     assert sorted(p.name for p in models.iterdir()) == sorted([name, running.name])
+    assert not killed.exists()
 
 
 def test_concurrent_builds_publish_one_complete_model(

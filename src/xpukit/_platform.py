@@ -11,6 +11,8 @@ run on Windows: docs/windows.md.
 - Signals for ``xpukit launch``: POSIX forwards SIGINT/SIGTERM; Windows has no SIGTERM to forward
   and starts the child in its own process group, sending it CTRL_BREAK_EVENT (docs/windows.md
   "Stopping a launched command").
+- Whether a process still runs (:func:`process_alive`, for the partial writes of a killed writer):
+  ``kill(pid, 0)`` on POSIX, ``OpenProcess`` on Windows.
 - Host facts: the PCI bus, ``/dev/dri`` render nodes and the ``render`` group, ``/proc/cpuinfo`` and
   ``/proc/meminfo`` exist on Linux only; on Windows memory comes from ``GlobalMemoryStatusEx``.
 - The cache directory: ``platformdirs`` (``%LOCALAPPDATA%\\xpukit\\Cache`` on Windows).
@@ -45,6 +47,7 @@ __all__ = [
     "pci_device_dirs",
     "peak_rss",
     "physical_memory",
+    "process_alive",
     "signal_for_child",
     "system",
     "terminal_delivers_sigint",
@@ -184,7 +187,7 @@ def join_command(command: Sequence[str], *, shell: str | None = None) -> str:
     return " ".join(words)
 
 
-# --- signals for `xpukit launch` -----------------------------------------------------------------
+# --- signals and processes (`xpukit launch`, writers) ---------------------------------------------
 
 
 def forwarded_signals() -> tuple[int, ...]:
@@ -236,6 +239,25 @@ def terminal_delivers_sigint() -> bool:
         except (AttributeError, OSError, ValueError):
             continue
     return False
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this machine still runs (another user's counts; a zombie too).
+
+    POSIX: ``kill(pid, 0)``, which sends nothing. Windows: ``OpenProcess`` and its exit code
+    (``os.kill`` there would end the process).
+    """
+    if pid <= 0:
+        return False
+    if is_windows():
+        return _windows_process_alive(pid)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, and belongs to another user
+        return True
+    return True
 
 
 # --- host facts ----------------------------------------------------------------------------------
@@ -386,3 +408,19 @@ def _windows_peak_working_set() -> int | None:
     if not ctypes.windll.psapi.GetProcessMemoryInfo(process, ctypes.byref(counters), counters.cb):  # type: ignore[attr-defined]
         return None
     return int(counters.PeakWorkingSetSize)
+
+
+def _windows_process_alive(pid: int) -> bool:
+    import ctypes
+
+    kernel32 = ctypes.windll.kernel32  # type: ignore[attr-defined]
+    handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
+    if not handle:
+        return bool(kernel32.GetLastError() == 5)  # ERROR_ACCESS_DENIED: it exists
+    try:
+        code = ctypes.c_ulong()
+        if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
+            return True
+        return code.value == 259  # STILL_ACTIVE
+    finally:
+        kernel32.CloseHandle(handle)

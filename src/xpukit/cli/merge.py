@@ -16,7 +16,8 @@ def add_parser(sub: Any) -> None:
         help="merge a trained LoRA adapter into its base and write the merged model",
         description="Merge the LoRA adapter in ADAPTER (written by PeftModel.save_pretrained) into the "
         "full-precision weights of BASE and write a plain transformers checkpoint to OUT: safetensors "
-        "weights in the base checkpoint's own dtype (or --dtype), config.json, generation_config.json, "
+        "weights in the dtype the adapter was trained in, as its xpukit_base.json records (without one, "
+        "the base checkpoint's own dtype; --dtype overrides both), config.json, generation_config.json, "
         "and the tokenizer (ADAPTER's when it has one, else BASE's). The adapter is merged into the base "
         "as it trained against it: an adapter xpukit trained carries a record of how its base was held "
         "(xpukit_base.json), and the merge follows it; without one, into the base as 4-bit training "
@@ -37,7 +38,9 @@ def add_parser(sub: Any) -> None:
     parser.add_argument("adapter", metavar="ADAPTER", help="the trained adapter's directory")
     parser.add_argument("out", metavar="OUT", help="a new (or empty) directory for the merged model")
     parser.add_argument(
-        "--dtype", help="bfloat16, float16 or float32 (default: the base checkpoint's own dtype)"
+        "--dtype",
+        help="bfloat16, float16 or float32 (default: the dtype the adapter was trained in, as its "
+        "xpukit_base.json records, so OUT is the trained model; without one, the base checkpoint's own)",
     )
     parser.add_argument("--device", help="xpu, xpu:1, cuda, mps or cpu (default: by fit, else the CPU)")
     parser.add_argument(

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import math
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from xpukit._compat import installed_version, is_installed, require
+from xpukit._partial import writing
 from xpukit.demo.output import (
     Narrator,
     one_cpu_thread,
@@ -277,9 +277,9 @@ def _workdir(cleanup: contextlib.ExitStack, output_dir: str | os.PathLike[str] |
     """``output_dir``, or a temporary directory removed at the end."""
     if output_dir is not None:
         return Path(output_dir)
-    work = Path(tempfile.mkdtemp(prefix="xpukit-demo-"))
-    cleanup.callback(shutil.rmtree, work, ignore_errors=True)
-    return work
+    # A partial that is never published: removed at the end, on SIGTERM / Ctrl-C, or, after a kill,
+    # by the next demo (xpukit._partial).
+    return cleanup.enter_context(writing(Path(tempfile.gettempdir()) / "xpukit-demo"))
 
 
 def _source(model: str | os.PathLike[str] | None, say: Narrator) -> str:

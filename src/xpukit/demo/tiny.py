@@ -27,10 +27,8 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -39,6 +37,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from xpukit import _environ, _platform
+from xpukit._partial import partial_path, writing
 from xpukit.errors import InvalidRequestError
 
 if TYPE_CHECKING:
@@ -173,7 +172,6 @@ _CHAT_TEMPLATE = (
 # Bump when the build code changes what it writes, so cached demo models are rebuilt.
 _BUILD_FORMAT = 1
 _MARKER = "xpukit-build.json"  # written last, before the directory is published: its presence = complete
-_STALE_AFTER_S = 3600.0  # leftovers of killed builds older than this are swept
 
 # Model construction draws from torch's global RNG; the lock keeps concurrent builds in one process
 # from interleaving their seeded draws.
@@ -270,17 +268,11 @@ def demo_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     if _is_complete(final, key):
         return final
 
-    root.mkdir(parents=True, exist_ok=True)
-    _sweep_leftovers(root)
     started = time.perf_counter()
-    partial = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=root))
-    partial.chmod(0o755)  # mkdtemp makes it owner-only; the published model should read like any cache
-    try:
+    with writing(final) as partial:  # removed unless published (another run may have published first)
         build_tiny_model(DEMO_ARCHITECTURE, partial, seed=_DEMO_SEED, **DEMO_CONFIG)
         _write_marker(partial, key)
         _publish(partial, final, key)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)  # still there only if another run published first
     logger.info("built the demo model in %s (%.2f s)", final, time.perf_counter() - started)
     return final
 
@@ -395,19 +387,8 @@ def _publish(partial: Path, final: Path, key: str) -> None:
                 return  # another run finished first; the caller removes our copy
         # An incomplete directory blocks the name (copied by hand, or written by a non-atomic tool):
         # move it aside rather than delete in place, so a reader never sees it half-removed.
-        aside = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.stale")
+        aside = partial_path(final)  # swept by a later build if this process is killed meanwhile
         with contextlib.suppress(FileNotFoundError):
             os.rename(final, aside)
         shutil.rmtree(aside, ignore_errors=True)
     raise OSError(f"could not publish the demo model at {final}; remove that directory and retry")
-
-
-def _sweep_leftovers(root: Path) -> None:
-    """Remove temporary directories of builds that were killed (old enough not to be running now)."""
-    now = time.time()
-    for entry in root.glob(".*"):
-        if not entry.name.endswith((".partial", ".stale")):
-            continue
-        with contextlib.suppress(OSError):
-            if now - entry.stat().st_mtime > _STALE_AFTER_S:
-                shutil.rmtree(entry, ignore_errors=True)

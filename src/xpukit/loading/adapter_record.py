@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from xpukit._partial import write_file
 from xpukit.planning.training.base_record import RECORD_FILE, parse_record, record_from
 
 __all__ = ["SaveWithRecord", "record_on_save", "write_record"]
@@ -39,10 +40,8 @@ def record_on_save(model: Any, *, dtype: str, base_model: str) -> str:
 
 
 def write_record(directory: str | os.PathLike[str], record: dict[str, Any]) -> Path:
-    """Write ``record`` as ``directory/RECORD_FILE``."""
-    path = Path(directory) / RECORD_FILE
-    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    return path
+    """Write ``record`` as ``directory/RECORD_FILE``, whole or not at all (:mod:`xpukit._partial`)."""
+    return write_file(Path(directory) / RECORD_FILE, json.dumps(record, indent=2) + "\n")
 
 
 class SaveWithRecord:

@@ -1,26 +1,29 @@
 """``xpukit merge``'s engine: a LoRA adapter merged into its base and written as a full checkpoint.
 
-:func:`save_merged` loads ``load_for_xpu(base, lora=adapter, merge=...)`` in the dtype the base
-checkpoint declares (its config's ``dtype``, or ``torch_dtype`` in older files) unless another is
-asked, and writes the merged model with transformers' ``save_pretrained`` (safetensors, config,
-generation config) plus the tokenizer, from the adapter directory when it has one (tokens added in
-training), else from the base. ``quantize="int4"`` / ``"int8"`` records in config.json that the
-checkpoint loads quantized (docs/planning.md "Quantization for inference"): the weights stay in full
-precision on disk, and ``load_for_xpu(out)`` quantizes them to the device's fastest format as they
-load. Everything is written to a temporary sibling of ``out`` and renamed
-into place at the end, so a failure leaves no half-written checkpoint.
+:func:`save_merged` loads ``load_for_xpu(base, lora=adapter, merge=...)`` in the dtype the adapter
+was trained in, as the base record beside it says (the plan's dtype decision), so the merged model
+is the trained one; an adapter without a record merges in the dtype the base checkpoint declares
+(its config's ``dtype``, or ``torch_dtype`` in older files); ``dtype=`` overrides both
+(docs/training.md "Merging an adapter"). It writes the merged model with transformers'
+``save_pretrained`` (safetensors, config, generation config) plus the tokenizer, from the adapter
+directory when it has one (tokens added in training), else from the base. ``quantize="int4"`` /
+``"int8"`` records in config.json that the checkpoint loads quantized (docs/planning.md
+"Quantization for inference"): the weights stay in full precision on disk, and
+``load_for_xpu(out)`` quantizes them to the device's fastest format as they load. Everything is
+written to a temporary sibling of ``out`` and renamed into place at the end (:mod:`xpukit._partial`),
+so a failure, SIGTERM or Ctrl-C leaves no half-written checkpoint, and one left by a killed merge
+is removed by the next write into the same folder.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from xpukit._partial import writing
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.device.quantization import RECORDED_QUANTIZE_KEY
@@ -40,6 +43,8 @@ class MergeResult:
         out: the merged checkpoint's directory.
         files: the files in it.
         dtype: the dtype its weights are stored in; ``dtype_reason`` why.
+        dtype_from: who chose it: ``"asked"`` (``dtype=``), ``"record"`` (the dtype the adapter was
+            trained in, as its base record says) or ``"checkpoint"`` (no record: the base's own dtype).
         tokenizer_from: the directory the tokenizer was copied from, or ``None`` when neither had one.
         plan: the plan the merge carried out (``model.xpukit_plan``).
         quantize: the quantization recorded for loads without adapters (``4bit``/``8bit``), or ``None``.
@@ -54,6 +59,7 @@ class MergeResult:
     plan: Any = field(repr=False)
     quantize: str | None = None
     seconds: float = 0.0
+    dtype_from: str = "asked"
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (``xpukit merge --json``)."""
@@ -62,6 +68,7 @@ class MergeResult:
             "files": list(self.files),
             "dtype": self.dtype,
             "dtype_reason": self.dtype_reason,
+            "dtype_from": self.dtype_from,
             "tokenizer_from": self.tokenizer_from,
             "quantize": self.quantize,
             "seconds": round(self.seconds, 2),
@@ -101,7 +108,9 @@ def save_merged(
         base: the base model's directory or Hub id (offline: from the local cache).
         adapter: the adapter directory (``PeftModel.save_pretrained``).
         out: a new or empty directory.
-        dtype: ``bfloat16``, ``float16`` or ``float32``; default: the base checkpoint's own.
+        dtype: ``bfloat16``, ``float16`` or ``float32``; default: the dtype the adapter was trained in,
+            as its base record says (``xpukit_base.json``), so the merged model is the trained one;
+            without a record, the base checkpoint's own.
         device: where to merge (default: the plan's device when the model fits, else the CPU).
         merge: ``True`` / ``"dequantized"`` / ``"original"`` (docs/training.md "Merging an adapter").
         force: merge an adapter whose tensors do not all fit the base (a warning on the plan).
@@ -131,24 +140,15 @@ def save_merged(
                 f"--quantize {quantize!r} is not a quantization a merged checkpoint records. Valid: "
                 f"{', '.join(MERGE_QUANTIZE)}. Default: none (the checkpoint loads in full precision)."
             )
-    if dtype is None:
-        chosen, why = checkpoint_dtype(base)
-    else:
-        chosen = normalize_dtype(dtype) or ""
-        if chosen not in DTYPES:
-            raise InvalidRequestError(
-                f"--dtype {dtype!r} is not a dtype a merged checkpoint is written in. Valid: "
-                f"{', '.join(DTYPES)}. Default: the base checkpoint's own dtype."
-            )
-        why = "asked (--dtype)"
+    chosen, why, dtype_from = _merge_dtype(dtype, base, adapter)
     from xpukit.loading.load import load_for_xpu
 
     model = load_for_xpu(base, lora=os.fspath(adapter), merge=merge, force=force, dtype=chosen, device=device)
     plan = model.xpukit_plan
+    if dtype_from == "record":  # the plan's dtype decision took the recorded dtype, and says why
+        chosen, why = plan.dtype, plan.decision("dtype").reason
     tokenizer_from = _tokenizer_source(Path(adapter), base)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    try:
+    with writing(target) as partial:  # removed on an error, SIGTERM or Ctrl-C; swept if killed
         try:
             if recorded is not None:
                 setattr(model.config, RECORDED_QUANTIZE_KEY, recorded)  # read back by plan_load
@@ -159,16 +159,38 @@ def save_merged(
             _save_tokenizer(tokenizer_from, partial)
         if target.exists():
             target.rmdir()  # empty, checked above
-        partial.chmod(0o755)
         partial.rename(target)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     files = tuple(sorted(p.name for p in target.iterdir()))
     return MergeResult(
         out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan,
-        quantize=recorded,
+        quantize=recorded, dtype_from=dtype_from,
         seconds=time.perf_counter() - start,
     )  # fmt: skip
+
+
+def _merge_dtype(dtype: str | None, base: Any, adapter: str | os.PathLike[str]) -> tuple[str, str, str]:
+    """The dtype to merge in (``"auto"``: the plan's, which is the recorded one), why, and from where:
+    ``"asked"`` (``dtype=``), ``"record"`` (the dtype the adapter trained in, as its base record says)
+    or ``"checkpoint"`` (no record: the base checkpoint's own dtype)."""
+    from xpukit.planning.training.base_record import RECORD_FILE, read_base_record
+
+    if dtype is not None:
+        asked = normalize_dtype(dtype)
+        if asked not in DTYPES:
+            raise InvalidRequestError(
+                f"--dtype {dtype!r} is not a dtype a merged checkpoint is written in. Valid: "
+                f"{', '.join(DTYPES)}. Default: the dtype the adapter was trained in, as its {RECORD_FILE} "
+                "records, else the base checkpoint's own dtype."
+            )
+        return str(asked), "asked (--dtype)", "asked"
+    if read_base_record(os.fspath(adapter)) is not None:
+        return "auto", "", "record"
+    own, why = checkpoint_dtype(base)
+    return (
+        own,
+        f"{why}; no {RECORD_FILE} records the dtype the adapter trained in",
+        "checkpoint",
+    )
 
 
 def _save_tokenizer(source: str, out: Path) -> None:

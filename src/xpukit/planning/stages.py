@@ -270,7 +270,9 @@ def _attempt(
 def placement_stage(asked: Asked, cfg: Config, mach: Machine, model: Model) -> Placement:
     """The dtype, the layout (with the training plan for new adapters), and a launched job's share."""
     warnings: list[str] = []
-    dtype_decision = decide_dtype(asked.req.dtype, mach.main, warnings)
+    record = model.record if asked.req.merge is not None else None  # a merge: the dtype it trained in
+    trained = (record.dtype, record.path) if record is not None else None
+    dtype_decision = decide_dtype(asked.req.dtype, mach.main, warnings, trained=trained)
     attempt = functools.partial(_attempt, asked, cfg, mach, model, dtype_decision)
     chosen = layout_for_training(  # new adapters: 4-bit by fit, no silent weight offload
         attempt(cfg.quant), replan=attempt, quantize_given=asked.quantize is not None,

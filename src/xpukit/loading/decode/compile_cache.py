@@ -26,12 +26,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from xpukit import _environ, _platform
+from xpukit._partial import write_file
 
 __all__ = ["CACHE_FORMAT", "cache_key", "compile_cache_dir", "key_fields", "load_artifacts", "save_artifacts"]
 
@@ -146,15 +145,7 @@ def save_artifacts(key: str, directory: Path | None = None) -> dict[str, Any]:
         return record
     blob, info = result
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{key}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(blob)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_file(path, blob)  # whole or not at all (xpukit._partial)
     except OSError as exc:
         record["error"] = f"{type(exc).__name__}: {exc}"
         logger.info("compile cache not written to %s: %s", path, record["error"])

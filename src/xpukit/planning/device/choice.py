@@ -111,7 +111,13 @@ def resolve_device(
     )
 
 
-def decide_dtype(requested: str, device: DeviceFacts, warnings: list[str]) -> Decision:
+def decide_dtype(
+    requested: str, device: DeviceFacts, warnings: list[str], *, trained: tuple[str, str] | None = None
+) -> Decision:
+    """The ``dtype`` decision: the one asked, else the dtype a merged adapter trained in (``trained``:
+    that dtype and the record that says so), else the device's (docs/planning.md "Merge (`merge=`)")."""
+    if requested == "auto" and trained is not None:
+        return _trained_dtype(*trained, device)
     if requested == "auto":
         choice = inference_dtype(device)
         return Decision(name="dtype", value=choice.dtype, reason=choice.reason, rejected=choice.rejected)
@@ -122,3 +128,17 @@ def decide_dtype(requested: str, device: DeviceFacts, warnings: list[str]) -> De
         warnings.append(warning)
         reason = f"dtype={requested!r} given; {warning}"
     return Decision(name="dtype", value=requested, reason=reason, source="user")
+
+
+def _trained_dtype(dtype: str, record: str, device: DeviceFacts) -> Decision:
+    """A merge with no dtype asked: the dtype its adapter trained in, so it is the trained model."""
+    reason = (
+        f"the dtype the adapter was trained in ({dtype}), recorded with it in {record}: merged in it, the "
+        "model computes what the trained one did"
+    )
+    slow = slow_precision(device, dtype)
+    if slow is not None:
+        reason += f"; {slow}, dtype= trades the likeness for speed"
+    native = inference_dtype(device).dtype
+    rejected = ((native, "the device's own dtype: not the one the adapter trained in"),)
+    return Decision(name="dtype", value=dtype, reason=reason, rejected=rejected if native != dtype else ())

@@ -20,6 +20,7 @@ from typing import Any
 
 from xpukit._compat import installed_version
 from xpukit.errors import InvalidRequestError
+from xpukit.machine.precision import DTYPES, normalize_dtype
 
 __all__ = ["RECORD_FILE", "BaseRecord", "parse_record", "read_base_record", "record_from"]
 
@@ -39,7 +40,8 @@ class BaseRecord:
             (``"gptq"`` …), or ``None`` for full precision.
         quantization_config: the quantization config's keywords as transformers serialises them
             (dtypes as names), or ``None``.
-        dtype: the dtype the model was loaded to compute in.
+        dtype: the dtype the model was loaded to compute in, which its training computed in
+            (``training_args`` follows it): the dtype a merge reproduces the trained model in.
         base_model: the base as it was loaded (a path or Hub id).
         path: the record file.
     """
@@ -136,12 +138,12 @@ def parse_record(data: Any, path: str) -> BaseRecord:
     kind, config, dtype = data.get("quantization"), data.get("quantization_config"), data.get("dtype")
     if not (kind is None or isinstance(kind, str)) or not (config is None or isinstance(config, dict)):
         raise _bad(path, "its quantization fields have the wrong types")
-    if not isinstance(dtype, str):
-        raise _bad(path, "it names no dtype")
+    if not isinstance(dtype, str) or normalize_dtype(dtype) not in DTYPES:
+        raise _bad(path, f"it names no dtype xpukit computes in ({dtype!r}; valid: {', '.join(DTYPES)})")
     return BaseRecord(
         quantization=kind,
         quantization_config=config,
-        dtype=dtype,
+        dtype=str(normalize_dtype(dtype)),
         base_model=str(data.get("base_model") or ""),
         path=path,
     )

@@ -56,6 +56,13 @@ CPU_KINDS = {
 }
 DEFAULT_CPU_KIND = "no-bf16"
 os.environ["XPUKIT_CPU_FLAGS"] = CPU_KINDS[DEFAULT_CPU_KIND]
+# One compute thread per test process (set before anything imports torch, and inherited by every
+# child process a test starts): the tiny models gain nothing from more, and two pytest workers with
+# a thread per core each oversubscribe a 2-core machine, where OpenMP's spinning waits stall every
+# small op (measured: the same 95 tests of two files took 124 s of CPU with a thread per core and 64 s
+# with one; docs/benchmarks.md "Test suite").
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
 # tokenizers warns in every child forked after it used threads; that noise would land in the stderr
 # of CLI tests that run subprocesses.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

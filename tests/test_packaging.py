@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,12 @@ def test_ci_runs_both_legs_then_the_release_check() -> None:
     check = (ROOT / "scripts" / "check-package").read_text(encoding="utf-8")
     for step in ("python -m build", "--no-deps", "doctor --json", "mkdocs build --strict", 'cd "$work"'):
         assert step in check
+
+
+def test_every_test_process_computes_on_one_thread() -> None:
+    """tests/conftest.py: two pytest workers with a thread per core oversubscribe a 2-core machine,
+    where OpenMP's spinning waits stall every small op (docs/benchmarks.md "Test suite"); children
+    inherit the setting. A test that changes the count must put it back."""
+    import torch
+
+    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1

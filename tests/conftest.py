@@ -14,6 +14,8 @@ Fixtures (session-scoped, built on first use and shared by every test):
 - ``demo_model``: the ``xpukit demo`` default model, built into the scratch cache.
 - ``wide_model``: a tiny qwen3 wide enough for torchao's int4 groups (skipped without torchao).
 - ``sliding_gemma``: a tiny Gemma 3 with a 4-token sliding-window layer beside a full one.
+- ``once_per_run``: ``once_per_run(name, make)``, an expensive set-up run by one pytest worker and
+  read by all (the demo run, the example scripts).
 
 Treat the returned directories as read-only (other tests share them); copy one to change it.
 """
@@ -56,6 +58,13 @@ CPU_KINDS = {
 }
 DEFAULT_CPU_KIND = "no-bf16"
 os.environ["XPUKIT_CPU_FLAGS"] = CPU_KINDS[DEFAULT_CPU_KIND]
+# One compute thread per test process (set before anything imports torch, and inherited by every
+# child process a test starts): the tiny models gain nothing from more, and two pytest workers with
+# a thread per core each oversubscribe a 2-core machine, where OpenMP's spinning waits stall every
+# small op (measured: the same 95 tests of two files took 124 s of CPU with a thread per core and 64 s
+# with one; docs/benchmarks.md "Test suite").
+os.environ["OMP_NUM_THREADS"] = "1"
+os.environ["MKL_NUM_THREADS"] = "1"
 # tokenizers warns in every child forked after it used threads; that noise would land in the stderr
 # of CLI tests that run subprocesses.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -209,6 +218,35 @@ def demo_model() -> Path:
     from xpukit.demo.tiny import demo_model_dir
 
     return demo_model_dir()
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], Any]], Any]:
+    """``once_per_run(name, make)``: ``make(directory)`` run by one process of the test run, its
+    JSON-able result read by every pytest worker that asks for ``name``.
+
+    For a module fixture whose tests xdist may spread over both workers (each would run it again:
+    the demo run, the example scripts). The first worker to ask runs it under a file lock; the other
+    waits for the result instead of competing for the same cores. ``directory`` is shared by the
+    workers of this run only, so paths written there stay valid for all of them."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker's basetemp is pytest-N/popen-gwK: pytest-N is this run's alone.
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+    def get(name: str, make: Callable[[Path], Any]) -> Any:
+        directory = root / f"once-{name}"
+        result = root / f"once-{name}.json"
+        with FileLock(str(root / f"once-{name}.lock")):
+            if not result.exists():
+                shutil.rmtree(directory, ignore_errors=True)  # a failed attempt's leftovers
+                directory.mkdir()
+                value = make(directory)
+                result.write_text(json.dumps(value), encoding="utf-8")
+        return json.loads(result.read_text(encoding="utf-8"))
+
+    return get
 
 
 @pytest.fixture

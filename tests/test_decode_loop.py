@@ -202,7 +202,8 @@ def test_sampling_is_seeded_and_stays_inside_top_k(fast):
         ({"repetition_penalty": 1.3}, "repetition_penalty=1.3"),
         ({"output_scores": True, "return_dict_in_generate": True}, "output_scores=True"),
         ({"logits_processor": "list"}, "argument logits_processor"),
-        ({"max_new_tokens": 300}, "exceed the static cache (256)"),
+        # a 254-token prompt and 4 new tokens: past the cache as surely as 300 new tokens, for 4 steps
+        ({"prompt_tokens": 254}, "prompt + new tokens = 258 exceed the static cache (256)"),
     ],
 )
 def test_other_calls_go_to_transformers_and_say_so(fast, reference, tokenizer, kwargs, reason):
@@ -211,6 +212,12 @@ def test_other_calls_go_to_transformers_and_say_so(fast, reference, tokenizer, k
     if kwargs.get("logits_processor") == "list":
         kwargs = {"logits_processor": LogitsProcessorList()}
     inputs = _inputs(tokenizer, 2)
+    if "prompt_tokens" in kwargs:
+        n = kwargs.pop("prompt_tokens")
+        inputs = dict(
+            tokenizer([" ".join(PROMPTS * 40)] * 2, return_tensors="pt", truncation=True, max_length=n)
+        )
+        assert inputs["input_ids"].shape == (2, n)
     call = {"max_new_tokens": 4, "do_sample": False} | kwargs
     got = fast.generate(**inputs, **call)
     assert fast.xpukit_last_decode["loop"] == "transformers"

@@ -9,8 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,22 +30,39 @@ LINEARS_PER_LAYER = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory, demo_model: Path) -> dict[str, Any]:
-    """``xpukit demo`` in a subprocess, as a user would run it (the cache and offline env from conftest)."""
+def demo_run(once_per_run: Callable[..., Any], demo_model: Path) -> dict[str, Any]:
+    """``xpukit demo`` in a subprocess, as a user would run it (the cache and offline env from conftest);
+    one run for the whole test run, whichever worker its tests land on."""
     pytest.importorskip("peft")  # the demo fine-tunes LoRA adapters (extra: lora)
-    out = tmp_path_factory.mktemp("demo")
-    adapter = out / "adapter"
-    plot = out / "loss.png" if importlib.util.find_spec("matplotlib") else None  # extra: plot
-    cmd = [sys.executable, "-m", "xpukit.cli.main", "demo", "--steps", str(STEPS), "--json"]
-    cmd += ["--output-dir", str(adapter)] + (["--plot", str(plot)] if plot else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=dict(os.environ))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+
+    def run(out: Path) -> dict[str, Any]:
+        # The demo's cache in the shared directory, holding this worker's demo model (each worker's
+        # own cache goes when that worker ends, and the other may still read the model's config).
+        cache = out / "cache"
+        model = cache / "models" / demo_model.name
+        shutil.copytree(demo_model, model)
+        adapter = out / "adapter"
+        plot = out / "loss.png" if importlib.util.find_spec("matplotlib") else None  # extra: plot
+        cmd = [sys.executable, "-m", "xpukit.cli.main", "demo", "--steps", str(STEPS), "--json"]
+        cmd += ["--output-dir", str(adapter)] + (["--plot", str(plot)] if plot else [])
+        env = {**os.environ, "XPUKIT_CACHE_DIR": str(cache)}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return {
+            "result": json.loads(proc.stdout),
+            "stderr": proc.stderr,
+            "adapter": str(adapter),
+            "plot": str(plot) if plot else None,
+            "model": str(model),
+        }
+
+    shared = once_per_run("demo", run)
     return {
-        "result": json.loads(proc.stdout),
-        "stderr": proc.stderr,
-        "adapter": adapter,
-        "plot": plot,
-        "model": demo_model,
+        "result": shared["result"],
+        "stderr": shared["stderr"],
+        "adapter": Path(shared["adapter"]),
+        "plot": Path(shared["plot"]) if shared["plot"] else None,
+        "model": Path(shared["model"]),
     }
 
 

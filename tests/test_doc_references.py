@@ -8,6 +8,7 @@ section, a heading that exists in it.
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 from pathlib import Path
@@ -51,6 +52,7 @@ def _slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
+@functools.cache  # read once per document: the docs cite the same few pages thousands of times
 def _headings(doc: Path) -> list[str]:
     return [m.group(2) for m in _HEADING.finditer(doc.read_text(encoding="utf-8"))]
 
@@ -69,28 +71,30 @@ def references(text: str) -> list[re.Match[str]]:
 
 def problems_in(citing: Path, text: str) -> list[str]:
     found = []
+
+    def where(m: re.Match[str]) -> str:  # counted only for a problem: some files are megabytes
+        return f"{citing.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}"
+
     for m in references(text):
         path = m.group("path")
         doc = _resolve(path, citing)
-        line = text.count("\n", 0, m.start()) + 1
-        where = f"{citing.relative_to(ROOT)}:{line}"
         if doc is None:
-            found.append(f"{where}: {path} is not in this repository")
+            found.append(f"{where(m)}: {path} is not in this repository")
             continue
         heads = _headings(doc)
         if m.group("section"):
             number = m.group("section")
             if not any(re.match(rf"{re.escape(number)}(?:[.\s]|$)", h) for h in heads):
-                found.append(f"{where}: {path} has no section {number}")
+                found.append(f"{where(m)}: {path} has no section {number}")
         elif m.group("anchor"):
             if m.group("anchor") not in {_slug(h) for h in heads}:
-                found.append(f"{where}: {path} has no heading with anchor #{m.group('anchor')}")
+                found.append(f"{where(m)}: {path} has no heading with anchor #{m.group('anchor')}")
         elif m.group("title"):
             title = m.group("title").strip()
             exact = any(h.strip() == title or h.strip().endswith(" " + title) for h in heads)
             # A quoted phrase after a path names a section only when some heading starts alike.
             if not exact and any(h.lower().startswith(title.lower()[:12]) for h in heads):
-                found.append(f"{where}: {path} has no heading {title!r}")
+                found.append(f"{where(m)}: {path} has no heading {title!r}")
     return found
 
 

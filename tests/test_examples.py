@@ -12,7 +12,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,48 +31,61 @@ def _env() -> dict[str, str]:
 
 @dataclass
 class Script:
-    """An example script started in the background; its output goes to files (no pipe to fill up)."""
+    """What an example script did: its exit status and output."""
 
-    proc: subprocess.Popen[bytes]
-    stdout: Path
-    stderr: Path
+    returncode: int
+    stdout: str
+    stderr: str
 
     def finish(self, name: str) -> str:
-        self.proc.wait(timeout=TIMEOUT)
-        err = self.stderr.read_text(errors="replace")
-        assert self.proc.returncode == 0, f"{name}: exit {self.proc.returncode}\n{err[-4000:]}"
-        return self.stdout.read_text()
+        assert self.returncode == 0, f"{name}: exit {self.returncode}\n{self.stderr[-4000:]}"
+        return self.stdout
 
 
-@pytest.fixture(scope="module")
-def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("examples")
-
-
-@pytest.fixture(scope="module")
-def scripts(work: Path, demo_model: Path) -> Iterator[dict[str, Script]]:
-    """Start both example scripts at once; each test waits for its own."""
+def _run_both(work: Path) -> dict[str, Any]:
+    """Start both example scripts at once and wait for both; output goes to files (no pipe to fill)."""
     commands = {
         "inference": [str(EXAMPLES / "inference.py")],
         "qlora": [str(EXAMPLES / "qlora_finetune.py"), "--steps", "10", "--output-dir", "out"],
     }
     started = {}
-    for name, args in commands.items():
-        out, err = work / f"{name}.out", work / f"{name}.err"
-        with out.open("wb") as stdout, err.open("wb") as stderr:
-            proc = subprocess.Popen(
-                [sys.executable, *args], cwd=work, env=_env(), stdout=stdout, stderr=stderr
-            )
-        started[name] = Script(proc=proc, stdout=out, stderr=err)
-    yield started
-    for script in started.values():  # a test that failed early must not leave a process behind
-        if script.proc.poll() is None:
-            script.proc.kill()
-            script.proc.wait()
+    try:
+        for name, args in commands.items():
+            out, err = work / f"{name}.out", work / f"{name}.err"
+            with out.open("wb") as stdout, err.open("wb") as stderr:
+                started[name] = subprocess.Popen(
+                    [sys.executable, *args], cwd=work, env=_env(), stdout=stdout, stderr=stderr
+                )
+        for proc in started.values():
+            proc.wait(timeout=TIMEOUT)
+    finally:
+        for proc in started.values():  # a timeout must not leave a process behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return {
+        "work": str(work),
+        **{
+            name: {
+                "returncode": proc.returncode,
+                "stdout": (work / f"{name}.out").read_text(errors="replace"),
+                "stderr": (work / f"{name}.err").read_text(errors="replace"),
+            }
+            for name, proc in started.items()
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def scripts(once_per_run: Callable[..., Any], demo_model: Path) -> dict[str, Any]:
+    """Both example scripts' results, run once for the whole test run (by whichever pytest worker
+    asks first), in a shared working directory (``scripts["work"]``)."""
+    ran = once_per_run("example-scripts", _run_both)
+    return {"work": Path(ran.pop("work")), **{name: Script(**r) for name, r in ran.items()}}
 
 
 @pytest.mark.slow
-def test_inference_example_runs(scripts: dict[str, Script]) -> None:
+def test_inference_example_runs(scripts: dict[str, Any]) -> None:
     out = scripts["inference"].finish("inference")
     assert "Plan for" in out and "loaded on cpu" in out
     generated = re.search(r"^generate\(\): (.+)$", out, re.M)
@@ -83,14 +96,14 @@ def test_inference_example_runs(scripts: dict[str, Script]) -> None:
 
 
 @pytest.mark.slow
-def test_qlora_example_trains_and_saves_the_adapter(scripts: dict[str, Script], work: Path) -> None:
+def test_qlora_example_trains_and_saves_the_adapter(scripts: dict[str, Any]) -> None:
     pytest.importorskip("peft")  # extras lora + quant
     pytest.importorskip("bitsandbytes")
     out = scripts["qlora"].finish("qlora")
     match = re.search(r"^loss ([\d.]+) -> ([\d.]+)$", out, re.M)
     assert match, out
     assert float(match.group(2)) < float(match.group(1))
-    adapter = work / "out"
+    adapter = scripts["work"] / "out"
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] > 0
     assert (adapter / "adapter_model.safetensors").stat().st_size > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,16 @@ def test_ci_runs_both_legs_then_the_release_check() -> None:
         for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()
         if line and not line.startswith(("#", "set ", "cd "))
     ]
-    assert lines == ["scripts/test -q", "scripts/test-newest -q", "exec scripts/check-package"]
+    assert lines == [
+        "XPUKIT_TEST_SLOW=1 scripts/test -q",
+        "scripts/test-newest -q",
+        "exec scripts/check-package",
+    ]
+    # scripts/test leaves the slow tests out unless XPUKIT_TEST_SLOW=1 (CI's line above), and an `-m`
+    # among the arguments comes after its filter (pytest keeps the last one: `scripts/test -m gpu`)
+    test = (ROOT / "scripts" / "test").read_text(encoding="utf-8")
+    assert 'marks=(-m "not slow")' in test and '"${XPUKIT_TEST_SLOW:-0}" = "1"' in test
+    assert test.rstrip().endswith('"${marks[@]}" "$@"')
     newest = (ROOT / "scripts" / "test-newest").read_text(encoding="utf-8")
     # a fresh virtualenv, every extra, nothing pinned but the CPU torch
     assert 'rm -rf "$venv"' in newest and '-e "$root[all,liger,deepspeed,test]"' in newest
@@ -56,3 +66,12 @@ def test_ci_runs_both_legs_then_the_release_check() -> None:
     check = (ROOT / "scripts" / "check-package").read_text(encoding="utf-8")
     for step in ("python -m build", "--no-deps", "doctor --json", "mkdocs build --strict", 'cd "$work"'):
         assert step in check
+
+
+def test_every_test_process_computes_on_one_thread() -> None:
+    """tests/conftest.py: two pytest workers with a thread per core oversubscribe a 2-core machine,
+    where OpenMP's spinning waits stall every small op (docs/benchmarks.md "Test suite"); children
+    inherit the setting. A test that changes the count must put it back."""
+    import torch
+
+    assert os.environ["OMP_NUM_THREADS"] == "1" and torch.get_num_threads() == 1

@@ -1,0 +1,232 @@
+"""The layout of a common decoder family's causal LM, written from its config alone (pure but for
+reading transformers' source files).
+
+Llama, Mistral, Qwen2 and Qwen3 causal LMs share one structure: an embedding, ``num_hidden_layers``
+decoder layers of q/k/v/o projections (Qwen3 adds per-head q/k RMSNorms), a gated MLP and two
+RMSNorms, a final norm, a rotary embedding with two float32 buffers, and an ``lm_head`` tied to the
+embedding or not. :func:`decoder_layout` writes the :class:`~xpukit.planning.model.layout.Layout` a
+meta-device build of such a model has, with its class attributes read from the installed modeling
+source (:mod:`xpukit.planning.model.class_source`), so planning it imports no modeling code
+(docs/planning.md "Model facts from the config alone"). Anything else — another family or class, a
+pre-quantized or remote-code checkpoint, a RoPE type whose buffers are sized otherwise, a source
+that does not state an attribute as a literal — returns ``None`` and the caller builds the model.
+tests/test_decoder_layout.py holds the two ways equal for every tiny architecture and built-in shape.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from xpukit.planning.model.class_source import MISSING, ModuleSource, module_source, pretrained_defaults
+from xpukit.planning.model.layout import Layout, Tensor
+
+__all__ = ["FAMILIES", "decoder_layout"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Family:
+    prefix: str  # class name prefix: Qwen3 -> Qwen3ForCausalLM, Qwen3RMSNorm…
+    qk_norm: bool  # per-head RMSNorm on q and k
+    qkv_bias: str  # "config": attention_bias; "always"; "never"
+    o_bias: str
+    mlp_bias: str  # "config": mlp_bias; "never"
+
+
+FAMILIES: dict[str, _Family] = {
+    "llama": _Family("Llama", False, "config", "config", "config"),
+    "mistral": _Family("Mistral", False, "never", "never", "never"),
+    "qwen2": _Family("Qwen2", False, "always", "never", "never"),
+    "qwen3": _Family("Qwen3", True, "config", "config", "never"),
+}
+# RoPE types whose inverse frequencies have ceil(int(head_dim * partial_rotary_factor) / 2) elements.
+_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3"})
+_SUPPORTS = ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn")
+
+
+def decoder_layout(config: Any, model_class: Any = None) -> Layout | None:
+    """The layout of ``config``'s causal LM, or ``None`` when it is not one this module writes.
+
+    Args:
+        config: a transformers config (not modified).
+        model_class: the class the load uses (``None``, ``"AutoModelForCausalLM"`` or the family's
+            ``<Prefix>ForCausalLM`` name are written; any other is left to the meta-device build).
+    """
+    model_type = getattr(config, "model_type", None)
+    family = FAMILIES.get(str(model_type))
+    built_in = f"transformers.models.{model_type}.configuration_{model_type}"
+    if family is None or type(config).__module__ != built_in:  # remote code: its own classes
+        return None
+    causal = f"{family.prefix}ForCausalLM"
+    architectures = list(getattr(config, "architectures", None) or [])
+    if architectures[:1] not in ([], [causal]) or model_class not in (None, "AutoModelForCausalLM", causal):
+        return None
+    if getattr(config, "quantization_config", None) is not None or getattr(config, "auto_map", None):
+        return None
+    sizes = _sizes(config)
+    source = module_source(f"models/{model_type}/modeling_{model_type}.py")
+    if sizes is None or source is None:
+        return None
+    attrs = _class_attributes(source, family)
+    kernels = _kernel_layers(source, family, str(getattr(config, "hidden_act", "")))
+    if attrs is None or kernels is None:
+        return None
+    return _layout(config, family, sizes, attrs, kernels)
+
+
+def _sizes(config: Any) -> dict[str, int] | None:
+    def value(name: str) -> Any:
+        v = getattr(config, name, None)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
+
+    out = {
+        "h": value("hidden_size"),
+        "i": value("intermediate_size"),
+        "L": value("num_hidden_layers"),
+        "H": value("num_attention_heads"),
+        "V": value("vocab_size"),
+    }
+    tie = getattr(config, "tie_word_embeddings", None)
+    if any(v is None for v in out.values()) or not isinstance(tie, bool):
+        return None
+    out["K"] = value("num_key_value_heads") or out["H"]
+    out["d"] = value("head_dim") or out["h"] // out["H"]
+    rope = getattr(config, "rope_parameters", None) or {}
+    if not isinstance(rope, dict) or rope.get("rope_type", "default") not in _ROPE_TYPES:
+        return None
+    out["r"] = len(range(0, int(out["d"] * rope.get("partial_rotary_factor", 1.0)), 2))
+    return out
+
+
+def _class_attributes(source: ModuleSource, family: _Family) -> dict[str, Any] | None:
+    defaults = pretrained_defaults()
+    if defaults is None:
+        return None
+
+    def lookup(class_name: str, attr: str) -> Any:
+        found = source.attribute(class_name, attr)
+        return defaults.attribute("PreTrainedModel", attr) if found is MISSING else found
+
+    top, base = f"{family.prefix}ForCausalLM", f"{family.prefix}Model"
+    out: dict[str, Any] = {}
+    for attr in _SUPPORTS:
+        out[attr] = lookup(top, attr)
+    # post_init gathers these lists from every PreTrainedModel in the tree (here the model and its base).
+    for attr in ("_no_split_modules", "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+        values = [lookup(top, attr), lookup(base, attr)]
+        if any(v is MISSING for v in values):
+            return None
+        out[attr] = frozenset(x for v in values for x in (v or ()))
+    if any(v is MISSING for v in out.values()):
+        return None
+    return out
+
+
+def _kernel_layers(source: ModuleSource, family: _Family, hidden_act: str) -> tuple[str, ...] | None:
+    """The names of the Hub kernels the built model would register (none without `kernels`)."""
+    from transformers.utils import is_kernels_available
+
+    p = family.prefix
+    classes = ("RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", "Model", "ForCausalLM")
+    names: set[str] = set()
+    for suffix in classes:
+        found = source.kernel_names(p + suffix)
+        if found is None:
+            return None
+        names |= found
+    activations = module_source("activations.py")
+    act_class = None if activations is None else activations.mapping_entry("ACT2CLS", hidden_act)
+    if activations is None or act_class is None:
+        return None
+    if act_class in activations.classes:  # torch's own (nn.SiLU…) register none
+        names |= activations.kernel_names(act_class) or set()
+    return tuple(sorted(names)) if is_kernels_available() else ()
+
+
+def _layout(
+    config: Any, family: _Family, s: dict[str, int], attrs: dict[str, Any], kernels: tuple[str, ...]
+) -> Layout:
+    def bias(rule: str, key: str) -> bool:
+        return rule == "always" or (rule == "config" and bool(getattr(config, key, False)))
+
+    qkv, o_bias = bias(family.qkv_bias, "attention_bias"), bias(family.o_bias, "attention_bias")
+    mlp = bias(family.mlp_bias, "mlp_bias")
+    h, i, d, heads, kv = s["h"], s["i"], s["d"], s["H"], s["K"]
+    modules: list[str] = ["model", "model.embed_tokens", "model.layers"]
+    linear: list[str] = []
+    params: list[Tensor] = [("model.embed_tokens.weight", s["V"] * h, 2, True)]
+
+    def add_linear(name: str, n_in: int, n_out: int, with_bias: bool) -> None:
+        modules.append(name)
+        linear.append(name)
+        params.append((f"{name}.weight", n_in * n_out, 2, True))
+        if with_bias:
+            params.append((f"{name}.bias", n_out, 2, True))
+
+    def add_norm(name: str, size: int) -> None:
+        modules.append(name)
+        params.append((f"{name}.weight", size, 2, True))
+
+    for layer in range(s["L"]):
+        at = f"model.layers.{layer}"
+        modules += [at, f"{at}.self_attn"]
+        add_linear(f"{at}.self_attn.q_proj", h, heads * d, qkv)
+        add_linear(f"{at}.self_attn.k_proj", h, kv * d, qkv)
+        add_linear(f"{at}.self_attn.v_proj", h, kv * d, qkv)
+        add_linear(f"{at}.self_attn.o_proj", heads * d, h, o_bias)
+        if family.qk_norm:
+            add_norm(f"{at}.self_attn.q_norm", d)
+            add_norm(f"{at}.self_attn.k_norm", d)
+        modules.append(f"{at}.mlp")
+        add_linear(f"{at}.mlp.gate_proj", h, i, mlp)
+        add_linear(f"{at}.mlp.up_proj", h, i, mlp)
+        add_linear(f"{at}.mlp.down_proj", i, h, mlp)
+        modules.append(f"{at}.mlp.act_fn")
+        add_norm(f"{at}.input_layernorm", h)
+        add_norm(f"{at}.post_attention_layernorm", h)
+    add_norm("model.norm", h)
+    modules += ["model.rotary_emb", "lm_head"]
+    linear.append("lm_head")
+    tied = bool(config.tie_word_embeddings)
+    if not tied:
+        params.append(("lm_head.weight", s["V"] * h, 2, True))
+    buffers = [(f"model.rotary_emb.{b}", s["r"], 4, True) for b in ("inv_freq", "original_inv_freq")]
+    # transformers' get_keys_to_not_convert: tied weights, the last parameter, the output embedding;
+    # then the quantizer adds the keep-in-fp32 modules.
+    skip = {"lm_head", params[-1][0].removesuffix(".weight")}
+    if tied:
+        skip |= {"model.embed_tokens"}
+    skip |= attrs["_keep_in_fp32_modules"]
+    quantized = frozenset(f"{name}.weight" for name in linear if _should_convert(name, skip))
+    return Layout(
+        architecture=f"{family.prefix}ForCausalLM",
+        modules=tuple(modules),
+        linear_modules=tuple(linear),
+        tensors=tuple(params + buffers),
+        buffers=frozenset(name for name, *_ in buffers),
+        num_parameters=sum(numel for _, numel, _, _ in params),
+        # bitsandbytes stores 4-bit weights two to a byte and 8-bit weights one to a byte.
+        quantized={"4bit": (quantized, 0.5), "8bit": (quantized, 1.0)},
+        keep_in_fp32=attrs["_keep_in_fp32_modules"],
+        keep_in_fp32_strict=attrs["_keep_in_fp32_modules_strict"],
+        supports_sdpa=bool(attrs["_supports_sdpa"]),
+        supports_flash_attn=bool(attrs["_supports_flash_attn"]),
+        supports_flex_attn=bool(attrs["_supports_flex_attn"]),
+        no_split_modules=tuple(sorted(attrs["_no_split_modules"])),
+        kernel_layers=kernels,
+    )
+
+
+_BOUNDARY = r"(?:(?<=\.)|(?=\.|$))"
+
+
+def _should_convert(full_name: str, patterns: set[str]) -> bool:
+    """transformers' ``should_convert_module`` (quantizers_utils), whose package imports torchao.
+
+    A pattern skips a module when it matches from the start up to a module boundary (as a regex) or
+    ends its name.
+    """
+    return not any(
+        re.match(rf"(?:{key}){_BOUNDARY}", full_name) or full_name.endswith(key) for key in patterns
+    )

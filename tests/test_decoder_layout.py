@@ -23,7 +23,7 @@ from xpukit.planning.model.layout import Layout, layout_of
 from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
 
 # Written from the config: these tiny architectures (model_type) and every built-in shape.
-WRITTEN_TINY = {"qwen3", "llama", "mistral"}
+WRITTEN_TINY = {"qwen3", "llama", "mistral", "gemma"}
 
 
 def _built(config: Any) -> Layout:
@@ -97,6 +97,8 @@ def _small(model_type: str, **overrides: Any) -> Any:
         ("llama", {"head_dim": 32}),
         ("qwen3", {"attention_bias": True, "tie_word_embeddings": False}),
         ("mistral", {"head_dim": None, "tie_word_embeddings": True}),
+        ("gemma3_text", {"head_dim": 16, "tie_word_embeddings": False, "attention_bias": True}),
+        ("gemma3_text", {"head_dim": 16, "layer_types": ["full_attention", "full_attention"]}),
     ],
 )
 def test_family_variants_from_config_equal_meta_build(

@@ -46,6 +46,7 @@ def test_plan_imports_no_modeling_code(tiny_models: Mapping[str, Path]) -> None:
         ["plan", str(tiny_models["qwen3"])],  # on this machine, whatever it is: a tiny model fits
         ["plan", "qwen3-8b", "--assume", "max-1550"],  # recorded hardware: fits whatever this host has
         ["plan", str(tiny_models["llama"]), "--quantize", "4bit", "--json"],
+        ["plan", str(tiny_models["gemma"]), "--dtype", "float16"],
         ["plan", "llama-3.1-70b", "--assume", "max-1550x2", "--rank", "1/2", "--strategy", "fsdp"],
         ["plan", str(tiny_models["gpt2"])],  # not written from its config: built on the meta device
     ]

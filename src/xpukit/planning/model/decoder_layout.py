@@ -1,16 +1,18 @@
 """The layout of a common decoder family's causal LM, written from its config alone (pure but for
 reading transformers' source files).
 
-Llama, Mistral, Qwen2 and Qwen3 causal LMs share one structure: an embedding, ``num_hidden_layers``
-decoder layers of q/k/v/o projections (Qwen3 adds per-head q/k RMSNorms), a gated MLP and two
-RMSNorms, a final norm, a rotary embedding with two float32 buffers, and an ``lm_head`` tied to the
-embedding or not. :func:`decoder_layout` writes the :class:`~xpukit.planning.model.layout.Layout` a
-meta-device build of such a model has, with its class attributes read from the installed modeling
-source (:mod:`xpukit.planning.model.class_source`), so planning it imports no modeling code
-(docs/planning.md "Model facts from the config alone"). Anything else — another family or class, a
-pre-quantized or remote-code checkpoint, a RoPE type whose buffers are sized otherwise, a source
-that does not state an attribute as a literal — returns ``None`` and the caller builds the model.
-tests/test_decoder_layout.py holds the two ways equal for every tiny architecture and built-in shape.
+Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text) causal LMs share one structure: an embedding,
+``num_hidden_layers`` decoder layers of q/k/v/o projections (Qwen3 and Gemma 3 add per-head q/k
+RMSNorms), a gated MLP and two RMSNorms (Gemma 3: four), a final norm, a rotary embedding with two
+float32 buffers (Gemma 3: two per layer type, and a scale buffer on its embedding), and an
+``lm_head`` tied to the embedding or not. :func:`decoder_layout` writes the
+:class:`~xpukit.planning.model.layout.Layout` a meta-device build of such a model has, with its
+class attributes read from the installed modeling source (:mod:`xpukit.planning.model.class_source`),
+so planning it imports no modeling code (docs/planning.md "Model facts from the config alone").
+Anything else (another family or class, a pre-quantized or remote-code checkpoint, a RoPE type whose
+buffers are sized otherwise, a source that does not state an attribute as a literal) returns
+``None`` and the caller builds the model. tests/test_decoder_layout.py holds the two ways equal for
+every tiny architecture and built-in shape.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ class _Family:
     qkv_bias: str  # "config": attention_bias; "always"; "never"
     o_bias: str
     mlp_bias: str  # "config": mlp_bias; "never"
+    source: str = ""  # the modeling file's package under transformers.models (default: model_type)
+    base: str = "Model"  # the base model's class name after the prefix
+    scaled_embedding: str = ""  # an embedding class with an `embed_scale` buffer (Gemma 3)
+    feedforward_norms: bool = False  # RMSNorms before and after the MLP too (Gemma 2/3)
+    rope_per_layer_type: bool = False  # one pair of rotary buffers per layer type (Gemma 3)
+    activation: str = "hidden_act"  # the config field the MLP's activation is read from
 
 
 FAMILIES: dict[str, _Family] = {
@@ -39,6 +47,20 @@ FAMILIES: dict[str, _Family] = {
     "mistral": _Family("Mistral", False, "never", "never", "never"),
     "qwen2": _Family("Qwen2", False, "always", "never", "never"),
     "qwen3": _Family("Qwen3", True, "config", "config", "never"),
+    # Gemma 3's text model (Gemma 3 1B, and the tiny "gemma" test architecture).
+    "gemma3_text": _Family(
+        "Gemma3",
+        True,
+        "config",
+        "config",
+        "never",
+        source="gemma3",
+        base="TextModel",
+        scaled_embedding="TextScaledWordEmbedding",
+        feedforward_norms=True,
+        rope_per_layer_type=True,
+        activation="hidden_activation",
+    ),
 }
 # RoPE types whose inverse frequencies have ceil(int(head_dim * partial_rotary_factor) / 2) elements.
 _ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3"})
@@ -55,32 +77,34 @@ def decoder_layout(config: Any, model_class: Any = None) -> Layout | None:
     """
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(str(model_type))
-    built_in = f"transformers.models.{model_type}.configuration_{model_type}"
-    if family is None or type(config).__module__ != built_in:  # remote code: its own classes
+    if family is None:
         return None
+    package = family.source or str(model_type)
+    if type(config).__module__ != f"transformers.models.{package}.configuration_{package}":
+        return None  # remote code: its own classes
     causal = f"{family.prefix}ForCausalLM"
     architectures = list(getattr(config, "architectures", None) or [])
     if architectures[:1] not in ([], [causal]) or model_class not in (None, "AutoModelForCausalLM", causal):
         return None
     if getattr(config, "quantization_config", None) is not None or getattr(config, "auto_map", None):
         return None
-    sizes = _sizes(config)
-    source = module_source(f"models/{model_type}/modeling_{model_type}.py")
+    sizes = _sizes(config, family)
+    source = module_source(f"models/{package}/modeling_{package}.py")
     if sizes is None or source is None:
         return None
     attrs = _class_attributes(source, family)
-    kernels = _kernel_layers(source, family, str(getattr(config, "hidden_act", "")))
+    kernels = _kernel_layers(source, family, str(getattr(config, family.activation, "")))
     if attrs is None or kernels is None:
         return None
     return _layout(config, family, sizes, attrs, kernels)
 
 
-def _sizes(config: Any) -> dict[str, int] | None:
+def _sizes(config: Any, family: _Family) -> dict[str, Any] | None:
     def value(name: str) -> Any:
         v = getattr(config, name, None)
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
-    out = {
+    out: dict[str, Any] = {
         "h": value("hidden_size"),
         "i": value("intermediate_size"),
         "L": value("num_hidden_layers"),
@@ -93,9 +117,23 @@ def _sizes(config: Any) -> dict[str, int] | None:
     out["K"] = value("num_key_value_heads") or out["H"]
     out["d"] = value("head_dim") or out["h"] // out["H"]
     rope = getattr(config, "rope_parameters", None) or {}
-    if not isinstance(rope, dict) or rope.get("rope_type", "default") not in _ROPE_TYPES:
+    if not isinstance(rope, dict):
         return None
-    out["r"] = len(range(0, int(out["d"] * rope.get("partial_rotary_factor", 1.0)), 2))
+    # The rotary buffers: (name prefix, elements) per pair of inv_freq / original_inv_freq.
+    if family.rope_per_layer_type:
+        types = getattr(config, "layer_types", None)
+        if not isinstance(types, list) or not all(isinstance(rope.get(t), dict) for t in set(types)):
+            return None
+        groups = [(f"{t}_", rope[t]) for t in sorted(set(types))]
+    else:
+        groups = [("", rope)]
+    out["rope"] = []
+    for prefix, params in groups:
+        if params.get("rope_type", "default") not in _ROPE_TYPES:
+            return None
+        out["rope"].append(
+            (prefix, len(range(0, int(out["d"] * params.get("partial_rotary_factor", 1.0)), 2)))
+        )
     return out
 
 
@@ -108,7 +146,7 @@ def _class_attributes(source: ModuleSource, family: _Family) -> dict[str, Any] |
         found = source.attribute(class_name, attr)
         return defaults.attribute("PreTrainedModel", attr) if found is MISSING else found
 
-    top, base = f"{family.prefix}ForCausalLM", f"{family.prefix}Model"
+    top, base = f"{family.prefix}ForCausalLM", family.prefix + family.base
     out: dict[str, Any] = {}
     for attr in _SUPPORTS:
         out[attr] = lookup(top, attr)
@@ -127,11 +165,12 @@ def _kernel_layers(source: ModuleSource, family: _Family, hidden_act: str) -> tu
     """The names of the Hub kernels the built model would register (none without `kernels`)."""
     from transformers.utils import is_kernels_available
 
-    p = family.prefix
-    classes = ("RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", "Model", "ForCausalLM")
+    classes = ["RMSNorm", "RotaryEmbedding", "Attention", "MLP", "DecoderLayer", family.base, "ForCausalLM"]
+    if family.scaled_embedding:
+        classes.append(family.scaled_embedding)
     names: set[str] = set()
     for suffix in classes:
-        found = source.kernel_names(p + suffix)
+        found = source.kernel_names(family.prefix + suffix)
         if found is None:
             return None
         names |= found
@@ -145,7 +184,7 @@ def _kernel_layers(source: ModuleSource, family: _Family, hidden_act: str) -> tu
 
 
 def _layout(
-    config: Any, family: _Family, s: dict[str, int], attrs: dict[str, Any], kernels: tuple[str, ...]
+    config: Any, family: _Family, s: dict[str, Any], attrs: dict[str, Any], kernels: tuple[str, ...]
 ) -> Layout:
     def bias(rule: str, key: str) -> bool:
         return rule == "always" or (rule == "config" and bool(getattr(config, key, False)))
@@ -185,13 +224,23 @@ def _layout(
         modules.append(f"{at}.mlp.act_fn")
         add_norm(f"{at}.input_layernorm", h)
         add_norm(f"{at}.post_attention_layernorm", h)
+        if family.feedforward_norms:
+            add_norm(f"{at}.pre_feedforward_layernorm", h)
+            add_norm(f"{at}.post_feedforward_layernorm", h)
     add_norm("model.norm", h)
     modules += ["model.rotary_emb", "lm_head"]
     linear.append("lm_head")
     tied = bool(config.tie_word_embeddings)
     if not tied:
         params.append(("lm_head.weight", s["V"] * h, 2, True))
-    buffers = [(f"model.rotary_emb.{b}", s["r"], 4, True) for b in ("inv_freq", "original_inv_freq")]
+    # The scale is a 0-d tensor made in the build's default dtype (bf16); the rotary buffers float32.
+    buffers: list[Tensor] = (
+        [("model.embed_tokens.embed_scale", 1, 2, True)] if family.scaled_embedding else []
+    )
+    for prefix, numel in s["rope"]:
+        buffers += [
+            (f"model.rotary_emb.{prefix}{b}", numel, 4, True) for b in ("inv_freq", "original_inv_freq")
+        ]
     # transformers' get_keys_to_not_convert: tied weights, the last parameter, the output embedding;
     # then the quantizer adds the keep-in-fp32 modules.
     skip = {"lm_head", params[-1][0].removesuffix(".weight")}

@@ -4,7 +4,7 @@
 the planner needs in a frozen :class:`ModelFacts`: the class, the attention implementations it
 supports, its module and linear-layer names, a pre-quantized checkpoint's method and bits, and the
 weight sizes under every dtype and quantization, measured by :mod:`xpukit.planning.model.weight_sizes`.
-The layout of a Llama, Mistral, Qwen2 or Qwen3 causal LM is written from the config
+The layout of a Llama, Mistral, Qwen2, Qwen3 or Gemma 3 causal LM is written from the config
 (:mod:`xpukit.planning.model.decoder_layout`, no modeling code imported); any other model is built
 on the ``meta`` device (no memory, no weights; :func:`xpukit.planning.model.classes.build_meta_model`).
 

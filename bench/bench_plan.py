@@ -5,10 +5,17 @@ meta-device build of the model plus the size computations ("warm"), or reuses th
 config read before in the process ("warm-cached"). Target: warm < 200 ms for an 8B config.
 Prints one JSON line per measurement (date, versions, machine, milliseconds).
 
+``--cli`` times whole commands in fresh interpreters instead, best of ``--repeat``: the baseline
+``python -c "import torch; from transformers import AutoConfig"``, ``xpukit plan MODEL`` and
+``xpukit plan DIR`` for a local directory holding only MODEL's ``config.json``, each with its ratio
+to the baseline (target ≤ 1.5, docs/planning.md "Model facts from the config alone"). The load
+average before each run is recorded: on a shared machine, compare runs taken at similar load.
+
 Usage::
 
     python bench/bench_plan.py                         # qwen3-8b on arc-b580 and on this machine
     python bench/bench_plan.py --model llama-3.1-70b --assume max-1550x2 --repeat 20
+    python bench/bench_plan.py --cli --repeat 3        # xpukit plan qwen3-8b and a local directory
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from importlib import metadata
@@ -74,7 +82,11 @@ def main() -> None:
     )
     parser.add_argument("--assume", default="arc-b580", help="profile to plan for ('' = this machine)")
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--cli", action="store_true", help="time `xpukit plan` commands (best of --repeat)")
     args = parser.parse_args()
+    if args.cli:
+        _cli(args.model, args.repeat)
+        return
 
     cold = subprocess.run(
         [sys.executable, "-c", COLD, args.model, args.assume], capture_output=True, text=True, check=True
@@ -105,6 +117,42 @@ def main() -> None:
                 min_ms=round(min(times), 1),
                 max_ms=round(max(times), 1),
             )
+
+
+def _cli(model: str, repeat: int) -> None:
+    from xpukit.planning.model.reference_models import reference_config
+
+    with tempfile.TemporaryDirectory(prefix="bench-plan-") as tmp:
+        reference_config(model).save_pretrained(tmp)  # config.json only: a plan reads nothing else
+        plan = [sys.executable, "-m", "xpukit.cli.main", "plan"]
+        commands = {
+            "import torch + transformers.AutoConfig": [
+                sys.executable,
+                "-c",
+                "import torch; from transformers import AutoConfig",
+            ],
+            f"xpukit plan {model}": [*plan, model],
+            "xpukit plan <local dir>": [*plan, tmp],
+        }
+        best = dict.fromkeys(commands, float("inf"))
+        loads: list[float] = []
+        for _ in range(repeat):  # interleaved, so a change of load on a shared machine hits all alike
+            for label, argv in commands.items():
+                loads.append(round(os.getloadavg()[0], 2))
+                start = time.perf_counter()
+                subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                best[label] = min(best[label], time.perf_counter() - start)
+    baseline = best["import torch + transformers.AutoConfig"]
+    for label, seconds in best.items():
+        _record(
+            kind="cli",
+            command=label,
+            model=model,
+            repeat=repeat,
+            best_s=round(seconds, 2),
+            ratio_to_import=round(seconds / baseline, 2),
+            load_1min=[min(loads), max(loads)],
+        )
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Facts about a model, read from its config alone: architecture, attention support and weight sizes.
 
-:func:`model_facts` builds the model on the ``meta`` device (no memory, no weights;
-:func:`xpukit.planning.model.classes.build_meta_model`) and records what the planner needs in a
-frozen :class:`ModelFacts`: the class, the attention implementations it supports, its module and
-linear-layer names, a pre-quantized checkpoint's method and bits, and the weight sizes under every
-dtype and quantization, measured by :mod:`xpukit.planning.model.weight_sizes`.
+:func:`model_facts` reads the model's layout (:mod:`xpukit.planning.model.layout`) and records what
+the planner needs in a frozen :class:`ModelFacts`: the class, the attention implementations it
+supports, its module and linear-layer names, a pre-quantized checkpoint's method and bits, and the
+weight sizes under every dtype and quantization, measured by :mod:`xpukit.planning.model.weight_sizes`.
+The layout of a Llama, Mistral, Qwen2, Qwen3 or Gemma 3 causal LM is written from the config
+(:mod:`xpukit.planning.model.decoder_layout`, no modeling code imported); any other model is built
+on the ``meta`` device (no memory, no weights; :func:`xpukit.planning.model.classes.build_meta_model`).
 
 Real-size shapes to plan with, offline, are in :mod:`xpukit.planning.model.reference_models`.
 """
@@ -17,14 +19,16 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.model.classes import auto_class_for, build_meta_model, class_facts
+from xpukit.planning.model.classes import auto_class_for, build_meta_model, choose_model_class, class_facts
+from xpukit.planning.model.decoder_layout import decoder_layout
+from xpukit.planning.model.layout import Layout, layout_of
 from xpukit.planning.model.shape import model_shape
 from xpukit.planning.model.weight_sizes import bytes_at_bits, weight_sizes
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedConfig, PreTrainedModel
+    from transformers import PreTrainedConfig
 
-__all__ = ["SIZE_KEYS", "ModelFacts", "auto_class_for", "model_facts", "quantized_bits"]
+__all__ = ["SIZE_KEYS", "ModelFacts", "auto_class_for", "model_facts", "model_layout", "quantized_bits"]
 
 # Every (dtype, quantization) pair the planner may ask for; sizes are computed for all of them.
 SIZE_KEYS = (
@@ -202,12 +206,32 @@ def model_facts(
     return facts
 
 
+def model_layout(
+    config: PreTrainedConfig, *, trust_remote_code: bool = False, model_class: Any = None
+) -> tuple[str, Layout, dict[str, Any]]:
+    """The Auto class that loads the model, its layout, and the facts that follow from its class.
+
+    Written from the config for the decoder families :mod:`xpukit.planning.model.decoder_layout`
+    knows (no modeling code imported), else read from a build on the meta device.
+    """
+    choice = choose_model_class(config, model_class)
+    auto_name = choice.kind.auto_class if choice.kind is not None else choice.name
+    if auto_name == "AutoModelForCausalLM" and choice.cls is None:
+        layout = decoder_layout(config, model_class)
+        if layout is not None:
+            return auto_name, layout, {}  # a causal LM: no task head, no language model inside
+    auto_name, model = build_meta_model(config, model_class, trust_remote_code=trust_remote_code)
+    by_class = class_facts(model, auto_name)
+    return auto_name, layout_of(model, by_class.get("quantization_skip")), by_class
+
+
 def _read_facts(
     config: PreTrainedConfig, *, name: str | None, trust_remote_code: bool, model_class: Any
 ) -> ModelFacts:
-    auto_name, model = build_meta_model(config, model_class, trust_remote_code=trust_remote_code)
-    by_class = class_facts(model, auto_name)
-    weight_bytes, quantizable = weight_sizes(model, by_class.get("quantization_skip"))
+    auto_name, layout, by_class = model_layout(
+        config, trust_remote_code=trust_remote_code, model_class=model_class
+    )
+    weight_bytes, quantizable = weight_sizes(layout)
     text = config.get_text_config()
     quant = getattr(config, "quantization_config", None)
     pre_quantized = None
@@ -233,26 +257,25 @@ def _read_facts(
                 "unquantized weights (an upper bound)"
             )
     config_dtype = getattr(config, "dtype", None)
-    module_names = tuple(name for name, _ in model.named_modules() if name)
     return ModelFacts(
         name=name or str(getattr(config, "_name_or_path", "") or "<config>"),
         model_type=str(getattr(config, "model_type", "") or "unknown"),
-        architecture=type(model).__name__,
+        architecture=layout.architecture,
         auto_class=auto_name,
-        num_parameters=sum(p.numel() for p in model.parameters()),
+        num_parameters=layout.num_parameters,
         weight_bytes=weight_bytes,
         kv_bytes_per_token=_kv_bytes_per_token(config),
         max_positions=getattr(text, "max_position_embeddings", None),
-        supports_sdpa=bool(getattr(model, "_supports_sdpa", False)),
-        supports_flash_attn=bool(getattr(model, "_supports_flash_attn", False)),
-        supports_flex_attn=bool(getattr(model, "_supports_flex_attn", False)),
-        no_split_modules=tuple(sorted(getattr(model, "_no_split_modules", None) or ())),
-        kernel_layers=_kernel_layers(model),
+        supports_sdpa=layout.supports_sdpa,
+        supports_flash_attn=layout.supports_flash_attn,
+        supports_flex_attn=layout.supports_flex_attn,
+        no_split_modules=layout.no_split_modules,
+        kernel_layers=layout.kernel_layers,
         pre_quantized=pre_quantized,
         pre_quantized_bits=pre_bits,
         quantizable_numel=quantizable,
-        linear_layers=_linear_layers(model),
-        module_names=module_names,
+        linear_layers=layout.linear_layers,
+        module_names=layout.modules,
         config_dtype=str(config_dtype).removeprefix("torch.") if config_dtype is not None else None,
         notes=tuple(notes),
         mlp_activation=_mlp_activation(text),
@@ -291,31 +314,7 @@ def _mlp_activation(text: Any) -> str | None:
     return act if isinstance(act, str) else None
 
 
-def _linear_layers(model: PreTrainedModel) -> tuple[str, ...]:
-    import torch
-
-    names = set()
-    for name, module in model.named_modules():
-        if name and (isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"):
-            names.add(name.rsplit(".", 1)[-1])
-    return tuple(sorted(names))
-
-
 def _kv_bytes_per_token(config: Any) -> int | None:
     """K and V of every layer, 2 bytes each at 16-bit; from the one reading of the decoder's shape."""
     shape = model_shape(config)
     return None if shape is None else 2 * shape.layers * shape.kv_heads * shape.head_dim * 2
-
-
-def _kernel_layers(model: PreTrainedModel) -> tuple[str, ...]:
-    # Classes decorated with use_kernel_forward_from_hub carry `kernel_layer_name`; functions
-    # registered with use_kernel_func_from_hub live in a module's `_kernel_funcs`.
-    names: set[str] = set()
-    for module in model.modules():
-        layer = getattr(type(module), "kernel_layer_name", None)
-        if isinstance(layer, str):
-            names.add(layer)
-        funcs = getattr(module, "_kernel_funcs", None)
-        if isinstance(funcs, dict):
-            names.update(str(k) for k in funcs)
-    return tuple(sorted(names))

@@ -385,7 +385,7 @@ class DecodeLoop:
                 compiled=bool(self.compile_options),
                 cudagraphs=self.cudagraphs,
                 step_graphs=self.step_graphs is not None,
-                regional=self.regional,
+                **({"regional": True} if self.regional else {}),
             )
         self.model.xpukit_last_decode = record
         logger.debug("generate(): %s loop (%s)", loop, reason)

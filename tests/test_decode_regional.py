@@ -202,3 +202,26 @@ def test_with_grouped_attention_and_windows_one_graph_serves_every_window(deep_m
     windows = {loop._window(state, n).shape[1] for state in loop._states.values() for n in (9, 20)}
     assert windows == {16, 32}  # the call's steps crossed from one window to the next
     assert len(graphs) == 1  # the window's length is a symbol of the layer's one graph
+
+
+@pytest.mark.slow
+def test_a_regional_plan_is_carried_out_and_recorded(deep_model, tokenizer, monkeypatch):
+    from dataclasses import replace
+
+    from xpukit.loading.load import carry_out, load_for_xpu
+    from xpukit.planning.device import decode
+    from xpukit.planning.device.decode import DecodePlan
+
+    # On the CPU, dynamo with the eager backend stands in for inductor (the plan's settings otherwise).
+    monkeypatch.setattr(decode, "compile_settings", lambda mode, **_: {"backend": "eager", "fullgraph": True})
+    plan = DecodePlan(
+        static_cache=True, max_cache_len=64, compile=True, compile_mode="default", regional=True
+    )
+    # float32, whose greedy tokens have clear margins (the first test checks them)
+    model = carry_out(replace(plan_load(deep_model, fast_decode=True, dtype="float32"), decode=plan))
+    loop_event = next(e for e in model.xpukit_plan.events if e.what == "decode_loop")
+    assert loop_event.actual["regional"] is True and model.xpukit_decode_loop.regional
+    inputs = _inputs(tokenizer, 3)
+    want = load_for_xpu(deep_model, dtype="float32").generate(**inputs, max_new_tokens=NEW, do_sample=False)
+    assert model.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want.tolist()
+    assert model.xpukit_last_decode["regional"] is True

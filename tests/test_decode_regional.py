@@ -23,6 +23,18 @@ PROMPTS = ["the quick brown fox", "when the bell rings in the morning", "x y"]
 MIN_MARGIN = 1e-3  # as tests/test_decode_loop.py: far above float32's differences (~1e-6)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """dynamo's compiled code of one function is kept per process, up to 8 entries
+    (``torch._dynamo.config.recompile_limit``): other tests' entries for ``decode_step`` must not
+    count here."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def deep_model(tiny_model_factory):
     return tiny_model_factory("qwen3", num_hidden_layers=LAYERS)

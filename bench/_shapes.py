@@ -116,6 +116,7 @@ def build_model(out: Path, args: argparse.Namespace) -> dict[str, Any]:
 # Small shapes for the CPU: xpukit's tiny qwen3, and a ~100M-parameter qwen3 (hidden 1024, 8 layers).
 SMALL_SHAPES: dict[str, dict[str, int]] = {
     "tiny": {},
+    "tiny-36": {"num_hidden_layers": 36},  # the tiny widths, Qwen3-8B's 36 layers: a compile's trace
     "small": {
         "hidden_size": 1024,
         "intermediate_size": 3072,

@@ -102,7 +102,8 @@ DECODE_PACKAGES = ("torch", "transformers", "accelerate", "xpukit", "torchao", "
 VARIANTS = (
     "raw", "xpukit", "fast", "fast-unfused", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
     "nf4", "int4", "int8", "int4-plain", "int8-plain", "int4-fast", "int8-fast", "int4-fast-unfused",
-    "int8-fast-unfused", "fast-trees", "int4-fast-trees", "int8-fast-patterns",
+    "int8-fast-unfused", "fast-trees", "int4-fast-trees", "int8-fast-patterns", "fast-regional",
+    "int4-fast-regional",
 )  # fmt: skip
 # Loads through load_for_xpu's own arguments: variant -> (quantize, fast_decode, warmup)
 # (docs/decode.md "Fast by default", "Fused projections", "Quantized models").
@@ -119,6 +120,9 @@ LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
     "int8-fast": ("8bit", True, True),
     "int4-fast-unfused": ("4bit", "unfused", True),
     "int8-fast-unfused": ("8bit", "unfused", True),
+    # one decoder layer compiled for all of them (docs/decode.md "Regional compilation")
+    "fast-regional": (None, "regional", True),
+    "int4-fast-regional": ("4bit", "regional", True),
 }
 # fast_decode's load with the loop compiled the way it was before, for a same-run comparison:
 # quantize=, then the compile settings: inductor's CUDA-graph trees instead of the loop's own step

@@ -91,12 +91,15 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     fused = _fused_projections(target) if decode.fused_projections else None
     events += [fused] if fused is not None else []
     options = decode.loop_compile_options()
+    regional = _regional(target, decode.regional and options is not None)
+    events += regional[1]
     install_decode_loop(
         target,
         max_cache_len=int(decode.max_cache_len or 0),
         compile_options=options,
         step_graphs=decode.step_graph,
         cache_fields={"weights": decode.weights, "fused": fused is not None and fused.kind == "applied"},
+        regional=regional[0],
     )
     loop_event = LoadEvent(
         kind="applied",
@@ -105,6 +108,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
             "compile": options,
             "step_graph": decode.step_graph,
             "graph_batch_sizes": list(decode.graph_batch_sizes),
+            **({"regional": True} if regional[0] else {}),
         },
         cause="generate() runs xpukit's decode loop for greedy and plain sampling, transformers' "
         "for everything else; model.xpukit_last_decode says which ran",
@@ -113,6 +117,25 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     if decode.grouped_attention:
         events.append(_grouped_attention(target))
     return events
+
+
+def _regional(model: Any, asked: bool) -> tuple[bool, list[LoadEvent]]:
+    """Whether the loop compiles per decoder layer, and a fallback event when asked but the model
+    has no repeated decoder layers where xpukit looks (the whole step compiles instead)."""
+    if not asked:
+        return False, []
+    from xpukit.loading.decode.regional import decoder_layers
+
+    layers = decoder_layers(model)
+    if layers:
+        return True, []
+    cause = (
+        f"{type(model).__name__} has no list of decoder layers of one class with a self_attn.layer_idx "
+        'under model.layers: the whole decode step compiles (docs/decode.md "Regional compilation")'
+    )
+    logger.warning("regional compilation not applied: %s", cause)
+    event = LoadEvent(kind="fallback", what="regional_compile", planned=True, actual=False, cause=cause)
+    return False, [event]
 
 
 def _fused_projections(model: Any) -> LoadEvent:

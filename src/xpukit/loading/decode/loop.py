@@ -28,6 +28,7 @@ from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode.attention import NAME as GROUPED_ATTENTION
 from xpukit.loading.decode.buckets import WINDOW_SMALLEST, left_pad, prompt_length, window_length
 from xpukit.loading.decode.progress import compile_progress
+from xpukit.loading.decode.regional import compile_layers, regional_layers
 from xpukit.loading.decode.request import DecodeRequest, triage
 from xpukit.loading.decode.state import DecodeState, new_state
 from xpukit.loading.decode.step import decode_step, prefill_step
@@ -64,6 +65,8 @@ class DecodeLoop:
             comparison).
         capture_prefill: with step graphs, pad the prompt to its bucket and capture its prefill
             (``False``: the prefill runs uncaptured, for comparison).
+        regional: compile one decoder layer and run its code for every layer, the rest of the step
+            eager, instead of compiling the whole step (docs/decode.md "Regional compilation").
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class DecodeLoop:
     ) -> None:
         self.model = model
         self.step_graphs: StepGraphs | None = None  # set_compile(..., step_graphs=True)
+        self.regional = False  # set_compile(..., regional=True)
         self.enabled = True
         self.max_cache_len = max_cache_len
         self.compile_options = compile_options
@@ -100,15 +104,25 @@ class DecodeLoop:
         options = self.compile_options or {}
         return options.get("mode") == "reduce-overhead"
 
-    def set_compile(self, options: dict[str, Any] | None, *, step_graphs: bool = False) -> None:
+    def set_compile(
+        self, options: dict[str, Any] | None, *, step_graphs: bool = False, regional: bool = False
+    ) -> None:
         """Compile the step with ``options`` from the next call on (``None``: eager); ``step_graphs``
-        captures the compiled step as one device graph (``options`` must then make no graphs)."""
+        captures the compiled step as one device graph (``options`` must then make no graphs);
+        ``regional`` compiles one decoder layer for all of them instead of the whole step."""
+        if regional and step_graphs:
+            raise InvalidRequestError(
+                "regional=True compiles the decoder layers alone and runs the rest of the step eagerly; "
+                "xpukit's step graphs capture a whole compiled step. Fix: step_graphs=False with "
+                'regional=True (docs/decode.md "Regional compilation")'
+            )
         if step_graphs and options and options.get("mode") == "reduce-overhead":
             raise InvalidRequestError(
                 "step_graphs=True captures the compiled step itself: compile it without inductor's "
                 'CUDA graphs (mode "default", not "reduce-overhead"; docs/decode.md "Own step graphs")'
             )
         self.compile_options = options
+        self.regional = regional and bool(options)
         self._compiled.clear()
         self.graphs.clear()
         device = self.model.device.type
@@ -118,6 +132,7 @@ class DecodeLoop:
         """Run the step eagerly from now on (a compile failure)."""
         self.compile_options = None
         self.step_graphs = None
+        self.regional = False
         self._compiled.clear()
 
     def dispatch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -321,6 +336,11 @@ class DecodeLoop:
                     **compile_cache.load_artifacts(self._key(batch, kind), self.cache_dir),
                 }
             )
+        if self.regional:
+            if not self._compiled:
+                self._compiled[True] = self._compiled[False] = _regional_step
+                compile_layers(self.model, self.compile_options)
+            return _regional_step
         if request.do_sample not in self._compiled:
             self._compiled[request.do_sample] = torch.compile(decode_step, **self.compile_options)
         return self._compiled[request.do_sample]
@@ -351,7 +371,7 @@ class DecodeLoop:
             batch_size=batch,
             cache_len=self._cache_len(),
             step=kind,
-            compile_options=self.compile_options or {},
+            compile_options={**(self.compile_options or {}), **({"regional": True} if self.regional else {})},
             weights={**self.cache_fields, "capability": capability},
         )
         return compile_cache.cache_key(fields)
@@ -365,9 +385,16 @@ class DecodeLoop:
                 compiled=bool(self.compile_options),
                 cudagraphs=self.cudagraphs,
                 step_graphs=self.step_graphs is not None,
+                **({"regional": True} if self.regional else {}),
             )
         self.model.xpukit_last_decode = record
         logger.debug("generate(): %s loop (%s)", loop, reason)
+
+
+def _regional_step(model: Any, cache: Any, *args: Any) -> None:
+    """The decode step with the decoder layers' compiled code (the rest eager)."""
+    with regional_layers(cache):
+        decode_step(model, cache, *args)
 
 
 def _step_name(request: DecodeRequest) -> str:
@@ -384,6 +411,7 @@ def install_decode_loop(
     cache_dir: Any = None,
     step_graphs: bool = False,
     cache_fields: dict[str, Any] | None = None,
+    regional: bool = False,
 ) -> DecodeLoop:
     """Give ``model`` xpukit's decode loop behind its own ``generate`` (on this instance only).
 
@@ -391,12 +419,14 @@ def install_decode_loop(
     ``model.xpukit_decode_loop`` is the loop, ``model.xpukit_last_decode`` says which loop ran last.
     ``step_graphs=True`` captures the compiled step as one device graph (``compile_options`` must then
     make no graphs of their own: docs/decode.md "Own step graphs"). ``cache_fields`` go into the
-    compile cache's key (the weights' format, whether projections are fused).
+    compile cache's key (the weights' format, whether projections are fused). ``regional=True``
+    compiles one decoder layer for all of them instead of the whole step (docs/decode.md
+    "Regional compilation").
     """
     import functools
 
     loop = DecodeLoop(model, max_cache_len=max_cache_len, cache_dir=cache_dir, cache_fields=cache_fields)
-    loop.set_compile(compile_options, step_graphs=step_graphs)
+    loop.set_compile(compile_options, step_graphs=step_graphs, regional=regional)
     original = model.generate
 
     @functools.wraps(original)

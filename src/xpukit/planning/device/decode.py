@@ -8,7 +8,9 @@ mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`
 * ``fast_decode="auto"`` (the default): taken for quantized inference on a GPU, where plain
   ``generate`` over torchao weights measured slower than bf16 (docs/decode.md "Fast by default");
   every other load is left as ``fast_decode=False`` leaves it. ``True`` asks for it anywhere;
-  ``"unfused"`` is ``True`` without the fused projections (docs/decode.md "Fused projections").
+  ``"unfused"`` is ``True`` without the fused projections (docs/decode.md "Fused projections");
+  ``"regional"`` is ``True`` with one decoder layer compiled for all of them instead of the whole
+  step, and no step graph (docs/decode.md "Regional compilation"; never the default).
 * The static cache holds ``max_cache_len`` tokens per sequence: the KV part of the headroom
   (headroom minus its weight share and runtime reserve, docs/planning.md) divided by the KV bytes of
   one token, capped by the model's context length, rounded down to a multiple of 256.
@@ -50,7 +52,7 @@ __all__ = [
 CACHE_LENGTH_STEP = 256  # max_cache_len is a multiple of this (docs/decode.md "Cache length")
 # Batch sizes the warm-up compiles: each costs one compile (docs/decode.md "Batch sizes").
 GRAPH_BATCH_SIZES = (1,)
-FAST_DECODE_VALUES = (True, False, "auto", "unfused")
+FAST_DECODE_VALUES = (True, False, "auto", "unfused", "regional")
 # bitsandbytes' quantizers report is_compileable False in transformers 5.22 (docs/decode.md
 # "Quantized models"): generate() skips compilation for them.
 _NOT_COMPILED_QUANT = {"4bit", "8bit"}
@@ -97,6 +99,8 @@ class DecodePlan:
         fused_projections: q/k/v and gate/up become one product each at load (docs/decode.md
             "Fused projections").
         weights: the weights' format as the compile cache keys it (``bfloat16``, the torchao label).
+        regional: xpukit's loop compiles one decoder layer and runs its code for every layer, the
+            rest of the step eager, with no step graph (docs/decode.md "Regional compilation").
     """
 
     static_cache: bool
@@ -110,24 +114,29 @@ class DecodePlan:
     inductor_patterns: bool = True
     fused_projections: bool = False
     weights: str = ""
+    regional: bool = False
 
     def loop_compile_options(self) -> dict[str, Any] | None:
         """The ``torch.compile`` keyword arguments of xpukit's loop (``None``: eager). Its own step
-        graph needs inductor's graphs off (mode ``default``)."""
+        graph needs inductor's graphs off (mode ``default``), and so do regional layers (one set of
+        graphs per layer's weights)."""
         if not self.compile or self.compile_mode is None:
             return None
-        mode = "default" if self.step_graph else self.compile_mode
+        mode = "default" if self.step_graph or self.regional else self.compile_mode
         return compile_settings(mode, patterns=self.inductor_patterns)
 
     def describe(self) -> dict[str, Any]:
         """The decision's value: what changes in the generation config."""
         if not self.static_cache:
             return {"static_cache": False, "compile": False}
-        return {
+        value: dict[str, Any] = {
             "static_cache": True,
             "max_cache_len": self.max_cache_len,
             "compile": self.compile_mode if self.compile else False,
         }
+        if self.regional and self.compile:
+            value["regional"] = True
+        return value
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,22 +146,24 @@ class _Ask:
     lead: str
     source: str
     fuse: bool
+    regional: bool = False
 
 
 def check_fast_decode(value: Any) -> bool | str:
-    """``fast_decode`` is ``True``, ``False``, ``"auto"`` or ``"unfused"``; anything else is refused
-    before anything is read.
+    """``fast_decode`` is ``True``, ``False``, ``"auto"``, ``"unfused"`` or ``"regional"``; anything
+    else is refused before anything is read.
 
     Raises:
         InvalidRequestError: another value.
     """
     if isinstance(value, bool):
         return value
-    if isinstance(value, str) and value.strip().lower() in {"auto", "unfused"}:
+    if isinstance(value, str) and value.strip().lower() in {"auto", "unfused", "regional"}:
         return value.strip().lower()
     raise InvalidRequestError(
         f"fast_decode={value!r}: expected True, False, 'auto' (the default: taken for quantized inference "
-        "on a GPU) or 'unfused' (True without fused projections). Fix: fast_decode=True."
+        "on a GPU), 'unfused' (True without fused projections) or 'regional' (True with one decoder "
+        "layer compiled for all of them). Fix: fast_decode=True."
     )
 
 
@@ -203,7 +214,12 @@ def decide_decode(
             fuse=True,
         )
     else:
-        ask = _Ask(lead=f"fast_decode={fast_decode!r} given", source="user", fuse=fast_decode is True)
+        ask = _Ask(
+            lead=f"fast_decode={fast_decode!r} given",
+            source="user",
+            fuse=fast_decode in (True, "regional"),
+            regional=fast_decode == "regional",
+        )
     return _plan(
         ask, device=device, dtype=dtype, memory=memory, facts=facts, quantization=quantization,
         device_map=device_map, quantization_config=quantization_config,
@@ -290,10 +306,11 @@ def _plan(
         kv_bytes=kv_bytes,
         graph_batch_sizes=GRAPH_BATCH_SIZES,
         grouped_attention=backend == "cuda",
-        step_graph=backend == "cuda",
+        step_graph=backend == "cuda" and not ask.regional,
         inductor_patterns=not _int8_patterns_off(backend, quantization_config),
         fused_projections=ask.fuse and _fusable(quantization, quantization_config),
         weights=_weights_label(dtype, quantization_config),
+        regional=ask.regional,
     )
     return plan, Decision(
         name="fast_decode",
@@ -359,6 +376,8 @@ def _sized_reason(length: int, kv_bytes: int, budget: str, weights: int) -> str:
 
 
 def _compiled_reason(plan: DecodePlan, backend: str) -> str:
+    if plan.regional:
+        return _regional_reason(plan)
     graphs = (
         "xpukit's loop captures the step as one CUDA graph itself, one per attention window, and the "
         "prompt's prefill, one per prompt-length bucket (its compile mode default; "
@@ -406,6 +425,19 @@ def _compiled_reason(plan: DecodePlan, backend: str) -> str:
         )
 
     return text
+
+
+def _regional_reason(plan: DecodePlan) -> str:
+    sizes = ", ".join(str(b) for b in plan.graph_batch_sizes)
+    return (
+        "regional compilation: one decoder layer compiled (fullgraph, mode default) and its code run "
+        "by every layer, each with its own weights and part of the static cache; the rest of the step "
+        "runs eagerly and is not captured as a device graph, by the warm-up at batch "
+        f"{sizes}, other batch sizes on first use. Measured on a 2-core CPU only (36-layer Qwen3 of "
+        "hidden size 64, inductor: the first call compiled in a fifth of the whole step's time, the "
+        "steps ran slower than the whole step's); its compile time and speed on a GPU are not measured, "
+        'so it is never the default (docs/decode.md "Regional compilation")'
+    )
 
 
 def _fusable(quantization: str | None, config: dict[str, Any] | None) -> bool:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.budgets import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
+from xpukit.planning.device.decode_reasons import compiled_reason, sized_reason
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
@@ -67,12 +68,6 @@ _FUSABLE_TORCHAO = {("Int8WeightOnlyConfig", None)}
 _AUTO_EVIDENCE = (
     "on the H200 (Qwen3-8B shape, batch 1) torchao int4 ran 13 tokens/s with plain generate() against "
     "253 with fast_decode, int8 13.3 against 81-87, bf16 plain 23"
-)
-_WARMUP_COST = (
-    "the first generate() at a new batch size compiles the decode step (measured on the H200 for the "
-    "36-layer Qwen3-8B shape: 119 s cold for int4, 71 s for bf16; 15 s in a later process that finds "
-    "the compile cache; it grows with the layers), with a progress line while it runs; "
-    'warmup=True compiles at load instead (docs/decode.md "Warm-up")'
 )
 
 
@@ -285,7 +280,7 @@ def _plan(
         return _off(f"{ask.lead}, but {why_none}")
     per_token = (facts.kv_bytes_per_token or 0) * (2 if dtype == "float32" else 1)
     kv_bytes = length * per_token
-    sized = _sized_reason(length, kv_bytes, why_none, memory.weights)
+    sized = sized_reason(length, kv_bytes, why_none, memory.weights)
     no_compile = _why_not_compiled(device_map)
     if no_compile is not None:
         plan = DecodePlan(
@@ -315,7 +310,7 @@ def _plan(
     return plan, Decision(
         name="fast_decode",
         value=plan.describe(),
-        reason=f"{ask.lead}: {sized}; {_compiled_reason(plan, backend)}",
+        reason=f"{ask.lead}: {sized}; {compiled_reason(plan, backend)}",
         source=ask.source,  # type: ignore[arg-type]
     )
 
@@ -364,80 +359,6 @@ def _cache_length(dtype: str, memory: MemoryEstimate, facts: ModelFacts) -> tupl
             f"{CACHE_LENGTH_STEP} tokens ({format_bytes(per_token)} each). Fix: a larger headroom=."
         )
     return length, format_bytes(budget)
-
-
-def _sized_reason(length: int, kv_bytes: int, budget: str, weights: int) -> str:
-    return (
-        f"static KV cache of {length} tokens per sequence ({format_bytes(kv_bytes)} at batch 1, "
-        f"b times that at batch b; from the headroom's KV budget {budget}); every step "
-        f"attends over all of it, {kv_bytes / max(weights, 1):.0%} of the weights' bytes at "
-        'batch 1 (a shorter cache: docs/decode.md "Cache length")'
-    )
-
-
-def _compiled_reason(plan: DecodePlan, backend: str) -> str:
-    if plan.regional:
-        return _regional_reason(plan)
-    graphs = (
-        "xpukit's loop captures the step as one CUDA graph itself, one per attention window, and the "
-        "prompt's prefill, one per prompt-length bucket (its compile mode default; "
-        'transformers\' generate, where it runs, mode reduce-overhead: docs/decode.md "Own step graphs")'
-        if backend == "cuda"
-        else 'mode default (inductor\'s graph capture is CUDA-only: docs/decode.md "XPU")'
-    )
-    sizes = ", ".join(str(b) for b in plan.graph_batch_sizes)
-    text = (
-        "decoding step compiled (fullgraph, static shapes but the attention window's length, "
-        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use; " + _WARMUP_COST
-    )
-    if plan.grouped_attention:
-        text += (
-            "; a decode step's attention over grouped key/value heads without transformers' repeat_kv "
-            'copy (docs/decode.md "Grouped decode attention")'
-        )
-    if not plan.inductor_patterns:
-        text += (
-            "; inductor's pattern matcher off for the step: it rewrites torchao's int8 weight-only "
-            "product into aten._weight_int8pack_mm, which read the weights at 0.15 TB/s on an H200 "
-            '(15.9 against 81.3 tokens/s without it: docs/decode.md "Quantized models")'
-        )
-    if backend == "xpu" and plan.weights.startswith("torchao"):
-        text += (
-            f"; {plan.weights} on XPU by the CUDA measurement's rule, not yet measured on an Intel GPU "
-            "(xpukit doctor --selftest decodes a tiny int4 model this way)"
-        )
-    if plan.fused_projections:
-        text += (
-            "; q/k/v and gate/up fused into one product each at load, one read of their weights per "
-            'layer, not yet measured (fast_decode="unfused" keeps them apart: docs/decode.md '
-            '"Fused projections")'
-        )
-    elif "tile_packed_to_4d" in plan.weights:
-        text += (
-            f"; q/k/v and gate/up kept apart: {plan.weights}'s row slices leave its scales "
-            "non-contiguous, which torchao's int4 product refuses (H200, torchao 0.18; docs/decode.md "
-            '"Fused projections")'
-        )
-    elif plan.weights.startswith("torchao"):
-        text += (
-            f"; q/k/v and gate/up kept apart: {plan.weights} does not slice by rows "
-            '(docs/decode.md "Fused projections")'
-        )
-
-    return text
-
-
-def _regional_reason(plan: DecodePlan) -> str:
-    sizes = ", ".join(str(b) for b in plan.graph_batch_sizes)
-    return (
-        "regional compilation: one decoder layer compiled (fullgraph, mode default) and its code run "
-        "by every layer, each with its own weights and part of the static cache; the rest of the step "
-        "runs eagerly and is not captured as a device graph, by the warm-up at batch "
-        f"{sizes}, other batch sizes on first use. Measured on a 2-core CPU only (36-layer Qwen3 of "
-        "hidden size 64, inductor: the first call compiled in a fifth of the whole step's time, the "
-        "steps ran slower than the whole step's); its compile time and speed on a GPU are not measured, "
-        'so it is never the default (docs/decode.md "Regional compilation")'
-    )
 
 
 def _fusable(quantization: str | None, config: dict[str, Any] | None) -> bool:

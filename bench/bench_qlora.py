@@ -83,7 +83,7 @@ Usage::
 Peak memory (``peak_mem_gb``) is ``torch.<device>.max_memory_allocated`` over the timed steps plus,
 with the layer graphs, what their private pool holds beyond its live tensors: a replay writes the
 step's activations into that pool without the allocator seeing it, so the allocated figure alone
-(``peak_allocated_gb``) misses them (rows before 2026-12-02's second H200 session did).
+(``peak_allocated_gb``) misses them (rows before 2026-12-02's second H200 round did).
 On CPU it is the child's peak RSS over the timed steps, which also counts the Python libraries.
 """
 

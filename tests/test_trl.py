@@ -67,11 +67,17 @@ def test_trl_configs_on_recorded_xpu_profiles(config: str, profile: str, bf16: b
     # Both named, so TRL's `bf16 = not fp16` default never decides.
     assert (kwargs["bf16"], kwargs["fp16"]) == (bf16, fp16)
     assert kwargs[OWN[config]] == 256 and "use_cpu" not in kwargs
-    assert kwargs["gradient_checkpointing_kwargs"] == {"use_reentrant": False}  # TRL's default is on
+    assert _checkpointing_kwargs(kwargs) == {"use_reentrant": False}  # TRL's default is on
     # The user's choice of precision still wins, and a failing one is refused as for TrainingArguments.
     assert config_kwargs(cls, device, output_dir="out", bf16=False)["bf16"] is False
     off = config_kwargs(cls, device, output_dir="out", gradient_checkpointing=False)
-    assert "gradient_checkpointing_kwargs" not in off
+    assert _checkpointing_kwargs(off) is None
+
+
+def _checkpointing_kwargs(kwargs: dict[str, Any]) -> Any:
+    """The checkpointing keywords xpukit passes, under the name the installed transformers uses
+    (``activation_checkpointing_kwargs`` from 5.25, ``gradient_checkpointing_kwargs`` before)."""
+    return kwargs.get("activation_checkpointing_kwargs", kwargs.get("gradient_checkpointing_kwargs"))
 
 
 @pytest.mark.parametrize("config", ["SFTConfig", "DPOConfig", "GRPOConfig"])
@@ -95,7 +101,7 @@ def test_transformers_subclasses_work_too(tmp_path: Path) -> None:
     assert type(args) is Seq2SeqTrainingArguments and args.predict_with_generate
     default = training_args(facts=device_profile("cpu"), output_dir=str(tmp_path))
     assert type(default) is TrainingArguments and default.gradient_checkpointing is False
-    assert "gradient_checkpointing_kwargs" not in config_kwargs(None, device_profile("cpu"), output_dir="o")
+    assert _checkpointing_kwargs(config_kwargs(None, device_profile("cpu"), output_dir="o")) is None
 
 
 @pytest.mark.parametrize(
@@ -116,3 +122,25 @@ def test_a_keyword_the_class_lacks_is_refused_with_the_closest(tmp_path: Path) -
         config_kwargs(trl.SFTConfig, device_profile("arc-b580"), output_dir="o", max_lenght=64)
     with pytest.raises(InvalidRequestError, match="max_length"):  # TRL's keyword, not TrainingArguments'
         training_args(facts=device_profile("cpu"), output_dir=str(tmp_path), max_length=64)
+
+
+def test_xpukit_checkpointing_keywords_raise_no_deprecation_warning(tmp_path: Any) -> None:
+    """transformers 5.25 renamed gradient_checkpointing to activation_checkpointing (the old name warns):
+    xpukit's own keyword goes under the name the installed class has; a user's own old name stays."""
+    import dataclasses
+    import warnings
+
+    from transformers import TrainingArguments
+
+    from xpukit.training.config_class import build_config
+
+    keywords = {"output_dir": str(tmp_path), "use_cpu": True, "gradient_checkpointing": True}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        args = build_config(TrainingArguments, keywords, {})
+    assert args.gradient_checkpointing is True
+    assert not [w for w in seen if "gradient_checkpointing" in str(w.message)]
+    if "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        assert args.activation_checkpointing is True
+        kept = build_config(TrainingArguments, dict(keywords), {"gradient_checkpointing": True})
+        assert kept.gradient_checkpointing is True  # the user's name, passed as given

@@ -103,6 +103,23 @@ def fit_to_class(
                 "training_args: %s turns gradient checkpointing on by default: made non-reentrant",
                 cls.__name__,
             )
+    return _current_names(out, user, fields)
+
+
+# transformers 5.25 renamed gradient checkpointing's arguments (the old names are deprecated aliases
+# that warn, to be removed in v6): xpukit's own keywords take the new names where the class has them.
+_RENAMED = (
+    ("gradient_checkpointing", "activation_checkpointing"),
+    ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs"),
+)
+
+
+def _current_names(out: dict[str, Any], user: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """``out`` with xpukit's checkpointing keywords under the class's current names; a name the user
+    passed stays as given (its warning, if any, is theirs)."""
+    for old, new in _RENAMED:
+        if new in fields and old in out and old not in user and new not in out:
+            out[new] = out.pop(old)
     return out
 
 

@@ -180,7 +180,7 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         return model
     model = load_for_xpu(path, device=device)
     if variant == "loop":
-        from xpukit.loading.decode.loop import install_decode_loop
+        from xpukit.loading.decode.install import install_decode_loop
 
         install_decode_loop(model, max_cache_len=cache_len, compile_options=None)
     if variant in {"static", "compiled"}:

@@ -36,7 +36,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.decode.loop import install_decode_loop
+    from xpukit.loading.decode.install import install_decode_loop
     from xpukit.planning.device.decode import compile_settings
 
     torch.set_num_threads(args.threads)

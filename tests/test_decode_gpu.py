@@ -19,7 +19,7 @@ import pytest
 
 from xpukit.loading.decode.attention import use_grouped_decode_attention
 from xpukit.loading.decode.buckets import prompt_length, window_length
-from xpukit.loading.decode.loop import install_decode_loop
+from xpukit.loading.decode.install import install_decode_loop
 from xpukit.planning.device.decode import compile_settings
 
 pytestmark = pytest.mark.gpu

@@ -20,7 +20,7 @@ from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode import loop as decode_loop
 from xpukit.loading.decode import step as decode_step
-from xpukit.loading.decode.loop import install_decode_loop
+from xpukit.loading.decode.install import install_decode_loop
 
 PROMPTS = [
     "the quick brown fox",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from xpukit.errors import InvalidRequestError
-from xpukit.loading.decode.loop import install_decode_loop
+from xpukit.loading.decode.install import install_decode_loop
 from xpukit.loading.decode.regional import LayerCache, decoder_layers
 from xpukit.planning.model.reference_models import reference_config
 from xpukit.planning.plan import plan_load

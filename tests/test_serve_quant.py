@@ -239,7 +239,7 @@ def test_quantized_fast_path_gives_the_plain_greedy_tokens(wide_model: Path) -> 
     """xpukit's decode loop (static cache, fixed buffers) over torchao int8 weights, eager on the CPU."""
     import torch
 
-    from xpukit.loading.decode.loop import install_decode_loop
+    from xpukit.loading.decode.install import install_decode_loop
 
     new = 10
     model = _load(wide_model, "8bit", "float32")

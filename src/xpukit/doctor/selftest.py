@@ -171,7 +171,7 @@ def _decode_check(torch: Any, name: str, backend: str) -> str:
     """
     from transformers import AutoModelForCausalLM
 
-    from xpukit.loading.decode.loop import install_decode_loop
+    from xpukit.loading.decode.install import install_decode_loop
     from xpukit.planning.device.decode import compile_settings
 
     config = _tiny_config(layers=2, initializer_range=0.2)
@@ -222,7 +222,7 @@ def decode_int4_check(torch: Any, device: DeviceFacts, *, compiled: bool = True)
     from transformers import AutoModelForCausalLM
 
     from xpukit.loading.decode.fused_proj import fuse_projections
-    from xpukit.loading.decode.loop import install_decode_loop
+    from xpukit.loading.decode.install import install_decode_loop
     from xpukit.planning.device.decode import compile_settings
 
     config = _tiny_config(layers=2, initializer_range=0.2)

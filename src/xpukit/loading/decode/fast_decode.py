@@ -85,7 +85,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     else:
         config.disable_compile = True
         settings["disable_compile"] = True
-    from xpukit.loading.decode.loop import install_decode_loop
+    from xpukit.loading.decode.install import install_decode_loop
 
     events: list[LoadEvent] = [LoadEvent(kind="applied", what="fast_decode", actual=settings)]
     fused = _fused_projections(target) if decode.fused_projections else None

@@ -28,14 +28,14 @@ from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode.attention import NAME as GROUPED_ATTENTION
 from xpukit.loading.decode.buckets import WINDOW_SMALLEST, left_pad, prompt_length, window_length
 from xpukit.loading.decode.progress import compile_progress
-from xpukit.loading.decode.regional import compile_layers, regional_layers
+from xpukit.loading.decode.regional import compile_layers, regional_step
 from xpukit.loading.decode.request import DecodeRequest, triage
 from xpukit.loading.decode.state import DecodeState, new_state
 from xpukit.loading.decode.step import decode_step, prefill_step
 from xpukit.loading.decode.step_graph import StepGraphs
 from xpukit.loading.device_graph import GraphBackend
 
-__all__ = ["CHECK_EVERY", "DecodeLoop", "install_decode_loop"]
+__all__ = ["CHECK_EVERY", "DecodeLoop"]
 
 logger = logging.getLogger(__name__)
 
@@ -338,9 +338,9 @@ class DecodeLoop:
             )
         if self.regional:
             if not self._compiled:
-                self._compiled[True] = self._compiled[False] = _regional_step
+                self._compiled[True] = self._compiled[False] = regional_step
                 compile_layers(self.model, self.compile_options)
-            return _regional_step
+            return regional_step
         if request.do_sample not in self._compiled:
             self._compiled[request.do_sample] = torch.compile(decode_step, **self.compile_options)
         return self._compiled[request.do_sample]
@@ -391,49 +391,7 @@ class DecodeLoop:
         logger.debug("generate(): %s loop (%s)", loop, reason)
 
 
-def _regional_step(model: Any, cache: Any, *args: Any) -> None:
-    """The decode step with the decoder layers' compiled code (the rest eager)."""
-    with regional_layers(cache):
-        decode_step(model, cache, *args)
-
-
 def _step_name(request: DecodeRequest) -> str:
     if not request.do_sample:
         return "greedy"
     return f"sample-k{request.top_k}" + ("-p" if request.top_p < 1.0 else "")
-
-
-def install_decode_loop(
-    model: Any,
-    *,
-    max_cache_len: int,
-    compile_options: dict[str, Any] | None,
-    cache_dir: Any = None,
-    step_graphs: bool = False,
-    cache_fields: dict[str, Any] | None = None,
-    regional: bool = False,
-) -> DecodeLoop:
-    """Give ``model`` xpukit's decode loop behind its own ``generate`` (on this instance only).
-
-    ``model.generate(...)`` then asks :func:`~xpukit.loading.decode.request.triage` per call;
-    ``model.xpukit_decode_loop`` is the loop, ``model.xpukit_last_decode`` says which loop ran last.
-    ``step_graphs=True`` captures the compiled step as one device graph (``compile_options`` must then
-    make no graphs of their own: docs/decode.md "Own step graphs"). ``cache_fields`` go into the
-    compile cache's key (the weights' format, whether projections are fused). ``regional=True``
-    compiles one decoder layer for all of them instead of the whole step (docs/decode.md
-    "Regional compilation").
-    """
-    import functools
-
-    loop = DecodeLoop(model, max_cache_len=max_cache_len, cache_dir=cache_dir, cache_fields=cache_fields)
-    loop.set_compile(compile_options, step_graphs=step_graphs, regional=regional)
-    original = model.generate
-
-    @functools.wraps(original)
-    def generate(*args: Any, **kwargs: Any) -> Any:
-        return loop.dispatch(original, args, kwargs)
-
-    model.generate = generate
-    model.xpukit_decode_loop = loop
-    model.xpukit_last_decode = None
-    return loop

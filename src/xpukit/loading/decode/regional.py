@@ -28,7 +28,9 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["LayerCache", "compile_layers", "decoder_layers", "regional_layers"]
+from xpukit.loading.decode.step import decode_step
+
+__all__ = ["LayerCache", "compile_layers", "decoder_layers", "regional_layers", "regional_step"]
 
 # The keyword a decoder layer takes its cache by (transformers 5.25 renamed past_key_values).
 _CACHE_KEYWORDS = ("cache", "past_key_values")
@@ -112,3 +114,9 @@ def regional_layers(cache: Any) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.cache = previous
+
+
+def regional_step(model: Any, cache: Any, *args: Any) -> None:
+    """The decode step with the decoder layers' compiled code (the rest eager)."""
+    with regional_layers(cache):
+        decode_step(model, cache, *args)

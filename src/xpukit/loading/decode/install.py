@@ -1,0 +1,46 @@
+"""Installing xpukit's decode loop behind one model's ``generate`` (docs/decode.md "How it works"):
+the loop itself is :class:`xpukit.loading.decode.loop.DecodeLoop`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xpukit.loading.decode.loop import DecodeLoop
+
+__all__ = ["install_decode_loop"]
+
+
+def install_decode_loop(
+    model: Any,
+    *,
+    max_cache_len: int,
+    compile_options: dict[str, Any] | None,
+    cache_dir: Any = None,
+    step_graphs: bool = False,
+    cache_fields: dict[str, Any] | None = None,
+    regional: bool = False,
+) -> DecodeLoop:
+    """Give ``model`` xpukit's decode loop behind its own ``generate`` (on this instance only).
+
+    ``model.generate(...)`` then asks :func:`~xpukit.loading.decode.request.triage` per call;
+    ``model.xpukit_decode_loop`` is the loop, ``model.xpukit_last_decode`` says which loop ran last.
+    ``step_graphs=True`` captures the compiled step as one device graph (``compile_options`` must then
+    make no graphs of their own: docs/decode.md "Own step graphs"). ``cache_fields`` go into the
+    compile cache's key (the weights' format, whether projections are fused). ``regional=True``
+    compiles one decoder layer for all of them instead of the whole step (docs/decode.md
+    "Regional compilation").
+    """
+    import functools
+
+    loop = DecodeLoop(model, max_cache_len=max_cache_len, cache_dir=cache_dir, cache_fields=cache_fields)
+    loop.set_compile(compile_options, step_graphs=step_graphs, regional=regional)
+    original = model.generate
+
+    @functools.wraps(original)
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        return loop.dispatch(original, args, kwargs)
+
+    model.generate = generate
+    model.xpukit_decode_loop = loop
+    model.xpukit_last_decode = None
+    return loop

@@ -261,7 +261,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
                 kind = ProfilerActivity.XPU if device == "xpu" else ProfilerActivity.CUDA
                 profiled["prof"] = profile(activities=[ProfilerActivity.CPU, kind])
-                profiled["prof"].__enter__()
+                profiled["prof"].start()
                 profiled["start"] = time.perf_counter()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
@@ -272,7 +272,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
                 from _kernels import profile_summary
 
                 wall = time.perf_counter() - profiled["start"]
-                profiled["prof"].__exit__(None, None, None)
+                profiled["prof"].stop()
                 profiled["summary"] = profile_summary(profiled.pop("prof"), wall, args.profile_steps, device)
 
     if variant in ("xpukit-sft", "unsloth", "unsloth-nogc"):

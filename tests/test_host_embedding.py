@@ -11,6 +11,7 @@ import pytest
 
 from xpukit import plan_load
 from xpukit.planning.model.reference_models import reference_config
+from xpukit.planning.model.shape import model_shape
 from xpukit.planning.training.host_embedding import host_embedding_bytes
 from xpukit.planning.training.lora_request import LoraRequest
 
@@ -64,18 +65,21 @@ def _request(config: dict[str, Any]) -> LoraRequest:
 
 def test_only_a_frozen_untied_embedding_on_one_gpu_may_move() -> None:
     config = reference_config("qwen3-8b")  # untied: 151 936 × 4 096
+
+    def moved(config: Any, request: LoraRequest, backend: str = "cuda", single: bool = True) -> int:
+        return host_embedding_bytes(config, model_shape(config), request, backend=backend, compute_bytes=2,
+                                    single_process=single)  # fmt: skip
+
     plain = _request({"r": 16, "target_modules": "all-linear"})
-    assert host_embedding_bytes(config, plain, backend="cuda", compute_bytes=2, single_process=True) == (
-        151936 * 4096 * 2
-    )
-    assert host_embedding_bytes(config, plain, backend="xpu", compute_bytes=2, single_process=True) > 0
-    assert host_embedding_bytes(config, plain, backend="cpu", compute_bytes=2, single_process=True) == 0
-    assert host_embedding_bytes(config, plain, backend="cuda", compute_bytes=2, single_process=False) == 0
+    assert moved(config, plain) == 151936 * 4096 * 2
+    assert moved(config, plain, backend="xpu") > 0
+    assert moved(config, plain, backend="cpu") == 0
+    assert moved(config, plain, single=False) == 0
     trained = _request({"r": 16, "modules_to_save": ["embed_tokens"]})
-    assert host_embedding_bytes(config, trained, backend="cuda", compute_bytes=2, single_process=True) == 0
+    assert moved(config, trained) == 0
     tied = reference_config("qwen3-0.6b")
     assert tied.tie_word_embeddings is True
-    assert host_embedding_bytes(tied, plain, backend="cuda", compute_bytes=2, single_process=True) == 0
+    assert moved(tied, plain) == 0
 
 
 def test_the_moved_module_gathers_on_the_host_and_stays_there(tiny_models: Any) -> None:

@@ -296,7 +296,7 @@ def training_plan_for(
         allocation_cap=allocation_cap,
         graphs=graphs,
         host_embedding=host_embedding_bytes(
-            config, request, backend=device.backend, compute_bytes=4 if dtype == "float32" else 2,
+            config, shape, request, backend=device.backend, compute_bytes=4 if dtype == "float32" else 2,
             single_process=single_process,
         ),
     )  # fmt: skip

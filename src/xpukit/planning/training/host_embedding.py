@@ -22,6 +22,7 @@ from xpukit.planning.budgets import format_bytes
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
+    from xpukit.planning.model.shape import ModelShape
     from xpukit.planning.training.lora_request import LoraRequest
     from xpukit.planning.training.rungs import Choice, Rung
 
@@ -34,9 +35,16 @@ _DEVICES = ("cuda", "xpu")
 
 
 def host_embedding_bytes(
-    config: Any, request: LoraRequest, *, backend: str, compute_bytes: int, single_process: bool
+    config: Any,
+    shape: ModelShape,
+    request: LoraRequest,
+    *,
+    backend: str,
+    compute_bytes: int,
+    single_process: bool,
 ) -> int:
-    """Bytes of the input embedding that may move to host memory (module docstring), else 0."""
+    """Bytes of the input embedding (``shape.vocab × shape.hidden``) that may move to host memory
+    (module docstring), else 0; ``config`` says whether it is tied to the head."""
     if backend not in _DEVICES or not single_process or config is None:
         return 0
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -52,10 +60,7 @@ def host_embedding_bytes(
         any(n in str(name) for n in EMBEDDING_NAMES) for name in named
     ):
         return 0
-    vocab, hidden = getattr(text, "vocab_size", None), getattr(text, "hidden_size", None)
-    if not isinstance(vocab, int) or not isinstance(hidden, int):
-        return 0
-    return vocab * hidden * compute_bytes
+    return shape.vocab * shape.hidden * compute_bytes
 
 
 def _rank(choice: Choice, room: int, ladder: list[Rung]) -> tuple[bool, int, bool, int]:

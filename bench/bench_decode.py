@@ -103,7 +103,7 @@ VARIANTS = (
     "raw", "xpukit", "fast", "fast-unfused", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
     "nf4", "int4", "int8", "int4-plain", "int8-plain", "int4-fast", "int8-fast", "int4-fast-unfused",
     "int8-fast-unfused", "fast-trees", "int4-fast-trees", "int8-fast-patterns", "fast-regional",
-    "int4-fast-regional",
+    "int4-fast-regional", "int8-fast-torchao", "int4-fast-torchao",
 )  # fmt: skip
 # Loads through load_for_xpu's own arguments: variant -> (quantize, fast_decode, warmup)
 # (docs/decode.md "Fast by default", "Fused projections", "Quantized models").
@@ -133,6 +133,9 @@ RECOMPILED = {
     "int4-fast-trees": ("4bit", "reduce-overhead", False),
     "int8-fast-patterns": ("8bit", "default", True),
 }
+# fast_decode's load with torchao's own products in the decode step instead of xpukit's weight-only
+# kernels (docs/decode.md "Weight-only products"), for a same-run comparison: quantize=.
+WITHOUT_KERNELS = {"int8-fast-torchao": "8bit", "int4-fast-torchao": "4bit"}
 
 
 def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
@@ -153,6 +156,18 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         if loop is not None and loop.compile_options:
             loop.set_compile(compile_settings(mode), step_graphs=step_graphs and loop.step_graphs is not None)
             model.xpukit_bench_note = f"loop compiled: {loop.compile_options}"
+        model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)
+        return model
+    if variant in WITHOUT_KERNELS:
+        from xpukit.loading.decode.fast_decode import warm_up
+        from xpukit.loading.decode.woq_products import remove_weight_only_products
+
+        model = load_for_xpu(path, device=device, quantize=WITHOUT_KERNELS[variant], fast_decode=True)
+        removed = remove_weight_only_products(model)
+        loop = getattr(model, "xpukit_decode_loop", None)
+        if loop is not None:
+            loop.cache_fields["weight_kernel"] = ""  # the step compiles with torchao's products
+        model.xpukit_bench_note = f"torchao's own products ({removed} layers and groups given back)"
         model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)
         return model
     if variant in LOADS:

@@ -154,7 +154,8 @@ def test_the_default_quantized_path_gives_plain_greedy_tokens(wide_model: Path) 
     model = carry_out(replace(plain.xpukit_plan, decode=decode))
     fused = next(e for e in model.xpukit_plan.events if e.what == "fused_projections")
     assert fused.kind == "applied" and fused.actual["attention"] == 2
-    assert model.xpukit_decode_loop.cache_fields == {"weights": "torchao Int8WeightOnlyConfig", "fused": True}
+    fields = {"weights": "torchao Int8WeightOnlyConfig", "fused": True, "weight_kernel": ""}
+    assert model.xpukit_decode_loop.cache_fields == fields
     with torch.no_grad():
         got = model.generate(_ids(), max_new_tokens=10, do_sample=False)
     assert model.xpukit_last_decode["loop"] == "xpukit"

@@ -90,6 +90,9 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     events: list[LoadEvent] = [LoadEvent(kind="applied", what="fast_decode", actual=settings)]
     fused = _fused_projections(target) if decode.fused_projections else None
     events += [fused] if fused is not None else []
+    products = _weight_only_products(target, decode.weight_kernel) if decode.weight_kernel else None
+    events += [products] if products is not None else []
+    kernel = decode.weight_kernel if products is not None and products.kind == "applied" else ""
     options = decode.loop_compile_options()
     regional = _regional(target, decode.regional and options is not None)
     events += regional[1]
@@ -98,7 +101,11 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         max_cache_len=int(decode.max_cache_len or 0),
         compile_options=options,
         step_graphs=decode.step_graph,
-        cache_fields={"weights": decode.weights, "fused": fused is not None and fused.kind == "applied"},
+        cache_fields={
+            "weights": decode.weights,
+            "fused": fused is not None and fused.kind == "applied",
+            "weight_kernel": kernel,
+        },
         regional=regional[0],
     )
     loop_event = LoadEvent(
@@ -151,6 +158,23 @@ def _fused_projections(model: Any) -> LoadEvent:
     if not fused:  # planned, not had: the weights allow no fusion (bitsandbytes, a packed format)
         return LoadEvent(kind="fallback", what="fused_projections", planned=True, actual=done, cause=cause)
     return LoadEvent(kind="applied", what="fused_projections", actual=done, cause=cause)
+
+
+def _weight_only_products(model: Any, kernel: str) -> LoadEvent:
+    """xpukit's weight-only products for the decode step (docs/decode.md "Weight-only products")."""
+    from xpukit.loading.decode.woq_products import install_weight_only_products
+
+    done = install_weight_only_products(model)
+    if "kept" in done:
+        logger.warning("xpukit's %s weight-only products not applied: %s", kernel, done["kept"])
+        return LoadEvent(
+            kind="fallback", what="weight_only_products", planned=kernel, actual=None,
+            cause=f"{done['kept']}; torchao's own product serves every layer",
+        )  # fmt: skip
+    return LoadEvent(
+        kind="applied", what="weight_only_products", actual={"kernel": kernel, **done},
+        cause="a decode step's products of up to 16 rows read the quantized weights once, as stored",
+    )  # fmt: skip
 
 
 def _grouped_attention(model: Any) -> LoadEvent:

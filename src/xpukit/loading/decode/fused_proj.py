@@ -25,9 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["GATE_UP_BUFFER", "QKV_BUFFER", "concat_rows", "fuse_projections"]
+__all__ = ["FUSED_GROUP", "GATE_UP_BUFFER", "QKV_BUFFER", "concat_rows", "fuse_projections"]
 
 QKV_BUFFER = "xpukit_qkv_weight"
+FUSED_GROUP = "xpukit_fused"  # the attention's/MLP's attribute holding its fused group (its ``linear``)
 GATE_UP_BUFFER = "xpukit_gate_up_weight"
 _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
@@ -178,6 +179,7 @@ def _fuse_attention(attn: Any) -> str | None:
     if why is not None:
         return why
     fused = _FusedQKV(attn, layers, sizes)
+    setattr(attn, FUSED_GROUP, fused)
     for layer, forward in zip(layers, (fused.q_forward, fused.k_forward, fused.v_forward), strict=True):
         layer.forward = forward
     return None
@@ -193,12 +195,13 @@ def _fuse_mlp(mlp: Any, checked: dict[type, str | None]) -> str | None:
     sizes, why = _install_fused(mlp, layers, GATE_UP_BUFFER)
     if why is not None:
         return why
-    fused = _FusedMLP(mlp, sizes)
+    fused = _FusedMLP(mlp, layers, sizes)
     if type(mlp) not in checked:
         checked[type(mlp)] = _probe(original, fused.forward, layers[0].weight)
     if checked[type(mlp)] is not None:
         return checked[type(mlp)]
     mlp.forward = fused.forward
+    setattr(mlp, FUSED_GROUP, fused)
     return None
 
 
@@ -223,12 +226,14 @@ class _FusedQKV:
     def __init__(self, attn: Any, layers: list[Any], sizes: list[int]) -> None:
         self.attn, self.layers, self.sizes = attn, layers, sizes
         self.pending: list[Any] | None = None  # [input, k, v] from the last q_proj call
+        self.linear: Any = None  # the product over the fused weight; None: F.linear
 
     def q_forward(self, x: Any) -> Any:
         import torch
 
         bias = getattr(self.attn, QKV_BUFFER.replace("weight", "bias"), None)
-        q, k, v = torch.nn.functional.linear(x, getattr(self.attn, QKV_BUFFER), bias).split(self.sizes, -1)
+        linear = self.linear or torch.nn.functional.linear
+        q, k, v = linear(x, getattr(self.attn, QKV_BUFFER), bias).split(self.sizes, -1)
         self.pending = [x, k, v]
         return q
 
@@ -249,19 +254,21 @@ class _FusedQKV:
         import torch
 
         layer = self.layers[i]
-        return torch.nn.functional.linear(x, layer.weight, layer.bias)
+        return (self.linear or torch.nn.functional.linear)(x, layer.weight, layer.bias)
 
 
 class _FusedMLP:
     """``down_proj(act_fn(gate) * up)`` with gate and up from one product."""
 
-    def __init__(self, mlp: Any, sizes: list[int]) -> None:
-        self.mlp, self.sizes = mlp, sizes
+    def __init__(self, mlp: Any, layers: list[Any], sizes: list[int]) -> None:
+        self.mlp, self.layers, self.sizes = mlp, layers, sizes  # layers: gate_proj, up_proj
+        self.linear: Any = None  # the product over the fused weight; None: F.linear
 
     def forward(self, x: Any) -> Any:
         import torch
 
         mlp = self.mlp
         bias = getattr(mlp, GATE_UP_BUFFER.replace("weight", "bias"), None)
-        gate, up = torch.nn.functional.linear(x, getattr(mlp, GATE_UP_BUFFER), bias).split(self.sizes, -1)
+        linear = self.linear or torch.nn.functional.linear
+        gate, up = linear(x, getattr(mlp, GATE_UP_BUFFER), bias).split(self.sizes, -1)
         return mlp.down_proj(mlp.act_fn(gate) * up)

@@ -1,6 +1,6 @@
 """A progress line while a decode step compiles (docs/decode.md "Warm-up").
 
-A cold compile of an 8B model's decode step took 70-120 s on the H200; with ``fast_decode`` taken by
+A cold compile of an 8B model's decode step took 59-120 s on the H200; with ``fast_decode`` taken by
 default, that happens inside a user's first ``generate()``. So the compile is announced (info) and,
 once it has run for :data:`FIRST_NOTICE_S`, a warning says what is happening, how long it has run and
 how to skip it, then again every :data:`EVERY_S`; the end is logged with its duration. A compile
@@ -36,7 +36,7 @@ def compile_progress(
         wait = first_s
         while not stop.wait(wait):
             logger.warning(
-                "xpukit: %s, %.0f s so far (a cold compile of an 8B model took 70-120 s on an H200; the "
+                "xpukit: %s, %.0f s so far (a cold compile of an 8B model took 59-120 s on an H200; the "
                 "compile cache makes the next process's short; fast_decode=False skips it)",
                 what,
                 time.perf_counter() - start,

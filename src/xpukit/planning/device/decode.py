@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.budgets import HEADROOM_FIXED, HEADROOM_WEIGHT_FRACTION, format_bytes
 from xpukit.planning.device.decode_reasons import compiled_reason, sized_reason
+from xpukit.planning.device.decode_weights import fusable, int8_patterns_off, weight_kernel, weights_label
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
@@ -58,11 +59,6 @@ FAST_DECODE_VALUES = (True, False, "auto", "unfused", "regional")
 # "Quantized models"): generate() skips compilation for them.
 _NOT_COMPILED_QUANT = {"4bit", "8bit"}
 _GPU = {"cuda", "xpu"}
-# torchao 0.18 formats whose inner tensors slice by rows (aten.slice), so that q/k/v and gate/up
-# concatenate (docs/decode.md "Fused projections"); plain_int32 (XPU int4) has no row slicing.
-# tinygemm's int4 (tile_packed_to_4d) is kept apart: its row slices leave scale_and_zero non-contiguous,
-# which torchao's int4 matmul asserts against (H200, torchao 0.18, 2026-12-04).
-_FUSABLE_TORCHAO = {("Int8WeightOnlyConfig", None)}
 # Measured on the H200, Qwen3-8B shape, batch 1 (docs/benchmarks.md "Quantized weights", docs/decode.md
 # "Fast by default"): what "auto" is decided on, and what the first compile costs.
 _AUTO_EVIDENCE = (
@@ -96,6 +92,8 @@ class DecodePlan:
         weights: the weights' format as the compile cache keys it (``bfloat16``, the torchao label).
         regional: xpukit's loop compiles one decoder layer and runs its code for every layer, the
             rest of the step eager, with no step graph (docs/decode.md "Regional compilation").
+        weight_kernel: xpukit's weight-only product serves the decode step's quantized products
+            (``int8``), or ``""`` (docs/decode.md "Weight-only products").
     """
 
     static_cache: bool
@@ -110,6 +108,7 @@ class DecodePlan:
     fused_projections: bool = False
     weights: str = ""
     regional: bool = False
+    weight_kernel: str = ""
 
     def loop_compile_options(self) -> dict[str, Any] | None:
         """The ``torch.compile`` keyword arguments of xpukit's loop (``None``: eager). Its own step
@@ -131,6 +130,8 @@ class DecodePlan:
         }
         if self.regional and self.compile:
             value["regional"] = True
+        if self.weight_kernel:
+            value["weight_kernel"] = self.weight_kernel
         return value
 
 
@@ -302,10 +303,11 @@ def _plan(
         graph_batch_sizes=GRAPH_BATCH_SIZES,
         grouped_attention=backend == "cuda",
         step_graph=backend == "cuda" and not ask.regional,
-        inductor_patterns=not _int8_patterns_off(backend, quantization_config),
-        fused_projections=ask.fuse and _fusable(quantization, quantization_config),
-        weights=_weights_label(dtype, quantization_config),
+        inductor_patterns=not int8_patterns_off(backend, quantization_config),
+        fused_projections=ask.fuse and fusable(quantization, quantization_config),
+        weights=weights_label(dtype, quantization_config),
         regional=ask.regional,
+        weight_kernel=weight_kernel(backend, quantization, quantization_config),
     )
     return plan, Decision(
         name="fast_decode",
@@ -359,29 +361,6 @@ def _cache_length(dtype: str, memory: MemoryEstimate, facts: ModelFacts) -> tupl
             f"{CACHE_LENGTH_STEP} tokens ({format_bytes(per_token)} each). Fix: a larger headroom=."
         )
     return length, format_bytes(budget)
-
-
-def _fusable(quantization: str | None, config: dict[str, Any] | None) -> bool:
-    """Weights whose rows concatenate: float ones, and the torchao formats that slice by rows."""
-    if quantization is None:
-        return True
-    if quantization != "torchao" or not config:
-        return False
-    kwargs = config.get("quant_type_kwargs") or {}
-    return (config.get("quant_type"), kwargs.get("int4_packing_format")) in _FUSABLE_TORCHAO
-
-
-def _weights_label(dtype: str, config: dict[str, Any] | None) -> str:
-    if not config:
-        return dtype
-    kwargs = config.get("quant_type_kwargs") or {}
-    packing = kwargs.get("int4_packing_format")
-    return f"torchao {config.get('quant_type')}" + (f" ({packing})" if packing else "")
-
-
-def _int8_patterns_off(backend: str, config: dict[str, Any] | None) -> bool:
-    """torchao int8 weight-only on CUDA: the pattern matcher's int8 rewrite is the slow kernel."""
-    return backend == "cuda" and (config or {}).get("quant_type") == "Int8WeightOnlyConfig"
 
 
 def _why_not_compiled(device_map: Any) -> str | None:

@@ -1,0 +1,123 @@
+"""xpukit's weight-only products installed on a loaded model for decoding (docs/decode.md
+"Weight-only products").
+
+Every plain ``Linear`` whose weight :func:`xpukit.kernels.woq.unsupported` accepts gets a forward that
+calls :func:`~xpukit.kernels.woq.weight_only_linear` with the layer's current weight and bias (read
+at each call, so a swapped weight is used as it is); every fused q/k/v or gate/up group
+(:mod:`xpukit.loading.decode.fused_proj`) gets it as its product. Before anything is installed each
+such weight is checked once: its product with a random row through xpukit's kernel against torchao's
+own product, within bf16 rounding. One weight that differs, or triton missing, and nothing is
+installed: the load records a fallback with the reason (all layers or none, never half).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from xpukit.kernels.woq import register, unsupported, weight_only_linear
+from xpukit.loading.decode.fused_proj import FUSED_GROUP, GATE_UP_BUFFER, QKV_BUFFER
+
+__all__ = ["install_weight_only_products", "remove_weight_only_products"]
+
+_TOLERANCE = 2e-2  # relative error against torchao's product: bf16 rounding of the sum, not a wrong layout
+_MARK = "xpukit_weight_only"  # a layer whose forward xpukit replaced
+
+
+class _Product:
+    """A ``Linear``'s forward through xpukit's weight-only product (its weight read at each call)."""
+
+    def __init__(self, layer: Any, product: Any) -> None:
+        self.layer, self.product = layer, product
+
+    def __call__(self, x: Any) -> Any:
+        return self.product(x, self.layer.weight, self.layer.bias)
+
+
+def _targets(model: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any, Any]]]:
+    """The plain layers and the fused groups whose weights xpukit's kernel serves."""
+    import torch
+
+    layers, groups, parts = [], [], set()
+    for name, module in model.named_modules():
+        group = module.__dict__.get(FUSED_GROUP)
+        if group is not None:
+            parts |= {id(layer) for layer in group.layers}  # computed by the group's one product
+            weight = getattr(module, QKV_BUFFER, None)
+            weight = weight if weight is not None else getattr(module, GATE_UP_BUFFER, None)
+            if weight is not None and unsupported(weight) is None:
+                groups.append((name, group, weight))
+        if type(module) is torch.nn.Linear and unsupported(module.weight) is None:
+            layers.append((name, module))
+    return [(n, m) for n, m in layers if id(m) not in parts], groups
+
+
+def _check(name: str, weight: Any, devices: tuple[str, ...]) -> str | None:
+    """``None`` when xpukit's product of ``weight`` with a random row matches torchao's."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(0)
+        dtype = weight.dtype if weight.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        if type(weight).__name__ == "Int4TilePackedTo4dTensor":
+            dtype = torch.bfloat16  # tinygemm takes bf16 inputs only
+        x = torch.randn(1, int(weight.shape[1])).to(device=weight.qdata.device, dtype=dtype)
+        want = torch.nn.functional.linear(x, weight).float()
+        got = weight_only_linear(x, weight, devices=devices).float()
+    err = float((got - want).norm() / want.norm().clamp_min(1e-12))
+    return None if err <= _TOLERANCE else f"{name}: xpukit's product differed from torchao's by {err:.1e}"
+
+
+def install_weight_only_products(model: Any, *, devices: tuple[str, ...] = ("cuda", "xpu")) -> dict[str, Any]:
+    """Route ``model``'s supported quantized products through xpukit's kernel.
+
+    Args:
+        model: the loaded model (after the projections were fused, when they were).
+        devices: the device types the kernel serves (the tests add ``cpu``).
+
+    Returns:
+        ``{"layers": n, "groups": n}`` when installed, or ``{"kept": why}`` when nothing was.
+    """
+    from xpukit.kernels.nf4 import triton_available
+
+    layers, groups = _targets(model)
+    if not layers and not groups:
+        return {"kept": "no torchao int8 weight-only or tinygemm int4 layers"}
+    weights = [(n, m.weight) for n, m in layers] + [(n, w) for n, _, w in groups]
+    where = {w.qdata.device.type for _, w in weights}
+    if not where <= set(devices):
+        return {"kept": f"weights on {', '.join(sorted(where))}; xpukit's kernel serves {', '.join(devices)}"}
+    if where & {"cuda", "xpu"} and not triton_available():
+        return {"kept": "triton does not import, and xpukit's kernel is written in Triton"}
+    register()
+    for name, weight in weights:
+        why = _check(name, weight, devices)
+        if why is not None:
+            return {"kept": why}
+    product = weight_only_linear if devices == ("cuda", "xpu") else _with_devices(devices)
+    for _, layer in layers:
+        layer.forward = _Product(layer, product)
+        setattr(layer, _MARK, True)
+    for _, group, _ in groups:
+        group.linear = product
+    return {"layers": len(layers), "groups": len(groups)}
+
+
+def _with_devices(devices: tuple[str, ...]) -> Any:
+    def product(x: Any, weight: Any, bias: Any = None) -> Any:
+        return weight_only_linear(x, weight, bias, devices=devices)
+
+    return product
+
+
+def remove_weight_only_products(model: Any) -> int:
+    """Undo :func:`install_weight_only_products` (the benchmark's comparison); returns how many."""
+    undone = 0
+    for module in model.modules():
+        if module.__dict__.pop(_MARK, False):
+            module.__dict__.pop("forward", None)
+            undone += 1
+        group = module.__dict__.get(FUSED_GROUP)
+        if group is not None and group.linear is not None:
+            group.linear = None
+            undone += 1
+    return undone

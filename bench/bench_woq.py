@@ -8,6 +8,7 @@ so launch overhead is out; the figure is the weight bytes read per second. ``--s
 each tile setting of xpukit's kernels (the defaults are chosen from it). JSON lines.
 
     python bench/bench_woq.py --rows 1 --rows 8 --sweep
+    python bench/bench_woq.py --tiny     # a CPU check in seconds: one small shape, int8 only, the references
 """
 
 from __future__ import annotations
@@ -39,8 +40,20 @@ SWEEP = {
 
 
 def _time(fn: Any) -> float:
-    """Seconds one call takes: ``CALLS`` calls in one CUDA graph, best of 5 replays."""
+    """Seconds one call takes: ``CALLS`` calls in one CUDA graph, best of 5 replays (on the CPU,
+    ``CALLS`` calls timed by the clock)."""
+    import time
+
     import torch
+
+    if not torch.cuda.is_available():
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                fn()
+            best = min(best, (time.perf_counter() - start) / CALLS)
+        return best
 
     fn()
     torch.cuda.synchronize()
@@ -63,8 +76,16 @@ def _products(x: Any, layers: dict[str, Any]) -> dict[str, tuple[str, Any]]:
     import torch
 
     from xpukit.kernels._woq_triton import int4_tile_mm_triton, int8_mm_triton
+    from xpukit.kernels.woq import int8_mm
 
-    bf16, w8, w4 = layers["bf16"].weight, layers["int8"].weight, layers["int4"].weight
+    bf16, w8 = layers["bf16"].weight, layers["int8"].weight
+    if "int4" not in layers:  # --tiny on the CPU: the op runs its reference there
+        return {
+            "bf16": ("bf16", lambda: torch.nn.functional.linear(x, bf16)),
+            "torchao int8": ("int8", lambda: torch.nn.functional.linear(x, w8)),
+            "xpukit int8 (reference)": ("int8", lambda: int8_mm(x, w8.qdata, w8.scale)),
+        }
+    w4 = layers["int4"].weight
     n = bf16.shape[0]
     return {
         "bf16 cuBLAS": ("bf16", lambda: torch.nn.functional.linear(x, bf16)),
@@ -93,7 +114,7 @@ def measure(common: dict[str, Any], name: str, rows: int, layers: dict[str, Any]
     n, k = layers["bf16"].weight.shape
     weight_bytes = {"bf16": n * k * 2, "int8": n * k + n * 4, "int4": n * k // 2 + (k // 128) * n * 4}
     where = {"shape": name, "n": n, "k": k, "rows": rows}
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, k, device=layers["bf16"].weight.device, dtype=torch.bfloat16)
     for label, (fmt, fn) in _products(x, layers).items():
         seconds = _time(fn)
         tb_s = round(weight_bytes[fmt] / seconds / 1e12, 3)
@@ -125,7 +146,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, action="append", help="repeatable; default 1 and 8")
     parser.add_argument("--sweep", action="store_true", help="also time every tile setting")
+    parser.add_argument("--tiny", action="store_true", help="a CPU check in seconds (int8, the references)")
     args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
 
     import torch
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
@@ -133,25 +156,26 @@ def main() -> None:
     common = {
         "bench": "woq",
         "date": datetime.now(timezone.utc).date().isoformat(),
-        "device_name": torch.cuda.get_device_name(),
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "versions": h.versions_with_python(("torch", "torchao", "triton")),
     }
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k) in ({"tiny": (64, 128)} if args.tiny else SHAPES).items():
         torch.manual_seed(0)
-        base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(False)
+        base = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16).requires_grad_(False)
         layers = {"bf16": base}
-        for fmt, config in (
-            ("int8", Int8WeightOnlyConfig()),
-            ("int4", Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")),
-        ):
-            layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16).requires_grad_(
-                False
+        formats = [("int8", Int8WeightOnlyConfig())]
+        if device == "cuda":  # tinygemm's int4 is CUDA's
+            formats.append(
+                ("int4", Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d"))
             )
+        for fmt, config in formats:
+            layer = torch.nn.Linear(k, n, bias=False, device=device, dtype=torch.bfloat16)
+            layer.requires_grad_(False)
             layer.weight.copy_(base.weight)
             quantize_(layer, config)
             layers[fmt] = layer
-        for rows in args.rows or [1, 8]:
-            measure(common, name, rows, layers, args.sweep)
+        for rows in args.rows or ([1] if args.tiny else [1, 8]):
+            measure(common, name, rows, layers, args.sweep and not args.tiny)
 
 
 if __name__ == "__main__":

@@ -25,16 +25,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 CALLS = 20  # products per captured graph
+_INT8_ONE_ROW = [(8, 512), (8, 1024), (16, 256), (16, 512), (32, 128), (32, 256)]  # BLOCK_N, BLOCK_K
 SWEEP = {
     "int8": [
-        {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
-        for m, n, k, w in itertools.product([1, 16], [8, 16, 32], [128, 256, 512, 1024], [4, 8])
-        if not (m == 16 and (n == 8 or k > 256))
+        {"BLOCK_M": 1, "BLOCK_N": n, "BLOCK_K": k, "num_warps": w}
+        for (n, k), w in itertools.product(_INT8_ONE_ROW, [4, 8])
+    ]
+    + [
+        {"BLOCK_M": 16, "BLOCK_N": n, "BLOCK_K": 128, "num_warps": w}
+        for n, w in itertools.product([16, 32], [4, 8])
     ],
     "int4": [
-        {"BLOCK_M": m, "BLOCK_N": n, "TILES": t, "num_warps": w}
-        for m, n, t, w in itertools.product([1, 16], [8, 16, 32], [1, 2, 4], [4, 8])
-        if not (m == 16 and (n == 8 or t > 2))
+        {"BLOCK_M": 1, "BLOCK_N": n, "TILES": t, "num_warps": w}
+        for n, t, w in itertools.product([8, 16, 32], [1, 2, 4], [4, 8])
+    ]
+    + [
+        {"BLOCK_M": 16, "BLOCK_N": n, "TILES": t, "num_warps": 4}
+        for n, t in itertools.product([16, 32], [1, 2])
     ],
 }
 

@@ -8,7 +8,8 @@ stored form, and dequantize it in registers: no bf16 copy of the weight is writt
   ``BLOCK_M`` rows and walks the whole input width in steps of ``BLOCK_K``. With
   ``BLOCK_N`` of 8–32 a 4 096-wide output is 128–512 programs, enough to keep every multiprocessor
   reading.
-* **One row** (``BLOCK_M == 1``): the product is an elementwise multiply and a row sum in fp32.
+* **One row** (``BLOCK_M == 1``): elementwise multiply-adds into an fp32 tile, summed across once
+  after the loop (no reduction across threads per step).
   **Two to 16 rows**: ``tl.dot`` over the rows padded to 16 (the smallest tile it takes), the weight
   converted to the input's dtype first (exact for int8; fp32 inputs use IEEE products, not TF32).
 * **int8** (torchao's ``Int8Tensor``, one fp32 scale per output row): ``y = (x @ q.T) * scale``, the
@@ -53,6 +54,7 @@ if triton is not None:
         mask_n = offs_n < N
         mask_m = offs_m < M
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        wide = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)  # one row: summed once, after the loop
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + offs_k
             mask_k = kk < K
@@ -67,11 +69,13 @@ if triton is not None:
                 other=0.0,
             )
             if BLOCK_M == 1:
-                acc += tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=1)[None, :]
+                wide += x.to(tl.float32) * w.to(tl.float32)
             elif IEEE:
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee")
             else:
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        if BLOCK_M == 1:
+            acc = tl.sum(wide, axis=1)[None, :]
         scale = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         y = acc * scale[None, :]
         tl.store(
@@ -100,28 +104,31 @@ if triton is not None:
         row = (offs_n // 8) * K_TILES * 128 + (offs_n % 8) * 16  # [BLOCK_N]: its words of block 0
         at = tile * 128 + u  # [WORDS]: a block's 8 rows × 16 words are 128 contiguous words
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        wide = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)  # one row: summed once, after the loop
         for t0 in range(0, K_TILES, TILES):
             mask_w = (t0 + tile) < K_TILES
-            words = tl.load(
-                q_ptr + row[:, None] + (t0 * 128 + at)[None, :],
-                mask=mask_n[:, None] & mask_w[None, :],
-                other=0,
-            )
-            q = (words[:, :, None] >> (4 * nibble)[None, None, :]) & 0xF  # [BLOCK_N, WORDS, 8]
+            mask_s = mask_n[:, None] & mask_w[None, :]
+            words = tl.load(q_ptr + row[:, None] + (t0 * 128 + at)[None, :], mask=mask_s, other=0)
             group = (t0 * 128 + k_word) // GROUP  # every nibble of a word is in its word's group
             where = (group[None, :] * N_PAD + offs_n[:, None]) * 2
-            mask_s = mask_n[:, None] & mask_w[None, :]
             scale = tl.load(sz_ptr + where, mask=mask_s, other=0.0).to(tl.float32)
             zero = tl.load(sz_ptr + where + 1, mask=mask_s, other=0.0).to(tl.float32)
-            w = (q.to(tl.float32) - 8.0) * scale[:, :, None] + zero[:, :, None]
-            kk = t0 * 128 + k_in
             if BLOCK_M == 1:
+                # sum_j ((q - 8) s + z) x_j = s * sum_j q x_j + (z - 8 s) * sum_j x_j, per word: per
+                # nibble a shift, a mask, a conversion and one multiply-add.
                 m = tl.program_id(1)  # the one row
-                x = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0)
-                part = tl.sum(w * x.to(tl.float32)[None, :, :], axis=2)
-                acc += tl.sum(part, axis=1)[None, :]
+                dot = tl.zeros((BLOCK_N, WORDS), dtype=tl.float32)
+                xsum = tl.zeros((WORDS,), dtype=tl.float32)
+                for j in tl.static_range(8):
+                    kj = t0 * 128 + k_word + 8 * (j % 4) + j // 4
+                    xj = tl.load(x_ptr + m * stride_xm + kj, mask=kj < K, other=0.0).to(tl.float32)
+                    dot += ((words >> (4 * j)) & 0xF).to(tl.float32) * xj[None, :]
+                    xsum += xj
+                wide += scale * dot + (zero - 8.0 * scale) * xsum[None, :]
             else:
-                flat = tl.reshape(kk, (WORDS * 8,))
+                q = (words[:, :, None] >> (4 * nibble)[None, None, :]) & 0xF  # [BLOCK_N, WORDS, 8]
+                w = (q.to(tl.float32) - 8.0) * scale[:, :, None] + zero[:, :, None]
+                flat = tl.reshape(t0 * 128 + k_in, (WORDS * 8,))
                 x = tl.load(
                     x_ptr + offs_m[:, None] * stride_xm + flat[None, :],
                     mask=mask_m[:, None] & (flat < K)[None, :],
@@ -132,6 +139,8 @@ if triton is not None:
                     acc += tl.dot(x, tl.trans(wt), input_precision="ieee")
                 else:
                     acc += tl.dot(x, tl.trans(wt))
+        if BLOCK_M == 1:
+            acc = tl.sum(wide, axis=1)[None, :]
         tl.store(
             y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
             acc.to(y_ptr.dtype.element_ty),
@@ -144,7 +153,8 @@ def pick_blocks(rows: int, n: int, k: int, programs: int = 0) -> dict[str, int]:
 
     ``BLOCK_N`` is the largest of 32, 16 and 8 that still gives at least ``programs`` programs
     (two per multiprocessor of the device, or 264 when not given); rows beyond one take the ``tl.dot``
-    path, whose tiles are at least 16 wide.
+    path, whose tiles are at least 16 wide. With one row the fp32 tile ``BLOCK_N × BLOCK_K`` stays
+    at 4 096 elements (32 registers a thread at 4 warps).
     """
     want = programs or 264
     block_m = 1 if rows == 1 else 16
@@ -153,7 +163,7 @@ def pick_blocks(rows: int, n: int, k: int, programs: int = 0) -> dict[str, int]:
         if -(-n // candidate) >= want:
             block_n = max(block_n, candidate)
             break
-    block_k = 512 if rows == 1 else 128
+    block_k = 4096 // block_n if rows == 1 else 128
     block_k = min(block_k, max(16, 1 << (max(k, 1) - 1).bit_length()))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4}
 

@@ -52,9 +52,9 @@ def test_tile_sizes_give_every_multiprocessor_work() -> None:
     from xpukit.kernels._woq_triton import pick_blocks
 
     one = pick_blocks(1, 4096, 4096, programs=264)
-    assert one["BLOCK_M"] == 1 and -(-4096 // one["BLOCK_N"]) >= 264 and one["BLOCK_K"] == 512
+    assert one == {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4}  # 512 programs
     wide = pick_blocks(1, 24576, 4096, programs=264)
-    assert wide["BLOCK_N"] == 32  # 768 programs
+    assert wide == {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8}  # 768 programs
     eight = pick_blocks(8, 4096, 4096, programs=264)
     assert eight["BLOCK_M"] == 16 and eight["BLOCK_N"] >= 16  # tl.dot's smallest tile
     assert pick_blocks(1, 64, 40)["BLOCK_K"] == 64  # no wider than the input, rounded up to a power of 2
@@ -311,7 +311,7 @@ def test_a_wrong_product_installs_nothing(wide_model: Path, monkeypatch: pytest.
         ("h200", "8bit", "int8"),
         ("arc-b580", "8bit", "int8"),
         ("max-1550", "8bit", "int8"),
-        ("h200", "4bit", "int4"),  # tinygemm's layout
+        ("h200", "4bit", ""),  # tinygemm's int4: its own product measured faster than xpukit's
         ("arc-b580", "4bit", ""),  # plain_int32: torchao's (oneDNN's) product
         ("h200", None, ""),
         ("cpu-bf16", "8bit", None),  # no fast_decode on the CPU at all

@@ -151,21 +151,27 @@ if triton is not None:
 def pick_blocks(rows: int, n: int, k: int, programs: int = 0) -> dict[str, int]:
     """The launch's tile sizes and warps for ``rows`` input rows and an ``n × k`` weight.
 
-    ``BLOCK_N`` is the largest of 32, 16 and 8 that still gives at least ``programs`` programs
-    (two per multiprocessor of the device, or 264 when not given); rows beyond one take the ``tl.dot``
-    path, whose tiles are at least 16 wide. With one row the fp32 tile ``BLOCK_N × BLOCK_K`` stays
-    at 4 096 elements (32 registers a thread at 4 warps).
+    One row: 8 outputs by 512 inputs a step with 4 warps, and for very wide outputs (at least 64
+    programs' worth of 32 rows per multiprocessor pair, the gate/up product of an 8B model) 32 by 128
+    with 8 warps: the fastest settings of the H200 sweep on the Qwen3-8B projections (docs/decode.md
+    "Weight-only products"). More rows take the ``tl.dot`` path, 16 rows by 16 or 32 outputs
+    (32 where that still gives ``programs`` programs: two per multiprocessor, or 264 when not given).
     """
     want = programs or 264
-    block_m = 1 if rows == 1 else 16
-    block_n = 8 if rows == 1 else 16
-    for candidate in (32, 16):
-        if -(-n // candidate) >= want:
-            block_n = max(block_n, candidate)
-            break
-    block_k = 4096 // block_n if rows == 1 else 128
-    block_k = min(block_k, max(16, 1 << (max(k, 1) - 1).bit_length()))
+    if rows == 1:  # the H200 sweep (bench_woq --sweep, 2026-12-04): narrow tiles, wide steps
+        if n >= 64 * want:  # gate/up of an 8B model: 24 576 rows
+            return {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 8}
+        return {"BLOCK_M": 1, "BLOCK_N": 8, "BLOCK_K": min(512, _pow2(k)), "num_warps": 4}
+    block_m, block_n = 16, 16
+    if -(-n // 32) >= want:
+        block_n = 32
+    block_k = min(128, _pow2(k))
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": 4}
+
+
+def _pow2(k: int) -> int:
+    """``k`` rounded up to a power of two, at least 16."""
+    return max(16, 1 << (max(k, 1) - 1).bit_length())
 
 
 def _programs(device: Any) -> int:

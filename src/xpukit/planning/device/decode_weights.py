@@ -21,8 +21,10 @@ _GPU = {"cuda", "xpu"}
 # which torchao's int4 matmul asserts against (H200, torchao 0.18, 2026-12-04).
 _FUSABLE_TORCHAO = {("Int8WeightOnlyConfig", None)}
 # The torchao configs whose weights xpukit's Triton product reads in their stored form
-# (xpukit/kernels/woq.py), with the kernel's name.
-_KERNELS = {("Int8WeightOnlyConfig", None): "int8", ("Int4WeightOnlyConfig", "tile_packed_to_4d"): "int4"}
+# (xpukit/kernels/woq.py), with the kernel's name: int8, 2.05x torchao's on the H200 (Qwen3-8B shape,
+# batch 1, 2026-12-04). Its int4 kernel over tinygemm's layout read the weights at 0.53-0.69 TB/s there
+# against tinygemm's 1.26-1.74, so tinygemm keeps int4 (docs/decode.md "Weight-only products").
+_KERNELS = {("Int8WeightOnlyConfig", None): "int8"}
 
 
 def _key(config: dict[str, Any] | None) -> tuple[Any, Any]:

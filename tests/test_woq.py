@@ -246,6 +246,9 @@ def test_installed_products_give_the_same_greedy_tokens(wide_model: Path) -> Non
     assert fuse_projections(model)["attention"] > 0
     layers = model.config.num_hidden_layers
     assert install_weight_only_products(model) == {"kept": "weights on cpu; xpukit's kernel serves cuda, xpu"}
+    assert install_weight_only_products(model, "int4", devices=CPU) == {
+        "kept": "no layers whose weights xpukit's int4 kernel reads"
+    }
     done = install_weight_only_products(model, devices=CPU)
     assert done == {"layers": 2 * layers, "groups": 2 * layers}  # o/down; q/k/v and gate/up
     install_decode_loop(model, max_cache_len=256, compile_options=None)

@@ -40,6 +40,7 @@ __all__ = [
     "int4_tile_mm",
     "int8_mm",
     "int8_mm_reference",
+    "kernel_of",
     "register",
     "unsupported",
     "weight_only_linear",
@@ -49,6 +50,14 @@ MAX_ROWS = 16  # input rows the kernels serve: a decode step up to batch 16; a l
 _DEVICES = ("cuda", "xpu")
 _GROUPS = (32, 64, 128, 256)  # tinygemm's group sizes
 _REGISTERED = False  # set once xpukit's ops exist in this process
+
+
+_KINDS = {"Int8Tensor": "int8", "Int4TilePackedTo4dTensor": "int4"}  # torchao's class → xpukit's kernel
+
+
+def kernel_of(weight: Any) -> str | None:
+    """The name of xpukit's kernel for ``weight`` (``int8``, ``int4``), ``None`` when it has none."""
+    return _KINDS.get(type(weight).__name__) if unsupported(weight) is None else None
 
 
 def unsupported(weight: Any) -> str | None:

@@ -164,7 +164,7 @@ def _weight_only_products(model: Any, kernel: str) -> LoadEvent:
     """xpukit's weight-only products for the decode step (docs/decode.md "Weight-only products")."""
     from xpukit.loading.decode.woq_products import install_weight_only_products
 
-    done = install_weight_only_products(model)
+    done = install_weight_only_products(model, kernel)
     if "kept" in done:
         logger.warning("xpukit's %s weight-only products not applied: %s", kernel, done["kept"])
         return LoadEvent(

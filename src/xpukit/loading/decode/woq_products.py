@@ -1,9 +1,9 @@
 """xpukit's weight-only products installed on a loaded model for decoding (docs/decode.md
 "Weight-only products").
 
-Every plain ``Linear`` whose weight :func:`xpukit.kernels.woq.unsupported` accepts gets a forward that
-calls :func:`~xpukit.kernels.woq.weight_only_linear` with the layer's current weight and bias (read
-at each call, so a swapped weight is used as it is); every fused q/k/v or gate/up group
+Every plain ``Linear`` whose weight the planned kernel reads (:func:`xpukit.kernels.woq.kernel_of`)
+gets a forward that calls :func:`~xpukit.kernels.woq.weight_only_linear` with the layer's current
+weight and bias (read at each call, so a swapped weight is used as it is); every fused q/k/v or gate/up group
 (:mod:`xpukit.loading.decode.fused_proj`) gets it as its product. Before anything is installed each
 such weight is checked once: its product with a random row through xpukit's kernel against torchao's
 own product, within bf16 rounding. One weight that differs, or triton missing, and nothing is
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from xpukit.kernels.woq import register, unsupported, weight_only_linear
+from xpukit.kernels.woq import kernel_of, register, weight_only_linear
 from xpukit.loading.decode.fused_proj import FUSED_GROUP, GATE_UP_BUFFER, QKV_BUFFER
 
 __all__ = ["install_weight_only_products", "remove_weight_only_products"]
@@ -33,8 +33,8 @@ class _Product:
         return self.product(x, self.layer.weight, self.layer.bias)
 
 
-def _targets(model: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any, Any]]]:
-    """The plain layers and the fused groups whose weights xpukit's kernel serves."""
+def _targets(model: Any, kernel: str) -> tuple[list[tuple[str, Any]], list[tuple[str, Any, Any]]]:
+    """The plain layers and the fused groups whose weights ``kernel`` reads."""
     import torch
 
     layers, groups, parts = [], [], set()
@@ -44,9 +44,9 @@ def _targets(model: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Any, An
             parts |= {id(layer) for layer in group.layers}  # computed by the group's one product
             weight = getattr(module, QKV_BUFFER, None)
             weight = weight if weight is not None else getattr(module, GATE_UP_BUFFER, None)
-            if weight is not None and unsupported(weight) is None:
+            if weight is not None and kernel_of(weight) == kernel:
                 groups.append((name, group, weight))
-        if type(module) is torch.nn.Linear and unsupported(module.weight) is None:
+        if type(module) is torch.nn.Linear and kernel_of(module.weight) == kernel:
             layers.append((name, module))
     return [(n, m) for n, m in layers if id(m) not in parts], groups
 
@@ -67,11 +67,14 @@ def _check(name: str, weight: Any, devices: tuple[str, ...]) -> str | None:
     return None if err <= _TOLERANCE else f"{name}: xpukit's product differed from torchao's by {err:.1e}"
 
 
-def install_weight_only_products(model: Any, *, devices: tuple[str, ...] = ("cuda", "xpu")) -> dict[str, Any]:
-    """Route ``model``'s supported quantized products through xpukit's kernel.
+def install_weight_only_products(
+    model: Any, kernel: str = "int8", *, devices: tuple[str, ...] = ("cuda", "xpu")
+) -> dict[str, Any]:
+    """Route ``model``'s quantized products that ``kernel`` reads through it.
 
     Args:
         model: the loaded model (after the projections were fused, when they were).
+        kernel: the plan's kernel (``int8``; ``int4`` reads tinygemm's layout, which no plan takes).
         devices: the device types the kernel serves (the tests add ``cpu``).
 
     Returns:
@@ -79,9 +82,9 @@ def install_weight_only_products(model: Any, *, devices: tuple[str, ...] = ("cud
     """
     from xpukit.kernels.nf4 import triton_available
 
-    layers, groups = _targets(model)
+    layers, groups = _targets(model, kernel)
     if not layers and not groups:
-        return {"kept": "no torchao int8 weight-only or tinygemm int4 layers"}
+        return {"kept": f"no layers whose weights xpukit's {kernel} kernel reads"}
     weights = [(n, m.weight) for n, m in layers] + [(n, w) for n, _, w in groups]
     where = {w.qdata.device.type for _, w in weights}
     if not where <= set(devices):

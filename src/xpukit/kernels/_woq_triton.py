@@ -151,9 +151,9 @@ if triton is not None:
 def pick_blocks(rows: int, n: int, k: int, programs: int = 0) -> dict[str, int]:
     """The launch's tile sizes and warps for ``rows`` input rows and an ``n × k`` weight.
 
-    One row: 8 outputs by 512 inputs a step with 4 warps, and for very wide outputs (at least 64
-    programs' worth of 32 rows per multiprocessor pair, the gate/up product of an 8B model) 32 by 128
-    with 8 warps: the fastest settings of the H200 sweep on the Qwen3-8B projections (docs/decode.md
+    One row: 8 outputs by 512 inputs a step with 4 warps, and for an output at least ``64 *
+    programs`` wide (the 8B model's gate/up product: 24 576 against 16 896 on the H200) 32 by 128 with
+    8 warps: the fastest settings of the H200 sweep on the Qwen3-8B projections (docs/decode.md
     "Weight-only products"). More rows take the ``tl.dot`` path, 16 rows by 16 or 32 outputs
     (32 where that still gives ``programs`` programs: two per multiprocessor, or 264 when not given).
     """

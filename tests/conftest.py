@@ -16,6 +16,8 @@ Fixtures (session-scoped, built on first use and shared by every test):
 - ``sliding_gemma``: a tiny Gemma 3 with a 4-token sliding-window layer beside a full one.
 - ``once_per_run``: ``once_per_run(name, make)``, an expensive set-up run by one pytest worker and
   read by all (the demo run, the example scripts).
+- ``triton_interpreter``: ``run(code)`` runs a Python snippet under Triton's CPU interpreter
+  (``TRITON_INTERPRET=1``, a process of its own) and asserts it printed ``ok`` (skipped without triton).
 
 Treat the returned directories as read-only (other tests share them); copy one to change it.
 """
@@ -247,6 +249,22 @@ def once_per_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Cal
         return json.loads(result.read_text(encoding="utf-8"))
 
     return get
+
+
+@pytest.fixture
+def triton_interpreter() -> Callable[[str], None]:
+    """``run(code)``: ``code`` in a fresh Python under Triton's CPU interpreter, which must exit 0 and
+    print ``ok`` last (the variable is read when triton is imported, so it needs its own process)."""
+    pytest.importorskip("triton")
+
+    def run(code: str) -> None:
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+    return run
 
 
 @pytest.fixture

@@ -7,9 +7,6 @@ rounding, on the same weights (the same model, before and after fusing).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,10 +73,9 @@ def test_nf4_reference_refuses_fp4() -> None:
         dequantize_nf4_reference(packed, state)
 
 
-def test_triton_kernel_under_the_interpreter() -> None:
+def test_triton_kernel_under_the_interpreter(triton_interpreter: Any) -> None:
     """The Triton kernel's indexing, under triton's CPU interpreter (fp32 outputs: the interpreter
     computes with numpy, which has no bfloat16; the bf16/fp16 check is in tests/test_kernels_gpu.py)."""
-    pytest.importorskip("triton")
     code = (
         "import torch, bitsandbytes.functional as F\n"
         "from xpukit.kernels._nf4_triton import dequantize_nf4_triton\n"
@@ -91,9 +87,7 @@ def test_triton_kernel_under_the_interpreter() -> None:
         "        assert torch.equal(dequantize_nf4_triton(q, s), F.dequantize_4bit(q, s)), (shape, nested)\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    triton_interpreter(code)
 
 
 # ---------------------------------------------------------------------------------------------

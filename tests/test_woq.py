@@ -8,9 +8,6 @@ The GPU half is tests/test_woq_gpu.py.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +20,7 @@ FOUND = "0.18.0"
 CPU = ("cpu", "cuda", "xpu")
 
 
-def test_triton_kernel_matches_the_reference_in_the_interpreter() -> None:
-    pytest.importorskip("triton")
+def test_triton_kernel_matches_the_reference_in_the_interpreter(triton_interpreter: Any) -> None:
     code = (
         "import torch\n"
         "from xpukit.kernels._woq_triton import int8_mm_triton\n"
@@ -43,9 +39,7 @@ def test_triton_kernel_matches_the_reference_in_the_interpreter() -> None:
         "    assert err < 1e-5, (rows, n, k, blocks, err)\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    triton_interpreter(code)
 
 
 def test_tile_sizes_give_every_multiprocessor_work() -> None:
@@ -60,10 +54,9 @@ def test_tile_sizes_give_every_multiprocessor_work() -> None:
     assert pick_blocks(1, 64, 40)["BLOCK_K"] == 64  # no wider than the input, rounded up to a power of 2
 
 
-def test_int4_layout_and_kernel_in_the_interpreter() -> None:
+def test_int4_layout_and_kernel_in_the_interpreter(triton_interpreter: Any) -> None:
     """tinygemm's layout packs and unpacks (against a line-by-line statement of CUDA's packing), and
     the Triton int4 kernel equals the reference on it, every group size, one row and many."""
-    pytest.importorskip("triton")
     code = (
         "import torch\n"
         "from xpukit.kernels.int4_tile import pack_tile_int4, unpack_tile_int4, int4_tile_mm_reference\n"
@@ -92,9 +85,7 @@ def test_int4_layout_and_kernel_in_the_interpreter() -> None:
         "                assert got.shape == want.shape and err < 1e-5, (n, k, group, rows, blocks, err)\n"
         "print('ok')\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    triton_interpreter(code)
 
 
 def test_int4_packing_follows_cudas_kernel() -> None:

@@ -14,7 +14,6 @@ only from :func:`~xpukit.kernels.nf4.dequantize_nf4`, on a CUDA/XPU tensor, once
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,8 @@ try:
     import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 except Exception:  # no triton here: the module still imports; nothing in it can be called
     triton = None
+
+from xpukit.kernels._launch import on_device
 
 if TYPE_CHECKING:
     import torch
@@ -105,13 +106,7 @@ def dequantize_nf4_triton(
         blocksize2 = 1
     n_bytes = packed.numel()
     grid = (triton.cdiv(n_bytes, _BLOCK),)
-    module = getattr(torch, weight.device.type, None)
-    on_device = (
-        module.device(weight.device)  # Triton launches on the current device: make it the weight's
-        if weight.device.index is not None and module is not None and hasattr(module, "device")
-        else contextlib.nullcontext()
-    )
-    with on_device:
+    with on_device(weight.device):
         _nf4_dequant_kernel[grid](
             packed, absmax, _nf4_table(weight.device), absmax2, code2, offset, out, n_bytes, n_out,
             BLOCKSIZE=int(quant_state.blocksize), BLOCKSIZE2=blocksize2,

@@ -27,7 +27,6 @@ only from :mod:`xpukit.kernels.woq` once triton imported.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -35,6 +34,8 @@ try:
     import triton.language as tl  # type: ignore[import-not-found, unused-ignore]
 except Exception:  # no triton here: the module still imports; nothing in it can be called
     triton = None
+
+from xpukit.kernels._launch import on_device
 
 if TYPE_CHECKING:
     import torch
@@ -211,23 +212,12 @@ def int8_mm_triton(
     chosen = dict(blocks or pick_blocks(rows, n, width, _programs(x.device)))
     warps = chosen.pop("num_warps", 4)
     grid = (triton.cdiv(n, chosen["BLOCK_N"]), triton.cdiv(rows, chosen["BLOCK_M"]))
-    with _on_device(x.device):
+    with on_device(x.device):
         _int8_mm_kernel[grid](
             x, qdata, scale, y, rows, n, width, x.stride(0), qdata.stride(0), y.stride(0),
             IEEE=x.dtype == torch.float32, num_warps=warps, **chosen,
         )  # fmt: skip
     return y
-
-
-def _on_device(device: Any) -> Any:
-    import torch
-
-    module = getattr(torch, device.type, None)
-    return (
-        module.device(device)  # Triton launches on the current device: make it the tensors'
-        if device.index is not None and module is not None and hasattr(module, "device")
-        else contextlib.nullcontext()
-    )
 
 
 def int4_tile_mm_triton(
@@ -255,7 +245,7 @@ def int4_tile_mm_triton(
     chosen = dict(blocks or {"BLOCK_M": 1 if rows == 1 else 16, "BLOCK_N": 16, "TILES": 2, "num_warps": 4})
     warps = chosen.pop("num_warps", 4)
     grid = (triton.cdiv(n, chosen["BLOCK_N"]), triton.cdiv(rows, chosen["BLOCK_M"]))
-    with _on_device(x.device):
+    with on_device(x.device):
         _int4_tile_mm_kernel[grid](
             x, qdata, scale_and_zero, y, rows, n, width, qdata.shape[1], scale_and_zero.shape[1],
             x.stride(0), y.stride(0), GROUP=group, IEEE=x.dtype == torch.float32, num_warps=warps,

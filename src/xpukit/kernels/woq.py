@@ -172,10 +172,10 @@ def weight_only_linear(
         0 < rows <= MAX_ROWS
         and x.device.type in devices
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and unsupported(weight) is None
+        and (kind := kernel_of(weight)) is not None
     ):
         flat = x.reshape(rows, width)
-        if type(weight).__name__ == "Int8Tensor":
+        if kind == "int8":
             out = int8_mm(flat, weight.qdata, weight.scale)
         else:
             out = int4_tile_mm(

@@ -1,0 +1,20 @@
+"""Where a Triton kernel launches: on the current device of its backend, so the tensors' device is
+made current for the launch (xpukit's Triton kernels: nf4 dequantisation, weight-only products)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+__all__ = ["on_device"]
+
+
+def on_device(device: Any) -> Any:
+    """A context that makes ``device`` current for its backend (CUDA, XPU), or does nothing
+    (the CPU under Triton's interpreter, an index-less device)."""
+    import torch
+
+    module = getattr(torch, device.type, None)
+    if device.index is not None and module is not None and hasattr(module, "device"):
+        return module.device(device)
+    return contextlib.nullcontext()

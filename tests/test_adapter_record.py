@@ -153,6 +153,83 @@ def test_records_xpukit_cannot_rebuild_merge_into_the_original_weights() -> None
         assert base == "original" and warning is not None and "nearest" in warning
 
 
+# --- 3. loading a trained adapter: the base it trained on ---------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_an_adapter_loads_on_the_base_it_trained_on(arch: str, tiny_models: Any, tmp_path: Path) -> None:
+    """The reported case: an adapter trained on the 4-bit base, loaded with ``lora=DIR`` alone (the
+    line the demo prints), went onto the full-precision base: argmax agreed on 58.7 % of positions."""
+    import torch
+
+    from xpukit import load_for_xpu
+
+    base = tiny_models[arch]
+    trained = load_for_xpu(base, device="cpu", dtype="float32", quantize="4bit", lora=LORA, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in trained.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    trained.save_pretrained(tmp_path / "adapter")
+    want = _logits(trained, base)
+    del trained
+
+    loaded = load_for_xpu(base, lora=str(tmp_path / "adapter"))  # nothing else: the record decides
+    plan = loaded.xpukit_plan
+    assert plan.quantization == "4bit" and plan.dtype == "float32"
+    assert "as the adapter trained" in plan.decision("quantization").reason
+    assert RECORD_FILE in plan.decision("dtype").reason and not plan.warnings
+    got = _logits(loaded, base)
+    assert bool((got.argmax(-1) == want.argmax(-1)).all())  # every position, as trained
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_load_against_the_record_is_done_as_asked_with_a_warning(
+    tiny_model: Path, saved: dict[str, Path]
+) -> None:
+    from xpukit import plan_load
+
+    full = plan_load(tiny_model, facts="cpu", lora=saved["4bit"], quantize=False)
+    assert full.quantization is None
+    [warning] = [w for w in full.warnings if "not the trained model" in w]
+    assert "quantize=False" in warning and "in 4-bit (nf4, double quantisation)" in warning
+    assert 'docs/training.md "Loading an adapter"' in warning and "Fix: leave quantize= out" in warning
+    other = plan_load(tiny_model, facts="cpu", lora=saved["4bit"], dtype="bfloat16")
+    assert other.quantization == "4bit" and other.dtype == "bfloat16"
+    [warning] = [w for w in other.warnings if "trained computing in float32" in w]
+    assert "Fix: leave dtype= out" in warning
+    same = plan_load(tiny_model, facts="cpu", lora=saved["4bit"], quantize="4bit", dtype="float32")
+    assert same.quantization == "4bit" and not same.warnings
+    assert "given, as recorded" in same.decision("quantization").reason
+    plain = plan_load(tiny_model, facts="cpu", lora=saved["full"])  # trained on full precision
+    assert plain.quantization is None and plain.dtype == "float32" and not plain.warnings
+
+
+def test_the_recorded_settings_hold_the_base_for_a_load_and_for_training(
+    tiny_model: Path, saved: dict[str, Path], tmp_path: Path
+) -> None:
+    from xpukit import plan_load
+
+    adapter = tmp_path / "fp4"
+    shutil.copytree(saved["4bit"], adapter)
+    record = json.loads((adapter / RECORD_FILE).read_text())
+    record["quantization_config"].update(bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False)
+    (adapter / RECORD_FILE).write_text(json.dumps(record))
+    for extra in ({}, {"trainable": True}):
+        plan = plan_load(tiny_model, facts="cpu", lora=adapter, **extra)
+        config = plan.quantization_config or {}
+        assert config["bnb_4bit_quant_type"] == "fp4" and config["bnb_4bit_use_double_quant"] is False
+        assert not [w for w in plan.warnings if "trained" in w]
+    eight = parse_record(
+        record_from({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": 5.0},
+                    dtype="bfloat16", base_model="m"), "r.json",
+    )  # fmt: skip
+    assert eight.load_quantization("bfloat16") == {"load_in_8bit": True, "llm_int8_threshold": 5.0}
+    gptq = parse_record(record_from({"quant_method": "gptq"}, dtype="bfloat16", base_model="m"), "r.json")
+    assert gptq.load_quantization("bfloat16") is None
+
+
 # --- 4. training a saved adapter further ---------------------------------------------------------
 
 

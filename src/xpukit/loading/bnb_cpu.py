@@ -15,7 +15,7 @@ from typing import Any
 
 from xpukit.errors import DeviceUnavailableError
 
-__all__ = ["restore_trainable_4bit_layout"]
+__all__ = ["keep_trained_4bit_numerics", "restore_trainable_4bit_layout"]
 
 
 def restore_trainable_4bit_layout(model: Any) -> list[str]:
@@ -31,7 +31,7 @@ def restore_trainable_4bit_layout(model: Any) -> list[str]:
     if bnb is None:
         return []  # no bitsandbytes layer can exist without the module imported
     linear4bit = bnb.nn.Linear4bit
-    restored = guarded = 0
+    restored = 0
     for name, module in model.named_modules():
         if not isinstance(module, linear4bit):
             continue
@@ -47,11 +47,7 @@ def restore_trainable_4bit_layout(model: Any) -> list[str]:
                     "load the model fresh and apply LoRA before any generate()/eval forward."
                 ) from exc
             restored += 1
-        if getattr(module, "support_avx512bf16_for_cpu", False) and module.weight.device.type == "cpu":
-            # The flag only gates the repacking in forward(); off, eval forwards (generate, Trainer
-            # evaluation) use the ordinary dequantise path and training keeps working after them.
-            module.support_avx512bf16_for_cpu = False
-            guarded += 1
+    guarded = _no_cpu_repacking(model, linear4bit)
     notes = []
     if restored:
         notes.append(
@@ -64,6 +60,39 @@ def restore_trainable_4bit_layout(model: Any) -> list[str]:
             "evaluation or generate() during training cannot break the gradients"
         )
     return notes
+
+
+def keep_trained_4bit_numerics(model: Any) -> list[str]:
+    """A trained adapter loaded to run on a 4-bit base: no CPU repacking, so it computes as it trained.
+
+    The repacked layout rounds each block's scale to bf16 (docs/known-issues.md "bitsandbytes: CPU
+    repacking of 4-bit weights"): on the tiny models that alone moved 2 % of the argmaxes away from
+    the model the adapter trained in (docs/training.md "Loading an adapter").
+    """
+    bnb = sys.modules.get("bitsandbytes")
+    if bnb is None:
+        return []
+    guarded = _no_cpu_repacking(model, bnb.nn.Linear4bit)
+    if not guarded:
+        return []
+    return [
+        f"turned off bitsandbytes' CPU inference repacking on {guarded} 4-bit layers: its bf16-rounded "
+        "scales are not the weights the adapter trained on"
+    ]
+
+
+def _no_cpu_repacking(model: Any, linear4bit: Any) -> int:
+    """Turn bitsandbytes' CPU repacking off on every 4-bit layer on the CPU; how many it was on for."""
+    guarded = 0
+    for module in model.modules():
+        if not isinstance(module, linear4bit):
+            continue
+        if getattr(module, "support_avx512bf16_for_cpu", False) and module.weight.device.type == "cpu":
+            # The flag only gates the repacking in forward(); off, eval forwards (generate, Trainer
+            # evaluation) use the ordinary dequantise path and training keeps working after them.
+            module.support_avx512bf16_for_cpu = False
+            guarded += 1
+    return guarded
 
 
 def _unpack_cpu_weight(module: Any) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from xpukit._compat import require
 from xpukit.errors import InvalidRequestError
-from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
+from xpukit.loading.bnb_cpu import keep_trained_4bit_numerics, restore_trainable_4bit_layout
 from xpukit.machine.facts import DeviceFacts
 from xpukit.machine.precision import normalize_dtype
 from xpukit.planning.training.lora_config import build_lora_config, lora_config_or_problem, targets_problem
@@ -123,7 +123,8 @@ def _load_adapter(model: Any, request: LoraRequest) -> tuple[Any, list[str]]:
             f"model the adapter was trained on ({request.config.get('base_model_name_or_path')!r})."
         ) from exc
     peft_model.eval()
-    return peft_model, [f"loaded LoRA adapter {request.adapter_path} for inference (eval mode, frozen)"]
+    notes = [f"loaded LoRA adapter {request.adapter_path} for inference (eval mode, frozen)"]
+    return peft_model, notes + keep_trained_4bit_numerics(peft_model)
 
 
 def _new_adapters(

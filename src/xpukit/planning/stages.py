@@ -43,6 +43,7 @@ from xpukit.planning.model.classes import ModelClassChoice, choose_model_class
 from xpukit.planning.model.facts import ModelFacts, model_facts
 from xpukit.planning.model.source import read_config
 from xpukit.planning.request import LoadRequest
+from xpukit.planning.training.adapter_base import AdapterBase, adapter_base
 from xpukit.planning.training.adapter_fit import check_saved_adapter
 from xpukit.planning.training.allocation import allocation_cap
 from xpukit.planning.training.base_record import BaseRecord
@@ -267,15 +268,31 @@ def _attempt(
     return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
 
 
+def _adapter_base(asked: Asked, cfg: Config, model: Model) -> AdapterBase:
+    """A trained adapter's base as it trained (its record); a merge takes only the recorded dtype."""
+    record = model.record
+    if asked.req.merge is not None:  # a merge: the dtype it trained in; plan_merge decides the weights
+        trained = (record.dtype, record.path) if record is not None else None
+        return AdapterBase(quant=cfg.quant, trained=trained, followed=False, warnings=())
+    return adapter_base(
+        record,
+        cfg.quant,
+        quantize=asked.quantize,
+        dtype=asked.req.dtype,
+        trainable=asked.trainable,
+        pre_quantized=model.facts.pre_quantized,
+    )
+
+
 def placement_stage(asked: Asked, cfg: Config, mach: Machine, model: Model) -> Placement:
     """The dtype, the layout (with the training plan for new adapters), and a launched job's share."""
     warnings: list[str] = []
-    record = model.record if asked.req.merge is not None else None  # a merge: the dtype it trained in
-    trained = (record.dtype, record.path) if record is not None else None
-    dtype_decision = decide_dtype(asked.req.dtype, mach.main, warnings, trained=trained)
+    base = _adapter_base(asked, cfg, model)
+    warnings += base.warnings
+    dtype_decision = decide_dtype(asked.req.dtype, mach.main, warnings, trained=base.trained)
     attempt = functools.partial(_attempt, asked, cfg, mach, model, dtype_decision)
     chosen = layout_for_training(  # new adapters: 4-bit by fit, no silent weight offload
-        attempt(cfg.quant), replan=attempt, quantize_given=asked.quantize is not None,
+        attempt(base.quant), replan=attempt, quantize_given=asked.quantize is not None or base.followed,
         offload=asked.offload, device=mach.main.torch_device,
     )  # fmt: skip
     warnings += chosen.warnings

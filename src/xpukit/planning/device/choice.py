@@ -114,8 +114,8 @@ def resolve_device(
 def decide_dtype(
     requested: str, device: DeviceFacts, warnings: list[str], *, trained: tuple[str, str] | None = None
 ) -> Decision:
-    """The ``dtype`` decision: the one asked, else the dtype a merged adapter trained in (``trained``:
-    that dtype and the record that says so), else the device's (docs/planning.md "Merge (`merge=`)")."""
+    """The ``dtype`` decision: the one asked, else the dtype a trained adapter trained in (``trained``:
+    that dtype and the record that says so; docs/training.md "Loading an adapter"), else the device's."""
     if requested == "auto" and trained is not None:
         return _trained_dtype(*trained, device)
     if requested == "auto":
@@ -131,9 +131,9 @@ def decide_dtype(
 
 
 def _trained_dtype(dtype: str, record: str, device: DeviceFacts) -> Decision:
-    """A merge with no dtype asked: the dtype its adapter trained in, so it is the trained model."""
+    """A trained adapter with no dtype asked: the dtype it trained in, so it is the trained model."""
     reason = (
-        f"the dtype the adapter was trained in ({dtype}), recorded with it in {record}: merged in it, the "
+        f"the dtype the adapter was trained in ({dtype}), recorded with it in {record}: in it, the "
         "model computes what the trained one did"
     )
     slow = slow_precision(device, dtype)

@@ -243,6 +243,11 @@ def _bitsandbytes(
             reason="quantize= given: your BitsAndBytesConfig, used as is",
         )
     q = replace(plain, config=bnb_kwargs(fixed, dtype))
+    if quant.recorded is not None:
+        config = dict(quant.recorded)
+        if fixed == "4bit":
+            config["bnb_4bit_compute_dtype"] = dtype
+        return replace(q, config=config, reason=f"quantize={fixed!r} {quant.origin}, compute dtype {dtype}")
     if quant.bnb_asked:
         return replace(
             q, reason=f"quantize='nf4' given: bitsandbytes nf4 + double quant, compute dtype {dtype}"

@@ -65,6 +65,8 @@ class QuantRequest:
     user_config: Any = None  # a quantization config given by the user, used as is
     bnb_asked: bool = False  # "nf4" or a BitsAndBytesConfig: bitsandbytes even without adapters
     origin: str = "given"  # where the request came from, as the plan's reason says it
+    # bitsandbytes keywords recorded beside a trained adapter (its base as it trained), or None
+    recorded: dict[str, Any] | None = None
 
     @property
     def method(self) -> str | None:

@@ -29,6 +29,8 @@ _FORMAT = 1
 # The BitsAndBytesConfig keywords that decide which 4-bit weights the base had (the compute dtype
 # does not change them; the merge dequantises in its own dtype).
 _4BIT_KEYS = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "llm_int8_skip_modules")
+# LLM.int8's: the outlier threshold and the skipped modules decide which weights the base had.
+_8BIT_KEYS = ("llm_int8_threshold", "llm_int8_skip_modules", "llm_int8_has_fp16_weight")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +96,17 @@ class BaseRecord:
         config = self.quantization_config or {}
         kept = {k: config[k] for k in _4BIT_KEYS if config.get(k) is not None}
         return {"load_in_4bit": True, **kept, "bnb_4bit_compute_dtype": dtype}
+
+    def load_quantization(self, dtype: str) -> dict[str, Any] | None:
+        """The ``BitsAndBytesConfig`` keywords that hold the base as it trained (``None`` unless the
+        record says bitsandbytes 4-bit or 8-bit): a load of the adapter gives the trained model."""
+        if self.quantization == "4bit":
+            return self.merge_quantization(dtype)
+        if self.quantization == "8bit":
+            config = self.quantization_config or {}
+            kept = {k: config[k] for k in _8BIT_KEYS if config.get(k) is not None}
+            return {"load_in_8bit": True, **kept}
+        return None
 
 
 def record_from(quantization_config: dict[str, Any] | None, *, dtype: str, base_model: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``xpukit export``: a model (with an adapter merged first) written as a GGUF file for llama.cpp and Ollama."""
+"""``xpukit export``: a model (an adapter merged first) written as a GGUF file for llama.cpp and Ollama."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def add_parser(sub: Any) -> None:
         "makes them from a bf16 export",
     )
     parser.add_argument("--adapter", metavar="DIR", help="a LoRA adapter merged into SOURCE first")
-    parser.add_argument("--ollama", action="store_true", help="also write an Ollama Modelfile beside the file")
+    parser.add_argument(
+        "--ollama", action="store_true", help="also write an Ollama Modelfile beside the file"
+    )
     parser.add_argument("--name", help="the model's name in the file (default: SOURCE's folder name)")
     parser.add_argument("--device", help="where to merge: xpu, cuda, mps or cpu (default: by fit)")
     parser.add_argument(
@@ -81,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     plan = result.plan
     merged = f" with {args.adapter} merged" if args.adapter else ""
-    print(f"exported {args.source}{merged} as llama.cpp's {plan.family.arch!r} architecture ({plan.family.label})")
+    arch = f"llama.cpp's {plan.family.arch!r} architecture ({plan.family.label})"
+    print(f"exported {args.source}{merged} as {arch}")
     print(f"wrote {result.file} ({result.bytes / 2**20:.1f} MiB, {plan.type}) in {result.seconds:.1f} s")
     if result.modelfile is not None:
         print(f"wrote {result.modelfile}: ollama create NAME -f {result.modelfile}")

@@ -19,7 +19,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import Any
 from xpukit._compat import installed_version
 from xpukit._partial import writing
 from xpukit.errors import InvalidRequestError, MissingExtraError
-from xpukit.planning.model.gguf_export import ExportFacts, GgufExportPlan, plan_gguf_export
+from xpukit.planning.model.gguf_export import ExportFacts, GgufExportPlan, gguf_type, plan_gguf_export
 
 __all__ = ["GgufExport", "export_facts", "export_gguf", "export_gguf_from_source", "modelfile"]
 
@@ -136,6 +136,7 @@ def export_gguf(
     target = Path(out)
     with _tokenizer_folder(tokenizer if tokenizer is not None else model.name_or_path) as tokenizer_dir:
         plan = plan_gguf_export(export_facts(model, target, tokenizer_dir), type)
+        assert tokenizer_dir is not None  # the plan refuses a model without a tokenizer
         return _write(model, plan, target, tokenizer_dir, name=name, ollama=ollama, start=start)
 
 
@@ -159,10 +160,12 @@ def export_gguf_from_source(
     (an adapter that does not fit SOURCE) before any weight is read.
     """
     start = time.perf_counter()
+    gguf_type(type)  # a bad type is refused before anything is read
     _require_gguf()
     target = Path(out)
     with _tokenizer_folder(adapter if _has_tokenizer(adapter) else source) as tokenizer_dir:
         plan = plan_gguf_export(export_facts(_meta_model(source), target, tokenizer_dir), type)
+        assert tokenizer_dir is not None  # the plan refuses a model without a tokenizer
         from xpukit.loading.load import load_for_xpu
         from xpukit.loading.save_merged import checkpoint_dtype, merge_dtype
 

@@ -56,7 +56,9 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for _, hf_name, tensor in items:
-            writer.write_tensor_data(_encode(_prepared(plan, config, hf_name, tensor), plan.tensor_types[hf_name]))
+            writer.write_tensor_data(
+                _encode(_prepared(plan, config, hf_name, tensor), plan.tensor_types[hf_name])
+            )
         for _, array in extra:
             writer.write_tensor_data(array)
     finally:
@@ -195,8 +197,8 @@ def _pad(tokens: list[Any], types: list[Any], rows: int, scores: list[float]) ->
 
     if len(tokens) > rows:
         raise InvalidRequestError(
-            f"GGUF export: the tokenizer has {len(tokens)} tokens and the model's embedding {rows} rows. Fix: "
-            "resize the embeddings (model.resize_token_embeddings(len(tokenizer))) first."
+            f"GGUF export: the tokenizer has {len(tokens)} tokens and the model's embedding {rows} rows. "
+            "Fix: resize the embeddings (model.resize_token_embeddings(len(tokenizer))) first."
         )
     for i in range(len(tokens), rows):
         tokens.append(f"[PAD{i}]".encode())
@@ -212,12 +214,16 @@ def _extra_tensors(plan: GgufExportPlan, config: Mapping[str, Any]) -> list[tupl
     return [("rope_freqs.weight", np.asarray(llama3_rope_factors(config), dtype=np.float32))]
 
 
-def _prepared(plan: GgufExportPlan, config: Mapping[str, Any], name: str, tensor: torch.Tensor) -> torch.Tensor:
+def _prepared(
+    plan: GgufExportPlan, config: Mapping[str, Any], name: str, tensor: torch.Tensor
+) -> torch.Tensor:
     """The tensor as llama.cpp reads it: float32 on the CPU, q/k rows permuted, Gemma norms + 1."""
     import torch
 
     data = tensor.detach().to(device="cpu", dtype=torch.float32)
-    if plan.family.permute_qk and name.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+    if plan.family.permute_qk and name.endswith(
+        ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")
+    ):
         heads = int(config["num_attention_heads"])
         if ".k_proj." in name:
             heads = int(config.get("num_key_value_heads") or heads)
@@ -257,9 +263,11 @@ def _encode(data: torch.Tensor, kind: str) -> np.ndarray:
     import torch
 
     if kind == "F32":
-        return data.numpy()
-    if kind == "F16":
-        return data.to(torch.float16).numpy()
-    if kind == "BF16":  # torch rounds to nearest even, as gguf's BF16 does; bf16 weights stay exact
-        return data.to(torch.bfloat16).view(torch.uint8).numpy()
-    return np.asarray(gguf.quants.quantize(data.numpy(), _raw(kind)))
+        encoded = data
+    elif kind == "F16":
+        encoded = data.to(torch.float16)
+    elif kind == "BF16":  # torch rounds to nearest even, as gguf's BF16 does; bf16 weights stay exact
+        encoded = data.to(torch.bfloat16).view(torch.uint8)
+    else:
+        return np.asarray(gguf.quants.quantize(data.numpy(), _raw(kind)))
+    return np.asarray(encoded.numpy())

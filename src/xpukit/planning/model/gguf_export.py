@@ -32,6 +32,7 @@ __all__ = [
     "ExportFacts",
     "GgufExportPlan",
     "GgufFamily",
+    "gguf_type",
     "plan_gguf_export",
     "tokenizer_kind",
 ]
@@ -59,11 +60,15 @@ class GgufFamily:
 
 
 FAMILIES: Mapping[str, GgufFamily] = {
-    "llama": GgufFamily(arch="llama", label="Llama", permute_qk=True, rope_types=("default", "llama3", "linear")),
+    "llama": GgufFamily(
+        arch="llama", label="Llama", permute_qk=True, rope_types=("default", "llama3", "linear")
+    ),
     "mistral": GgufFamily(arch="llama", label="Mistral", permute_qk=True, rope_types=("default",)),
     "qwen2": GgufFamily(arch="qwen2", label="Qwen2", rope_types=("default",)),
     "qwen3": GgufFamily(arch="qwen3", label="Qwen3", rope_types=("default",)),
-    "gemma3_text": GgufFamily(arch="gemma3", label="Gemma 3", norm_shift=1.0, rope_types=("default", "linear")),
+    "gemma3_text": GgufFamily(
+        arch="gemma3", label="Gemma 3", norm_shift=1.0, rope_types=("default", "linear")
+    ),
 }
 # llama.cpp's Gemma 3 (docs/export.md "Gemma 3"): every 6th layer global, the rest sliding windows
 # with rope base 10000, and queries scaled by 1/sqrt(head_dim).
@@ -132,7 +137,7 @@ def plan_gguf_export(facts: ExportFacts, type: str = "bf16") -> GgufExportPlan:
             or OUT exists.
         PlanError: too little free disk for the file.
     """
-    asked = _gguf_type(type)
+    asked = gguf_type(type)
     if facts.out_exists:
         raise InvalidRequestError(
             f"OUT={facts.out!r} already exists and is not an empty folder. Fix: pass a new folder, or "
@@ -155,9 +160,9 @@ def plan_gguf_export(facts: ExportFacts, type: str = "bf16") -> GgufExportPlan:
     if facts.free_bytes is not None and facts.free_bytes < size + DISK_MARGIN:
         raise PlanError(
             f"GGUF export to {facts.out!r}: the file needs about {size / 2**20:.1f} MiB (+ "
-            f"{DISK_MARGIN // 2**20} MiB kept free) and the disk has {facts.free_bytes / 2**20:.1f} MiB free. "
-            "Nothing was written. Fix: free space, write OUT on another disk, or pick a smaller --type "
-            f"(sizes per type: docs/export.md)."
+            f"{DISK_MARGIN // 2**20} MiB kept free) and the disk has {facts.free_bytes / 2**20:.1f} MiB "
+            "free. Nothing was written. Fix: free space, write OUT on another disk, or pick a smaller --type "
+            "(sizes per type: docs/export.md)."
         )
     decisions = (
         Decision(
@@ -168,7 +173,9 @@ def plan_gguf_export(facts: ExportFacts, type: str = "bf16") -> GgufExportPlan:
             source="user",
         ),
         Decision(name="gguf_arch", value=family.arch, reason=_arch_reason(family)),
-        Decision(name="gguf_tokenizer", value=f"{model}/{pre}" if pre else model, reason=_tok_reason(model, pre)),
+        Decision(
+            name="gguf_tokenizer", value=f"{model}/{pre}" if pre else model, reason=_tok_reason(model, pre)
+        ),
     )
     return GgufExportPlan(
         family=family, model_type=model_type, type=asked, tensor_types=types, tokenizer_model=model,
@@ -177,7 +184,8 @@ def plan_gguf_export(facts: ExportFacts, type: str = "bf16") -> GgufExportPlan:
     )  # fmt: skip
 
 
-def _gguf_type(type: str) -> str:
+def gguf_type(type: str) -> str:
+    """The asked type, normalised; an unknown type or a k-quant refused with the fix."""
     asked = str(type).strip().lower()
     if asked in GGUF_TYPES:
         return asked
@@ -321,7 +329,9 @@ def _check_gemma3(config: Mapping[str, Any]) -> None:
     if found != expected:
         problems.append(f"layer_types {found} (llama.cpp: every {GEMMA3_PATTERN}th layer global, {expected})")
     if scalar is not None and int(scalar) != head_dim and layers != 62:
-        problems.append(f"query_pre_attn_scalar {scalar} (llama.cpp scales queries by 1/sqrt(head_dim {head_dim}))")
+        problems.append(
+            f"query_pre_attn_scalar {scalar} (llama.cpp scales queries by 1/sqrt(head_dim {head_dim}))"
+        )
     if float(local) != GEMMA3_LOCAL_ROPE_BASE:
         problems.append(f"sliding layers' rope_theta {local} (llama.cpp: {GEMMA3_LOCAL_ROPE_BASE:g})")
     if problems:

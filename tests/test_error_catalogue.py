@@ -893,6 +893,21 @@ CLI_CASES = [
         ["merge", "/nonexistent/base", "/nonexistent/adapter", "/nonexistent/out"],
         ("/nonexistent/base", "does not exist", "Hub model id"),
     ),
+    (
+        "export-k-quant",
+        ["export", "/nonexistent/model", "/nonexistent/out", "--gguf", "--type", "q4_k_m"],
+        ("'q4_k_m'", "gguf package cannot write", "llama-quantize"),
+    ),
+    (
+        "export-type",
+        ["export", "/nonexistent/model", "/nonexistent/out", "--gguf", "--type", "int4"],
+        ("'int4'", "not a GGUF type", "bf16, f16, q8_0, q4_0"),
+    ),
+    (
+        "export-missing-source",
+        ["export", "/nonexistent/model", "/nonexistent/out", "--gguf"],
+        ("/nonexistent/model", "does not exist", "Hub model id"),
+    ),
 ]
 
 # Run as real processes too: the installed entry point's exit code and stderr.

@@ -22,6 +22,7 @@ from xpukit.errors import (
 )
 
 if TYPE_CHECKING:
+    from xpukit.loading.gguf_export import export_gguf
     from xpukit.loading.load import load_for_xpu
     from xpukit.machine.facts import DeviceFacts, MachineFacts
     from xpukit.machine.probe import detect
@@ -42,6 +43,7 @@ _LAZY = {
     "LoadPlan": "xpukit.planning.loadplan",
     "MachineFacts": "xpukit.machine.facts",
     "detect": "xpukit.machine.probe",
+    "export_gguf": "xpukit.loading.gguf_export",
     "load_for_xpu": "xpukit.loading.load",
     "plan_load": "xpukit.planning.plan",
     "select_devices": "xpukit.select.devices",
@@ -92,6 +94,7 @@ __all__ = [
     "XpukitError",
     "__version__",
     "detect",
+    "export_gguf",
     "load_for_xpu",
     "plan_load",
     "select_devices",

@@ -19,7 +19,7 @@ from xpukit.cli.output import reserved_stdout
 from xpukit.errors import XpukitError
 
 # Subcommand modules, in the order `--help` lists them.
-SUBCOMMANDS = ("doctor", "plan", "launch", "demo", "merge")
+SUBCOMMANDS = ("doctor", "plan", "launch", "demo", "merge", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ from xpukit.errors import InvalidRequestError
 from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.device.quantization import RECORDED_QUANTIZE_KEY
 
-__all__ = ["MergeResult", "checkpoint_dtype", "save_merged"]
+__all__ = ["MergeResult", "checkpoint_dtype", "merge_dtype", "save_merged"]
 
 # --quantize values -> the quantize= a load without adapters takes from the record.
 MERGE_QUANTIZE = {"int4": "4bit", "int8": "8bit"}
@@ -140,7 +140,7 @@ def save_merged(
                 f"--quantize {quantize!r} is not a quantization a merged checkpoint records. Valid: "
                 f"{', '.join(MERGE_QUANTIZE)}. Default: none (the checkpoint loads in full precision)."
             )
-    chosen, why, dtype_from = _merge_dtype(dtype, base, adapter)
+    chosen, why, dtype_from = merge_dtype(dtype, base, adapter)
     from xpukit.loading.load import load_for_xpu
 
     model = load_for_xpu(base, lora=os.fspath(adapter), merge=merge, force=force, dtype=chosen, device=device)
@@ -168,7 +168,7 @@ def save_merged(
     )  # fmt: skip
 
 
-def _merge_dtype(dtype: str | None, base: Any, adapter: str | os.PathLike[str]) -> tuple[str, str, str]:
+def merge_dtype(dtype: str | None, base: Any, adapter: str | os.PathLike[str]) -> tuple[str, str, str]:
     """The dtype to merge in (``"auto"``: the plan's, which is the recorded one), why, and from where:
     ``"asked"`` (``dtype=``), ``"record"`` (the dtype the adapter trained in, as its base record says)
     or ``"checkpoint"`` (no record: the base checkpoint's own dtype)."""

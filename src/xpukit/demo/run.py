@@ -44,6 +44,7 @@ from xpukit.demo.output import (
 from xpukit.demo.text import readable, token_bytes
 from xpukit.demo.training_run import lora_layers_updated, train
 from xpukit.errors import InvalidRequestError, MissingExtraError
+from xpukit.loading.load_problems import missing_weights_problem
 from xpukit.planning.budgets import format_bytes
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_STEPS", "DemoResult", "plot_losses", "run_demo"]
@@ -213,6 +214,9 @@ def run_demo(
         lr = learning_rate if learning_rate is not None else (_LR_EMBEDDED if embedded else _LR_PRETRAINED)
 
         plan, quant_note = _plan(source, device=device, quantize=quantize, seed=seed)
+        missing = missing_weights_problem(plan)
+        if missing is not None:  # before the plan is printed: the demo cannot run on it
+            raise InvalidRequestError(missing)
         say("", plan.explain(), "", f"Quantization: {plan.quantization or 'none'}; {quant_note}", "")
         if embedded and plan.device.backend == "cpu":
             cleanup.enter_context(one_cpu_thread())

@@ -403,6 +403,14 @@ CASES = [
     ),
     Case("lora-rank-zero", _plan(facts="h100", lora={"r": 0}), InvalidRequestError, "'r': 0", "rank", "16"),
     Case(
+        "lora-rank-above-width",
+        _plan("tiny", facts="cpu", lora={"r": 100000}),
+        InvalidRequestError,
+        "'r': 100000",
+        "larger than the model's hidden size",
+        "r <= ",
+    ),
+    Case(
         "lora-dropout",
         _plan(facts="h100", lora={"lora_dropout": 1.5}),
         InvalidRequestError,

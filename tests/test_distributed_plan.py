@@ -234,3 +234,34 @@ def test_plan_cli_rank(capsys: pytest.CaptureFixture[str]) -> None:
         capsys, "plan", "qwen3-8b", "--assume", "max-1550x2", "--rank", "1/2", "--device", "xpu:0"
     )
     assert code == 1 and "belongs to local rank 0" in err
+
+
+def test_deepspeed_in_a_process_without_launch_variables_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain `python train.py` with strategy='deepspeed': DeepSpeed would look for its ranks through
+    MPI and die in Trainer.train() on mpi4py; refused up front, with the missing variables and fixes."""
+    pytest.importorskip("deepspeed")
+    import importlib.util
+
+    from xpukit import training_args
+    from xpukit.training.strategy import DEEPSPEED_ENV, deepspeed_env_missing
+
+    if importlib.util.find_spec("mpi4py") is not None:
+        pytest.skip("mpi4py is installed: DeepSpeed can find its ranks through MPI")
+    for name in (*DEEPSPEED_ENV, "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV"):
+        monkeypatch.delenv(name, raising=False)
+    assert deepspeed_env_missing() == DEEPSPEED_ENV
+    with pytest.raises(InvalidRequestError, match="not launched") as info:
+        training_args(facts="cpu-bf16", strategy="deepspeed", output_dir="unused")
+    assert "mpi4py" in str(info.value) and "xpukit launch --nproc" in str(info.value)
+    with pytest.raises(InvalidRequestError, match="RANK, WORLD_SIZE"):
+        _kwargs("deepspeed", deepspeed_env_missing=DEEPSPEED_ENV)
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "LOCAL_RANK": "0",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert deepspeed_env_missing() == ()  # launched: DeepSpeed reads them, nothing to refuse

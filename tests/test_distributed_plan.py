@@ -225,6 +225,42 @@ def test_launch_dry_run_shows_torchrun_command_and_ccl_env(capsys: pytest.Captur
     assert code == 1 and "--nproc N" in err
 
 
+def test_launch_nproc_runs_python_c_code(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`xpukit launch --nproc 2 -- python -c CODE`: torchrun takes a script or a module, so the code runs
+    through --no-python (or each XPU rank's wrapper); other interpreter options are refused in xpukit's
+    words, not with torchrun's usage."""
+    import sys
+
+    from xpukit.cli.launch import rank_main
+
+    code, out, err = _cli(
+        capsys, "launch", "--nproc", "2", "--dry-run", "--", "python", "-c", "print(1)", "a"
+    )
+    assert code == 0, err
+    assert out.split("torch.distributed.run", 1)[1].split() == [
+        "--nproc-per-node", "2", "--standalone", "--no-python", sys.executable, "-c", "'print(1)'", "a"
+    ]  # fmt: skip
+    args = ["--devices", "0,1", "--backend", "xpu", "--nproc", "2", "--dry-run", "--json"]
+    code, out, err = _cli(capsys, "launch", *args, "--", "python", "-c", "print(1)")
+    assert code == 0, err
+    assert json.loads(out)["command"][-4:] == ["--module", "xpukit.cli.launch", "-c", "print(1)"]
+    for bad, says in (
+        (["-u", "t.py"], "interpreter option '-u'"),
+        (["-c"], "needs its argument"),
+        ([], "no script"),
+    ):
+        code, _, err = _cli(capsys, "launch", "--nproc", "2", "--dry-run", "--", "python", *bad)
+        assert code == 1 and says in err and "usage" not in err, err
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # rank_main sets argv and path as `python -c` does
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("CCL_LOCAL_RANK", "unset")  # restored after: rank_main sets it in os.environ
+    assert rank_main(["-c", "import sys, os; print('ran', sys.argv, os.environ['CCL_LOCAL_RANK'])", "x"]) == 0
+    assert "ran ['-c', 'x'] 1" in capsys.readouterr().out
+
+
 def test_plan_cli_rank(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _cli(capsys, "plan", "qwen3-8b", "--assume", "max-1550x2", "--rank", "1/2")
     assert code == 0, err

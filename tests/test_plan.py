@@ -581,7 +581,28 @@ def test_cli_plan_says_what_a_profile_is_and_offers_the_built_in_shapes(capsys, 
     assert main(["plan", "qwen3-9b"]) == 1
     err = capsys.readouterr().err
     assert "hf download qwen3-9b" in err
-    assert "built-in shape, no download needed (did you mean qwen3-8b?)" in err
+    assert "Did you mean the built-in shape 'qwen3-8b'?" in err
+
+
+def test_plan_load_takes_the_built_in_shapes_and_gives_the_clis_advice(monkeypatch, capsys):
+    """plan_load('qwen3-8b') plans the built-in shape as `xpukit plan qwen3-8b` does; a Hub id that
+    cannot be read names the built-in shape only when that shape is this model's (the same words from
+    the API and the command line), never as if any shape were the model asked for."""
+    from xpukit.cli.main import main
+    from xpukit.errors import InvalidRequestError
+
+    plan = plan_load("qwen3-8b", facts="h100")
+    assert plan.model is None and plan.model_facts.architecture == "Qwen3ForCausalLM"
+    assert plan.model_facts.num_parameters > 8e9
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InvalidRequestError) as info:
+        plan_load("Qwen/Qwen3-8B", facts="h100")
+    assert "the built-in shape 'qwen3-8b' has Qwen/Qwen3-8B's config" in str(info.value)
+    assert main(["plan", "Qwen/Qwen3-8B"]) == 1
+    assert str(info.value) in capsys.readouterr().err
+    with pytest.raises(InvalidRequestError) as info:
+        plan_load("someone/some-model", facts="h100")
+    assert "built-in" not in str(info.value) and "qwen3" not in str(info.value)
 
 
 def test_cli_plan_errors_exit_1(capsys):

@@ -7,13 +7,14 @@ silent endpoint costs seconds, not forever.
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.hub import RECHECK_HINT, hub_offline, hub_status
-from xpukit.planning.model.reference_models import REFERENCE_CONFIGS
+from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, REFERENCE_HUB_IDS, reference_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -131,6 +132,9 @@ def read_config(
     local = local_model_dir(model)
     text = str(model)
     config_kwargs = dict(kwargs)
+    if local is None and text.lower() in REFERENCE_CONFIGS:  # a built-in shape, as `xpukit plan` takes it
+        config = reference_config(text)
+        return config, None, text.lower(), frozenset()
     if local is not None:
         try:
             config, unused = AutoConfig.from_pretrained(
@@ -160,16 +164,30 @@ def read_config(
     except (OSError, ValueError) as exc:
         if local_only:
             recheck = "" if hub_offline() else f" ({RECHECK_HINT})"
+            dry_run = _shape_hint(text)
             raise InvalidRequestError(
                 f"{text!r} is not a local directory, and its config is not in the local Hub cache "
                 "while the Hub "
                 f"cannot be used ({why}). Fix: download it while online (`hf download {text}`), or "
-                f"pass a local directory{recheck}."
+                f"pass a local directory{recheck}.{dry_run}"
             ) from exc
         raise InvalidRequestError(f"Could not read the config of {text!r} from the Hub: {exc}") from exc
     else:
         return config, text, text, _consumed(kwargs, unused)
     raise InvalidRequestError(problem)  # outside `except`: no chained transformers traceback
+
+
+def _shape_hint(text: str) -> str:
+    """For a Hub id that cannot be read: the built-in shape of that very model, or the one a name
+    without an organisation was probably meant as (``qwen3-9b``); nothing for any other id."""
+    same = next((k for k, hub_id in REFERENCE_HUB_IDS.items() if hub_id.lower() == text.lower()), None)
+    if same is not None:
+        return (
+            f" To plan without the download: the built-in shape {same!r} has {text}'s config "
+            f"(plan_load({same!r}), `xpukit plan {same}`)."
+        )
+    close = difflib.get_close_matches(text.lower(), list(REFERENCE_CONFIGS), n=1) if "/" not in text else []
+    return f" Did you mean the built-in shape {close[0]!r}?" if close else ""
 
 
 def _refused_value(exc: Exception) -> str:

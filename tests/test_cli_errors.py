@@ -85,3 +85,15 @@ def test_a_model_folder_without_weights_is_one_line(
     code, out, err = _cli(*argv)
     assert code == 1 and "has a config.json but no weights" in _one_line(err, command)
     assert "Plan for" not in out  # the demo refuses before it prints its plan
+
+
+def test_demo_refuses_a_non_empty_or_file_output_dir_before_it_runs(tmp_path: Path) -> None:
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    a_file = tmp_path / "file"
+    a_file.write_text("mine")
+    for target, says in ((full, "is not empty"), (a_file, "is a file")):
+        code, out, err = _cli("demo", "--output-dir", str(target), "--steps", "1")
+        assert code == 1 and says in _one_line(err, "demo") and "Plan for" not in out
+    assert [p.name for p in full.iterdir()] == ["notes.txt"] and a_file.read_text() == "mine"

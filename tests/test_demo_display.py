@@ -112,3 +112,27 @@ def test_every_string_encodes_without_unknown_tokens(demo_model: Path, word: str
     tokenizer = AutoTokenizer.from_pretrained(demo_model)
     assert tokenizer.unk_token_id is None
     assert tokenizer.decode(tokenizer(word)["input_ids"]) == word
+
+
+def test_the_loss_plot_says_one_step_and_ticks_whole_steps(tmp_path: Path) -> None:
+    """A short run: the legend says "mean of 1 step" (not "1 steps") and the step axis has integer ticks."""
+    pytest.importorskip("matplotlib")
+    from unittest import mock
+
+    from matplotlib.figure import Figure
+
+    from xpukit.demo.output import plot_losses
+
+    saved: list[Figure] = []
+    real = Figure.savefig
+
+    def keep(self: Figure, *args: object, **kwargs: object) -> None:
+        saved.append(self)
+        real(self, *args, **kwargs)
+
+    with mock.patch.object(Figure, "savefig", keep):
+        plot_losses(((1, 3.0), (2, 2.5), (3, 2.0)), tmp_path / "loss.png", title="t")
+    ax = saved[0].axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["loss per step", "mean of 1 step"]
+    ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+    assert ticks and all(float(t).is_integer() for t in ticks)

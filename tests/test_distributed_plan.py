@@ -225,6 +225,42 @@ def test_launch_dry_run_shows_torchrun_command_and_ccl_env(capsys: pytest.Captur
     assert code == 1 and "--nproc N" in err
 
 
+def test_launch_nproc_runs_python_c_code(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`xpukit launch --nproc 2 -- python -c CODE`: torchrun takes a script or a module, so the code runs
+    through --no-python (or each XPU rank's wrapper); other interpreter options are refused in xpukit's
+    words, not with torchrun's usage."""
+    import sys
+
+    from xpukit.cli.launch import rank_main
+
+    code, out, err = _cli(
+        capsys, "launch", "--nproc", "2", "--dry-run", "--", "python", "-c", "print(1)", "a"
+    )
+    assert code == 0, err
+    assert out.split("torch.distributed.run", 1)[1].split() == [
+        "--nproc-per-node", "2", "--standalone", "--no-python", sys.executable, "-c", "'print(1)'", "a"
+    ]  # fmt: skip
+    args = ["--devices", "0,1", "--backend", "xpu", "--nproc", "2", "--dry-run", "--json"]
+    code, out, err = _cli(capsys, "launch", *args, "--", "python", "-c", "print(1)")
+    assert code == 0, err
+    assert json.loads(out)["command"][-4:] == ["--module", "xpukit.cli.launch", "-c", "print(1)"]
+    for bad, says in (
+        (["-u", "t.py"], "interpreter option '-u'"),
+        (["-c"], "needs its argument"),
+        ([], "no script"),
+    ):
+        code, _, err = _cli(capsys, "launch", "--nproc", "2", "--dry-run", "--", "python", *bad)
+        assert code == 1 and says in err and "usage" not in err, err
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # rank_main sets argv and path as `python -c` does
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("CCL_LOCAL_RANK", "unset")  # restored after: rank_main sets it in os.environ
+    assert rank_main(["-c", "import sys, os; print('ran', sys.argv, os.environ['CCL_LOCAL_RANK'])", "x"]) == 0
+    assert "ran ['-c', 'x'] 1" in capsys.readouterr().out
+
+
 def test_plan_cli_rank(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _cli(capsys, "plan", "qwen3-8b", "--assume", "max-1550x2", "--rank", "1/2")
     assert code == 0, err
@@ -234,3 +270,34 @@ def test_plan_cli_rank(capsys: pytest.CaptureFixture[str]) -> None:
         capsys, "plan", "qwen3-8b", "--assume", "max-1550x2", "--rank", "1/2", "--device", "xpu:0"
     )
     assert code == 1 and "belongs to local rank 0" in err
+
+
+def test_deepspeed_in_a_process_without_launch_variables_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain `python train.py` with strategy='deepspeed': DeepSpeed would look for its ranks through
+    MPI and die in Trainer.train() on mpi4py; refused up front, with the missing variables and fixes."""
+    pytest.importorskip("deepspeed")
+    import importlib.util
+
+    from xpukit import training_args
+    from xpukit.training.strategy import DEEPSPEED_ENV, deepspeed_env_missing
+
+    if importlib.util.find_spec("mpi4py") is not None:
+        pytest.skip("mpi4py is installed: DeepSpeed can find its ranks through MPI")
+    for name in (*DEEPSPEED_ENV, "AZUREML_EXPERIMENT_ID", "SM_TRAINING_ENV"):
+        monkeypatch.delenv(name, raising=False)
+    assert deepspeed_env_missing() == DEEPSPEED_ENV
+    with pytest.raises(InvalidRequestError, match="not launched") as info:
+        training_args(facts="cpu-bf16", strategy="deepspeed", output_dir="unused")
+    assert "mpi4py" in str(info.value) and "xpukit launch --nproc" in str(info.value)
+    with pytest.raises(InvalidRequestError, match="RANK, WORLD_SIZE"):
+        _kwargs("deepspeed", deepspeed_env_missing=DEEPSPEED_ENV)
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "LOCAL_RANK": "0",
+    }
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert deepspeed_env_missing() == ()  # launched: DeepSpeed reads them, nothing to refuse

@@ -326,3 +326,22 @@ def test_what_the_versions_enable_from_hand_made_facts() -> None:
         "no XPU backend before 0.48" in text
         and "no strategy='deepspeed' (pip install \"xpukit[deepspeed]\")" in text
     )
+
+
+@pytest.mark.parametrize("profile", ["cpu-bf16", "cpu", "laptop-16g"])
+def test_doctor_and_the_loader_agree_about_cpu_half_precision(profile: str) -> None:
+    """One rule (machine/precision.py slow_precision): doctor's "emulated (slow)" list and the plan's
+    "only emulated" warning for dtype='float16' / 'bfloat16' name the same formats on every CPU."""
+    from xpukit import plan_load
+    from xpukit.doctor.report import _precisions
+    from xpukit.machine.profiles import device_profile
+    from xpukit.planning.model.reference_models import reference_config
+
+    line = _precisions(device_profile(profile))
+    emulated = line.split("emulated (slow): ")[1].split(";")[0].split(", ") if "emulated" in line else []
+    for short, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
+        plan = plan_load(reference_config("qwen3-0.6b"), facts=profile, dtype=dtype)
+        warned = any("only emulated" in w for w in plan.warnings)
+        assert warned == (short in emulated), (profile, dtype, line, plan.warnings)
+    if profile == "cpu-bf16":  # AVX512-FP16 and AMX: fp16 is native there, as doctor says
+        assert "fp16" not in emulated

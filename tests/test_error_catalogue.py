@@ -56,6 +56,8 @@ class Inputs:
     truncated_header: Path  # mid with model.safetensors cut to 5 bytes
     gpt2_adapter: Path  # a LoRA adapter trained on the tiny GPT-2
     small_adapter: Path  # a LoRA adapter of the tiny Qwen3 (other shapes than mid)
+    bad_value: Path  # the tiny Qwen3 with "hidden_size": "big" in its config.json
+    no_weights: Path  # the tiny Qwen3's config.json and tokenizer, no weights
 
 
 @dataclass(frozen=True)
@@ -401,6 +403,14 @@ CASES = [
     ),
     Case("lora-rank-zero", _plan(facts="h100", lora={"r": 0}), InvalidRequestError, "'r': 0", "rank", "16"),
     Case(
+        "lora-rank-above-width",
+        _plan("tiny", facts="cpu", lora={"r": 100000}),
+        InvalidRequestError,
+        "'r': 100000",
+        "larger than the model's hidden size",
+        "r <= ",
+    ),
+    Case(
         "lora-dropout",
         _plan(facts="h100", lora={"lora_dropout": 1.5}),
         InvalidRequestError,
@@ -641,6 +651,30 @@ CASES = [
         "'blorp'",
         "does not know",
         "pip install -U transformers",
+    ),
+    Case(
+        "adapter-as-model",
+        _plan("small_adapter", facts="cpu"),
+        InvalidRequestError,
+        "small_adapter",
+        "is a LoRA adapter",
+        "lora=",
+    ),
+    Case(
+        "config-bad-value",
+        _plan("bad_value", facts="cpu"),
+        InvalidRequestError,
+        "hidden_size",
+        "refuses",
+        "correct that value",
+    ),
+    Case(
+        "weights-missing",
+        _load("no_weights", device="cpu"),
+        InvalidRequestError,
+        "no_weights",
+        "no weights",
+        "save_pretrained",
     ),
     Case(
         "bare-config-load",
@@ -938,6 +972,13 @@ def inputs(
         (root / name / "model.safetensors").write_bytes(weights[:cut])
     for name, base in (("gpt2_adapter", tiny_model_factory("gpt2")), ("small_adapter", tiny_model)):
         load_for_xpu(base, device="cpu", lora=True).save_pretrained(root / name)
+    shutil.copytree(tiny_model, root / "bad_value")
+    config = json.loads((root / "bad_value" / "config.json").read_text())
+    (root / "bad_value" / "config.json").write_text(json.dumps(config | {"hidden_size": "big"}))
+    (root / "no_weights").mkdir()
+    for file in tiny_model.iterdir():
+        if not file.name.endswith(".safetensors"):
+            shutil.copy(file, root / "no_weights" / file.name)
     gc.collect()
     return Inputs(
         tiny=tiny_model,
@@ -950,6 +991,8 @@ def inputs(
         truncated_header=root / "truncated_header",
         gpt2_adapter=root / "gpt2_adapter",
         small_adapter=root / "small_adapter",
+        bad_value=root / "bad_value",
+        no_weights=root / "no_weights",
     )
 
 

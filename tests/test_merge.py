@@ -440,3 +440,31 @@ def test_a_device_too_small_merges_on_the_cpu_for_real(tiny_model: Path, adapter
     inputs = _inputs(tiny_model)
     on_cpu = _merged(tiny_model, adapters["qlora"], True)
     torch.testing.assert_close(_logits(merged, inputs), _logits(on_cpu, inputs), rtol=0, atol=0)
+
+
+@pytest.mark.slow  # a real `xpukit merge` process interrupted: the process is the point
+def test_ctrl_c_after_a_complete_merge_exits_0_and_took_is_the_wall_time(
+    tiny_model: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """The summary is printed when OUT is complete; a Ctrl-C while the interpreter then shuts down
+    (about a second, freeing torch) leaves the exit code 0. "took" counts from the command's start."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "merged"
+    argv = [sys.executable, "-m", "xpukit", "merge", str(tiny_model), str(adapters["qlora"]), str(out)]
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    assert proc.stdout is not None
+    took = None
+    for line in proc.stdout:
+        if line.startswith("took "):
+            seen = time.perf_counter() - started
+            took = float(line.split()[1])
+            proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=120) == 0, proc.stderr.read() if proc.stderr else ""
+    assert took is not None and (out / "model.safetensors").is_file()
+    assert seen - 1.0 < took <= seen, (took, seen)  # the command's wall time, start-up included

@@ -581,7 +581,28 @@ def test_cli_plan_says_what_a_profile_is_and_offers_the_built_in_shapes(capsys, 
     assert main(["plan", "qwen3-9b"]) == 1
     err = capsys.readouterr().err
     assert "hf download qwen3-9b" in err
-    assert "built-in shape, no download needed (did you mean qwen3-8b?)" in err
+    assert "Did you mean the built-in shape 'qwen3-8b'?" in err
+
+
+def test_plan_load_takes_the_built_in_shapes_and_gives_the_clis_advice(monkeypatch, capsys):
+    """plan_load('qwen3-8b') plans the built-in shape as `xpukit plan qwen3-8b` does; a Hub id that
+    cannot be read names the built-in shape only when that shape is this model's (the same words from
+    the API and the command line), never as if any shape were the model asked for."""
+    from xpukit.cli.main import main
+    from xpukit.errors import InvalidRequestError
+
+    plan = plan_load("qwen3-8b", facts="h100")
+    assert plan.model is None and plan.model_facts.architecture == "Qwen3ForCausalLM"
+    assert plan.model_facts.num_parameters > 8e9
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(InvalidRequestError) as info:
+        plan_load("Qwen/Qwen3-8B", facts="h100")
+    assert "the built-in shape 'qwen3-8b' has Qwen/Qwen3-8B's config" in str(info.value)
+    assert main(["plan", "Qwen/Qwen3-8B"]) == 1
+    assert str(info.value) in capsys.readouterr().err
+    with pytest.raises(InvalidRequestError) as info:
+        plan_load("someone/some-model", facts="h100")
+    assert "built-in" not in str(info.value) and "qwen3" not in str(info.value)
 
 
 def test_cli_plan_errors_exit_1(capsys):
@@ -796,3 +817,45 @@ def test_check_request_takes_plan_load_s_choices_with_the_same_defaults() -> Non
     for own in ("facts", "offload"):
         planned.pop(own)
     assert keywords(check_request) == planned
+
+
+def test_quantize_to_run_without_an_importable_torchao_falls_back_to_bitsandbytes(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torchao's metadata without an importable module (or no torchao at all): the plan takes
+    bitsandbytes nf4 and says why, rather than planning torchao for a load that would refuse it;
+    without bitsandbytes either, the error names both installs."""
+    import xpukit._compat as compat
+    import xpukit.planning.device.serve_quant as serve_quant
+    from xpukit.errors import MissingExtraError
+
+    hidden: set[str] = {"torchao"}
+    real = compat.is_installed
+
+    def is_installed(module: str) -> bool:
+        return module.split(".")[0] not in hidden and real(module)
+
+    import xpukit.planning.device.quantization as quantization
+
+    for module in (serve_quant, compat, quantization):
+        monkeypatch.setattr(module, "is_installed", is_installed)
+    pytest.importorskip("bitsandbytes")
+    plan = plan_load(tiny_model, device="cpu", dtype="bfloat16", quantize="4bit")
+    assert plan.quantization == "4bit"
+    assert "bitsandbytes nf4, the slower format" in plan.decision("quantization").reason
+    assert "torchao is not installed" in plan.decision("quantization").reason
+    hidden.add("bitsandbytes")
+    with pytest.raises(MissingExtraError) as info:
+        plan_load(tiny_model, device="cpu", dtype="bfloat16", quantize="4bit")
+    assert 'pip install "xpukit[quant]"' in str(info.value) and 'pip install "xpukit[serve]"' in str(
+        info.value
+    )
+
+
+def test_doctor_says_what_torchao_enables() -> None:
+    from xpukit.doctor.ecosystem import enabled_by_versions
+
+    for torchao, says in ((None, 'no torchao, so quantize="4bit"/"8bit" loads to run use bitsandbytes'),
+                          ("0.18.0", "torchao 0.18.0: quantize=\"4bit\"/\"8bit\" loads to run")):  # fmt: skip
+        lines = enabled_by_versions({"torchao": torchao}, kernels_accepted=None, kernels_reason="")
+        assert any(says in line for line in lines), lines

@@ -51,6 +51,7 @@ class MissingExtraError(XpukitError, ImportError):
         extra: the xpukit extra that installs it, e.g. ``quant``.
         found: the installed version when one is installed but unusable.
         requirement: the version range needed, e.g. ``>=0.48``.
+        alternative: another install that also serves the feature, named after the fix.
     """
 
     def __init__(
@@ -62,6 +63,7 @@ class MissingExtraError(XpukitError, ImportError):
         found: str | None = None,
         requirement: str = "",
         detail: str = "",
+        alternative: str = "",
     ) -> None:
         self.feature = feature
         self.package = package
@@ -76,6 +78,8 @@ class MissingExtraError(XpukitError, ImportError):
         fix = f'pip install "xpukit[{extra}]"'
         if found and requirement:
             fix += f' (or pip install "{package}{requirement}")'
+        if alternative:
+            fix += f", or {alternative}"
         message = f"{feature} needs {package}{requirement}: {state}. Fix: {fix}"
         if detail:
             message += f"\n{detail}"

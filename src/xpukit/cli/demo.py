@@ -51,7 +51,8 @@ def add_parser(sub: Any) -> None:
     parser.add_argument(
         "--output-dir",
         metavar="DIR",
-        help="keep the trained adapter and tokenizer here (default: a temporary directory, removed)",
+        help="keep the trained adapter and tokenizer here: a new or empty directory, written at the end "
+        "(default: a temporary directory, removed)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the LoRA initialisation and the data order (default 0)"

@@ -84,7 +84,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--nproc",
         metavar="auto|N",
         help="start torchrun with N processes per node (auto: one per selected device); COMMAND is then "
-        "the script and its arguments (a leading `python` is dropped; `python -m mod` runs a module)",
+        "the script and its arguments (a leading `python` is dropped; `python -m mod` runs a module, "
+        "`python -c CODE` the code)",
     )
     parser.add_argument("--nnodes", metavar="N", help="with --nproc: torchrun --nnodes (e.g. 2 or 1:4)")
     parser.add_argument(
@@ -347,6 +348,7 @@ def torchrun_command(
     words = list(command)
     if words and Path(words[0]).name.startswith("python"):
         words = words[1:]
+    _check_script(words, command)
     module = words[:1] == ["-m"]
     if module:
         words = words[1:]
@@ -359,7 +361,29 @@ def torchrun_command(
         out.append("--standalone")  # one node, a free port picked by torchrun
     if rank_env:
         return [*out, "--module", "xpukit.cli.launch", *(["-m"] if module else []), *words]
+    if words[:1] == ["-c"]:  # torchrun takes a script or a module: the code runs through --no-python
+        return [*out, "--no-python", sys.executable, *words]
     return [*out, *(["--module"] if module else []), *words]
+
+
+def _check_script(words: Sequence[str], command: Sequence[str]) -> None:
+    """What torchrun can run after ``python``: a script, ``-m MODULE`` or ``-c CODE`` (each with
+    arguments); other interpreter options are refused in xpukit's words (torchrun would print its
+    usage)."""
+    given = shlex.join(command)
+    if not words:
+        raise InvalidRequestError(
+            f"--nproc with COMMAND {given!r}: there is no script to run. Fix: name it, "
+            "e.g. `xpukit launch --nproc 2 -- train.py`, `-- python -m module` or `-- python -c CODE`."
+        )
+    if words[0] in {"-m", "-c"} and len(words) < 2:
+        raise InvalidRequestError(f"--nproc with COMMAND {given!r}: {words[0]} needs its argument.")
+    if words[0].startswith("-") and words[0] not in {"-m", "-c"}:
+        raise InvalidRequestError(
+            f"--nproc with COMMAND {given!r}: the interpreter option {words[0]!r} cannot be passed on: "
+            "torchrun starts each rank with its own Python, running a script, `-m MODULE` or `-c CODE`. "
+            "Fix: drop the option (PYTHONUNBUFFERED=1 does what -u does, PYTHONWARNINGS what -W does)."
+        )
 
 
 def rank_main(argv: Sequence[str]) -> int:
@@ -370,7 +394,10 @@ def rank_main(argv: Sequence[str]) -> int:
     """
     words = list(argv)
     if not words:
-        print("usage: python -m xpukit.cli.launch SCRIPT [ARGS] | -m MODULE [ARGS]", file=sys.stderr)
+        print(
+            "usage: python -m xpukit.cli.launch SCRIPT [ARGS] | -m MODULE [ARGS] | -c CODE [ARGS]",
+            file=sys.stderr,
+        )
         return 2
     os.environ["CCL_LOCAL_RANK"] = _environ.get("LOCAL_RANK") or "0"
     local_size = _environ.get("LOCAL_WORLD_SIZE")
@@ -379,6 +406,10 @@ def rank_main(argv: Sequence[str]) -> int:
     if words[0] == "-m" and len(words) > 1:
         sys.argv = words[1:]
         runpy.run_module(words[1], run_name="__main__", alter_sys=True)
+    elif words[0] == "-c" and len(words) > 1:  # as `python -c CODE ARGS`: sys.argv[0] is "-c"
+        sys.argv = ["-c", *words[2:]]
+        sys.path[0] = ""
+        exec(compile(words[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
     else:
         sys.argv = words
         sys.path[0] = str(Path(words[0]).resolve().parent)

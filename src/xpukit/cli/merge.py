@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+import time
 from typing import Any
 
 from xpukit.cli.output import emit_json
@@ -93,16 +94,18 @@ def run(args: argparse.Namespace) -> int:
             force=args.force,
             quantize=args.quantize,
         )
+    args.completed = True  # OUT is complete: a Ctrl-C from here on does not make the exit code 130
     if args.json:
         emit_json(result.to_dict())
         return 0
     if args.explain:
         print(result.plan.explain(), end="\n\n")
-    print("\n".join(summary(result, args.base)))
+    wall = time.perf_counter() - args.started if hasattr(args, "started") else None
+    print("\n".join(summary(result, args.base, wall=wall)))
     return 0
 
 
-def summary(result: Any, base: str) -> list[str]:
+def summary(result: Any, base: str, *, wall: float | None = None) -> list[str]:
     """What ``xpukit merge`` prints without ``--explain``: warnings first, then what was merged into
     what, where it was written, the dtype and the time."""
     from xpukit.planning.training.base_record import RECORD_FILE
@@ -123,7 +126,7 @@ def summary(result: Any, base: str) -> list[str]:
         f"{merge.device}",
         f"dtype {result.dtype}: {result.dtype_reason}",
         f"wrote {result.out}: {', '.join(result.files)}; {tokenizer}",
-        f"took {result.seconds:.1f} s; --explain prints the plan",
+        f"took {wall if wall is not None else result.seconds:.1f} s; --explain prints the plan",
     ]
     if result.quantize is not None:
         said.insert(

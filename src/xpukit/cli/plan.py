@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import difflib
 import textwrap
 from typing import Any
 
@@ -167,27 +166,13 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _plan(args: argparse.Namespace, request: dict[str, Any]) -> Any:
-    from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
-    from xpukit.planning.model.source import local_model_dir
     from xpukit.planning.plan import plan_load
 
     kwargs = dict(request)
     rank = kwargs.pop("rank")
-    model: Any = args.model
-    local = local_model_dir(args.model)
-    if local is None and args.model.lower() in REFERENCE_CONFIGS:
-        model = reference_config(args.model)
-    try:
-        return plan_load(model, facts=_facts(args.assume, rank) if rank else args.assume, **kwargs)
-    except InvalidRequestError as exc:
-        if local is not None or not isinstance(model, str) or args.model not in str(exc):
-            raise
-        # A Hub id whose config could not be read: the built-in shapes plan without any download.
-        close = difflib.get_close_matches(args.model.lower(), list(REFERENCE_CONFIGS), n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise InvalidRequestError(
-            f"{exc} Or plan a built-in shape, no download needed{hint}: {', '.join(REFERENCE_CONFIGS)}."
-        ) from None
+    # plan_load takes a built-in shape's name as it takes a directory or a Hub id, and its error for a
+    # Hub id it cannot read names the built-in shape of that model, when there is one.
+    return plan_load(args.model, facts=_facts(args.assume, rank) if rank else args.assume, **kwargs)
 
 
 def _print_profiles() -> None:

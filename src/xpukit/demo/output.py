@@ -54,6 +54,7 @@ def plot_losses(losses: tuple[tuple[int, float], ...], path: str | os.PathLike[s
     """
     require("matplotlib", "plot_losses")
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+    from matplotlib.ticker import MaxNLocator
 
     steps = [s for s, _ in losses]
     values = [v for _, v in losses]
@@ -65,8 +66,11 @@ def plot_losses(losses: tuple[tuple[int, float], ...], path: str | os.PathLike[s
     fig = Figure(figsize=(6, 3.5), layout="constrained")
     ax = fig.add_subplot()
     ax.plot(steps, values, color="#9bb7d4", linewidth=1, label="loss per step")
-    ax.plot(steps, mean, color="#1f4e79", linewidth=2, label=f"mean of {window} steps")
+    ax.plot(
+        steps, mean, color="#1f4e79", linewidth=2, label=f"mean of {window} step{'s' if window > 1 else ''}"
+    )
     ax.set(xlabel="step", ylabel="training loss", title=title)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.grid(alpha=0.3)
     ax.legend()
     out = Path(path)

@@ -44,6 +44,7 @@ from xpukit.demo.output import (
 from xpukit.demo.text import readable, token_bytes
 from xpukit.demo.training_run import lora_layers_updated, train
 from xpukit.errors import InvalidRequestError, MissingExtraError
+from xpukit.loading.load_problems import missing_weights_problem
 from xpukit.planning.budgets import format_bytes
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_STEPS", "DemoResult", "plot_losses", "run_demo"]
@@ -201,10 +202,11 @@ def run_demo(
     """
     started = time.perf_counter()
     plot_path = _check_request(steps, batch_size, learning_rate, max_new_tokens, log_every, plot)
+    keep = _check_output_dir(output_dir)
     require("peft", "xpukit demo (LoRA fine-tuning)")
     say = Narrator(stream)
     with contextlib.ExitStack() as cleanup:
-        work = _workdir(cleanup, output_dir)
+        work = _workdir(cleanup)  # training's own files; the adapter goes to output_dir at the end
         cleanup.enter_context(quiet_known_noise(embedded=model is None))
         from xpukit.demo.tiny import DEMO_PROMPTS, corpus_lines
 
@@ -213,6 +215,9 @@ def run_demo(
         lr = learning_rate if learning_rate is not None else (_LR_EMBEDDED if embedded else _LR_PRETRAINED)
 
         plan, quant_note = _plan(source, device=device, quantize=quantize, seed=seed)
+        missing = missing_weights_problem(plan)
+        if missing is not None:  # before the plan is printed: the demo cannot run on it
+            raise InvalidRequestError(missing)
         say("", plan.explain(), "", f"Quantization: {plan.quantization or 'none'}; {quant_note}", "")
         if embedded and plan.device.backend == "cpu":
             cleanup.enter_context(one_cpu_thread())
@@ -234,8 +239,7 @@ def run_demo(
         say(*(f"  {p} | {t}" for p, t in after))
 
         lora_layers, updated = _check_gradients(peft_model, run)
-        _keep(peft_model, tokenizer, run, say, work=work if output_dir is not None else None, source=source,
-              plot_path=plot_path)  # fmt: skip
+        _keep(peft_model, tokenizer, run, say, work=keep, source=source, plot_path=plot_path)
         trainable, total = peft_model.get_nb_trainable_parameters()
         peak, memory_source = peak_memory(loaded_plan.device.backend)
         last = [loss for _, loss in run.losses[-max(1, min(log_every, len(run.losses))) :]]
@@ -268,15 +272,31 @@ def run_demo(
                 f"{e.what}: {e.planned} -> {e.actual} ({e.cause})" for e in loaded_plan.fallbacks
             ),
             plot=str(plot_path) if plot_path is not None else None,
-            output_dir=str(work) if output_dir is not None else None,
+            output_dir=str(keep) if keep is not None else None,
             wall_seconds=time.perf_counter() - started,
         )
 
 
-def _workdir(cleanup: contextlib.ExitStack, output_dir: str | os.PathLike[str] | None) -> Path:
-    """``output_dir``, or a temporary directory removed at the end."""
-    if output_dir is not None:
-        return Path(output_dir)
+def _check_output_dir(output_dir: str | os.PathLike[str] | None) -> Path | None:
+    """``output_dir`` as a path, refused before anything runs when it is a file or a non-empty directory
+    (the adapter must not mix with other files, as ``xpukit merge`` refuses such an OUT)."""
+    if output_dir is None:
+        return None
+    target = Path(output_dir)
+    if target.exists() and not target.is_dir():
+        raise InvalidRequestError(
+            f"--output-dir {str(target)!r} is a file, not a directory. Fix: pass a new directory."
+        )
+    if target.exists() and any(target.iterdir()):
+        raise InvalidRequestError(
+            f"--output-dir {str(target)!r} is not empty: the adapter would be written among its files. "
+            "Fix: pass a new (or empty) directory, or remove that one first."
+        )
+    return target
+
+
+def _workdir(cleanup: contextlib.ExitStack) -> Path:
+    """A temporary directory for training's own files, removed at the end."""
     # A partial that is never published: removed at the end, on SIGTERM / Ctrl-C, or, after a kill,
     # by the next demo (xpukit._partial).
     return cleanup.enter_context(writing(Path(tempfile.gettempdir()) / "xpukit-demo"))
@@ -334,8 +354,12 @@ def _keep(
     """Save the adapter and tokenizer (``output_dir=``) and the loss curve (``plot=``)."""
     loaded_plan = peft_model.xpukit_plan
     if work is not None:
-        peft_model.save_pretrained(work)
-        tokenizer.save_pretrained(work)
+        with writing(work) as partial:  # written whole, or not at all (an error, Ctrl-C)
+            peft_model.save_pretrained(partial)
+            tokenizer.save_pretrained(partial)
+            if work.exists():
+                work.rmdir()  # empty, checked before the run
+            partial.rename(work)
         say("", f"Adapter saved in {work} (load it with load_for_xpu({source!r}, lora={str(work)!r})).")
     if plot_path is not None:
         what = f"{loaded_plan.quantization} + LoRA" if loaded_plan.quantization else "LoRA"

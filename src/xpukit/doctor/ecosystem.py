@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from xpukit._compat import version_at_least
+from xpukit._compat import EXTRAS, version_at_least
 
 __all__ = ["enabled_by_versions"]
 
@@ -46,6 +46,18 @@ def enabled_by_versions(
         lines.append(f"bitsandbytes {bnb}: 4-bit/8-bit loads and QLoRA{xpu}")
     else:
         lines.append('bitsandbytes: no quantize="4bit"/"8bit" (pip install "xpukit[quant]")')
+    torchao, needed = v("torchao"), EXTRAS["torchao"].minimum or "0"
+    if torchao and version_at_least(torchao, needed):
+        lines.append(
+            f'torchao {torchao}: quantize="4bit"/"8bit" loads to run (no adapters) in torchao int4/int8 '
+            "weight-only, the faster format (QLoRA stays bitsandbytes nf4)"
+        )
+    else:
+        why = f"torchao {torchao} is older than {needed}" if torchao else "no torchao"
+        lines.append(
+            f'torchao: {why}, so quantize="4bit"/"8bit" loads to run use bitsandbytes, the slower '
+            'format (pip install "xpukit[serve]")'
+        )
     lines.append(
         f"peft {v('peft')}: LoRA and QLoRA" if v("peft") else 'peft: no lora= (pip install "xpukit[lora]")'
     )

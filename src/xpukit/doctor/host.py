@@ -29,6 +29,7 @@ PACKAGES = (
     "kernels",
     "liger-kernel",
     "deepspeed",
+    "torchao",
     "matplotlib",
     "triton",
     "pytorch-triton-xpu",

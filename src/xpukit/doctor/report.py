@@ -11,6 +11,7 @@ from xpukit.doctor.checks import Finding, diagnose
 from xpukit.doctor.ecosystem import enabled_by_versions
 from xpukit.doctor.host import HostFacts, gather_host
 from xpukit.machine.facts import MachineFacts
+from xpukit.machine.precision import slow_precision
 
 __all__ = ["SCHEMA_VERSION", "DoctorReport", "run_doctor"]
 
@@ -119,7 +120,9 @@ class DoctorReport:
 
 def _precisions(device: Any) -> str:
     """What the device computes in natively, and what it only emulates (docs/platform-notes.md §3.5)."""
-    native = [n for n, ok in (("bf16", device.native_bf16), ("fp16", device.fp16)) if ok]
+    # The loader's rule (machine/precision.py slow_precision), so doctor and the plans agree.
+    facts = (("bf16", "bfloat16", device.native_bf16), ("fp16", "float16", device.fp16))
+    native = [n for n, dtype, ok in facts if ok and slow_precision(device, dtype) is None]
     native += ["fp32"] + (["fp64"] if device.fp64 else [])
     emulated = [n for n in ("bf16", "fp16") if n not in native]  # computed through fp32 (§3.5)
     text = f"native: {', '.join(native)}"

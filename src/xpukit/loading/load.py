@@ -30,7 +30,7 @@ from xpukit.loading.hub_kernels import (
     fetch_attention_kernel,
     fetch_layer_kernels,
 )
-from xpukit.loading.load_problems import weights_problem
+from xpukit.loading.load_problems import missing_weights_problem, weights_problem
 from xpukit.planning.device.choice import INSTALL_FIX
 from xpukit.planning.device.quantization import require_bnb
 from xpukit.planning.loadplan import LoadPlan
@@ -206,6 +206,9 @@ def _check_before_reading(plan: LoadPlan, warmup: bool) -> None:
             f"The plan is for a bare config ({plan.model_facts.name}) with no weights to load. Fix: pass the "
             "model's directory or Hub id to load_for_xpu()."
         )
+    missing = missing_weights_problem(plan)
+    if missing is not None:
+        raise InvalidRequestError(missing)
     check_runtime(plan)
     if plan.quantization in {"4bit", "8bit"}:
         require_bnb(plan.quantization)  # MissingExtraError naming the fix, before any weight is read

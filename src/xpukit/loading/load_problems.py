@@ -10,11 +10,40 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from xpukit.planning.loadplan import LoadPlan
 
-__all__ = ["weights_problem"]
+__all__ = ["missing_weights_problem", "weights_problem"]
 
 # bitsandbytes' quantizer refuses a device map with modules on the CPU or disk (transformers'
 # quantizer_bnb_4bit / quantizer_bnb_8bit validate_environment).
 _BNB_DISPATCHED = "Some modules are dispatched on the CPU or the disk"
+
+
+# What from_pretrained reads weights from (safetensors, torch .bin, sharded indexes, TF/Flax, GGUF):
+# a local directory with none of these has nothing to load.
+_WEIGHT_SUFFIXES = (
+    ".safetensors", ".bin", ".index.json", ".h5", ".msgpack", ".ckpt.index", ".gguf", ".pt", ".pth",
+)  # fmt: skip
+
+
+def missing_weights_problem(plan: LoadPlan) -> str | None:
+    """The message for a local model directory that holds a config but no weights file, else ``None``;
+    asked before ``from_pretrained``, so nothing is built."""
+    if plan.model is None:
+        return None
+    local = Path(str(plan.model))
+    subfolder = plan.passthrough.get("subfolder")
+    where = local / str(subfolder) if subfolder else local
+    if not local.is_dir() or not where.is_dir():
+        return None
+    if any(p.name.endswith(_WEIGHT_SUFFIXES) for p in where.iterdir() if p.is_file()):
+        return None
+    files = sorted(p.name for p in where.iterdir())
+    shown = ", ".join(files[:8]) + (" ..." if len(files) > 8 else "")
+    return (
+        f"Loading {str(plan.model)!r}: the directory has a config.json but no weights (no model.safetensors, "
+        f"pytorch_model.bin or sharded index; it holds {shown or 'nothing'}). Nothing was loaded. Fix: "
+        "pass the directory save_pretrained() wrote with the weights, or copy the weights in (an "
+        "interrupted download or copy: download the model again)."
+    )
 
 
 def weights_problem(plan: LoadPlan, exc: BaseException) -> str | None:

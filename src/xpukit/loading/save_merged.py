@@ -127,7 +127,12 @@ def save_merged(
         local = isinstance(where, str | os.PathLike) and Path(where).exists() and target.exists()
         if local and target.resolve() == Path(where).resolve():
             raise InvalidRequestError(f"OUT={str(target)!r} is {name}'s directory. Fix: write to a new one.")
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+    if target.exists() and not target.is_dir():
+        raise InvalidRequestError(
+            f"OUT={str(target)!r} is a file, not a directory: the merged model is a directory of files. "
+            "Fix: pass a new directory (or remove that file first)."
+        )
+    if target.exists() and any(target.iterdir()):
         raise InvalidRequestError(
             f"OUT={str(target)!r} already exists and is not an empty directory. Fix: pass a new directory, "
             "or remove that one first."

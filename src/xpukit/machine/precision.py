@@ -83,11 +83,15 @@ def inference_dtype(device: DeviceFacts) -> DtypeChoice:
             ),
         )
     if device.backend == "cpu":
+        if device.fp16:  # AVX512-FP16 / AMX-FP16 / Arm FP16 without bf16 (docs/platform-notes.md §3.5)
+            fp16, why_not = "fp16 is native but narrower in range than fp32", "narrower range (overflow risk)"
+        else:
+            fp16, why_not = "fp16 matmuls are slow on CPUs", "slow on CPU"
         return DtypeChoice(
             dtype="float32",
             reason=f"{device.name} has no native bf16 (no avx512_bf16/amx_bf16): bf16 would be "
-            "emulated and slow, fp16 matmuls are slow on CPUs",
-            rejected=(("bfloat16", "emulated on this CPU"), ("float16", "slow on CPU")),
+            f"emulated and slow, {fp16}",
+            rejected=(("bfloat16", "emulated on this CPU"), ("float16", why_not)),
         )
     return DtypeChoice(
         dtype="float16",
@@ -102,10 +106,14 @@ def inference_dtype(device: DeviceFacts) -> DtypeChoice:
 def slow_precision(device: DeviceFacts, dtype: str) -> str | None:
     """Why computing in ``dtype`` on ``device`` is slow (only emulated), or ``None`` when it is not.
 
-    bf16 without native bf16 (a CPU without avx512_bf16/AMX, Meteor Lake, a T4), and fp16 on any
-    CPU. One rule for ``load_for_xpu(dtype=...)`` and ``training_args(bf16=/fp16=)``, so both warn alike.
+    bf16 without native bf16 (a CPU without avx512_bf16/AMX, Meteor Lake, a T4), and fp16 on a CPU
+    without native fp16 arithmetic (AVX512-FP16 / AMX-FP16 / Arm FP16: the ``fp16`` fact,
+    docs/platform-notes.md §3.5). One rule for ``load_for_xpu(dtype=...)``,
+    ``training_args(bf16=/fp16=)`` and ``xpukit doctor``'s "native / emulated" line, so all say alike.
     """
-    if (dtype == "bfloat16" and not device.native_bf16) or (dtype == "float16" and device.backend == "cpu"):
+    if (dtype == "bfloat16" and not device.native_bf16) or (
+        dtype == "float16" and device.backend == "cpu" and not device.fp16
+    ):
         native = inference_dtype(device).dtype
         return f"{dtype} on {device.name} is only emulated (slow); {native} is native here"
     return None

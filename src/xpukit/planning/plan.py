@@ -66,7 +66,9 @@ def plan_load(
     device runtime is initialised.
 
     Args:
-        model: a Hub id, a local model directory, or a ``PretrainedConfig``.
+        model: a Hub id, a local model directory, a ``PretrainedConfig``, or the name of a built-in
+            shape (``qwen3-8b``…, ``xpukit.planning.model.reference_models``: a real model's config,
+            no download; there are no weights to load with it).
         device: ``"xpu"``, ``"xpu:1"``, ``"cuda"``, ``"mps"``, ``"cpu"`` or a ``torch.device``; default:
             the first available of xpu, cuda, mps, cpu.
         dtype: ``"auto"`` (per device family) or ``bfloat16`` / ``float16`` / ``float32``.

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from xpukit._compat import require
+from xpukit import _environ
+from xpukit._compat import is_installed, require
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts
 from xpukit.machine.precision import TrainingPrecision
@@ -45,6 +46,9 @@ class StrategyFacts:
         fits_one_device: the plan found the model with its training memory fits one device
             (``None``: unknown).
         world_size: processes in the job.
+        deepspeed_env_missing: the launch variables DeepSpeed needs that this process lacks, when
+            DeepSpeed would look for them through MPI and mpi4py is not installed (``()``: none missing,
+            or DeepSpeed can find its ranks).
         notes: anything else read from the model, in words.
     """
 
@@ -54,6 +58,7 @@ class StrategyFacts:
     loaded_for_sharding: bool = False
     fits_one_device: bool | None = None
     world_size: int = 1
+    deepspeed_env_missing: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
 
 
@@ -161,6 +166,15 @@ def _deepspeed(
     device: DeviceFacts, precision: TrainingPrecision, facts: StrategyFacts, user: dict[str, Any]
 ) -> tuple[dict[str, Any], list[str]]:
     require("deepspeed", "training_args(strategy='deepspeed')")
+    if facts.deepspeed_env_missing:
+        raise InvalidRequestError(
+            f"training_args(strategy='deepspeed') in a process that was not launched ({device.torch_device}, "
+            f"no {', '.join(facts.deepspeed_env_missing)}): DeepSpeed then looks for its ranks through MPI, "
+            "and mpi4py is not installed, so Trainer.train() would fail in deepspeed.initialize "
+            "(docs/distributed.md \"DeepSpeed\"). Fix: leave strategy= out (or strategy='ddp') for one "
+            "process, or start the script with a launcher that sets them: `xpukit launch --nproc N -- "
+            "train.py` (torchrun), `deepspeed train.py` or `accelerate launch train.py`."
+        )
     if user.get("deepspeed") is not None:
         return {}, ["strategy deepspeed: the given deepspeed config is used as it is"]
     stage = 2 if facts.fits_one_device is not False else 3
@@ -237,7 +251,21 @@ def strategy_facts(model: Any, world_size: int) -> StrategyFacts:
         and plan.device_map is None,
         fits_one_device=fits,
         world_size=world_size,
+        deepspeed_env_missing=deepspeed_env_missing(),
     )
+
+
+# DeepSpeed's init_distributed: without all of these it discovers the ranks through MPI (mpi4py),
+# except on Azure ML and SageMaker, which it reads itself (deepspeed/comm/comm.py, 0.19).
+DEEPSPEED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+
+
+def deepspeed_env_missing() -> tuple[str, ...]:
+    """The DeepSpeed launch variables this process lacks where DeepSpeed could not find its ranks
+    otherwise (no mpi4py, not Azure ML or SageMaker); ``()`` when it can."""
+    if is_installed("mpi4py") or _environ.get("AZUREML_EXPERIMENT_ID") or _environ.get("SM_TRAINING_ENV"):
+        return ()
+    return tuple(name for name in DEEPSPEED_ENV if _environ.get(name) is None)
 
 
 def apply_strategy(

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from xpukit.errors import MissingExtraError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.planning.budgets import format_bytes
 from xpukit.planning.device.given_layout import check_budget_keys
@@ -131,7 +132,17 @@ class _Formats:
         asked = self.format(self.quant.kind, str(dtype_decision.value))
         if asked is not None and asked.library == "torchao":
             return dtype_decision
-        return check_bnb(self.quant.kind, self.quant, self.main, dtype_decision, enforce_extras, warnings)
+        try:
+            return check_bnb(self.quant.kind, self.quant, self.main, dtype_decision, enforce_extras, warnings)
+        except MissingExtraError as exc:
+            if asked is None or not asked.torchao_missing:
+                raise
+            error = exc  # neither library: both installs can serve this load
+        raise MissingExtraError(
+            f"quantize={self.quant.kind!r} (a load to run)", error.package, error.extra, found=error.found,
+            requirement=error.requirement,
+            alternative=f'pip install "xpukit[serve]" for {asked.rejected[0][0]}, the faster format here',
+        )  # fmt: skip
 
 
 def _sizing(

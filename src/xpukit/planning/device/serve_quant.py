@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from xpukit._compat import EXTRAS, installed_version, version_at_least
+from xpukit._compat import EXTRAS, installed_version, is_installed, version_at_least
 from xpukit.machine.facts import DeviceFacts
 
 __all__ = [
@@ -72,8 +72,10 @@ class ServeFormat:
 
 
 def torchao_version() -> str | None:
-    """The installed torchao version (package metadata, no import), or ``None``."""
-    return installed_version("torchao")
+    """The installed torchao version (package metadata, no import), or ``None`` when it is missing or
+    cannot be imported from here: the plan asks what the load's ``require`` will (metadata and an
+    importable module), so a plan never picks torchao for a load that would then refuse it."""
+    return installed_version("torchao") if is_installed("torchao") else None
 
 
 def serve_format(device: DeviceFacts, kind: str, dtype: str, torchao: str | None) -> ServeFormat:

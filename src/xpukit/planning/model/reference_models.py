@@ -14,7 +14,7 @@ from xpukit.errors import InvalidRequestError
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["REFERENCE_CONFIGS", "reference_config"]
+__all__ = ["REFERENCE_CONFIGS", "REFERENCE_HUB_IDS", "reference_config"]
 
 _QWEN3 = {
     "model_type": "qwen3",
@@ -99,6 +99,16 @@ REFERENCE_CONFIGS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 64,
         "num_key_value_heads": 8,
     },
+}
+
+
+# The Hub model each built-in shape copies the config of.
+REFERENCE_HUB_IDS: dict[str, str] = {
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-8b": "Qwen/Qwen3-8B",
+    "qwen3-32b": "Qwen/Qwen3-32B",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
 }
 
 

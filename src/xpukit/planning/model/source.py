@@ -7,13 +7,14 @@ silent endpoint costs seconds, not forever.
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.hub import RECHECK_HINT, hub_offline, hub_status
-from xpukit.planning.model.reference_models import REFERENCE_CONFIGS
+from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, REFERENCE_HUB_IDS, reference_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
@@ -63,6 +64,9 @@ def local_model_dir(model: str | Path) -> Path | None:
             f"Model path {text!r} is a file; pass the directory that holds config.json and the weights."
         )
     if not (path / "config.json").is_file():
+        adapter = _adapter_problem(path, text)
+        if adapter is not None:
+            raise InvalidRequestError(adapter)
         raise InvalidRequestError(
             f"Model directory {text!r} has no config.json, so it is not a transformers model directory. "
             "Fix: pass the directory written by save_pretrained() (or a Hub id)."
@@ -70,10 +74,32 @@ def local_model_dir(model: str | Path) -> Path | None:
     return path
 
 
+def _adapter_problem(path: Path, text: str) -> str | None:
+    """The message for a LoRA adapter directory passed where a model goes, else ``None``: the
+    adapter's own config names the base it was trained on (``base_model_name_or_path``)."""
+    import json
+
+    config = path / "adapter_config.json"
+    if not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        data = {}
+    base = data.get("base_model_name_or_path") if isinstance(data, dict) else None
+    base_text = repr(str(base)) if base else "'<its base model>'"
+    return (
+        f"{text!r} is a LoRA adapter (adapter_config.json found), not a model: it has no config.json and "
+        f"no base weights. Fix: load it on its base, load_for_xpu({base_text}, lora={text!r}) (the "
+        f"command line: xpukit merge {str(base) if base else 'BASE'} {text} OUT writes the merged model)."
+    )
+
+
 def read_config(
     model: Any, kwargs: dict[str, Any]
 ) -> tuple[PreTrainedConfig, str | None, str, frozenset[str]]:
     """The config, where the weights come from, a display name, and the kwargs the config consumed."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, PreTrainedConfig
 
     given = kwargs.get("config")
@@ -106,12 +132,15 @@ def read_config(
     local = local_model_dir(model)
     text = str(model)
     config_kwargs = dict(kwargs)
+    if local is None and text.lower() in REFERENCE_CONFIGS:  # a built-in shape, as `xpukit plan` takes it
+        config = reference_config(text)
+        return config, None, text.lower(), frozenset()
     if local is not None:
         try:
             config, unused = AutoConfig.from_pretrained(
                 str(local), return_unused_kwargs=True, **config_kwargs
             )
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, StrictDataclassError) as exc:
             problem = local_config_problem(local, exc)
         else:
             return config, str(local), text, _consumed(kwargs, unused)
@@ -130,17 +159,46 @@ def read_config(
         config_kwargs["local_files_only"] = True
     try:
         config, unused = AutoConfig.from_pretrained(text, return_unused_kwargs=True, **config_kwargs)
+    except StrictDataclassError as exc:
+        problem = f"The config of {text!r} {_refused_value(exc)}"
     except (OSError, ValueError) as exc:
         if local_only:
             recheck = "" if hub_offline() else f" ({RECHECK_HINT})"
+            dry_run = _shape_hint(text)
             raise InvalidRequestError(
                 f"{text!r} is not a local directory, and its config is not in the local Hub cache "
                 "while the Hub "
                 f"cannot be used ({why}). Fix: download it while online (`hf download {text}`), or "
-                f"pass a local directory{recheck}."
+                f"pass a local directory{recheck}.{dry_run}"
             ) from exc
         raise InvalidRequestError(f"Could not read the config of {text!r} from the Hub: {exc}") from exc
-    return config, text, text, _consumed(kwargs, unused)
+    else:
+        return config, text, text, _consumed(kwargs, unused)
+    raise InvalidRequestError(problem)  # outside `except`: no chained transformers traceback
+
+
+def _shape_hint(text: str) -> str:
+    """For a Hub id that cannot be read: the built-in shape of that very model, or the one a name
+    without an organisation was probably meant as (``qwen3-9b``); nothing for any other id."""
+    same = next((k for k, hub_id in REFERENCE_HUB_IDS.items() if hub_id.lower() == text.lower()), None)
+    if same is not None:
+        return (
+            f" To plan without the download: the built-in shape {same!r} has {text}'s config "
+            f"(plan_load({same!r}), `xpukit plan {same}`)."
+        )
+    close = difflib.get_close_matches(text.lower(), list(REFERENCE_CONFIGS), n=1) if "/" not in text else []
+    return f" Did you mean the built-in shape {close[0]!r}?" if close else ""
+
+
+def _refused_value(exc: Exception) -> str:
+    """What transformers' strict config classes refused (a value of the wrong type or range), and the fix."""
+    import transformers
+
+    why = " ".join(str(exc).split())
+    return (
+        f"has a value transformers {transformers.__version__} refuses ({why}). Fix: correct that value in "
+        "config.json (as save_pretrained() wrote it), or download the model again."
+    )
 
 
 def local_config_problem(local: Path, exc: Exception) -> str:
@@ -148,8 +206,11 @@ def local_config_problem(local: Path, exc: Exception) -> str:
     import json
 
     import transformers
+    from huggingface_hub.errors import StrictDataclassError
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    if isinstance(exc, StrictDataclassError):
+        return f"Model directory '{local}': config.json {_refused_value(exc)}"
     path = local / "config.json"
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -36,6 +36,7 @@ from xpukit.planning.training.fit_reasons import (
     loss_decision,
 )
 from xpukit.planning.training.host_embedding import embedding_decision, host_embedding_bytes
+from xpukit.planning.training.lora_request import rank_problem
 from xpukit.planning.training.rungs import Choice, Rungs, choose, ladder_of, micro_batches
 from xpukit.planning.training.training_plan import TrainingPlan
 from xpukit.planning.vocabulary import Decision
@@ -270,6 +271,8 @@ def training_plan_for(
     shape = model_shape(config) if config is not None else None
     if shape is None:
         return None, request
+    if (too_big := rank_problem(request, shape.hidden)) is not None:
+        raise InvalidRequestError(too_big)
     names = {device.torch_device} | ({str(device.index)} if device.backend != "cpu" else set())
     budget = next((b for b in memory.budgets if b.device in names), None)  # max_memory keys: "0"
     if budget is None:

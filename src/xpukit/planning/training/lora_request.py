@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from xpukit.errors import InvalidRequestError, name_hints
 
-__all__ = ["DEFAULT_LORA", "LORA_CONFIG_KEYS", "LoraRequest", "resolve_lora", "targets_text"]
+__all__ = ["DEFAULT_LORA", "LORA_CONFIG_KEYS", "LoraRequest", "rank_problem", "resolve_lora", "targets_text"]
 
 # lora=True. r=16 with alpha=32 (scale alpha/r = 2) is the common QLoRA-era default: enough capacity
 # for instruction or domain tuning on every linear layer, about 0.5 % of an 8B model's parameters.
@@ -257,6 +257,23 @@ def _check_numbers(options: dict[str, Any]) -> None:
         )
     if isinstance(dropout, bool) or not isinstance(dropout, int | float) or not 0 <= dropout < 1:
         raise InvalidRequestError(f"lora={{'lora_dropout': {dropout!r}}}: must be in [0, 1).")
+
+
+def rank_problem(request: LoraRequest, hidden: int) -> str | None:
+    """Why a new adapter's rank cannot pay for itself on a model of width ``hidden``, else ``None``.
+
+    A layer's LoRA update ``B @ A`` has rank at most ``min(in, out)``, which is at most the hidden size
+    for every linear layer of a decoder (docs/training.md "`lora=`"); a larger ``r`` only adds
+    ``r * (in + out)`` parameters per layer, and their memory, with nothing to learn in them.
+    """
+    r = request.config.get("r")
+    if request.kind != "new" or not isinstance(r, int) or r <= hidden:
+        return None
+    return (
+        f"lora={{'r': {r}}}: the rank is larger than the model's hidden size ({hidden}), and a layer's "
+        f"LoRA update has rank at most min(in, out) <= {hidden}: the extra rank only adds parameters "
+        f"and memory. Fix: r <= {hidden} (8 to 64 is usual; 16 is xpukit's default)."
+    )
 
 
 def _from_path(path: Path, trainable: bool) -> LoraRequest:

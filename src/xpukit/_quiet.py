@@ -47,6 +47,7 @@ __all__ = [
     "notes_for",
     "quiet_imports",
     "quiet_load",
+    "quiet_transformers",
     "say_once",
     "verbose",
 ]
@@ -249,6 +250,23 @@ def quiet_load() -> Iterator[None]:
     finally:
         if bars:
             hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """While inside (not :func:`is_verbose`), transformers logs errors only: for a step whose outcome
+    xpukit states itself (a merge's dequantisation, which transformers announces as a warning)."""
+    if is_verbose():
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def _keep_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,

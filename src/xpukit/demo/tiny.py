@@ -36,7 +36,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from xpukit import _environ, _platform
+from xpukit import _environ, _platform, _quiet
 from xpukit._partial import partial_path, writing
 from xpukit.errors import InvalidRequestError
 
@@ -242,7 +242,8 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)  # safetensors by default
+    with _quiet.quiet_load():  # no "Writing model shards" bar for a model of a few MB
+        model.save_pretrained(out)  # safetensors by default
     tokenizer.save_pretrained(out)
     return out
 
@@ -269,7 +270,9 @@ def demo_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         return final
 
     started = time.perf_counter()
-    with writing(final) as partial:  # removed unless published (another run may have published first)
+    # The partial folder is removed unless published (another run may have published first); the
+    # libraries' import messages are collected, as in every xpukit call.
+    with _quiet.quiet_imports(), writing(final) as partial:
         build_tiny_model(DEMO_ARCHITECTURE, partial, seed=_DEMO_SEED, **DEMO_CONFIG)
         _write_marker(partial, key)
         _publish(partial, final, key)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from xpukit import _quiet
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
 from xpukit.loading.lora import apply_lora
@@ -75,7 +76,8 @@ def merge_adapter(model: Any, plan: LoadPlan) -> tuple[Any, list[str]]:
                 f"merge='dequantized': the base {plan.model!r} loaded with no 4-bit layer to dequantise. "
                 "Fix: merge='original'."
             )
-        model = model.dequantize(dtype=dtype)
+        with _quiet.quiet_transformers():  # its "modules are dequantized" warning: the note below says it
+            model = model.dequantize(dtype=dtype)
         left = _count(model, "Linear4bit")
         if left:
             raise InvalidRequestError(f"merge='dequantized': {left} 4-bit layers were not dequantised.")

@@ -47,7 +47,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from xpukit import _environ
-from xpukit._compat import installed_version
+from xpukit._compat import installed_version, is_installed
 from xpukit._quiet import quiet_imports
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
@@ -65,6 +65,23 @@ logger = logging.getLogger(__name__)
 # =============================================================================================
 # Acting: find the facts, build the TrainingArguments
 # =============================================================================================
+
+
+def _import_deepspeed_quietly() -> None:
+    """Import DeepSpeed now, inside this quieted call, when transformers' Trainer will import it anyway.
+
+    With DeepSpeed installed, ``Trainer(...)`` imports it, and its import logs "Setting accelerator
+    to CPU" (or the accelerator it picked) to stdout from DeepSpeed's own logger, in the user's
+    training loop (docs/troubleshooting.md "Quiet imports"). Imported here, under
+    :func:`~xpukit._quiet.quiet_imports`, that line is collected instead; the import is paid once
+    either way (about 1 s on a 2-core CPU).
+    """
+    if not is_installed("deepspeed"):
+        return
+    from transformers.integrations import is_deepspeed_available
+
+    if is_deepspeed_available():
+        import deepspeed  # noqa: F401
 
 
 def training_args(
@@ -119,6 +136,7 @@ def training_args(
         if isinstance(model, (str, os.PathLike)):  # training_args("out"), as TrainingArguments("out")
             model, kwargs = None, _output_dir_given_first(model, kwargs)
         cls = check_config_class(config_class)
+        _import_deepspeed_quietly()
         _refuse_batch_size(kwargs)
         _refuse_nothing_to_train(model)
         _refuse_quantized_without_adapters(model)

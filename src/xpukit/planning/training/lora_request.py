@@ -109,6 +109,13 @@ class LoraRequest:
         """Adapters to train: new ones, or a saved one loaded with ``trainable=True``."""
         return self.kind == "new" or self.trainable
 
+    def for_base(self, *, quantized: bool) -> LoraRequest:
+        """New adapters on a base the layout quantizes (or not): gradient checkpointing's default,
+        on for a quantized base, unless ``lora=`` gave it (the training plan then decides by fit)."""
+        if self.kind != "new" or self.gradient_checkpointing_given:
+            return self
+        return dataclasses.replace(self, gradient_checkpointing=quantized)
+
     def describe(self) -> str:
         """One line for the plan's explain table."""
         c = self.config

@@ -13,6 +13,7 @@ import inspect
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import FrozenInstanceError
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Protocol, TypeAlias, TypeVar
 
 from xpukit.errors import InvalidRequestError
@@ -34,6 +35,7 @@ from xpukit.planning.device.quantization import QuantRequest, parse_quantize
 from xpukit.planning.training.fit import check_step_size
 from xpukit.planning.training.lora_request import LoraRequest, resolve_lora
 from xpukit.planning.training.merge import MergeRequest, parse_merge
+from xpukit.sources.adapter_files import read_adapter_files
 
 if TYPE_CHECKING:
     import torch
@@ -280,7 +282,11 @@ def _lora(lora: object, *, quantized: bool, trainable: bool) -> LoraRequest | No
     """``lora=`` resolved once (its checkpointing default fitted to the layout while planning)."""
     if lora is None and trainable is False:
         return None
-    return resolve_lora(lora, quantized=quantized, trainable=trainable)
+    # a trained adapter's files, read once here, before any decision (xpukit/sources/)
+    files = None
+    if isinstance(lora, str | os.PathLike) and isinstance(trainable, bool):
+        files = read_adapter_files(Path(os.fspath(lora)))
+    return resolve_lora(lora, quantized=quantized, trainable=trainable, files=files)
 
 
 def _device_text(device: object, device_map: object) -> str | None:

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.training.base_record import RECORD_FILE, parse_record, read_base_record, record_from
+from xpukit.loading.adapter_record import read_base_record
+from xpukit.planning.training.base_record import RECORD_FILE, parse_record, record_from
 
 LORA = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.0}
 

@@ -4,7 +4,8 @@ Stages, lowest first (docs/index.md#architecture-facts--plan--act):
 
 0. base: ``xpukit.errors``, ``xpukit._compat``, ``xpukit._environ``, ``xpukit.hub``,
    ``xpukit._platform``, ``xpukit._partial``
-1. ``xpukit.machine`` — what the machine is (facts, probe, profiles, precision)
+1. ``xpukit.machine`` — what the machine is (facts, probe, profiles, precision); ``xpukit.sources``
+   — the request's files read before planning (a trained adapter's)
 2. ``xpukit.select`` (device selection) and ``xpukit.planning`` (deciding) — side by side, neither
    imports the other
 3. ``xpukit.loading`` — carrying a plan out (``load_for_xpu``, LoRA, liger, the bitsandbytes fix)
@@ -41,6 +42,7 @@ STAGES: dict[str, int] = {
     "xpukit._platform": 0,
     "xpukit._partial": 0,
     "xpukit.machine": 1,
+    "xpukit.sources": 1,
     "xpukit.select": 2,
     "xpukit.planning": 2,
     "xpukit.kernels": 2,
@@ -342,3 +344,65 @@ def test_the_length_rule_sees_a_long_body(tmp_path: Path) -> None:
     lines = "\n".join(f"    x{i} = {i}" for i in range(MAX_BODY_LINES + 1))
     (tmp_path / "long.py").write_text(f'def f():\n    """Doc."""\n{lines}\n\ndef g():\n    return 1\n')
     assert _long_functions(tmp_path / "long.py", MAX_BODY_LINES) == {"long.f": MAX_BODY_LINES + 1}
+
+
+# Planning decides from facts; reading them is machine/'s and sources/'s (docs/index.md "Architecture:
+# facts → plan → act"). These modules still read for themselves, each to be moved into a facts object:
+# the config and the Hub (model/source.py), transformers' source (model/class_source.py, arguments.py's
+# from_pretrained keywords), the Hub kernels' cache and reachability (device/attention.py,
+# device/layer_kernels.py). The list may only shrink.
+STILL_READING = {
+    "xpukit.planning.arguments",
+    "xpukit.planning.device.attention",
+    "xpukit.planning.device.layer_kernels",
+    "xpukit.planning.model.class_source",
+    "xpukit.planning.model.source",
+}
+_IO_MODULES = ("huggingface_hub", "requests", "urllib", "xpukit.hub")
+_IO_CALLS = {"open", "read_text", "read_bytes", "write_text", "write_bytes", "getenv", "getsource"}
+
+
+def _reads(tree: ast.AST) -> list[str]:
+    """What in a module's syntax tree reads from outside: I/O calls, os.environ, I/O libraries."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = (
+                func.id
+                if isinstance(func, ast.Name)
+                else func.attr
+                if isinstance(func, ast.Attribute)
+                else ""
+            )
+            if name in _IO_CALLS:
+                found.append(f"{name}() on line {node.lineno}")
+        elif isinstance(node, ast.Attribute) and node.attr in {"environ", "environb"}:
+            found.append(f"os.{node.attr} on line {node.lineno}")
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            found += [f"import {n} on line {node.lineno}" for n in names if n.startswith(_IO_MODULES)]
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("xpukit.sources"):
+                found += [f"{a.name} on line {node.lineno}" for a in node.names if a.name.startswith("read")]
+    return found
+
+
+def test_planning_reads_nothing_itself() -> None:
+    """No open(), os.environ, huggingface_hub, requests or urllib under planning/ (but the modules
+    still to move, pinned above): the request (planning/request.py) is the one that gathers a trained
+    adapter's files, through xpukit/sources/."""
+    reading = {}
+    for path in MODULES:
+        name = _module_name(path)
+        if name.startswith("xpukit.planning.") and name != "xpukit.planning.request":
+            found = _reads(ast.parse(path.read_text(encoding="utf-8")))
+            if found:
+                reading[name] = found
+    assert set(reading) - STILL_READING == set(), {k: reading[k] for k in set(reading) - STILL_READING}
+    assert STILL_READING - set(reading) == set(), "moved: take it off STILL_READING"
+
+
+def test_the_reading_rule_sees_a_read() -> None:
+    code = "import os\nfrom urllib import request\ndef f(p):\n    return open(p).read(), os.environ['X']\n"
+    found = _reads(ast.parse(code))
+    assert sorted(f.split(" on")[0] for f in found) == ["import urllib", "open()", "os.environ"]

@@ -17,9 +17,11 @@ import pytest
 
 from xpukit.errors import InvalidRequestError, MissingExtraError
 from xpukit.loading.lora import apply_lora
-from xpukit.loading.training.liger import decide_liger
 from xpukit.machine.profiles import device_profile
+from xpukit.planning.request import LoadRequest
+from xpukit.planning.training.liger import decide_liger
 from xpukit.planning.training.lora_request import DEFAULT_LORA, LoraRequest, resolve_lora
+from xpukit.sources.adapter_files import read_adapter_files
 
 # ---------------------------------------------------------------------------------------------
 # resolve_lora: pure
@@ -66,22 +68,26 @@ def test_lora_wrong_type() -> None:
 
 
 def test_lora_path_errors(tmp_path: Path) -> None:
+    """A trained adapter's files are read with the request (xpukit/sources/), refused there."""
     with pytest.raises(InvalidRequestError, match="no such directory"):
-        resolve_lora(tmp_path / "missing", quantized=False)
+        LoadRequest(lora=tmp_path / "missing")
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(InvalidRequestError, match=r"adapter_config\.json is missing \(found: weights\.bin\)"):
-        resolve_lora(tmp_path, quantized=False)
+        read_adapter_files(tmp_path)
     (tmp_path / "adapter_config.json").write_text("{not json")
     with pytest.raises(InvalidRequestError, match="unreadable"):
-        resolve_lora(str(tmp_path), quantized=False)
+        LoadRequest(lora=str(tmp_path))
+    with pytest.raises(InvalidRequestError, match="files were not read"):
+        resolve_lora(tmp_path, quantized=False)  # the resolver reads nothing itself
 
 
 def test_lora_path_ok(tmp_path: Path) -> None:
     (tmp_path / "adapter_config.json").write_text(
         json.dumps({"r": 8, "target_modules": ["v_proj", "q_proj"]})
     )
-    req = resolve_lora(tmp_path, quantized=True)
+    req = LoadRequest(lora=tmp_path, quantize="4bit").lora_request
     assert req is not None and req.kind == "adapter" and req.adapter_path == str(tmp_path)
+    assert req.files is not None and req.files.tensors is None and req.files.record is None
     assert req.gradient_checkpointing is False
     assert req.describe().endswith("(r=8, targets q_proj,v_proj), inference only")
 
@@ -385,7 +391,9 @@ def test_adapter_save_and_reload_gives_same_logits(tiny_model: Path, tmp_path: P
         trained = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
     model.save_pretrained(tmp_path / "adapter")
 
-    request = resolve_lora(tmp_path / "adapter", quantized=True)
+    request = resolve_lora(
+        tmp_path / "adapter", quantized=True, files=read_adapter_files(tmp_path / "adapter")
+    )
     assert request is not None and request.kind == "adapter" and request.config["r"] == 4
     base = _load_4bit(tiny_model)
     with torch.no_grad():
@@ -421,7 +429,7 @@ def test_adapter_for_another_model_is_refused(tiny_model: Path, tmp_path: Path) 
     (tmp_path / "adapter_config.json").write_text(
         json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["c_attn"]})
     )
-    request = resolve_lora(tmp_path, quantized=True)
+    request = resolve_lora(tmp_path, quantized=True, files=read_adapter_files(tmp_path))
     assert request is not None
     with pytest.raises(InvalidRequestError, match="does not fit this model"):
         apply_lora(_load_4bit(tiny_model), request, compute_dtype="bfloat16", quantized=True, device=_cpu())

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -801,22 +803,52 @@ def test_other_quantization_configs_pass_through(shapes):
     assert any("unquantized" in w for w in odd.warnings)
 
 
-def test_check_request_takes_plan_load_s_choices_with_the_same_defaults() -> None:
-    """check_request (planning/request.py) restates plan_load's keyword list for the CLI, which calls
-    it alone; the two lists must not drift apart."""
+def test_plan_load_and_load_for_xpu_take_exactly_the_request_s_keywords() -> None:
+    """LoadRequest (planning/request.py) is the one listing of the request: plan_load's and
+    load_for_xpu's signatures are its keywords, names, defaults and types, and nothing else."""
     import inspect
 
-    from xpukit.planning.request import check_request
+    from xpukit.loading.load import load_for_xpu
+    from xpukit.planning.request import LoadRequest
 
-    def keywords(fn: object) -> dict[str, object]:
+    def keywords(fn: object) -> list[tuple[str, object, object, object]]:
         params = inspect.signature(fn).parameters.values()  # type: ignore[arg-type]
-        return {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+        return [(p.name, p.kind, p.default, p.annotation) for p in params if p.name != "model"]
 
-    planned = keywords(plan_load)
-    # plan_load's own: facts (the machine) and offload (read from max_memory / the fit, not checked alone).
-    for own in ("facts", "offload"):
-        planned.pop(own)
-    assert keywords(check_request) == planned
+    listed = keywords(LoadRequest)
+    assert [name for name, *_ in listed][-1] == "from_pretrained_kwargs"
+    assert keywords(plan_load) == listed
+    assert keywords(load_for_xpu) == listed
+    # The keywords really reach the request: an unknown value is refused by LoadRequest's checks.
+    with pytest.raises(InvalidRequestError, match="fast_decode='fastest'"):
+        plan_load("Qwen/Qwen3-0.6B", fast_decode="fastest")
+
+
+def test_the_request_s_keyword_list_is_written_once_in_src() -> None:
+    """Each keyword is declared (``name: type = default``) once in src: in LoadRequest's
+    constructor; nowhere are they listed again or passed on one by one (``device=device, ...``)."""
+    from pathlib import Path
+
+    from xpukit.planning.request import LoadRequest, keywords
+
+    src = Path(__file__).resolve().parents[1] / "src" / "xpukit"
+    names = keywords()
+    assert len(names) >= 20 and names[:3] == ("device", "dtype", "attn")
+    listings, forwarded = [], []
+    for path in sorted(src.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        declared = [name for name in names if re.search(rf"^\s+{name}: [^=\n]+= [^\n]+,$", text, re.M)]
+        if len(declared) > len(names) // 2:  # a signature (or a class) listing the request
+            listings.append(path.relative_to(src).as_posix())
+        passed = [name for name in names if re.search(rf"\b{name}={name}\b", text)]
+        if len(passed) > len(names) // 2:
+            forwarded.append(path.relative_to(src).as_posix())
+    assert listings == ["planning/request.py"]
+    assert forwarded == []
+    request = LoadRequest(dtype="bf16", trust_remote_code=True)
+    assert request.dtype == "bfloat16" and request.from_pretrained_kwargs == {"trust_remote_code": True}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        request.dtype = "float32"  # type: ignore[misc]
 
 
 def test_quantize_to_run_without_an_importable_torchao_falls_back_to_bitsandbytes(

@@ -107,8 +107,8 @@ def test_the_claim_check_is_not_vacuous() -> None:
 
 def test_liger_off_names_who_chose_it() -> None:
     """The reported case: lora=True, the plan turned liger off, the note said lora={'liger': False}."""
-    from xpukit.loading.training.liger import decide_liger
     from xpukit.machine.profiles import device_profile
+    from xpukit.planning.training.liger import decide_liger
 
     h200 = device_profile("h200")
     common: dict[str, Any] = {"liger_version": "0.8.5", "triton": True, "supported_types": None}

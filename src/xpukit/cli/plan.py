@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _request(args: argparse.Namespace) -> dict[str, Any]:
-    """``plan_load``'s keywords from the arguments, every one checked (:func:`check_request`)."""
-    from xpukit.planning.request import check_request
+    """``plan_load``'s keywords from the arguments, every one checked (:class:`LoadRequest`)."""
+    from xpukit.planning.request import LoadRequest
 
     rank = _rank(args.rank) if getattr(args, "rank", None) else None
     kwargs: dict[str, Any] = {
@@ -156,7 +156,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
         "fast_decode": getattr(args, "fast_decode", "auto"),
         **_train(getattr(args, "train", None)),
     }
-    check_request({}, **kwargs)
+    LoadRequest(**kwargs)
     if args.assume is not None:
         from xpukit.machine.profiles import parse_assume
 

@@ -20,9 +20,20 @@ from pathlib import Path
 from typing import Any
 
 from xpukit._partial import write_file
-from xpukit.planning.training.base_record import RECORD_FILE, parse_record, record_from
+from xpukit.planning.training.base_record import RECORD_FILE, BaseRecord, parse_record, record_from
+from xpukit.sources.adapter_files import read_record_data
 
-__all__ = ["SaveWithRecord", "record_on_save", "write_record"]
+__all__ = ["SaveWithRecord", "read_base_record", "record_on_save", "write_record"]
+
+
+def read_base_record(adapter: str | Path) -> BaseRecord | None:
+    """The record in an adapter directory, or ``None`` when it has none (an adapter from elsewhere).
+
+    Raises:
+        InvalidRequestError: the file is there but is not a record xpukit wrote.
+    """
+    found = read_record_data(adapter)
+    return parse_record(*found) if found is not None else None
 
 
 def record_on_save(model: Any, *, dtype: str, base_model: str) -> str:

@@ -35,7 +35,8 @@ from xpukit.planning.device.choice import INSTALL_FIX
 from xpukit.planning.device.quantization import require_bnb
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import unexpected_weights_problem
-from xpukit.planning.plan import plan_load
+from xpukit.planning.plan import plan_request
+from xpukit.planning.request import LoadRequest, ModelArg, takes_request
 from xpukit.planning.vocabulary import LoadEvent
 
 __all__ = ["carry_out", "load_for_xpu"]
@@ -43,35 +44,12 @@ __all__ = ["carry_out", "load_for_xpu"]
 logger = logging.getLogger(__name__)
 
 
-def load_for_xpu(
-    model: Any,
-    *,
-    device: Any = None,
-    dtype: Any = "auto",
-    attn: Any = "auto",
-    kernels: Any = "auto",
-    device_map: Any = "auto",
-    max_memory: dict[Any, Any] | None = None,
-    quantize: Any = None,
-    lora: Any = None,
-    offload: bool | None = None,
-    headroom: Any = None,
-    facts: Any = None,
-    model_class: Any = None,
-    seed: Any = None,
-    strategy: Any = None,
-    fast_decode: bool | str = "auto",
-    warmup: bool = False,
-    batch_size: int | None = None,
-    seq_len: int | None = None,
-    merge: Any = False,
-    force: bool = False,
-    trainable: bool = False,
-    **from_pretrained_kwargs: Any,
-) -> Any:
+@takes_request(LoadRequest)
+def load_for_xpu(model: ModelArg | LoadPlan, **keywords: Any) -> Any:
     """Load a model for inference the way :func:`xpukit.plan_load` plans it, and say what ran.
 
-    Takes the same arguments as :func:`xpukit.plan_load` (or a ``LoadPlan`` as ``model``). Any other
+    Takes the same arguments as :func:`xpukit.plan_load`, the keywords of
+    :class:`~xpukit.planning.request.LoadRequest` (or a ``LoadPlan`` as ``model``). Any other
     keyword goes to ``from_pretrained`` unchanged. ``seed=N`` seeds the new LoRA adapters'
     initialisation (``transformers.set_seed(N)`` right before they are created; from_pretrained is
     not affected), so ``load_for_xpu(..., seed=N)`` with ``training_args(..., seed=N)`` repeats a run
@@ -113,34 +91,9 @@ def load_for_xpu(
     """
     # Other libraries imported while loading say nothing unless verbose (xpukit/_quiet.py).
     with quiet_imports():
-        if isinstance(model, LoadPlan):
-            plan = model
-        else:
-            plan = plan_load(
-                model,
-                device=device,
-                dtype=dtype,
-                attn=attn,
-                kernels=kernels,
-                device_map=device_map,
-                max_memory=max_memory,
-                quantize=quantize,
-                lora=lora,
-                offload=offload,
-                headroom=headroom,
-                facts=facts,
-                model_class=model_class,
-                seed=seed,
-                strategy=strategy,
-                fast_decode=fast_decode,
-                batch_size=batch_size,
-                seq_len=seq_len,
-                merge=merge,
-                force=force,
-                trainable=trainable,
-                **from_pretrained_kwargs,
-            )
-        return carry_out(plan, model_class=model_class, warmup=warmup)
+        req = LoadRequest(**keywords)
+        plan = model if isinstance(model, LoadPlan) else plan_request(model, req)
+        return carry_out(plan, model_class=req.model_class, warmup=req.warmup)
 
 
 def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) -> Any:

@@ -177,7 +177,8 @@ def merge_dtype(dtype: str | None, base: Any, adapter: str | os.PathLike[str]) -
     """The dtype to merge in (``"auto"``: the plan's, which is the recorded one), why, and from where:
     ``"asked"`` (``dtype=``), ``"record"`` (the dtype the adapter trained in, as its base record says)
     or ``"checkpoint"`` (no record: the base checkpoint's own dtype)."""
-    from xpukit.planning.training.base_record import RECORD_FILE, read_base_record
+    from xpukit.loading.adapter_record import read_base_record
+    from xpukit.planning.training.base_record import RECORD_FILE
 
     if dtype is not None:
         asked = normalize_dtype(dtype)

@@ -29,7 +29,6 @@ __all__ = [
     "check_seed",
     "device_of_map",
     "host_modules_reason",
-    "lora_request_for",
     "normalize_dtype_arg",
     "normalize_max_memory",
     "parse_device",
@@ -213,14 +212,6 @@ def check_lora_targets(request: Any, facts: Any, *, enforce: bool, warnings: lis
     guard = "peft" not in sys.modules and (hub_offline() or not hub_status().usable)
     with offline_guard(guard):
         check_lora_request(request, facts)
-
-
-def lora_request_for(lora: Any, *, quantized: bool, trainable: Any = False) -> Any:
-    if lora is None and trainable is False:
-        return None
-    from xpukit.planning.training.lora_request import resolve_lora
-
-    return resolve_lora(lora, quantized=quantized, trainable=trainable)
 
 
 def check_seed(seed: Any) -> int | None:

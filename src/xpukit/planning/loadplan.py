@@ -351,6 +351,6 @@ def _short(value: Any) -> str:
 
 def _fields(obj: Any) -> dict[str, Any]:
     names = getattr(obj, "__dataclass_fields__", None)
-    if names:
-        return {n: getattr(obj, n) for n in names}
+    if names:  # a field left out of repr (what was read to make it, such as an adapter's files) stays out
+        return {n: getattr(obj, n) for n, f in names.items() if f.repr}
     return {}

@@ -21,7 +21,6 @@ from xpukit.planning.arguments import (
     check_lora_targets,
     device_of_map,
     host_modules_reason,
-    lora_request_for,
     seed_decision,
 )
 from xpukit.planning.device.attention import AttentionChoice, choose_attention
@@ -42,7 +41,7 @@ from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import ModelClassChoice, choose_model_class
 from xpukit.planning.model.facts import ModelFacts, model_facts
 from xpukit.planning.model.source import read_config
-from xpukit.planning.request import LoadRequest
+from xpukit.planning.request import LoadRequest, ModelArg, keywords
 from xpukit.planning.training.adapter_base import AdapterBase, adapter_base
 from xpukit.planning.training.adapter_fit import check_saved_adapter
 from xpukit.planning.training.allocation import allocation_cap
@@ -59,7 +58,6 @@ from xpukit.planning.vocabulary import Decision
 
 __all__ = [
     "Adapters",
-    "Asked",
     "Attention",
     "Config",
     "Decode",
@@ -79,24 +77,6 @@ __all__ = [
 
 
 @dataclass(frozen=True, kw_only=True)
-class Asked:
-    """The request: ``plan_load``'s arguments as given, and as checked (:class:`LoadRequest`)."""
-
-    model: Any
-    req: LoadRequest
-    kwargs: dict[str, Any]  # from_pretrained's keywords (read_config takes its own out)
-    device: Any
-    device_map: Any
-    facts: MachineFacts | str | None
-    lora: Any
-    quantize: Any
-    offload: bool | None
-    force: bool
-    trainable: bool
-    model_class: Any
-
-
-@dataclass(frozen=True, kw_only=True)
 class Config:
     """The model's config, where it came from, and the quantization asked (or recorded in it)."""
 
@@ -105,6 +85,7 @@ class Config:
     name: str
     consumed: frozenset[str]
     quant: QuantRequest
+    given: bool  # a config was given (``config=`` or a config object with a source), not read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,34 +152,36 @@ class Decode:
     decision: Decision | None
 
 
-def _trust_remote_code(asked: Asked) -> bool:
-    return bool(asked.kwargs.get("trust_remote_code", False))
+def _trust_remote_code(req: LoadRequest) -> bool:
+    return bool(req.from_pretrained_kwargs.get("trust_remote_code", False))
 
 
-def config_stage(asked: Asked, *, ours: tuple[str, ...]) -> Config:
+def config_stage(model: ModelArg, req: LoadRequest) -> Config:
     """Read the config (never the weights) and check the leftover keywords against it."""
-    config, source, name, consumed = read_config(asked.model, asked.kwargs)
-    check_keywords(asked.kwargs, config, consumed, ours=ours)
-    quant = asked.req.quant
-    if asked.quantize is None and asked.lora is None and (recorded := recorded_request(config)) is not None:
+    kwargs = req.from_pretrained_kwargs
+    config, source, name, consumed = read_config(model, kwargs)
+    check_keywords(kwargs, config, consumed, ours=keywords())
+    quant = req.quant
+    if req.quantize is None and req.lora is None and (recorded := recorded_request(config)) is not None:
         # A merged checkpoint written to load quantized (docs/planning.md "Quantization for inference").
         quant = recorded
-    return Config(config=config, source=source, name=name, consumed=consumed, quant=quant)
+    given = "config" in kwargs or (source is not None and not isinstance(model, (str, Path)))
+    return Config(config=config, source=source, name=name, consumed=consumed, quant=quant, given=given)
 
 
-def machine_stage(asked: Asked) -> Machine:
+def machine_stage(req: LoadRequest) -> Machine:
     """The machine (a profile or this one), a launched job's rank, and the main device."""
-    strategy, device_text = asked.req.strategy, asked.req.device_text
-    machine, facts_given = machine_for(asked.facts)
-    if isinstance(asked.device_map, dict):
-        device_text = device_of_map(asked.device_map, device_text, machine)
-    rank = place_rank(device_text, asked.device_map, machine, strategy=strategy)  # a launched job's rank
+    strategy, device_text = req.strategy, req.device_text
+    machine, facts_given = machine_for(req.facts)
+    if isinstance(req.device_map, dict):
+        device_text = device_of_map(req.device_map, device_text, machine)
+    rank = place_rank(device_text, req.device_map, machine, strategy=strategy)  # a launched job's rank
     if rank is not None:
         device_text = rank.device_text
     origin = None
     if rank is not None:
         origin = f"{rank.device_text}: this rank's own device in the launched job"
-    elif asked.device is None and device_text is not None:
+    elif req.device is None and device_text is not None:
         origin = "device_map= given"
     main, candidates, device_decision = resolve_device(device_text, machine, origin=origin)
     if rank is not None and strategy in {"auto", "fsdp"}:
@@ -210,27 +193,26 @@ def machine_stage(asked: Asked) -> Machine:
     )  # fmt: skip
 
 
-def model_stage(asked: Asked, cfg: Config) -> Model:
+def model_stage(req: LoadRequest, cfg: Config) -> Model:
     """The class to load with, the model's facts, and a trained adapter checked against its modules."""
-    req = asked.req
-    class_choice = choose_model_class(cfg.config, asked.model_class if req.class_name else None)
+    class_choice = choose_model_class(cfg.config, req.model_class if req.class_name else None)
     facts = model_facts(
         cfg.config,
         name=cfg.name,
-        trust_remote_code=_trust_remote_code(asked),
+        trust_remote_code=_trust_remote_code(req),
         model_class=class_choice.cls or class_choice.name,
     )
     if facts.pre_quantized and cfg.quant.kind not in {None, "auto"}:
         raise InvalidRequestError(
-            f"quantize={asked.quantize!r}: {cfg.name} is already quantized ({facts.pre_quantized}); it "
+            f"quantize={req.quantize!r}: {cfg.name} is already quantized ({facts.pre_quantized}); it "
             "cannot be quantized again. Fix: quantize=None."
         )
     warnings: list[str] = []
     # A trained adapter: its tensors against the base's modules, before any weight is read.
     adapter_check, record = check_saved_adapter(
-        req.lora, config=cfg.config, model_class=class_choice.cls or class_choice.name, base=facts.name,
-        force=asked.force, merging=req.merge is not None, warnings=warnings,
-        trust_remote_code=_trust_remote_code(asked),
+        req.lora_request, config=cfg.config, model_class=class_choice.cls or class_choice.name,
+        base=facts.name, force=req.force, merging=req.merge is not None, warnings=warnings,
+        trust_remote_code=_trust_remote_code(req),
     )  # fmt: skip
     return Model(
         class_choice=class_choice, facts=facts, adapter_check=adapter_check, record=record,
@@ -239,19 +221,20 @@ def model_stage(asked: Asked, cfg: Config) -> Model:
 
 
 def _attempt(
-    asked: Asked, cfg: Config, mach: Machine, model: Model, dtype_decision: Decision, quant: QuantRequest
+    req: LoadRequest, cfg: Config, mach: Machine, model: Model, dtype_decision: Decision, quant: QuantRequest
 ) -> Attempt:
     """A layout with the training plan made for it (new adapters), and its warnings."""
-    req, main, facts = asked.req, mach.main, model.facts
+    main, facts = mach.main, model.facts
     said: list[str] = []
     lay = plan_layout(
         facts=facts, machine=mach.machine, main=main, candidates=mach.candidates,
-        dtype_decision=dtype_decision, quant=quant, device_map=asked.device_map,
-        max_memory=req.max_memory, offload=asked.offload is not False, headroom=req.headroom,
+        dtype_decision=dtype_decision, quant=quant, device_map=req.device_map,
+        max_memory=req.max_memory, offload=req.offload is not False, headroom=req.headroom,
         enforce_extras=not mach.facts_given, warnings=said,
-        serve=asked.lora is None and req.strategy is None,  # docs/planning.md "Quantization for inference"
+        serve=req.lora is None and req.strategy is None,  # docs/planning.md "Quantization for inference"
     )  # fmt: skip
-    request = lora_request_for(asked.lora, quantized=lay.quantization is not None, trainable=asked.trainable)
+    # lora= as resolved with the request, its checkpointing default fitted to this layout
+    request = req.lora_request.for_base(quantized=lay.quantization is not None) if req.lora_request else None
     request = fit_lora_to_class(request, model.class_choice, facts)  # task, head, VLM targets
     check_lora_targets(request, facts, enforce=not mach.facts_given, warnings=said)
     fused = fused_will_run(request, facts, quantization=lay.quantization, backend=main.backend)
@@ -268,41 +251,41 @@ def _attempt(
     return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
 
 
-def _adapter_base(asked: Asked, cfg: Config, model: Model) -> AdapterBase:
+def _adapter_base(req: LoadRequest, cfg: Config, model: Model) -> AdapterBase:
     """A trained adapter's base as it trained (its record); a merge takes only the recorded dtype."""
     record = model.record
-    if asked.req.merge is not None:  # a merge: the dtype it trained in; plan_merge decides the weights
+    if req.merge is not None:  # a merge: the dtype it trained in; plan_merge decides the weights
         trained = (record.dtype, record.path) if record is not None else None
         return AdapterBase(quant=cfg.quant, trained=trained, followed=False, warnings=())
     return adapter_base(
         record,
         cfg.quant,
-        quantize=asked.quantize,
-        dtype=asked.req.dtype,
-        trainable=asked.trainable,
+        quantize=req.quantize,
+        dtype=req.dtype,
+        trainable=req.trainable,
         pre_quantized=model.facts.pre_quantized,
     )
 
 
-def placement_stage(asked: Asked, cfg: Config, mach: Machine, model: Model) -> Placement:
+def placement_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model) -> Placement:
     """The dtype, the layout (with the training plan for new adapters), and a launched job's share."""
     warnings: list[str] = []
-    base = _adapter_base(asked, cfg, model)
+    base = _adapter_base(req, cfg, model)
     warnings += base.warnings
-    dtype_decision = decide_dtype(asked.req.dtype, mach.main, warnings, trained=base.trained)
-    attempt = functools.partial(_attempt, asked, cfg, mach, model, dtype_decision)
+    dtype_decision = decide_dtype(req.dtype, mach.main, warnings, trained=base.trained)
+    attempt = functools.partial(_attempt, req, cfg, mach, model, dtype_decision)
     chosen = layout_for_training(  # new adapters: 4-bit by fit, no silent weight offload
-        attempt(base.quant), replan=attempt, quantize_given=asked.quantize is not None or base.followed,
-        offload=asked.offload, device=mach.main.torch_device,
+        attempt(base.quant), replan=attempt, quantize_given=req.quantize is not None or base.followed,
+        offload=req.offload, device=mach.main.torch_device,
     )  # fmt: skip
     warnings += chosen.warnings
     training = chosen.training
     if training is not None and (too_big := training.warning(mach.main.torch_device)) is not None:
         warnings.append(too_big)
     distributed = plan_distributed(
-        rank=mach.rank, strategy=asked.req.strategy, layout=chosen.layout, model_facts=model.facts,
-        main=mach.main, machine=mach.machine, user_device_map=asked.device_map,
-        user_quant_config=cfg.quant.user_config, lora=asked.lora is not None,
+        rank=mach.rank, strategy=req.strategy, layout=chosen.layout, model_facts=model.facts,
+        main=mach.main, machine=mach.machine, user_device_map=req.device_map,
+        user_quant_config=cfg.quant.user_config, lora=req.lora is not None,
     )  # fmt: skip
     return Placement(
         layout=chosen.layout, lora=chosen.lora, training=training, distributed=distributed,
@@ -310,20 +293,18 @@ def placement_stage(asked: Asked, cfg: Config, mach: Machine, model: Model) -> P
     )  # fmt: skip
 
 
-def attention_stage(asked: Asked, mach: Machine, model: Model, place: Placement) -> Attention:
+def attention_stage(req: LoadRequest, mach: Machine, model: Model, place: Placement) -> Attention:
     """The attention implementation and the Hub layer kernels, knowing where every module runs."""
-    host_modules = host_modules_reason(asked.device_map, place.layout.max_memory, mach.main)
-    attention = choose_attention(
-        asked.req.attn, mach.main, place.dtype, model.facts, host_modules=host_modules
-    )
+    host_modules = host_modules_reason(req.device_map, place.layout.max_memory, mach.main)
+    attention = choose_attention(req.attn, mach.main, place.dtype, model.facts, host_modules=host_modules)
     kernels = choose_kernels(
-        asked.req.kernels, mach.main, model.facts, lora=place.lora is not None, host_modules=host_modules
+        req.kernels, mach.main, model.facts, lora=place.lora is not None, host_modules=host_modules
     )
     warnings = tuple(w for w in (attention.warning, kernels.warning) if w)
     return Attention(attention=attention, kernels=kernels, warnings=warnings)
 
 
-def adapters_stage(asked: Asked, mach: Machine, model: Model, place: Placement) -> Adapters:
+def adapters_stage(req: LoadRequest, mach: Machine, model: Model, place: Placement) -> Adapters:
     """The LoRA decision, the training plan's, the fused path, the layer graphs, packing, the seed."""
     lora, training, facts, main = place.lora, place.training, model.facts, mach.main
     quantization = place.layout.quantization
@@ -352,18 +333,18 @@ def adapters_stage(asked: Asked, mach: Machine, model: Model, place: Placement) 
     )
     decisions += [packing] if packing is not None else []
     new_adapters = lora is not None and lora.kind == "new"
-    if asked.req.seed is not None or new_adapters:
-        decisions.append(seed_decision(asked.req.seed, new_adapters=new_adapters))
+    if req.seed is not None or new_adapters:
+        decisions.append(seed_decision(req.seed, new_adapters=new_adapters))
     return Adapters(decisions=tuple(decisions), warnings=tuple(warnings))
 
 
-def decode_stage(asked: Asked, cfg: Config, mach: Machine, model: Model, place: Placement) -> Decode:
+def decode_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model, place: Placement) -> Decode:
     """``fast_decode``: the static cache and compiled decoding, sized from the headroom; ``"auto"``
     takes it for torchao weights xpukit chose, loaded to run on CUDA/XPU (docs/decode.md "Fast by
     default")."""
     decode, decision = decide_decode(
-        asked.req.fast_decode,
-        serving=asked.lora is None and asked.req.strategy is None,
+        req.fast_decode,
+        serving=req.lora is None and req.strategy is None,
         chosen_format=cfg.quant.user_config is None,
         device=mach.main,
         dtype=place.dtype,
@@ -377,20 +358,20 @@ def decode_stage(asked: Asked, cfg: Config, mach: Machine, model: Model, place: 
 
 
 def merge_stage(
-    asked: Asked, mach: Machine, model: Model, place: Placement, warnings: list[str]
+    req: LoadRequest, mach: Machine, model: Model, place: Placement, warnings: list[str]
 ) -> MergePlan | None:
     """``merge=``: which weights the adapter is merged into, and where (its warning joins ``warnings``)."""
-    if asked.req.merge is None:
+    if req.merge is None:
         return None
     return plan_merge(
-        asked.req.merge, lora_request=place.lora, memory=place.layout.memory, main=mach.main,
+        req.merge, lora_request=place.lora, memory=place.layout.memory, main=mach.main,
         machine=mach.machine, facts=model.facts, dtype=place.dtype, adapter_check=model.adapter_check or "",
         record=model.record, warnings=warnings,
     )  # fmt: skip
 
 
 def plan_stage(
-    asked: Asked, cfg: Config, mach: Machine, model: Model, place: Placement, attn: Attention,
+    req: LoadRequest, cfg: Config, mach: Machine, model: Model, place: Placement, attn: Attention,
     adapters: Adapters, decode: Decode, warnings: tuple[str, ...],
 ) -> LoadPlan:  # fmt: skip
     """Every decision in the plan's order, and the frozen :class:`LoadPlan`."""
@@ -409,10 +390,8 @@ def plan_stage(
         attention_kernel=attn.attention.kernel.repo if attn.attention.kernel else None,
         use_kernels=attn.kernels.use, device_map=distributed.device_map, max_memory=distributed.max_memory,
         memory=layout.memory, lora=place.lora, decisions=tuple(decisions), warnings=warnings,
-        passthrough=asked.kwargs, model_class=model.class_choice.name, user_quantization_config=user_config,
+        passthrough=req.from_pretrained_kwargs, model_class=model.class_choice.name,
+        user_quantization_config=user_config, config_kwargs=cfg.consumed, config_given=cfg.given,
         kernel_config=attn.kernels.config if attn.kernels.use else None, config=cfg.config,
-        config_kwargs=cfg.consumed,
-        config_given="config" in asked.kwargs
-        or (cfg.source is not None and not isinstance(asked.model, (str, Path))),
-        seed=asked.req.seed, strategy=distributed.strategy, decode=decode.plan, training=place.training,
+        seed=req.seed, strategy=distributed.strategy, decode=decode.plan, training=place.training,
     )  # fmt: skip

@@ -12,10 +12,11 @@ extra is not part of ``all``, and the usual reason to train QLoRA is that memory
 ``lora={"liger": False}`` turns it off where the model fits without it and speed matters more.
 
 Triton runs on CUDA (and ROCm) and on XPU (``triton-xpu``), not on CPU or MPS. The choice is a pure
-function of facts (:func:`decide_liger`); :func:`apply_liger` acts and returns notes, including the
-fallback when liger fails. liger patches through its own per-architecture entry point
-(``_apply_liger_kernel_to_instance``, the same call transformers' ``Trainer(use_liger_kernel=True)``
-makes), with each architecture's default kernels except RoPE, and only on this model instance.
+function of facts (:func:`xpukit.planning.training.liger.decide_liger`); :func:`apply_liger` acts
+and returns notes, including the fallback when liger fails. liger patches through its own per-
+architecture entry point (``_apply_liger_kernel_to_instance``, the same call transformers'
+``Trainer(use_liger_kernel=True)`` makes), with each architecture's default kernels except RoPE, and
+only on this model instance.
 
 liger's entry point also rewrites the architecture's transformers modeling module: it swaps the
 norm/MLP classes and the module-level ``apply_rotary_pos_emb`` for Triton versions. Left in place,
@@ -33,71 +34,15 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from xpukit._compat import installed_version, is_installed
 from xpukit.machine.facts import DeviceFacts
+from xpukit.planning.training.liger import TRITON_BACKENDS, LigerDecision, decide_liger
 
-__all__ = ["TRITON_BACKENDS", "LigerDecision", "apply_liger", "decide_liger"]
+__all__ = ["apply_liger"]
 
 logger = logging.getLogger(__name__)
-
-# Device types on which Triton (and so liger-kernel) runs.
-TRITON_BACKENDS = ("cuda", "xpu")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class LigerDecision:
-    """Whether to apply liger-kernel, and why."""
-
-    use: bool
-    reason: str
-
-
-def decide_liger(
-    device: DeviceFacts,
-    model_type: str | None,
-    *,
-    wanted: bool | None,
-    given: bool = False,
-    liger_version: str | None,
-    triton: bool,
-    supported_types: frozenset[str] | None,
-) -> LigerDecision:
-    """Decide from facts alone whether liger-kernel is applied.
-
-    Args:
-        device: the device the model trains on.
-        model_type: ``config.model_type`` of the model.
-        wanted: the plan's (or the user's) choice (``None`` = automatic).
-        given: ``wanted`` is the user's own ``lora={"liger": ...}``, not the training plan's choice.
-        liger_version: the installed liger-kernel version, ``None`` when missing.
-        triton: whether the ``triton`` module can be imported.
-        supported_types: the model types liger can patch (``None`` when unknown).
-    """
-    if wanted is False:
-        who = "lora={'liger': False} given" if given else "the training plan's choice (its liger decision)"
-        return LigerDecision(use=False, reason=f"liger-kernel off: {who}")
-    if device.backend not in TRITON_BACKENDS:
-        return LigerDecision(
-            use=False, reason=f"liger-kernel not used: its Triton kernels do not run on {device.backend}"
-        )
-    if liger_version is None:
-        return LigerDecision(
-            use=False,
-            reason='liger-kernel not installed (pip install "xpukit[liger]": its fused loss keeps no '
-            "logits, and in xpukit's 512-token chunks it is faster than the plain loss on an H200)",
-        )
-    if not triton:
-        return LigerDecision(use=False, reason="liger-kernel installed but triton is not: not used")
-    if supported_types is not None and model_type not in supported_types:
-        return LigerDecision(
-            use=False, reason=f"liger-kernel {liger_version} has no kernels for model type {model_type!r}"
-        )
-    return LigerDecision(
-        use=True, reason=f"liger-kernel {liger_version} on {device.backend} for {model_type!r}"
-    )
 
 
 def apply_liger(

@@ -1,7 +1,8 @@
 """Does a trained LoRA adapter belong to this base? Its tensors against the base's modules, no weights read.
 
-:func:`check_adapter` reads the adapter's ``adapter_model.safetensors`` header (names, shapes) and
-builds the base on the meta device; every ``lora_A`` must match its module's input size, every
+:func:`check_adapter` takes the adapter's ``adapter_model.safetensors`` header (names, shapes; read
+with its other files before planning, :mod:`xpukit.sources.adapter_files`) and builds the base on
+the meta device; every ``lora_A`` must match its module's input size, every
 ``lora_B`` its output size, and every other saved tensor (``modules_to_save``) the base's parameter
 of that name. A tensor that fits nothing is refused, because peft would either fail on it (after the
 base's weights are loaded, with torch's size-mismatch dump) or drop it; a ``base_model_name_or_path``
@@ -13,15 +14,13 @@ Every path that takes a trained adapter (``lora=DIR`` for inference, ``trainable
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.training.base_record import BaseRecord, read_base_record
+from xpukit.planning.training.base_record import BaseRecord, parse_record
 
-__all__ = ["check_adapter", "check_saved_adapter", "read_safetensors_header"]
+__all__ = ["check_adapter", "check_saved_adapter"]
 
 _LORA_SUFFIXES = {  # peft's saved tensor name → which side of the base module's weight it must match
     "lora_A.weight": "in",
@@ -31,32 +30,10 @@ _LORA_SUFFIXES = {  # peft's saved tensor name → which side of the base module
 }
 
 
-def read_safetensors_header(path: Path) -> dict[str, Any]:
-    """The tensor table of a ``.safetensors`` file (names → dtype, shape), read without its weights.
-
-    Raises:
-        InvalidRequestError: the file is not a readable safetensors file.
-    """
-    try:
-        with path.open("rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            if size > 100 * 2**20:
-                raise ValueError(f"a header of {size} bytes")
-            header = json.loads(f.read(size))
-    except (OSError, ValueError, struct.error) as exc:
-        raise InvalidRequestError(
-            f"{path}: not a readable safetensors file ({exc}). Fix: save the adapter again with "
-            "PeftModel.save_pretrained."
-        ) from exc
-    if not isinstance(header, dict):
-        raise InvalidRequestError(f"{path}: the safetensors header is not a table of tensors.")
-    header.pop("__metadata__", None)
-    return header
-
-
 def check_adapter(
     adapter: str,
     saved: dict[str, Any],
+    tensors: dict[str, Any] | None,
     *,
     config: Any,
     model_class: Any,
@@ -68,8 +45,9 @@ def check_adapter(
 ) -> str:
     """Compare the adapter's tensors with the base's modules; what was found, in one line.
 
-    The adapter's ``lora_A``/``lora_B`` shapes come from its safetensors header, the base's module
-    shapes from the model built on the meta device; no weight is read.
+    The adapter's ``lora_A``/``lora_B`` shapes come from its safetensors header (``tensors``, read
+    with the adapter's files, ``None`` without the file), the base's module shapes from the model built
+    on the meta device; no weight is read.
 
     ``merging``: the adapter is to be merged (the messages say merge and ``xpukit merge --force``),
     else loaded (for inference or to train further).
@@ -78,10 +56,8 @@ def check_adapter(
         InvalidRequestError: a tensor names a module the base lacks or has another shape (unless
             ``force``; then it is a warning on the plan).
     """
-    file = Path(adapter) / "adapter_model.safetensors"
-    if not file.is_file():
+    if tensors is None:
         return "adapter_model.safetensors not found: shapes not checked here (peft checks them at load)"
-    tensors = read_safetensors_header(file)
     problems = _problems(tensors, config, model_class, trust_remote_code)
     checked = len(tensors) - len(problems)
     named = str(saved.get("base_model_name_or_path") or "")
@@ -135,14 +111,24 @@ def check_saved_adapter(
         InvalidRequestError: the adapter does not fit the base (unless ``force``), or its base
             record is malformed.
     """
-    if request is None or request.kind != "adapter":
+    if request is None or request.kind != "adapter" or request.files is None:
         return None, None
-    path = str(request.adapter_path)
+    files = request.files
     check = check_adapter(
-        path, request.config, config=config, model_class=model_class, base=base, force=force,
-        warnings=warnings, merging=merging, trust_remote_code=trust_remote_code,
-    )  # fmt: skip
-    return check, read_base_record(path)
+        files.path,
+        request.config,
+        files.tensors,
+        config=config,
+        model_class=model_class,
+        base=base,
+        force=force,
+        warnings=warnings,
+        merging=merging,
+        trust_remote_code=trust_remote_code,
+    )
+    if files.record is None:
+        return check, None
+    return check, parse_record(files.record, files.record_path)
 
 
 def _problems(tensors: dict[str, Any], config: Any, model_class: Any, trust_remote_code: bool) -> list[str]:

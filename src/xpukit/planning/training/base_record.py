@@ -6,9 +6,9 @@ changes the model (docs/training.md "Merging an adapter"). So when a model xpuki
 trainable adapters is saved (``save_pretrained``, ``Trainer``'s checkpoints included), xpukit writes
 :data:`RECORD_FILE` beside ``adapter_config.json`` (acting: :mod:`xpukit.loading.base_record`), and
 ``merge=True`` follows it (:mod:`xpukit.planning.training.merge`). This module is the record's
-format: :func:`record_from` builds it from what the loaded model holds, :func:`read_base_record`
-reads it back, :class:`BaseRecord` says what it means for a merge (pure but for reading one small
-JSON file).
+format: :func:`record_from` builds it from what the loaded model holds, :func:`parse_record` reads
+the file's object (read with the adapter's other files, :mod:`xpukit.sources.adapter_files`),
+:class:`BaseRecord` says what it means for a merge (pure).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 from xpukit._compat import installed_version
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.precision import DTYPES, normalize_dtype
+from xpukit.sources.adapter_files import RECORD_FILE, record_problem
 
-__all__ = ["RECORD_FILE", "BaseRecord", "parse_record", "read_base_record", "record_from"]
+__all__ = ["RECORD_FILE", "BaseRecord", "parse_record", "record_from"]
 
-RECORD_FILE = "xpukit_base.json"
 _FORMAT = 1
 # The BitsAndBytesConfig keywords that decide which 4-bit weights the base had (the compute dtype
 # does not change them; the merge dequantises in its own dtype).
@@ -124,22 +124,6 @@ def record_from(quantization_config: dict[str, Any] | None, *, dtype: str, base_
     }
 
 
-def read_base_record(adapter: str | Path) -> BaseRecord | None:
-    """The record in an adapter directory, or ``None`` when it has none (an adapter from elsewhere).
-
-    Raises:
-        InvalidRequestError: the file is there but is not a record xpukit wrote.
-    """
-    path = Path(adapter) / RECORD_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise _bad(path, f"unreadable ({exc})") from None
-    return parse_record(data, str(path))
-
-
 def parse_record(data: Any, path: str) -> BaseRecord:
     """A record's JSON object as a :class:`BaseRecord` (``path``: where it was read, for messages).
 
@@ -174,8 +158,4 @@ def _kind(config: dict[str, Any] | None) -> str | None:
 
 
 def _bad(path: Path | str, what: str) -> InvalidRequestError:
-    return InvalidRequestError(
-        f"{path}: {what}. xpukit writes this file beside a saved adapter to record how its base was held "
-        "in training. Fix: save the adapter again from the model xpukit loaded, or delete the file and pass "
-        "merge='dequantized' (a 4-bit base) or merge='original' (a full-precision base)."
-    )
+    return record_problem(path, what)

@@ -1,21 +1,21 @@
 """What ``lora=`` asks for: :func:`resolve_lora` → a frozen :class:`LoraRequest` (pure).
 
-It reads at most an ``adapter_config.json``, never a model, and does not import peft: the keys are
-checked against peft's ``LoraConfig`` keywords by name. Fitting the request to the model and
-checking it with peft is :mod:`xpukit.planning.training.lora_config`; applying it is
-:func:`xpukit.loading.lora.apply_lora`.
+It reads nothing (a trained adapter's files come read, :mod:`xpukit.sources.adapter_files`), and
+does not import peft: the keys are checked against peft's ``LoraConfig`` keywords by name. Fitting
+the request to the model and checking it with peft is :mod:`xpukit.planning.training.lora_config`;
+applying it is :func:`xpukit.loading.lora.apply_lora`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from xpukit.errors import InvalidRequestError, name_hints
+from xpukit.sources.adapter_files import AdapterFiles
 
 __all__ = ["DEFAULT_LORA", "LORA_CONFIG_KEYS", "LoraRequest", "rank_problem", "resolve_lora", "targets_text"]
 
@@ -87,6 +87,8 @@ class LoraRequest:
         loss: the training plan's loss (``"plain"``, ``"liger"``, ``"chunked"``); ``None`` before
             planning. ``"chunked"`` makes loading apply xpukit's chunked cross-entropy.
         trainable: for ``"adapter"``: loaded to train further (``trainable=True``), not for inference.
+        files: for ``"adapter"``: the directory's files as read before planning (its config, tensor
+            table and base record).
     """
 
     kind: Literal["new", "adapter"]
@@ -103,11 +105,19 @@ class LoraRequest:
     packing: bool | None = None
     loss: str | None = None
     trainable: bool = False
+    files: AdapterFiles | None = field(default=None, repr=False, compare=False)  # not in the plan's JSON
 
     @property
     def trains(self) -> bool:
         """Adapters to train: new ones, or a saved one loaded with ``trainable=True``."""
         return self.kind == "new" or self.trainable
+
+    def for_base(self, *, quantized: bool) -> LoraRequest:
+        """New adapters on a base the layout quantizes (or not): gradient checkpointing's default,
+        on for a quantized base, unless ``lora=`` gave it (the training plan then decides by fit)."""
+        if self.kind != "new" or self.gradient_checkpointing_given:
+            return self
+        return dataclasses.replace(self, gradient_checkpointing=quantized)
 
     def describe(self) -> str:
         """One line for the plan's explain table."""
@@ -124,7 +134,9 @@ class LoraRequest:
         )
 
 
-def resolve_lora(lora: object, *, quantized: bool, trainable: object = False) -> LoraRequest | None:
+def resolve_lora(
+    lora: object, *, quantized: bool, trainable: object = False, files: AdapterFiles | None = None
+) -> LoraRequest | None:
     """Validate ``lora=`` and resolve it to a :class:`LoraRequest` (no model, no peft import).
 
     Args:
@@ -134,6 +146,8 @@ def resolve_lora(lora: object, *, quantized: bool, trainable: object = False) ->
             trained adapter directory (loaded for inference).
         quantized: the base model is loaded in 4/8-bit (gradient checkpointing then defaults on).
         trainable: with an adapter path, load it to train further (its weights trainable).
+        files: with an adapter path, its files as read
+            (:func:`xpukit.sources.adapter_files.read_adapter_files`).
 
     Returns:
         The request, or ``None`` when no LoRA is wanted.
@@ -162,7 +176,12 @@ def resolve_lora(lora: object, *, quantized: bool, trainable: object = False) ->
     if isinstance(lora, dict):
         return _from_dict(lora, quantized)
     if isinstance(lora, str | os.PathLike):
-        return _from_path(Path(os.fspath(lora)), trainable)
+        if files is None or files.path != str(Path(os.fspath(lora))):
+            raise InvalidRequestError(
+                f"lora={lora!r}: the adapter's files were not read. Fix: build the request with "
+                "xpukit.planning.request.LoadRequest(lora=...), which reads them."
+            )
+        return _from_files(files, trainable)
     if type(lora).__name__ == "LoraConfig" and dataclasses.is_dataclass(lora):
         config = _config_kwargs(lora)
         _check_numbers(config)
@@ -276,36 +295,18 @@ def rank_problem(request: LoraRequest, hidden: int) -> str | None:
     )
 
 
-def _from_path(path: Path, trainable: bool) -> LoraRequest:
-    config_file = path / "adapter_config.json"
-    if not path.is_dir():
-        raise InvalidRequestError(
-            f"lora={str(path)!r}: no such directory. A trained adapter is a directory written by "
-            "PeftModel.save_pretrained (adapter_config.json + adapter_model.safetensors); download a Hub "
-            "adapter first with huggingface_hub.snapshot_download."
-        )
-    if not config_file.is_file():
-        present = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
-        raise InvalidRequestError(
-            f"lora={str(path)!r}: adapter_config.json is missing (found: {present}). Point lora= at the "
-            "directory PeftModel.save_pretrained wrote, or use lora=True for new adapters."
-        )
-    try:
-        saved = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise InvalidRequestError(f"lora={str(path)!r}: adapter_config.json is unreadable: {exc}") from exc
-    if not isinstance(saved, dict):
-        raise InvalidRequestError(f"lora={str(path)!r}: adapter_config.json does not hold a JSON object.")
+def _from_files(files: AdapterFiles, trainable: bool) -> LoraRequest:
     return LoraRequest(
         kind="adapter",
-        config=saved,
-        adapter_path=str(path),
+        config=files.config,
+        adapter_path=files.path,
         gradient_checkpointing=False,
         reason="a trained adapter directory, trainable=True: its weights trainable, the training plan made "
         "for it"
         if trainable
         else "a trained adapter directory: loaded for inference (eval mode, not trainable)",
         trainable=trainable,
+        files=files,
     )
 
 

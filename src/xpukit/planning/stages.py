@@ -37,6 +37,7 @@ from xpukit.planning.device.distributed import (
 from xpukit.planning.device.layer_kernels import KernelsChoice, choose_kernels
 from xpukit.planning.device.layout import Layout, plan_layout
 from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, recorded_request
+from xpukit.planning.device.saved_quant import SavedFormat, check_saved_family, read_saved, saved_dtype
 from xpukit.planning.for_training import Attempt, layout_for_training
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import ModelClassChoice, choose_model_class
@@ -105,6 +106,7 @@ class Config:
     name: str
     consumed: frozenset[str]
     quant: QuantRequest
+    saved: SavedFormat | None = None  # a quantized checkpoint xpukit merge wrote (its record)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,7 +185,9 @@ def config_stage(asked: Asked, *, ours: tuple[str, ...]) -> Config:
     if asked.quantize is None and asked.lora is None and (recorded := recorded_request(config)) is not None:
         # A merged checkpoint written to load quantized (docs/planning.md "Quantization for inference").
         quant = recorded
-    return Config(config=config, source=source, name=name, consumed=consumed, quant=quant)
+    return Config(
+        config=config, source=source, name=name, consumed=consumed, quant=quant, saved=read_saved(config)
+    )
 
 
 def machine_stage(asked: Asked) -> Machine:
@@ -250,6 +254,7 @@ def _attempt(
         max_memory=req.max_memory, offload=asked.offload is not False, headroom=req.headroom,
         enforce_extras=not mach.facts_given, warnings=said,
         serve=asked.lora is None and req.strategy is None,  # docs/planning.md "Quantization for inference"
+        saved=cfg.saved,
     )  # fmt: skip
     request = lora_request_for(asked.lora, quantized=lay.quantization is not None, trainable=asked.trainable)
     request = fit_lora_to_class(request, model.class_choice, facts)  # task, head, VLM targets
@@ -287,9 +292,13 @@ def _adapter_base(asked: Asked, cfg: Config, model: Model) -> AdapterBase:
 def placement_stage(asked: Asked, cfg: Config, mach: Machine, model: Model) -> Placement:
     """The dtype, the layout (with the training plan for new adapters), and a launched job's share."""
     warnings: list[str] = []
+    if cfg.saved is not None:  # written for one device family (docs/export.md "To another machine")
+        check_saved_family(cfg.saved, mach.main, cfg.name)
     base = _adapter_base(asked, cfg, model)
     warnings += base.warnings
     dtype_decision = decide_dtype(asked.req.dtype, mach.main, warnings, trained=base.trained)
+    if cfg.saved is not None and base.trained is None:
+        dtype_decision = saved_dtype(cfg.saved, asked.req.dtype, cfg.name) or dtype_decision
     attempt = functools.partial(_attempt, asked, cfg, mach, model, dtype_decision)
     chosen = layout_for_training(  # new adapters: 4-bit by fit, no silent weight offload
         attempt(base.quant), replan=attempt, quantize_given=asked.quantize is not None or base.followed,

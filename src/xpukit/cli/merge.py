@@ -141,8 +141,10 @@ def summary(result: Any, base: str) -> list[str]:
             f"{', '.join(quantized['runs_on'])}), loaded as it is by load_for_xpu and from_pretrained",
         )  # fmt: skip
     elif quantized is not None:
-        said.insert(3, f"loads quantized: load_for_xpu({str(result.out)!r}) takes quantize={result.quantize!r}; "
-                    f"{quantized['reason']}")  # fmt: skip
+        said.insert(
+            3, f"loads quantized: load_for_xpu({str(result.out)!r}) takes quantize={result.quantize!r}; "
+            f"{quantized['reason']}",
+        )  # fmt: skip
     for line in said:
         lines += textwrap.wrap(
             line, 100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False

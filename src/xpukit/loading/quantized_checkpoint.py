@@ -26,8 +26,7 @@ __all__ = ["free_bytes", "write_quantized"]
 def write_quantized(model_class: Any, full: Path, out: Path, saved: SavedFormat) -> list[str]:
     """Quantize the checkpoint in ``full`` to ``saved``'s format and write it to ``out``; returns notes.
 
-    ``full`` (a full-precision checkpoint ``save_pretrained`` wrote, in ``saved.dtype``) is removed
-    once ``out`` is written.
+    ``full`` is a full-precision checkpoint ``save_pretrained`` wrote, in ``saved.dtype``.
     """
     import torch
 
@@ -46,7 +45,6 @@ def write_quantized(model_class: Any, full: Path, out: Path, saved: SavedFormat)
         model.save_pretrained(out)
     finally:
         del model
-    shutil.rmtree(full)
     return [
         f"{done} on {saved.write_on} by transformers' TorchAoConfig; written for {saved.family} "
         f"(loads on {', '.join(saved.runs_on)})"

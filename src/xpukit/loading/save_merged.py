@@ -21,6 +21,7 @@ is removed by the next write into the same folder.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,7 +246,9 @@ def _write_weights(model: Any, partial: Path, kind: str | None, saved: SavedForm
     model.save_pretrained(full)
     model_class = type(model)
     model.to("meta")  # the merged weights are on disk: free their memory before quantizing
-    return write_quantized(model_class, full, partial, saved)
+    notes = write_quantized(model_class, full, partial, saved)
+    shutil.rmtree(full)
+    return notes
 
 
 def merge_dtype(dtype: str | None, base: Any, adapter: str | os.PathLike[str]) -> tuple[str, str, str]:

@@ -141,8 +141,9 @@ def saved_format(kind: str, family: str, dtype: str, torchao: str | None) -> Sav
             else chosen.reason
         )
         return SavedFormat(
-            kind=kind, family=family, dtype=dtype, label=f"{dtype}, quantized at each load ({chosen.label})", config=None,
-            runs_on=FAMILIES, reason=f"written in full precision and quantized at each load: {why}",
+            kind=kind, family=family, dtype=dtype, label=f"{dtype}, quantized at each load ({chosen.label})",
+            config=None, runs_on=FAMILIES,
+            reason=f"written in full precision and quantized at each load: {why}",
         )  # fmt: skip
     bits = "int4" if kind == "4bit" else "int8"
     write_on = family if bits == "int4" and family in _PACKS_ON_DEVICE else "cpu"
@@ -155,7 +156,7 @@ def saved_format(kind: str, family: str, dtype: str, torchao: str | None) -> Sav
 
 
 def read_saved(config: Any) -> SavedFormat | None:
-    """xpukit's record of a quantized checkpoint in ``config`` (a ``PretrainedConfig`` or dict), or ``None``."""
+    """xpukit's record of a quantized checkpoint in ``config`` (a config or a dict), or ``None``."""
     value = config.get(SAVED_KEY) if isinstance(config, dict) else getattr(config, SAVED_KEY, None)
     if not isinstance(value, dict) or not isinstance(value.get("config"), dict):
         return None
@@ -230,7 +231,12 @@ def check_writer_device(saved: SavedFormat, machine: MachineFacts) -> None:
 
 
 def check_merge_disk(
-    *, out: str, full_bytes: int, four_bit_bytes: int, quantizable: int, saved: SavedFormat | None,
+    *,
+    out: str,
+    full_bytes: int,
+    four_bit_bytes: int,
+    quantizable: int,
+    saved: SavedFormat | None,
     free: int | None,
 ) -> int:
     """The bytes a merge writes (the full-precision weights, and the quantized ones when they are
@@ -248,8 +254,10 @@ def check_merge_disk(
     if saved is not None and saved.on_disk:
         need += bytes_at_bits(four_bit_bytes, quantizable, _DISK_BITS[saved.kind])
     if free is not None and free < need + DISK_MARGIN:
-        what = "the merged weights and their quantized copy" if saved is not None and saved.on_disk else (
-            "the merged weights"
+        what = (
+            "the merged weights and their quantized copy"
+            if saved is not None and saved.on_disk
+            else ("the merged weights")
         )
         raise PlanError(
             f"merge to {out!r}: {what} need about {need / 2**20:.1f} MiB (+ {DISK_MARGIN // 2**20} MiB kept "

@@ -258,7 +258,7 @@ def test_quantized_fast_path_gives_the_plain_greedy_tokens(wide_model: Path) -> 
 # --- merge --quantize: a checkpoint that loads quantized -----------------------------------------
 
 
-def test_merged_checkpoint_records_int4_and_loads_quantized(
+def test_merged_int4_for_the_cpu_records_it_and_loads_quantized(
     wide_model: Path, tmp_path: Path, perturbed_adapter: Any
 ) -> None:
     import json
@@ -266,11 +266,14 @@ def test_merged_checkpoint_records_int4_and_loads_quantized(
     from xpukit.loading.save_merged import save_merged
 
     perturbed_adapter(wide_model, tmp_path / "adapter", quantize=None)
+    # torchao's CPU int4 has no on-disk form: full precision, recorded to load quantized (the older record)
     result = save_merged(
         str(wide_model), tmp_path / "adapter", tmp_path / "out", dtype="bfloat16", merge="original",
         quantize="int4",
     )  # fmt: skip
     assert result.quantize == "4bit" and result.to_dict()["quantize"] == "4bit"
+    assert result.quantized is not None and not result.quantized["on_disk"]
+    assert "no safetensors form" in result.quantized["reason"]
     assert json.loads((tmp_path / "out" / "config.json").read_text())["xpukit_quantize"] == "4bit"
     model = _load(tmp_path / "out", None)  # quantize left out: the record decides
     decision = model.xpukit_plan.decision("quantization")
@@ -278,7 +281,7 @@ def test_merged_checkpoint_records_int4_and_loads_quantized(
     assert type(model.model.layers[0].self_attn.q_proj.weight).__name__ == "Int4OpaqueTensor"
     full = _load(tmp_path / "out", "none")
     assert full.xpukit_plan.quantization is None
-    with pytest.raises(InvalidRequestError, match="int4, int8"):
+    with pytest.raises(InvalidRequestError, match="int4, int8 "):
         save_merged(str(wide_model), tmp_path / "adapter", tmp_path / "bad", quantize="nf4")
 
 
@@ -292,8 +295,10 @@ def test_cli_merge_quantize_flag(
     perturbed_adapter(wide_model, tmp_path / "adapter", quantize=None)
     argv = ["merge", str(wide_model), str(tmp_path / "adapter"), str(tmp_path / "out"), "--into", "original"]
     assert main([*argv, "--quantize", "int8", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["quantize"] == "8bit"
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["xpukit_quantize"] == "8bit"
+    said = json.loads(capsys.readouterr().out)
+    assert said["quantize"] == "8bit" and said["quantized"]["on_disk"] and said["quantized"]["for"] == "cpu"
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "xpukit_quantize" not in config and config["xpukit_quantized"]["format"] == "torchao int8"
     assert (
         _load(tmp_path / "out", None, "float32").xpukit_plan.decision("quantization").value == "torchao int8"
     )

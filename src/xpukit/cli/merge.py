@@ -31,7 +31,7 @@ def add_parser(sub: Any) -> None:
         "  xpukit merge Qwen/Qwen3-8B out/adapter out/merged\n"
         "  xpukit merge ./base ./adapter ./merged --dtype bfloat16 --device cpu\n"
         "  xpukit merge ./base ./lora-adapter ./merged --into original --json\n"
-        "  xpukit merge Qwen/Qwen3-8B out/adapter out/merged-int4 --quantize int4\n"
+        "  xpukit merge Qwen/Qwen3-8B out/adapter out/merged-int4 --quantize int4 --for xpu\n"
         "  xpukit merge ./base ./adapter ./merged --explain --verbose",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -59,9 +59,17 @@ def add_parser(sub: Any) -> None:
     )
     parser.add_argument(
         "--quantize",
-        choices=("int4", "int8"),
-        help="record in OUT that it loads quantized: load_for_xpu(OUT) then quantizes the full-precision "
-        "weights to the device's fastest int4/int8 format as they load (quantize='none' opts out)",
+        choices=("int4", "int8", "4bit", "8bit"),
+        help="write OUT quantized: torchao's int4/int8 weights in safetensors, in the format the device "
+        "family of --for runs, which load_for_xpu(OUT) and from_pretrained load without quantizing again "
+        "(int4 for the CPU has no on-disk format: full precision, quantized at each load)",
+    )
+    parser.add_argument(
+        "--for",
+        dest="for_family",
+        choices=("cuda", "xpu", "cpu"),
+        help="the device family the quantized checkpoint is for (int4: tile-packed for cuda, plain_int32 "
+        "for xpu, each written on such a device; int8 loads on every family); default: this machine's",
     )
     parser.add_argument("--json", action="store_true", help="print what was done as JSON")
     parser.add_argument(
@@ -93,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
             merge=args.into or True,
             force=args.force,
             quantize=args.quantize,
+            for_family=args.for_family,
         )
     args.completed = True  # OUT is complete: a Ctrl-C from here on does not make the exit code 130
     if args.json:
@@ -128,10 +137,17 @@ def summary(result: Any, base: str, *, wall: float | None = None) -> list[str]:
         f"wrote {result.out}: {', '.join(result.files)}; {tokenizer}",
         f"took {wall if wall is not None else result.seconds:.1f} s; --explain prints the plan",
     ]
-    if result.quantize is not None:
+    quantized = result.quantized
+    if quantized is not None and quantized["on_disk"]:
         said.insert(
-            3, f"loads quantized: load_for_xpu({str(result.out)!r}) takes quantize={result.quantize!r}"
-        )
+            3, f"quantized on disk: {quantized['format']} for {quantized['for']} (loads on "
+            f"{', '.join(quantized['runs_on'])}), loaded as it is by load_for_xpu and from_pretrained",
+        )  # fmt: skip
+    elif quantized is not None:
+        said.insert(
+            3, f"loads quantized: load_for_xpu({str(result.out)!r}) takes quantize={result.quantize!r}; "
+            f"{quantized['reason']}",
+        )  # fmt: skip
     for line in said:
         lines += textwrap.wrap(
             line, 100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False

@@ -7,9 +7,12 @@ is the trained one; an adapter without a record merges in the dtype the base che
 (docs/training.md "Merging an adapter"). It writes the merged model with transformers'
 ``save_pretrained`` (safetensors, config, generation config) plus the tokenizer, from the adapter
 directory when it has one (tokens added in training), else from the base. ``quantize="int4"`` /
-``"int8"`` records in config.json that the checkpoint loads quantized (docs/planning.md
-"Quantization for inference"): the weights stay in full precision on disk, and
-``load_for_xpu(out)`` quantizes them to the device's fastest format as they load. Everything is
+``"int8"`` writes torchao's quantized weights in the format the device family ``for_family`` runs
+(:mod:`xpukit.planning.device.saved_quant`, docs/export.md "To another machine"), which
+``load_for_xpu(out)`` and ``from_pretrained`` load without quantizing again; where that family has
+no on-disk format (int4 for the CPU) the weights stay in full precision and config.json records
+that they load quantized (``xpukit_quantize``). The output's size is checked against the free disk
+before any weight is read. Everything is
 written to a temporary sibling of ``out`` and renamed into place at the end (:mod:`xpukit._partial`),
 so a failure, SIGTERM or Ctrl-C leaves no half-written checkpoint, and one left by a killed merge
 is removed by the next write into the same folder.
@@ -18,6 +21,7 @@ is removed by the next write into the same folder.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,11 +31,18 @@ from xpukit._partial import writing
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.device.quantization import RECORDED_QUANTIZE_KEY
+from xpukit.planning.device.saved_quant import (
+    SavedFormat,
+    check_merge_disk,
+    check_writer_device,
+    default_family,
+    saved_format,
+)
 
 __all__ = ["MergeResult", "checkpoint_dtype", "merge_dtype", "save_merged"]
 
 # --quantize values -> the quantize= a load without adapters takes from the record.
-MERGE_QUANTIZE = {"int4": "4bit", "int8": "8bit"}
+MERGE_QUANTIZE = {"int4": "4bit", "int8": "8bit", "4bit": "4bit", "8bit": "8bit"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -47,7 +58,10 @@ class MergeResult:
             trained in, as its base record says) or ``"checkpoint"`` (no record: the base's own dtype).
         tokenizer_from: the directory the tokenizer was copied from, or ``None`` when neither had one.
         plan: the plan the merge carried out (``model.xpukit_plan``).
-        quantize: the quantization recorded for loads without adapters (``4bit``/``8bit``), or ``None``.
+        quantize: the quantization asked (``4bit``/``8bit``), or ``None``.
+        quantized: how it was written: the format, the family it is for, the families that load it,
+            whether the weights are quantized on disk (else recorded, quantized at each load), why;
+            ``None`` without ``quantize``.
         seconds: the time it all took (the load, the merge and the writing).
     """
 
@@ -60,6 +74,8 @@ class MergeResult:
     quantize: str | None = None
     seconds: float = 0.0
     dtype_from: str = "asked"
+    quantized: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict (``xpukit merge --json``)."""
@@ -71,6 +87,8 @@ class MergeResult:
             "dtype_from": self.dtype_from,
             "tokenizer_from": self.tokenizer_from,
             "quantize": self.quantize,
+            "quantized": self.quantized,
+            "notes": list(self.notes),
             "seconds": round(self.seconds, 2),
             "plan": self.plan.to_dict(),
         }
@@ -101,6 +119,7 @@ def save_merged(
     merge: Any = True,
     force: bool = False,
     quantize: str | None = None,
+    for_family: str | None = None,
 ) -> MergeResult:
     """Merge ``adapter`` into ``base`` and write the merged checkpoint to ``out``.
 
@@ -114,15 +133,66 @@ def save_merged(
         device: where to merge (default: the plan's device when the model fits, else the CPU).
         merge: ``True`` / ``"dequantized"`` / ``"original"`` (docs/training.md "Merging an adapter").
         force: merge an adapter whose tensors do not all fit the base (a warning on the plan).
-        quantize: ``"int4"`` / ``"int8"``: record in config.json that the checkpoint loads quantized
-            (``load_for_xpu(out)`` then takes ``quantize="4bit"`` / ``"8bit"``); default: nothing recorded.
+        quantize: ``"int4"`` / ``"int8"`` (or ``"4bit"`` / ``"8bit"``): write torchao's quantized
+            weights for ``for_family`` (docs/export.md "To another machine"); default: full precision.
+        for_family: ``cuda``, ``xpu`` or ``cpu``: the device family the quantized checkpoint is for;
+            default: this machine's (its accelerator's, else ``cpu``).
 
     Raises:
         InvalidRequestError: ``out`` is not new or empty, or is the base or adapter directory; a bad
-            dtype or quantize; and every error of :func:`xpukit.load_for_xpu` with ``merge=``.
+            dtype, quantize or family; int4 for a family whose device this machine lacks; and every
+            error of :func:`xpukit.load_for_xpu` with ``merge=``.
+        PlanError: too little free disk for the output.
     """
     start = time.perf_counter()
     target = Path(out)
+    _check_out(target, base, adapter)
+    kind = _quantize_kind(quantize, for_family)
+    chosen, why, dtype_from = merge_dtype(dtype, base, adapter)
+    from xpukit.loading.load import load_for_xpu
+    from xpukit.loading.quantized_checkpoint import free_bytes
+    from xpukit.planning.plan import plan_load
+
+    # Decided before any weight is read: the format, the device that writes it, the disk it needs.
+    planned = plan_load(base, lora=os.fspath(adapter), merge=merge, force=force, dtype=chosen, device=device)
+    saved = _saved(kind, for_family, planned)
+    facts = planned.model_facts
+    check_merge_disk(
+        out=str(target), full_bytes=facts.weight_bytes[planned.dtype],
+        four_bit_bytes=facts.weight_bytes[f"4bit/{planned.dtype}"], quantizable=facts.quantizable_numel,
+        saved=saved, free=free_bytes(target),
+    )  # fmt: skip
+    model = load_for_xpu(base, lora=os.fspath(adapter), merge=merge, force=force, dtype=chosen, device=device)
+    plan = model.xpukit_plan
+    if dtype_from == "record":  # the plan's dtype decision took the recorded dtype, and says why
+        chosen, why = plan.dtype, plan.decision("dtype").reason
+    tokenizer_from = _tokenizer_source(Path(adapter), base)
+    notes: list[str] = []
+    with writing(target) as partial:  # removed on an error, SIGTERM or Ctrl-C; swept if killed
+        try:
+            notes += _write_weights(model, partial, kind, saved)
+        finally:
+            del model  # an error must not keep the merged weights alive in its traceback
+        if tokenizer_from is not None:
+            _save_tokenizer(tokenizer_from, partial)
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        partial.rename(target)
+    files = tuple(sorted(p.name for p in target.iterdir()))
+    quantized = None
+    if saved is not None:
+        quantized = {
+            "format": saved.label, "for": saved.family, "runs_on": list(saved.runs_on),
+            "on_disk": saved.on_disk, "reason": saved.reason,
+        }  # fmt: skip
+    return MergeResult(
+        out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan,
+        quantize=kind, dtype_from=dtype_from, quantized=quantized, notes=tuple(notes),
+        seconds=time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _check_out(target: Path, base: Any, adapter: str | os.PathLike[str]) -> None:
     for name, where in (("the base", base), ("the adapter", adapter)):
         local = isinstance(where, str | os.PathLike) and Path(where).exists() and target.exists()
         if local and target.resolve() == Path(where).resolve():
@@ -137,40 +207,53 @@ def save_merged(
             f"OUT={str(target)!r} already exists and is not an empty directory. Fix: pass a new directory, "
             "or remove that one first."
         )
-    recorded = None
-    if quantize is not None:
-        recorded = MERGE_QUANTIZE.get(str(quantize).strip().lower())
-        if recorded is None:
-            raise InvalidRequestError(
-                f"--quantize {quantize!r} is not a quantization a merged checkpoint records. Valid: "
-                f"{', '.join(MERGE_QUANTIZE)}. Default: none (the checkpoint loads in full precision)."
-            )
-    chosen, why, dtype_from = merge_dtype(dtype, base, adapter)
-    from xpukit.loading.load import load_for_xpu
 
-    model = load_for_xpu(base, lora=os.fspath(adapter), merge=merge, force=force, dtype=chosen, device=device)
-    plan = model.xpukit_plan
-    if dtype_from == "record":  # the plan's dtype decision took the recorded dtype, and says why
-        chosen, why = plan.dtype, plan.decision("dtype").reason
-    tokenizer_from = _tokenizer_source(Path(adapter), base)
-    with writing(target) as partial:  # removed on an error, SIGTERM or Ctrl-C; swept if killed
-        try:
-            if recorded is not None:
-                setattr(model.config, RECORDED_QUANTIZE_KEY, recorded)  # read back by plan_load
-            model.save_pretrained(partial)
-        finally:
-            del model  # an error must not keep the merged weights alive in its traceback
-        if tokenizer_from is not None:
-            _save_tokenizer(tokenizer_from, partial)
-        if target.exists():
-            target.rmdir()  # empty, checked above
-        partial.rename(target)
-    files = tuple(sorted(p.name for p in target.iterdir()))
-    return MergeResult(
-        out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan,
-        quantize=recorded, dtype_from=dtype_from,
-        seconds=time.perf_counter() - start,
-    )  # fmt: skip
+
+def _quantize_kind(quantize: str | None, for_family: str | None) -> str | None:
+    if quantize is None:
+        if for_family is not None:
+            raise InvalidRequestError(
+                f"--for {for_family!r} without --quantize: the family is that of a quantized checkpoint. "
+                "Fix: add --quantize int4 or int8, or leave --for out (full precision loads anywhere)."
+            )
+        return None
+    kind = MERGE_QUANTIZE.get(str(quantize).strip().lower())
+    if kind is None:
+        raise InvalidRequestError(
+            f"--quantize {quantize!r} is not a quantization a merged checkpoint is written in. Valid: "
+            "int4, int8 (or 4bit, 8bit). Default: none (the checkpoint is written in full precision)."
+        )
+    return kind
+
+
+def _saved(kind: str | None, for_family: str | None, plan: Any) -> SavedFormat | None:
+    """The quantized format for the family asked (default: this machine's), its writer checked here."""
+    if kind is None:
+        return None
+    from xpukit.planning.device.serve_quant import torchao_version
+
+    family = for_family if for_family is not None else default_family(plan.machine)
+    saved = saved_format(kind, str(family).strip().lower(), plan.dtype, torchao_version())
+    check_writer_device(saved, plan.machine)
+    return saved
+
+
+def _write_weights(model: Any, partial: Path, kind: str | None, saved: SavedFormat | None) -> list[str]:
+    """The merged weights into ``partial``: as they are, quantized by torchao, or with the record."""
+    if saved is None or not saved.on_disk:
+        if kind is not None:
+            setattr(model.config, RECORDED_QUANTIZE_KEY, kind)  # read back by plan_load
+        model.save_pretrained(partial)
+        return [saved.reason] if saved is not None else []
+    from xpukit.loading.quantized_checkpoint import write_quantized
+
+    full = partial / ".full-precision"
+    model.save_pretrained(full)
+    model_class = type(model)
+    model.to("meta")  # the merged weights are on disk: free their memory before quantizing
+    notes = write_quantized(model_class, full, partial, saved)
+    shutil.rmtree(full)
+    return notes
 
 
 def merge_dtype(dtype: str | None, base: Any, adapter: str | os.PathLike[str]) -> tuple[str, str, str]:

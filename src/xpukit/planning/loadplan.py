@@ -122,7 +122,8 @@ class LoadPlan:
         }
         if self.max_memory is not None:
             kwargs["max_memory"] = dict(self.max_memory)
-        if self.quantization is not None:
+        if self.quantization is not None and self.model_facts.pre_quantized is None:
+            # A pre-quantized checkpoint's own quantization_config (in its config.json) loads it.
             kwargs["quantization_config"] = self._bnb_config()
         # Always given: from transformers 5.25 a missing use_kernels means True (docs/known-issues.md
         # "transformers 5.25: use_kernels on by default"), which would override the plan's "off".
@@ -194,7 +195,7 @@ class LoadPlan:
         }
         if self.max_memory is not None:
             out["max_memory"] = jsonable(self.max_memory)
-        if self.quantization is not None:
+        if self.quantization is not None and self.model_facts.pre_quantized is None:
             kind = (
                 type(self.user_quantization_config).__name__
                 if self.user_quantization_config is not None

@@ -36,6 +36,7 @@ from xpukit.planning.device.distributed import (
 from xpukit.planning.device.layer_kernels import KernelsChoice, choose_kernels
 from xpukit.planning.device.layout import Layout, plan_layout
 from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, recorded_request
+from xpukit.planning.device.saved_quant import SavedFormat, check_saved_family, read_saved, saved_dtype
 from xpukit.planning.for_training import Attempt, layout_for_training
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import ModelClassChoice, choose_model_class
@@ -86,6 +87,7 @@ class Config:
     consumed: frozenset[str]
     quant: QuantRequest
     given: bool  # a config was given (``config=`` or a config object with a source), not read
+    saved: SavedFormat | None = None  # a quantized checkpoint xpukit merge wrote (its record)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -166,7 +168,15 @@ def config_stage(model: ModelArg, req: LoadRequest) -> Config:
         # A merged checkpoint written to load quantized (docs/planning.md "Quantization for inference").
         quant = recorded
     given = "config" in kwargs or (source is not None and not isinstance(model, (str, Path)))
-    return Config(config=config, source=source, name=name, consumed=consumed, quant=quant, given=given)
+    return Config(
+        config=config,
+        source=source,
+        name=name,
+        consumed=consumed,
+        quant=quant,
+        given=given,
+        saved=read_saved(config),
+    )
 
 
 def machine_stage(req: LoadRequest) -> Machine:
@@ -232,6 +242,7 @@ def _attempt(
         max_memory=req.max_memory, offload=req.offload is not False, headroom=req.headroom,
         enforce_extras=not mach.facts_given, warnings=said,
         serve=req.lora is None and req.strategy is None,  # docs/planning.md "Quantization for inference"
+        saved=cfg.saved,
     )  # fmt: skip
     # lora= as resolved with the request, its checkpointing default fitted to this layout
     request = req.lora_request.for_base(quantized=lay.quantization is not None) if req.lora_request else None
@@ -270,9 +281,13 @@ def _adapter_base(req: LoadRequest, cfg: Config, model: Model) -> AdapterBase:
 def placement_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model) -> Placement:
     """The dtype, the layout (with the training plan for new adapters), and a launched job's share."""
     warnings: list[str] = []
+    if cfg.saved is not None:  # written for one device family (docs/export.md "To another machine")
+        check_saved_family(cfg.saved, mach.main, cfg.name)
     base = _adapter_base(req, cfg, model)
     warnings += base.warnings
     dtype_decision = decide_dtype(req.dtype, mach.main, warnings, trained=base.trained)
+    if cfg.saved is not None and base.trained is None:
+        dtype_decision = saved_dtype(cfg.saved, req.dtype, cfg.name) or dtype_decision
     attempt = functools.partial(_attempt, req, cfg, mach, model, dtype_decision)
     chosen = layout_for_training(  # new adapters: 4-bit by fit, no silent weight offload
         attempt(base.quant), replan=attempt, quantize_given=req.quantize is not None or base.followed,

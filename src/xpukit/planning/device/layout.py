@@ -24,6 +24,7 @@ from xpukit.planning.budgets import format_bytes
 from xpukit.planning.device.given_layout import check_budget_keys
 from xpukit.planning.device.layout_rungs import Placed, QuantChoice, Sizing, place
 from xpukit.planning.device.quantization import QuantRequest, bnb_kwargs, check_bnb
+from xpukit.planning.device.saved_quant import SavedFormat
 from xpukit.planning.device.serve_quant import ServeFormat, serve_format, torchao_version
 from xpukit.planning.model.facts import ModelFacts, quantized_bits
 from xpukit.planning.vocabulary import Decision, MemoryEstimate
@@ -59,15 +60,18 @@ def plan_layout(
     enforce_extras: bool,
     warnings: list[str],
     serve: bool = False,
+    saved: SavedFormat | None = None,
 ) -> Layout:
     """Decide quantization, device_map and max_memory (see the module docstring).
 
     ``serve``: the model is loaded to run (no adapters, no training): ``4bit`` / ``8bit`` take the
     device's fastest weight-only format (:func:`~xpukit.planning.device.serve_quant.serve_format`).
+    ``saved``: the record of a quantized checkpoint ``xpukit merge`` wrote: loaded to run, its torchao
+    weights are the plan's format, loaded as they are.
     """
     if max_memory is not None:
         check_budget_keys(max_memory, machine)
-    formats = _Formats.of(facts, main, quant, serve)
+    formats = _Formats.of(facts, main, quant, serve, saved)
     dtype_decision = formats.checked_dtype(dtype_decision, enforce_extras, warnings)
     sizing = _sizing(facts, main, quant, formats, str(dtype_decision.value), headroom)
     placed = place(
@@ -109,9 +113,12 @@ class _Formats:
     serve: bool
     pre_quantized: bool
     torchao: str | None  # the installed torchao version, read only for a load to run
+    saved: SavedFormat | None = None  # a quantized checkpoint xpukit wrote, loaded to run
 
     @classmethod
-    def of(cls, facts: ModelFacts, main: DeviceFacts, quant: QuantRequest, serve: bool) -> _Formats:
+    def of(
+        cls, facts: ModelFacts, main: DeviceFacts, quant: QuantRequest, serve: bool, saved: SavedFormat | None
+    ) -> _Formats:
         torchao = torchao_version() if serve and not quant.bnb_asked else None
         return cls(
             main=main,
@@ -119,6 +126,7 @@ class _Formats:
             serve=serve,
             pre_quantized=facts.pre_quantized is not None,
             torchao=torchao,
+            saved=saved if serve and facts.pre_quantized == "torchao" else None,
         )
 
     def format(self, q: str | None, compute: str) -> ServeFormat | None:
@@ -226,6 +234,15 @@ def _quantization(
         rejected=choice.rejected,
         source="user" if choice.kind in {"4bit", "8bit", "other"} else "auto",
     )
+    if formats.saved is not None:  # xpukit's quantized checkpoint: its weights as they are
+        saved = formats.saved
+        return replace(
+            plain,
+            quantization="torchao",
+            config=saved.config,
+            label=saved.label,
+            reason=f"{choice.reason}: {saved.label} {saved.reason}, not quantized again",
+        )
     fmt = formats.format(fixed, s.dtype)
     if fmt is not None and fmt.library == "torchao":
         return replace(

@@ -288,7 +288,8 @@ def quantized_bits(quant: Any) -> int | None:
     """Bits per weight a quantization config states (dict or object), else ``None``.
 
     bitsandbytes: ``load_in_4bit`` / ``load_in_8bit``; GPTQ, AWQ, AutoRound, HQQ…: ``bits``;
-    quanto: ``weights`` ``"int8"``/``"int4"``/``"int2"``/``"float8"``.
+    quanto: ``weights`` ``"int8"``/``"int4"``/``"int2"``/``"float8"``; torchao: its config's class
+    (``Int4WeightOnlyConfig`` → 4, ``Int8WeightOnlyConfig`` → 8).
     """
 
     def get(key: str) -> Any:
@@ -301,12 +302,29 @@ def quantized_bits(quant: Any) -> int | None:
     bits = get("bits")
     if isinstance(bits, int) and not isinstance(bits, bool) and 1 <= bits <= 16:
         return bits
+    torchao = _torchao_bits(get("quant_type"))
+    if torchao is not None:
+        return torchao
     weights = get("weights")
     if isinstance(weights, str):
         match = re.fullmatch(r"(?:int|float)(\d+)", weights.strip().lower())
         if match and 1 <= int(match[1]) <= 16:
             return int(match[1])
     return None
+
+
+def _torchao_bits(quant_type: Any) -> int | None:
+    """The bits of a torchao config's weights, from its class name (``Int4WeightOnlyConfig`` → 4),
+    as transformers' torchao quantizer reads them; ``quant_type`` as config.json holds it
+    (``{"default": {"_type": "Int4WeightOnlyConfig", ...}}``) or as an object."""
+    if isinstance(quant_type, dict):
+        names = [str(v.get("_type")) for v in quant_type.values() if isinstance(v, dict)]
+    elif quant_type is not None and not isinstance(quant_type, str | int | float):
+        names = [type(quant_type).__name__]
+    else:
+        names = [str(quant_type)] if isinstance(quant_type, str) else []
+    found = {int(m[1]) for n in names if (m := re.search(r"int(\d)weight", n.lower()))}
+    return found.pop() if len(found) == 1 else None
 
 
 def _mlp_activation(text: Any) -> str | None:

@@ -537,7 +537,8 @@ def test_cuda_captures_do_not_fail_on_other_threads_cuda_calls() -> None:
 
     for kind, want in (("cuda", "thread_local"), ("xpu", None)):
         backend = GraphBackend(kind)
-        backend.module = SimpleNamespace(graph=graph, Stream=object)
+        backend.module = SimpleNamespace(graph=graph, Stream=object, current_device=lambda: 0)
+        backend._blas_workspace = lambda: None  # type: ignore[method-assign]  (no device here)
         seen.clear()
         backend.capture(None, lambda: None, "pool")
         assert seen.get("capture_error_mode") == want and seen["pool"] == "pool"
@@ -566,20 +567,26 @@ def test_warm_ups_allocate_from_the_captures_pool_on_the_captures_stream() -> No
         MemPool=lambda: SimpleNamespace(id=(1, 2)),
         stream=lambda s: record("stream", s),
         use_mem_pool=lambda p: record("use_mem_pool", p),
+        current_device=lambda: 0,
     )
     backend = GraphBackend("cuda")
     backend.module, backend.mem_pools = module, True
+    backend._blas_workspace = lambda: events.append(("blas", None))  # type: ignore[method-assign]
     pool = backend.pool()
     with backend.warm_up(pool):
         pass
     backend.capture(None, lambda: None, pool)
-    stream = backend._stream
-    assert events == [("stream", stream), ("use_mem_pool", pool), ("capture", ((1, 2), stream))]
+    stream = backend._side()
+    # the BLAS workspace of the stream is made before each warm-up and capture, outside the pool
+    assert events == [
+        ("blas", None), ("stream", stream), ("use_mem_pool", pool.handle), ("blas", None),
+        ("capture", ((1, 2), stream)),
+    ]  # fmt: skip
     # Without MemPool (an older torch): a plain graph pool handle, and the warm-up only changes stream.
     backend.mem_pools, events[:] = False, []
     with backend.warm_up((3, 4)):
         pass
-    assert events == [("stream", stream)]
+    assert events == [("blas", None), ("stream", stream)]
 
 
 def test_each_capture_first_hands_the_default_pools_cache_back() -> None:
@@ -601,7 +608,7 @@ def test_each_capture_first_hands_the_default_pools_cache_back() -> None:
 
     emptied: list[bool] = []
     real = GraphBackend("cuda")
-    real.module = SimpleNamespace(empty_cache=lambda: emptied.append(True))
+    real.module = SimpleNamespace(empty_cache=lambda: emptied.append(True), is_current_stream_capturing=lambda: False)
     real.release_cached()
     assert emptied == [True]
 

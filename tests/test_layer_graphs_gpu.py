@@ -221,3 +221,49 @@ def test_a_step_split_by_tokens_trains_as_the_whole_step(tiny_model: Any, checkp
     for (la, ga), (lb, gb) in zip(*results, strict=True):
         assert abs(la - lb) <= 1e-2 * abs(la)
         assert float((ga - gb).norm() / ga.norm()) < 2e-2
+
+
+def test_ten_loads_in_one_process_train_and_give_the_device_memory_back(tiny_model: Any) -> None:
+    """A notebook that loads, trains, drops and loads again with another budget or rung: ten models
+    in one process, each captured and replayed, alternating the rungs (graphs, checkpointed inside
+    them, offloaded inside them, eager) and budgets. After each is dropped (``del`` and a collection)
+    the device memory is back where it was after the first (which made the process's lazily built
+    state: kernels, the BLAS workspace of the captures' stream): allocated within 16 MiB, reserved
+    within 64 MiB (docs/training.md "What the graphs hold, and for how long")."""
+    _need_cuda()
+    import gc
+
+    import torch
+
+    from xpukit import load_for_xpu
+
+    setups = [
+        ({"graphs": True}, None),
+        ({"graphs": True, "gradient_checkpointing": True}, {0: "4GiB"}),
+        ({"graphs": True, "gradient_checkpointing": "offload"}, None),
+        ({"graphs": False}, {0: "2GiB"}),
+        ({"graphs": True, "gradient_checkpointing": "offload"}, {0: "2GiB"}),
+    ]
+    ids = (torch.arange(64, device="cuda").reshape(2, 32) * 7) % 500
+
+    def cycle(lora: dict[str, Any], budget: Any) -> dict[str, int]:
+        model = load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, lora=lora, batch_size=2,
+                             seq_len=32, max_memory=budget)  # fmt: skip
+        _steps(model, ids, 3)
+        graphs = getattr(model, "xpukit_layer_graphs", None)
+        stats = dict(graphs.stats) if graphs is not None else {}
+        del model, graphs
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return stats
+
+    cycle(*setups[0])
+    start = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    for i in range(10):
+        lora, budget = setups[i % len(setups)]
+        stats = cycle(lora, budget)
+        if lora["graphs"]:
+            assert stats["captures"] == 1 and stats["graphed"] == 2, (i, stats)
+        end = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        assert end[0] - start[0] <= 16 * 2**20 and end[1] - start[1] <= 64 * 2**20, (i, start, end)

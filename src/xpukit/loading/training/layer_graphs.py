@@ -110,6 +110,7 @@ class LayerGraphs:
         self.unsupported: str | None = None  # why these layers never replay (seen on an eager pass)
         self._graphs: dict[tuple[Any, ...], Any] = {}
         self._pool: Any = None
+        self.captured: list[dict[str, Any]] = []  # each capture: row tokens, ms, pool bytes (record())
         # The capture's leaves and the adapters' gradients every shape shares (graph_capture).
         self._trained: tuple[StandIns, SharedGrads] | None = None
         # The device's graph API (device_graph.GraphBackend); the CPU tests pass a stand-in.
@@ -332,7 +333,9 @@ class LayerGraphs:
             self._pool = backend.pool()
         current = StandIns(self.layers)
         if self._trained is None or [id(p) for p in self._trained[1].params] != [id(p) for p in current.real]:
-            self._graphs.clear()  # what is trained changed: the gradient buffers with it
+            if self._graphs:  # what is trained changed: the gradient buffers, and the graphs, with it
+                self._drop()
+                self._pool = backend.pool()
             self._trained = (current, SharedGrads(current.real))
         stand_ins, grads = self._trained
         self.rope.decide(calls)
@@ -341,8 +344,9 @@ class LayerGraphs:
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
                 warmup = self.warmups if self._graphs else 1  # the first capture always warms up
                 return capture(
-                    stack, samples, stand_ins, grads, backend=backend, pool=self._pool, warmup=warmup
-                )
+                    stack, samples, stand_ins, grads, backend=backend, pool=self._pool, warmup=warmup,
+                    keep=tuple(self.host.kept),
+                )  # fmt: skip
 
         try:
             run = self.rope.run(captured, keep=NothingToTrain)
@@ -366,7 +370,24 @@ class LayerGraphs:
         pool = backend.pool_bytes(self._pool) if hasattr(backend, "pool_bytes") else None
         if pool is not None:
             self.stats["pool_bytes"] = pool
+        self.captured.append(
+            {"tokens": int(hidden.shape[-2]) if hidden.dim() >= 2 else 1,
+             "ms": round(1000 * (time.perf_counter() - started)), "pool_bytes": pool}
+        )  # fmt: skip
         return None
+
+    def record(self) -> dict[str, Any]:
+        """What the graphs cost this run, for a trainer-side record (bench/bench_realrun.py reads it):
+        ``captures`` and their total ``capture_ms``; the pool's bytes at the end and per captured
+        shape; each capture's row length, milliseconds and the pool's bytes after it."""
+        shapes = len(self._graphs)
+        pool = self.stats.get("pool_bytes")
+        return {
+            "captures": self.stats["captures"], "capture_ms": self.stats["capture_ms"],
+            "shapes": shapes, "pool_bytes": pool,
+            "pool_bytes_per_shape": pool // shapes if pool and shapes else None,
+            "host_slot_bytes": self.stats.get("host_slot_bytes", 0), "each": list(self.captured),
+        }  # fmt: skip
 
     def _backend(self, kind: str) -> Any:
         if self.backend is None:

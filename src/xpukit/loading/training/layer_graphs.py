@@ -18,7 +18,7 @@ graphs of the decoder layers"):
   (:class:`.graph_capture.SharedGrads`); passes never overlap: a second forward before the first
   one's backward runs eagerly;
 * the first training call runs eagerly, each layer checkpointed; a new shape after it is captured on
-  first sight, after a warm-up pass, on stand-in parameters (:class:`.graph_capture.StandIns`), with
+  first sight (the first one after a warm-up pass), on stand-in parameters (:class:`.graph_capture.StandIns`), with
   liger-kernel's RoPE where it agrees with the model's own (:mod:`.graph_rope`);
 * with gradient checkpointing each layer is checkpointed inside the captured stack (the backward
   graph recomputes it); with offloaded checkpointing its input also waits in a pinned host slot the
@@ -99,11 +99,10 @@ class LayerGraphs:
         self._forced: str | None = None  # every call runs eagerly, for this reason (eager_inside)
         self.rope = GraphRope(layers, wanted=rope)
         self.max_shapes = MAX_SHAPES
-        # Warm-up passes before each capture after the first. Checkpointed: none, the first capture's
-        # warm-up built and autotuned the kernels (H200, 8 GB: 3 447 against 3 264 tokens/s over 20
-        # steps); without checkpointing one, as measured with room (docs/training.md "What a capture
-        # costs").
-        self.warmups = 0 if checkpoint else 1
+        # Warm-up passes before each capture after the first: none, the first capture's warm-up built
+        # and autotuned the kernels (checkpointed, H200, 8 GB: 3 447 against 3 264 tokens/s over 20
+        # steps); the same kernels run without checkpointing (docs/training.md "What a capture costs").
+        self.warmups = 0
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
         self.failed: str | None = None

@@ -134,11 +134,16 @@ def against_fastest_peer(
 
         fitting = {v: r for v, r in peers.items() if limit is None or median("peak_mem_gb", r) * 1e9 <= limit}
         if not fitting:
-            out.append({"bench": bench, "versus": variant, "peer": None, "why": "no peer set-up fits the budget"})
+            out.append({"bench": bench, "versus": variant, "peer": None, "why": "no peer set-up fits"})
             continue
         best = max(fitting, key=lambda v: median("tokens_per_s", fitting[v]))
-        row: dict[str, Any] = {"bench": bench, "versus": variant, "peer": best, "rounds": len(mine),
-                               "peer_tokens_per_s": {v: median("tokens_per_s", r) for v, r in peers.items()}}
+        row: dict[str, Any] = {
+            "bench": bench,
+            "versus": variant,
+            "peer": best,
+            "rounds": len(mine),
+            "peer_tokens_per_s": {v: median("tokens_per_s", r) for v, r in peers.items()},
+        }
         for key in ("tokens_per_s", "tokens_per_s_first20"):
             theirs = {r.get("round"): r.get(key) for r in fitting[best]}
             ratios = [r[key] / theirs[r.get("round")] for r in mine

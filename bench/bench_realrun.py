@@ -85,8 +85,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VARIANTS = (
     "xpukit", "xpukit-sft", "xpukit-nopack", "xpukit-eager", "xpukit-liger", "xpukit-adamw",
-    "xpukit-gc-graphs", "xpukit-offload-graphs", "xpukit-lean", "xpukit-nowarm", "xpukit-b512", "xpukit-warm1",
-    *UNSLOTH_SETUPS,
+    "xpukit-gc-graphs", "xpukit-offload-graphs", "xpukit-lean", "xpukit-nowarm", "xpukit-b512",
+    "xpukit-warm1", *UNSLOTH_SETUPS,
 )  # fmt: skip
 # lora= and training_args keywords of the xpukit variants beside the one call.
 XPUKIT_LORA: dict[str, Any] = {

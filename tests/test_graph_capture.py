@@ -608,7 +608,9 @@ def test_each_capture_first_hands_the_default_pools_cache_back() -> None:
 
     emptied: list[bool] = []
     real = GraphBackend("cuda")
-    real.module = SimpleNamespace(empty_cache=lambda: emptied.append(True), is_current_stream_capturing=lambda: False)
+    real.module = SimpleNamespace(
+        empty_cache=lambda: emptied.append(True), is_current_stream_capturing=lambda: False
+    )
     real.release_cached()
     assert emptied == [True]
 

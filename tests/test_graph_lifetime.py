@@ -109,7 +109,6 @@ def test_one_side_stream_per_device_for_the_process() -> None:
 
 def _graphs(layers: list[Any], checkpoint: Any = False) -> Any:
     from test_graph_capture import RerunBackend
-
     from xpukit.loading.training.layer_graphs import LayerGraphs
 
     backend = RerunBackend()

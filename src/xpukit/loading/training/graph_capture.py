@@ -164,7 +164,12 @@ class Captured:
     """
 
     def __init__(
-        self, backend: Any, inputs: tuple[Any, ...], shared: SharedGrads, pool: Any = None, keep: tuple[Any, ...] = ()
+        self,
+        backend: Any,
+        inputs: tuple[Any, ...],
+        shared: SharedGrads,
+        pool: Any = None,
+        keep: tuple[Any, ...] = (),
     ) -> None:
         self.forward_graph = backend.new_graph()
         self.backward_graph = backend.new_graph()

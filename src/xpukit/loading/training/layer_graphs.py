@@ -18,8 +18,9 @@ graphs of the decoder layers"):
   (:class:`.graph_capture.SharedGrads`); passes never overlap: a second forward before the first
   one's backward runs eagerly;
 * the first training call runs eagerly, each layer checkpointed; a new shape after it is captured on
-  first sight (the first one after a warm-up pass), on stand-in parameters (:class:`.graph_capture.StandIns`), with
-  liger-kernel's RoPE where it agrees with the model's own (:mod:`.graph_rope`);
+  first sight (the first one after a warm-up pass), on stand-in parameters
+  (:class:`.graph_capture.StandIns`), with liger-kernel's RoPE where it agrees with the model's own
+  (:mod:`.graph_rope`);
 * with gradient checkpointing each layer is checkpointed inside the captured stack (the backward
   graph recomputes it); with offloaded checkpointing its input also waits in a pinned host slot the
   graphs copy to and back (:mod:`.graph_offload`);

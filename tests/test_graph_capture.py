@@ -277,14 +277,15 @@ def test_packed_rows_take_a_captured_shape_once_the_graphs_keep_no_more(tiny_mod
     assert graphs.stats["captures"] == 2 and graphs.stats["graphed"] == 3
 
 
-@pytest.mark.parametrize("mode", [True, "offload"])
+@pytest.mark.parametrize("mode", [True, "offload", "partly"])
 def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: bool | str
 ) -> None:
     """lora={"graphs": True, "gradient_checkpointing": True | "offload"}: each layer checkpointed
     inside the captured stack (the backward recomputes it with the stand-ins in place) and on the eager
     passes; with "offload" each captured layer's input goes to its host slot and back. Losses and
-    gradients equal the plain eager layers over two shapes with accumulation."""
+    gradients equal the plain eager layers over two shapes with accumulation. "partly": only the first
+    layer of the two checkpointed (the plan's fewest checkpointed layers), the other kept whole."""
     import torch.utils.checkpoint as ckpt
 
     import xpukit.loading.training.graph_offload as graph_offload
@@ -292,10 +293,13 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
     from xpukit.loading.training.layer_graphs import install_layer_graphs
 
     calls: list[bool] = []
+    captured_layers: set[int] = set()  # the layer forwards checkpointed inside a capture
     real = ckpt.checkpoint
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(bool(kwargs.get("preserve_rng_state")))
+        if not calls[-1]:
+            captured_layers.add(id(args[0]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ckpt, "checkpoint", counted)
@@ -317,7 +321,10 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
             eager = model  # no optimizer step changes its weights: the reference below too
         if graphed:
             model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-            install_layer_graphs(model, checkpoint=mode)
+            if mode == "partly":
+                install_layer_graphs(model, checkpoint=True, checkpoint_layers=1)
+            else:
+                install_layer_graphs(model, checkpoint=mode)
             model.xpukit_layer_graphs.backend = RerunBackend()
             layers = model.xpukit_layer_graphs.layers
             assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
@@ -340,6 +347,7 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
     stats = model.xpukit_layer_graphs.stats
     assert stats["captures"] == 2 and stats["graphed"] == 5 and stats["eager"] == 1
     assert False in calls  # inside the capture: no RNG state saved
+    assert len(captured_layers) == (1 if mode == "partly" else len(layers))  # which are checkpointed
     if mode == "offload":  # every captured layer's input went through a host slot, one buffer for all
         assert stats["host_slot_bytes"] > 0 and len(came_back) >= 5 * len(layers)
         assert {s.untyped_storage().data_ptr() for s in came_back} == {

@@ -89,6 +89,7 @@ class LayerGraphs:
         backend: Any = None,
         checkpoint: bool | str = False,
         rope: bool = False,
+        checkpoint_layers: int | None = None,
     ) -> None:
         self.layers = layers
         self.forwards = [layer.forward for layer in layers]
@@ -96,6 +97,8 @@ class LayerGraphs:
         # Each layer checkpointed here, replayed or not (transformers' own checkpointing is off then);
         # "offload": the captured layers' inputs wait in host slots (graph_offload).
         self.checkpoint = checkpoint
+        # With ``checkpoint`` True: only the first this many layers are (None: all; the plan's fit).
+        self.checkpoint_layers = checkpoint_layers
         self.host = HostSlots(pin=False)
         self._forced: str | None = None  # every call runs eagerly, for this reason (eager_inside)
         self.rope = GraphRope(layers, wanted=rope)
@@ -229,7 +232,7 @@ class LayerGraphs:
             else:
                 self._input, self._calls = hidden_states, []
         if not self._active:
-            out = self._layer(self.forwards[index], hidden_states, args, kwargs, capturing=False)
+            out = self._layer(self.forwards[index], hidden_states, args, kwargs, capturing=False, index=index)
             if isinstance(out, tuple) and self.unsupported is None:
                 # The stack hands one tensor from layer to layer; a decoder that indexes a tuple
                 # would read the wrong thing from it.
@@ -267,8 +270,8 @@ class LayerGraphs:
         """The layers' own forwards over the arguments they handed over (what the decoder's loop
         would have run)."""
         self._eager(why)
-        for forward, (args, kwargs) in zip(self.forwards, calls, strict=True):
-            hidden = self._layer(forward, hidden, args, kwargs, capturing=False)
+        for index, (forward, (args, kwargs)) in enumerate(zip(self.forwards, calls, strict=True)):
+            hidden = self._layer(forward, hidden, args, kwargs, capturing=False, index=index)
         return hidden
 
     def _layer(
@@ -280,6 +283,7 @@ class LayerGraphs:
         *,
         capturing: bool,
         slot: Any = None,
+        index: int = 0,
     ) -> Any:
         """One layer's forward; checkpointed (non-reentrant) in checkpoint mode while training with
         grad, its saved input in ``slot`` on the host when captured with offloading. Inside a capture
@@ -288,7 +292,7 @@ class LayerGraphs:
         import torch
 
         own = getattr(self.layers[0], "gradient_checkpointing", False)  # turned on again: transformers'
-        wanted = self.checkpoint or (self._light and not capturing)
+        wanted = (self.checkpoint and self._checkpointed(index)) or (self._light and not capturing)
         if own or not (wanted and torch.is_grad_enabled() and self.layers[0].training):
             return forward(hidden, *args, **kwargs)
         from torch.utils.checkpoint import checkpoint
@@ -301,6 +305,13 @@ class LayerGraphs:
             )
         with offload_input(hidden, slot):  # the input the checkpoint saves waits in host memory
             return checkpoint(forward, hidden, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
+
+    def _checkpointed(self, index: int) -> bool:
+        """Whether layer ``index`` is checkpointed (plain checkpointing: the first ``checkpoint_layers``;
+        offloaded: all)."""
+        if self.checkpoint is not True or self.checkpoint_layers is None:
+            return True
+        return index < self.checkpoint_layers
 
     def _capture(
         self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...], calls: list[Call]
@@ -322,9 +333,11 @@ class LayerGraphs:
             self.stats["host_slot_bytes"] = self.host.bytes
 
         def stack(h: Any, *values: Any) -> Any:
-            for forward, (args, kwargs), slot in zip(forwards, templates, slots, strict=True):
+            for index, (forward, (args, kwargs), slot) in enumerate(
+                zip(forwards, templates, slots, strict=True)
+            ):
                 args, kwargs = fill(args, values), fill(kwargs, values)
-                h = self._layer(forward, h, args, kwargs, capturing=True, slot=slot)
+                h = self._layer(forward, h, args, kwargs, capturing=True, slot=slot, index=index)
             return h
 
         sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
@@ -409,14 +422,17 @@ class LayerGraphs:
         self._pending = False
 
 
-def install_layer_graphs(model: Any, *, checkpoint: bool | str = False, rope: bool = True) -> str:
+def install_layer_graphs(
+    model: Any, *, checkpoint: bool | str = False, rope: bool = True, checkpoint_layers: int | None = None
+) -> str:
     """Wrap the decoder layers' ``forward`` of ``model`` (a PeftModel or transformers model) so that
     matching training calls replay device graphs; returns a note. ``model.xpukit_layer_graphs`` is
     the :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs). ``checkpoint``: each
     layer is checkpointed inside the graphs (and on the eager passes) instead of by transformers,
     whose checkpointing flags are turned off here (so ``training_args`` does not ask ``Trainer`` to
     turn them on again). ``rope``: the captures run liger-kernel's RoPE where it agrees with the
-    model's own (:mod:`.graph_rope`; ``False`` when the user turned liger off)."""
+    model's own (:mod:`.graph_rope`; ``False`` when the user turned liger off). ``checkpoint_layers``:
+    with ``checkpoint=True``, only the first this many layers are checkpointed (the plan's fit)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
@@ -432,11 +448,19 @@ def install_layer_graphs(model: Any, *, checkpoint: bool | str = False, rope: bo
                 module.gradient_checkpointing = False
         if getattr(base, "_require_grads_hook", None) is not None:  # only reentrant checkpoints need it
             base.disable_input_require_grads()
-    graphs = LayerGraphs(list(layers), attention=attention, checkpoint=checkpoint, rope=rope)
+    graphs = LayerGraphs(
+        list(layers),
+        attention=attention,
+        checkpoint=checkpoint,
+        rope=rope,
+        checkpoint_layers=checkpoint_layers,
+    )
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(graphs.forward, index)
     model.xpukit_layer_graphs = graphs
-    inside = ", each layer checkpointed inside them (the backward graph recomputes it)" if checkpoint else ""
+    partly = checkpoint is True and checkpoint_layers is not None
+    which = f"the first {checkpoint_layers} layers" if partly else "each layer"
+    inside = f", {which} checkpointed inside them (the backward graph recomputes it)" if checkpoint else ""
     if checkpoint == "offload":
         inside += ", its input copied to a pinned host slot and back inside the graphs"
     rope_note = "; liger-kernel's RoPE where it agrees with the model's own (.rope.note)" if rope else ""

@@ -434,7 +434,8 @@ def test_between_the_rungs_only_the_layers_the_budget_needs_are_checkpointed() -
                   fused_lora=True), True)  # fmt: skip
     rung, room, k = (True, True, True), plan.training.room, plan.training.checkpoint_layers
     assert rungs.fewest_checkpointed(rung, 4 * 512, room) == k and k is not None
-    assert rungs.peak(rung, 4 * 512, k) <= room < rungs.peak(rung, 4 * 512, k - 1)
+    spare = int(room / 1.05)  # 5 % of the room kept spare (rungs.PARTLY_SPARE)
+    assert rungs.peak(rung, 4 * 512, k) <= spare < rungs.peak(rung, 4 * 512, k - 1)
     assert rungs.peak(rung, 4 * 512) < rungs.peak(rung, 4 * 512, k)  # the room every layer would leave
     assert plan.lora is not None and plan.lora.checkpoint_layers == k  # what loading installs
     full = plan_load(reference_config("qwen3-8b"), lora=True, **args).training

@@ -63,8 +63,14 @@ def _steps(model: Any, ids: Any, steps: int) -> list[tuple[float, Any]]:
         {"graphs": True},
         {"graphs": True, "gradient_checkpointing": True},
         {"graphs": True, "gradient_checkpointing": "offload"},
+        {"graphs": True, "gradient_checkpointing": True, "checkpoint_layers": 1},
     ],
-    ids=["graphs", "checkpointed-inside-graphs", "offloaded-inside-graphs"],
+    ids=[
+        "graphs",
+        "checkpointed-inside-graphs",
+        "offloaded-inside-graphs",
+        "partly-checkpointed-inside-graphs",
+    ],
 )
 def test_graphed_layers_give_the_eager_losses_and_gradients(tiny_model: Any, lora: dict[str, Any]) -> None:
     """Graphed layers (and, with checkpointing, the recomputation captured with them; with offloaded
@@ -74,7 +80,10 @@ def test_graphed_layers_give_the_eager_losses_and_gradients(tiny_model: Any, lor
 
     ids = (torch.arange(64, device="cuda").reshape(2, 32) * 7) % 500
     eager = _steps(_load(tiny_model, {"graphs": False}), ids, 4)
+    lora = dict(lora)
+    partly = lora.pop("checkpoint_layers", None)  # what the plan's fit sets under a budget
     model = _load(tiny_model, lora)
+    model.xpukit_layer_graphs.checkpoint_layers = partly
     assert model.xpukit_layer_graphs.checkpoint == (lora.get("gradient_checkpointing") or False)
     graphed = _steps(model, ids, 4)
     stats = model.xpukit_layer_graphs.stats
@@ -239,6 +248,7 @@ def test_ten_loads_in_one_process_train_and_give_the_device_memory_back(tiny_mod
 
     setups = [
         ({"graphs": True}, None),
+        ({"graphs": True, "gradient_checkpointing": True, "checkpoint_layers": 1}, {0: "4GiB"}),
         ({"graphs": True, "gradient_checkpointing": True}, {0: "4GiB"}),
         ({"graphs": True, "gradient_checkpointing": "offload"}, None),
         ({"graphs": False}, {0: "2GiB"}),
@@ -247,8 +257,12 @@ def test_ten_loads_in_one_process_train_and_give_the_device_memory_back(tiny_mod
     ids = (torch.arange(64, device="cuda").reshape(2, 32) * 7) % 500
 
     def cycle(lora: dict[str, Any], budget: Any) -> dict[str, int]:
+        lora = dict(lora)
+        partly = lora.pop("checkpoint_layers", None)
         model = load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, lora=lora, batch_size=2,
                              seq_len=32, max_memory=budget)  # fmt: skip
+        if partly is not None:
+            model.xpukit_layer_graphs.checkpoint_layers = partly
         _steps(model, ids, 3)
         graphs = getattr(model, "xpukit_layer_graphs", None)
         stats = dict(graphs.stats) if graphs is not None else {}

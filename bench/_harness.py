@@ -307,7 +307,7 @@ def interleaved_rounds(
     for round_ in range(args.repeat):
         for variant in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
             row = run(variant)
-            row["round"] = round_
+            row["round"] = round_ + getattr(args, "first_round", 0)
             profile = row.pop("profile", None)
             print(json.dumps(row), flush=True)
             if profile is not None:

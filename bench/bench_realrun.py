@@ -149,6 +149,11 @@ def main() -> int:
         help="profile the last N steps (torch.profiler): the device's busy share, kernels, device ms a step",
     )  # fmt: skip
     parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
+    parser.add_argument("--first-round", type=int, default=0, help="the first round's number (runs split up)")
+    parser.add_argument(
+        "--summarize", nargs="+", metavar="ROWS",
+        help="only the summaries and versus lines of the JSON rows in these files (rounds run apart)",
+    )  # fmt: skip
     parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
     parser.add_argument("--model-cache", help="reuse (or build once into) this model directory")
     parser.add_argument("--tokenizer", help="a small local tokenizer (default: the demo model's)")
@@ -160,9 +165,11 @@ def main() -> int:
     if args.variant_child:
         h.emit(run_variant(args))
         return 0
+    if args.summarize:
+        return summarize_files(args.summarize)
     variants = h.chosen_variants(parser, args.variants, VARIANTS)
     budgets = [b for b in (args.max_memory or "").split(",") if b]
-    if len(budgets) > 1:  # every xpukit variant at every budget, interleaved: rows named variant@budget
+    if budgets:  # every xpukit variant at every budget, interleaved: rows named variant@budget
         peers = [v for v in variants if v.startswith("unsloth")]  # no budget: each runs once
         variants = [f"{v}@{b}" for b in budgets for v in variants if v not in peers] + peers
     compare = lambda rows: against_fastest_peer(rows, "realrun")  # noqa: E731
@@ -175,6 +182,30 @@ def main() -> int:
             compare=compare,
         )  # fmt: skip
     return status
+
+
+def summarize_files(paths: list[str]) -> int:
+    """The summary and versus lines of the rows in ``paths`` (runs split over processes or devices,
+    each with its ``--first-round``), grouped by data set and by variant at its budget."""
+    groups: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            row = json.loads(line) if line.startswith("{") else {}
+            if row.get("bench") != "realrun" or "variant" not in row or "error" in row or "skipped" in row:
+                continue
+            budget = row.get("max_memory")
+            name = (
+                f"{row['variant']}@{budget}"
+                if budget and not row["variant"].startswith("unsloth")
+                else row["variant"]
+            )
+            groups.setdefault(row.get("data", "?"), {}).setdefault(name, []).append(row)
+    for rows in groups.values():
+        for variant, done in rows.items():
+            print(json.dumps(summary(variant, done)), flush=True)
+        for line in against_fastest_peer(rows, "realrun"):
+            print(json.dumps(line), flush=True)
+    return 0
 
 
 def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -31,6 +31,8 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
                        recurs (model.xpukit_packing.capture_on_recurrence)
     xpukit-nowarm      xpukit without the warm-up pass before a capture after the first only
     xpukit-b512        xpukit-nowarm with the packed row padded to a multiple of 512 tokens (fewer shapes)
+    xpukit-paged       xpukit with optim="paged_adamw_8bit" (the plan's optimizer under a budget before
+                       2026-12-04; the fused AdamW since, where the plan fits)
     xpukit-warm1       xpukit with a warm-up pass before every capture (LayerGraphs.warmups = 1), as
                        before 2026-12-04 without checkpointing
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
@@ -86,7 +88,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VARIANTS = (
     "xpukit", "xpukit-sft", "xpukit-nopack", "xpukit-eager", "xpukit-liger", "xpukit-adamw",
     "xpukit-gc-graphs", "xpukit-offload-graphs", "xpukit-lean", "xpukit-nowarm", "xpukit-b512",
-    "xpukit-warm1", *UNSLOTH_SETUPS,
+    "xpukit-warm1", "xpukit-paged", *UNSLOTH_SETUPS,
 )  # fmt: skip
 # lora= and training_args keywords of the xpukit variants beside the one call.
 XPUKIT_LORA: dict[str, Any] = {
@@ -94,7 +96,10 @@ XPUKIT_LORA: dict[str, Any] = {
     "xpukit-gc-graphs": {"gradient_checkpointing": True, "graphs": True},
     "xpukit-offload-graphs": {"gradient_checkpointing": "offload", "graphs": True},
 }  # fmt: skip
-XPUKIT_ARGS: dict[str, dict[str, Any]] = {"xpukit-adamw": {"optim": "adamw_torch_fused"}}
+XPUKIT_ARGS: dict[str, dict[str, Any]] = {
+    "xpukit-adamw": {"optim": "adamw_torch_fused"},
+    "xpukit-paged": {"optim": "paged_adamw_8bit"},
+}
 DATA = {  # median, sigma of log(length), low, high
     "chat": (256, 0.6, 32, 1024),
     "longtail": (384, 0.9, 32, 2048),

@@ -114,13 +114,19 @@ def test_every_checkpointing_rung_runs_captured_with_its_buffers_in_the_fit() ->
     h200 = device_profile("h200")
     inside = TrainingContext(training=inside_plan.training, checkpoint_in_graphs=True)
     assert training_kwargs(h200, context=inside, output_dir="o")["gradient_checkpointing"] is False
-    # ... while the rules that follow checkpointing still see it: the 4-bit optimizer for a tight fit
+    # ... while the rules that follow checkpointing still see it: the 8-bit optimizer where nothing fits
+    from dataclasses import replace
+
+    assert inside_plan.training is not None
     tight = TrainingContext(
-        training=inside_plan.training, checkpoint_in_graphs=True, gradient_checkpointing=True, quantized=True,
-        bitsandbytes_version="0.50.2",
+        training=replace(inside_plan.training, fits=False), checkpoint_in_graphs=True,
+        gradient_checkpointing=True, quantized=True, bitsandbytes_version="0.50.2",
     )  # fmt: skip
     chosen = training_kwargs(h200, context=tight, output_dir="o")
     assert chosen["gradient_checkpointing"] is False and chosen["optim"] == "paged_adamw_8bit"
+    # a plan that fits counted the fused AdamW's fp32 states: it takes that one, checkpointed or not
+    fits = replace(tight, training=inside_plan.training)
+    assert inside_plan.training.fits and training_kwargs(h200, context=fits)["optim"] == "adamw_torch_fused"
     plain = TrainingContext(training=inside_plan.training)
     assert training_kwargs(h200, context=plain, output_dir="o")["gradient_checkpointing"] is True
 

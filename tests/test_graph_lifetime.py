@@ -188,3 +188,45 @@ def test_a_dropped_model_with_graphs_and_packing_is_freed_by_a_collection(tiny_m
     del model
     gc.collect()
     assert alive() is None and layers() is None
+
+
+def test_decode_step_graphs_take_a_new_pool_once_all_their_graphs_are_gone() -> None:
+    """A pool handle (``graph_pool_handle``, where torch has no ``MemPool``) that no graph uses any more
+    may already be released by the allocator: capturing into it again is refused. Once every captured
+    step is dropped, the next capture gets a pool of its own."""
+    from xpukit.loading.decode.step_graph import StepGraphs
+
+    class Backend:
+        def __init__(self) -> None:
+            self.pools: list[Any] = []
+
+        def new_graph(self) -> Any:
+            return SimpleNamespace(replay=lambda: None)
+
+        def pool(self) -> Any:
+            self.pools.append(object())
+            return self.pools[-1]
+
+        def capture(self, graph: Any, body: Any, pool: Any) -> None:
+            assert pool is self.pools[-1]
+
+        def synchronize(self) -> None:
+            pass
+
+        def side_stream(self) -> Any:
+            return contextlib.nullcontext()
+
+    backend = Backend()
+    graphs = StepGraphs(backend)
+    for _ in range(2):  # warm, then captured
+        graphs.run(("a", 1), lambda: None)
+    graphs.run(("b", 1), lambda: None)
+    graphs.run(("b", 1), lambda: None)
+    assert len(backend.pools) == 1  # one pool for both
+    graphs.forget("a")
+    assert graphs._pool is not None  # "b" still uses it
+    graphs.forget("b")
+    assert graphs._pool is None
+    for _ in range(2):
+        graphs.run(("a", 1), lambda: None)
+    assert len(backend.pools) == 2

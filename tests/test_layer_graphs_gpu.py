@@ -281,3 +281,38 @@ def test_ten_loads_in_one_process_train_and_give_the_device_memory_back(tiny_mod
             assert stats["captures"] == 1 and stats["graphed"] == 2, (i, stats)
         end = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
         assert end[0] - start[0] <= 16 * 2**20 and end[1] - start[1] <= 64 * 2**20, (i, start, end)
+
+
+def test_a_graph_pool_let_go_during_a_capture_is_parked_not_released() -> None:
+    """The abort of the GPU suite run whole (docs/training.md "What the graphs hold, and for how
+    long"): a pool whose last owner goes in the middle of a capture (a dropped model freed by a
+    collection there) is parked until the next capture, instead of emptying its cache then, which the
+    allocator refuses during a capture. Here the owner goes inside a capture's body, on purpose."""
+    _need_cuda()
+    import torch
+
+    from xpukit.loading.device_graph import GraphBackend, parked_pools
+
+    backend = GraphBackend("cuda")
+    doomed = backend.pool()
+    with backend.warm_up(doomed):
+        x = torch.empty(1 << 20, device="cuda")  # a block of the pool, freed: cached in it
+    del x
+    own = backend.pool()
+    a = torch.ones(16, device="cuda")
+    state: dict[str, Any] = {}
+    before = parked_pools()
+
+    def body() -> None:
+        nonlocal doomed
+        state["out"] = a * 2
+        del doomed  # its last owner goes during the capture
+        state["parked"] = parked_pools()
+
+    graph = backend.new_graph()
+    backend.capture(graph, body, own)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert state["parked"] == before + 1 and float(state["out"].sum()) == 32.0
+    backend.release_cached()  # outside a capture: let go
+    assert parked_pools() == 0

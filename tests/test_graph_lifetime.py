@@ -158,14 +158,19 @@ def test_the_record_says_what_each_capture_cost() -> None:
 
 
 def test_changing_what_is_trained_drops_the_graphs_and_their_pool() -> None:
+    """The graphs add into gradient buffers of what was trained: they go, their pool and host slots
+    with them, and the new capture holds the slots it copies to."""
     layers = [torch.nn.Linear(4, 4) for _ in range(2)]
-    graphs = _graphs(layers)
+    graphs = _graphs(layers, checkpoint="offload")
     for _ in range(2):
         _step(graphs).sum().backward()
-    pool = graphs._pool
+    pool, buffer = graphs._pool, graphs.host.buffer
     layers[0].bias.requires_grad_(False)
     _step(graphs).sum().backward()
     assert graphs.stats["captures"] == 2 and len(graphs.keys) == 1 and graphs._pool is not pool
+    captured = next(iter(graphs._graphs.values()))
+    assert graphs.host.buffer is not buffer and captured.keep == (graphs.host.buffer,)
+    assert captured.pool is graphs._pool
 
 
 def test_a_dropped_model_with_graphs_and_packing_is_freed_by_a_collection(tiny_model: Path) -> None:

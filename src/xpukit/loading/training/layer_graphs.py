@@ -325,6 +325,7 @@ class LayerGraphs:
         autocast = torch.is_autocast_enabled(kind)
         dtype = torch.get_autocast_dtype(kind) if autocast else hidden.dtype
         forwards = self.forwards
+        stand_ins, grads = self._trained_now(backend)  # first: it may drop the graphs and their slots
 
         slots: list[Any] = [None] * len(forwards)
         if self.checkpoint == "offload" and torch.is_grad_enabled():
@@ -342,15 +343,6 @@ class LayerGraphs:
 
         sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
         samples = (sample.requires_grad_(hidden.requires_grad), *(t.detach().clone() for t in inputs))
-        if self._pool is None:
-            self._pool = backend.pool()
-        current = StandIns(self.layers)
-        if self._trained is None or [id(p) for p in self._trained[1].params] != [id(p) for p in current.real]:
-            if self._graphs:  # what is trained changed: the gradient buffers, and the graphs, with it
-                self._drop()
-                self._pool = backend.pool()
-            self._trained = (current, SharedGrads(current.real))
-        stand_ins, grads = self._trained
         self.rope.decide(calls)
 
         def captured() -> Any:
@@ -358,7 +350,7 @@ class LayerGraphs:
                 warmup = self.warmups if self._graphs else 1  # the first capture always warms up
                 return capture(
                     stack, samples, stand_ins, grads, backend=backend, pool=self._pool, warmup=warmup,
-                    keep=tuple(self.host.kept),
+                    keep=(self.host.buffer,) if slots[0] is not None else (),
                 )  # fmt: skip
 
         try:
@@ -401,6 +393,19 @@ class LayerGraphs:
             "pool_bytes_per_shape": pool // shapes if pool and shapes else None,
             "host_slot_bytes": self.stats.get("host_slot_bytes", 0), "each": list(self.captured),
         }  # fmt: skip
+
+    def _trained_now(self, backend: Any) -> tuple[StandIns, SharedGrads]:
+        """The stand-ins and shared gradients of what is trained now, and the pool; when what is
+        trained changed, the graphs go with the gradient buffers they add into (and a new pool)."""
+        if self._pool is None:
+            self._pool = backend.pool()
+        current = StandIns(self.layers)
+        if self._trained is None or [id(p) for p in self._trained[1].params] != [id(p) for p in current.real]:
+            if self._graphs:
+                self._drop()
+                self._pool = backend.pool()
+            self._trained = (current, SharedGrads(current.real))
+        return self._trained
 
     def _backend(self, kind: str) -> Any:
         if self.backend is None:

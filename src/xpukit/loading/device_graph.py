@@ -9,7 +9,8 @@ What lives how long (docs/training.md "What the graphs hold, and for how long"):
 * a capture and its warm-up run with Python's garbage collector paused: a model dropped earlier that
   is only freed by the collector (its modules and wrappers refer to each other) would otherwise be
   freed in the middle of the capture, and a graph pool released then makes the allocator
-  synchronize, which it refuses while a capture is under way (the process aborts);
+  synchronize, which it refuses while a capture is under way (the process aborts); a warm-up that
+  allocates from a pool (``use_mem_pool``) counts as one for the allocator too;
 * a pool (:class:`GraphPool`) whose last owner goes while a capture is under way (someone else's
   capture) is parked and let go at the next capture or ``release_cached`` outside one;
 * the captures' side stream is one per device for the process, and the BLAS library's workspace for

@@ -297,15 +297,17 @@ def interleaved_rounds(
     run: Callable[[str], dict[str, Any]],
     summarize: Any,
     bench: str,
+    compare: Callable[[dict[str, list[dict[str, Any]]]], list[dict[str, Any]]] | None = None,
 ) -> int:
     """``--repeat`` rounds of every variant (each round starts one variant later), a JSON line per run
-    (its ``profile`` on a line of its own), then a summary line per variant; returns the failures."""
+    (its ``profile`` on a line of its own), then a summary line per variant and ``compare``'s lines
+    (ratios across variants); returns the failures."""
     rows: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     failed = 0
     for round_ in range(args.repeat):
         for variant in variants[round_ % len(variants) :] + variants[: round_ % len(variants)]:
             row = run(variant)
-            row["round"] = round_
+            row["round"] = round_ + getattr(args, "first_round", 0)
             profile = row.pop("profile", None)
             print(json.dumps(row), flush=True)
             if profile is not None:
@@ -317,12 +319,14 @@ def interleaved_rounds(
     for variant, done in rows.items():
         if done:
             print(json.dumps(summarize(variant, done)), flush=True)
+    for line in compare(rows) if compare is not None else []:
+        print(json.dumps(line), flush=True)
     return failed
 
 
 def rounds_of_children(
     args: argparse.Namespace, variants: list[str], *, script: str, bench: str, summarize: Any,
-    build: Callable[..., dict[str, Any]],
+    build: Callable[..., dict[str, Any]], compare: Any = None,
 ) -> int:  # fmt: skip
     """The model built once (``--model-cache``, ``--workdir``), then the interleaved rounds of child
     processes; returns the process's exit status (1 when a variant failed)."""
@@ -334,7 +338,7 @@ def rounds_of_children(
         if not variants:  # --variants '': only build the model (into --model-cache)
             return 0
         run = lambda v: run_child(args, v, model_dir, script=script, bench=bench)  # noqa: E731
-        failed = interleaved_rounds(args, variants, run, summarize, bench)
+        failed = interleaved_rounds(args, variants, run, summarize, bench, compare)
     return 1 if failed else 0
 
 

@@ -87,3 +87,72 @@ def unsloth_targets(model: Any) -> list[str]:
         "down_proj",
     ]
     return [name for name in wanted if name in present]
+
+
+# unsloth's set-ups a user would pick: (trainer, unsloth's checkpointing). "sft": TRL's SFTTrainer,
+# which turns padding-free batches on for unsloth; "trainer": transformers' Trainer with the padding
+# collator. Checkpointing "unsloth" (its offloaded one) or off (faster where it fits).
+UNSLOTH_SETUPS: dict[str, tuple[str, Any]] = {
+    "unsloth": ("sft", "unsloth"),
+    "unsloth-nogc": ("sft", False),
+    "unsloth-trainer": ("trainer", "unsloth"),
+    "unsloth-trainer-nogc": ("trainer", False),
+}
+
+
+def budget_bytes(text: str | None) -> int | None:
+    """``8GB`` / ``7.5GiB`` as bytes; ``None`` / ``none``: no budget."""
+    if not text or text.strip().lower() == "none":
+        return None
+    units = {"GIB": 2**30, "GB": 10**9, "MIB": 2**20, "MB": 10**6}
+    upper = text.strip().upper()
+    for unit, size in units.items():
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * size)
+    return int(upper)
+
+
+def against_fastest_peer(
+    rows: dict[str, list[dict[str, Any]]], bench: str, prefix: str = "unsloth"
+) -> list[dict[str, Any]]:
+    """For each xpukit row set (``variant`` or ``variant@budget``): its ratio to the fastest peer
+    set-up (``prefix``) that fits the budget (its median reserved peak at most the budget; every
+    set-up without one), per round of the interleaved runs, as the median and the range, for the
+    timed steps and for the first 20 steps (captures and warm-up included), with the reserved peaks."""
+    import statistics
+
+    peers = {v: r for v, r in rows.items() if v.startswith(prefix) and r}
+    out: list[dict[str, Any]] = []
+    for variant, mine in rows.items():
+        if variant.startswith(prefix) or not mine or not peers:
+            continue
+        limit = budget_bytes(variant.partition("@")[2] or None)
+
+        def median(key: str, of: list[dict[str, Any]]) -> float:
+            values = [r[key] for r in of if r.get(key) is not None]
+            return statistics.median(values) if values else 0.0
+
+        fitting = {v: r for v, r in peers.items() if limit is None or median("peak_mem_gb", r) * 1e9 <= limit}
+        if not fitting:
+            out.append({"bench": bench, "versus": variant, "peer": None, "why": "no peer set-up fits"})
+            continue
+        best = max(fitting, key=lambda v: median("tokens_per_s", fitting[v]))
+        row: dict[str, Any] = {
+            "bench": bench,
+            "versus": variant,
+            "peer": best,
+            "rounds": len(mine),
+            "peer_tokens_per_s": {v: median("tokens_per_s", r) for v, r in peers.items()},
+        }
+        for key in ("tokens_per_s", "tokens_per_s_first20"):
+            theirs = {r.get("round"): r.get(key) for r in fitting[best]}
+            ratios = [r[key] / theirs[r.get("round")] for r in mine
+                      if r.get(key) and theirs.get(r.get("round"))]  # fmt: skip
+            if ratios:
+                name = "ratio" if key == "tokens_per_s" else "ratio_first20"
+                row[name] = round(statistics.median(ratios), 3)
+                row[f"{name}_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+        row["reserved_gb"] = median("peak_mem_gb", mine)
+        row["peer_reserved_gb"] = median("peak_mem_gb", fitting[best])
+        out.append(row)
+    return out

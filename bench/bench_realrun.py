@@ -31,10 +31,21 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
                        recurs (model.xpukit_packing.capture_on_recurrence)
     xpukit-nowarm      xpukit without the warm-up pass before a capture after the first only
     xpukit-b512        xpukit-nowarm with the packed row padded to a multiple of 512 tokens (fewer shapes)
+    xpukit-paged       xpukit with optim="paged_adamw_8bit" (the plan's optimizer under a budget before
+                       2026-12-04; the fused AdamW since, where the plan fits)
+    xpukit-warm1       xpukit with a warm-up pass before every capture (LayerGraphs.warmups = 1), as
+                       before 2026-12-04 without checkpointing
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
                        unsloth's recommended set-up (it turns padding-free batches on for text SFT)
     unsloth-nogc       the same with unsloth's checkpointing off (its fastest setting, more memory)
     unsloth-trainer    unsloth + transformers.Trainer with the padding collator
+    unsloth-trainer-nogc  the same with unsloth's checkpointing off
+
+With a budget list the unsloth set-ups run once each (they take no budget) and every xpukit row is
+compared with the fastest unsloth set-up whose reserved peak fits its budget: a ``versus`` line per
+xpukit row with the ratio of the interleaved rounds (median and range), the first-20-steps ratio, the
+peer chosen and every peer's tokens/s (bench/_peers.py ``against_fastest_peer``). ``--data`` takes a
+comma-separated list too (``uniform,longtail``): each data set is its own run of the whole thing.
 
 Reported per variant and round (one JSON line): non-padding tokens/s over the steps after
 ``--warmup``, the step time's median and spread, peak memory from the first step on (on a GPU
@@ -69,15 +80,15 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h  # bench/_harness.py, beside this script: devices, memory, rounds, rows
-from _peers import load_unsloth
+from _peers import UNSLOTH_SETUPS, against_fastest_peer, budget_bytes, load_unsloth
 from _shapes import SHAPES, build_model
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VARIANTS = (
     "xpukit", "xpukit-sft", "xpukit-nopack", "xpukit-eager", "xpukit-liger", "xpukit-adamw",
-    "xpukit-gc-graphs", "xpukit-offload-graphs", "xpukit-lean", "xpukit-nowarm", "xpukit-b512", "unsloth",
-    "unsloth-nogc", "unsloth-trainer",
+    "xpukit-gc-graphs", "xpukit-offload-graphs", "xpukit-lean", "xpukit-nowarm", "xpukit-b512",
+    "xpukit-warm1", "xpukit-paged", *UNSLOTH_SETUPS,
 )  # fmt: skip
 # lora= and training_args keywords of the xpukit variants beside the one call.
 XPUKIT_LORA: dict[str, Any] = {
@@ -85,7 +96,10 @@ XPUKIT_LORA: dict[str, Any] = {
     "xpukit-gc-graphs": {"gradient_checkpointing": True, "graphs": True},
     "xpukit-offload-graphs": {"gradient_checkpointing": "offload", "graphs": True},
 }  # fmt: skip
-XPUKIT_ARGS: dict[str, dict[str, Any]] = {"xpukit-adamw": {"optim": "adamw_torch_fused"}}
+XPUKIT_ARGS: dict[str, dict[str, Any]] = {
+    "xpukit-adamw": {"optim": "adamw_torch_fused"},
+    "xpukit-paged": {"optim": "paged_adamw_8bit"},
+}
 DATA = {  # median, sigma of log(length), low, high
     "chat": (256, 0.6, 32, 1024),
     "longtail": (384, 0.9, 32, 2048),
@@ -125,7 +139,7 @@ def main() -> int:
         "--shape", default="qwen3-8b", choices=sorted(SHAPES), help="the model family and size"
     )
     parser.add_argument("--layers", type=int, help="override num_hidden_layers (keeps the widths)")
-    parser.add_argument("--data", default="chat", choices=sorted(DATA))
+    parser.add_argument("--data", default="chat", help=f"one of {sorted(DATA)}, or a comma-separated list")
     parser.add_argument("--batch", type=int, default=4, help="examples per optimizer step")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per variant and round")
     parser.add_argument("--warmup", type=int, default=5, help="steps not timed")
@@ -140,22 +154,63 @@ def main() -> int:
         help="profile the last N steps (torch.profiler): the device's busy share, kernels, device ms a step",
     )  # fmt: skip
     parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
+    parser.add_argument("--first-round", type=int, default=0, help="the first round's number (runs split up)")
+    parser.add_argument(
+        "--summarize", nargs="+", metavar="ROWS",
+        help="only the summaries and versus lines of the JSON rows in these files (rounds run apart)",
+    )  # fmt: skip
     parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
     parser.add_argument("--model-cache", help="reuse (or build once into) this model directory")
     parser.add_argument("--tokenizer", help="a small local tokenizer (default: the demo model's)")
     args = parser.parse_args()
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (the timed steps start after it)")
+    if not set(args.data.split(",")) <= set(DATA):
+        parser.error(f"--data {args.data!r}: choose from {', '.join(sorted(DATA))}")
     if args.variant_child:
         h.emit(run_variant(args))
         return 0
+    if args.summarize:
+        return summarize_files(args.summarize)
     variants = h.chosen_variants(parser, args.variants, VARIANTS)
     budgets = [b for b in (args.max_memory or "").split(",") if b]
-    if len(budgets) > 1:  # every variant at every budget, interleaved: rows named variant@budget
-        variants = [f"{v}@{b}" for b in budgets for v in variants]
-    return h.rounds_of_children(
-        args, variants, script=__file__, bench="realrun", summarize=summary, build=build_model
-    )
+    if budgets:  # every xpukit variant at every budget, interleaved: rows named variant@budget
+        peers = [v for v in variants if v.startswith("unsloth")]  # no budget: each runs once
+        variants = [f"{v}@{b}" for b in budgets for v in variants if v not in peers] + peers
+    compare = lambda rows: against_fastest_peer(rows, "realrun")  # noqa: E731
+    status = 0
+    argv = list(sys.argv)
+    for data in args.data.split(","):
+        args.data, sys.argv = data, _with_data(argv, data)  # the children read sys.argv
+        status |= h.rounds_of_children(
+            args, variants, script=__file__, bench="realrun", summarize=summary, build=build_model,
+            compare=compare,
+        )  # fmt: skip
+    return status
+
+
+def summarize_files(paths: list[str]) -> int:
+    """The summary and versus lines of the rows in ``paths`` (runs split over processes or devices,
+    each with its ``--first-round``), grouped by data set and by variant at its budget."""
+    groups: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for path in paths:
+        for line in Path(path).read_text().splitlines():
+            row = json.loads(line) if line.startswith("{") else {}
+            if row.get("bench") != "realrun" or "variant" not in row or "error" in row or "skipped" in row:
+                continue
+            budget = row.get("max_memory")
+            name = (
+                f"{row['variant']}@{budget}"
+                if budget and not row["variant"].startswith("unsloth")
+                else row["variant"]
+            )
+            groups.setdefault(row.get("data", "?"), {}).setdefault(name, []).append(row)
+    for rows in groups.values():
+        for variant, done in rows.items():
+            print(json.dumps(summary(variant, done)), flush=True)
+        for line in against_fastest_peer(rows, "realrun"):
+            print(json.dumps(line), flush=True)
+    return 0
 
 
 def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -216,6 +271,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         model = load_for_xpu(args.model_dir, device=device, dtype=dtype, quantize="4bit", lora=lora, seed=0,
                              batch_size=args.batch, seq_len=longest, max_memory=budget)  # fmt: skip
         plan = model.xpukit_plan
+        if variant == "xpukit-warm1" and getattr(model, "xpukit_layer_graphs", None) is not None:
+            model.xpukit_layer_graphs.warmups = 1
         if (
             variant in ("xpukit-lean", "xpukit-nowarm", "xpukit-b512")
             and getattr(model, "xpukit_layer_graphs", None) is not None
@@ -232,9 +289,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             targs = training_args(model, **common, **XPUKIT_ARGS.get(variant, {}))
     else:
         args.seq = longest  # unsloth's max_seq_length
-        checkpointing = "unsloth-nogc" if variant == "unsloth-nogc" else "unsloth"
-        model = load_unsloth(args, checkpointing, dtype)[0]
-        if variant in ("unsloth", "unsloth-nogc"):
+        trainer_kind, checkpointing = UNSLOTH_SETUPS[variant]
+        model = load_unsloth(args, "unsloth" if checkpointing else "unsloth-nogc", dtype)[0]
+        if trainer_kind == "sft":
             from trl import SFTConfig
 
             targs = SFTConfig(per_device_train_batch_size=args.batch, bf16=dtype == "bfloat16",
@@ -275,7 +332,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
                 profiled["prof"].stop()
                 profiled["summary"] = profile_summary(profiled.pop("prof"), wall, args.profile_steps, device)
 
-    if variant in ("xpukit-sft", "unsloth", "unsloth-nogc"):
+    if variant == "xpukit-sft" or UNSLOTH_SETUPS.get(variant, ("",))[0] == "sft":
         from trl import SFTTrainer
 
         trainer = SFTTrainer(model=model, args=targs, train_dataset=_as_dataset(data), processing_class=tok)
@@ -326,7 +383,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "graph_pool_slack_gb": round(slack / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
         "micro_batch": micro, "accumulation": accumulate, "losses": losses,
         "loss_last": losses[-1] if losses else None, "max_memory": args.max_memory,
-        "budget_kept": reserved <= _bytes(args.max_memory)
+        "budget_kept": reserved <= (budget_bytes(args.max_memory) or reserved)
         if reserved is not None and args.max_memory else None,
         "versions": h.versions(), "date": h.today(),
     }  # fmt: skip
@@ -345,6 +402,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             row[key] = dict(counters.stats)
             extra = getattr(counters, "eager_reasons", None) or getattr(counters, "passed", None)
             row[f"{key}_other"] = dict(extra or {})
+    if graphs is not None and hasattr(graphs, "record"):  # captures, their cost, the pool per shape
+        row["graph_captures"] = graphs.record()
     rope = getattr(getattr(model, "xpukit_layer_graphs", None), "rope", None)
     if rope is not None:
         row["graphs_rope"] = rope.note
@@ -352,14 +411,19 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
-def _bytes(text: str) -> int:
-    """``8GB`` / ``7.5GiB`` as bytes (the budget a row is checked against)."""
-    units = {"GIB": 2**30, "GB": 10**9, "MIB": 2**20, "MB": 10**6}
-    upper = text.strip().upper()
-    for unit, size in units.items():
-        if upper.endswith(unit):
-            return int(float(upper[: -len(unit)]) * size)
-    return int(upper)
+def _with_data(argv: list[str], data: str) -> list[str]:
+    """``argv`` with its ``--data`` value replaced by ``data``."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            out.append(data)
+            skip = False
+        elif arg == "--data":
+            out.append(arg)
+            skip = True
+        else:
+            out.append(f"--data={data}" if arg.startswith("--data=") else arg)
+    return out if any(a == "--data" or a.startswith("--data=") for a in argv) else [*out, f"--data={data}"]
 
 
 def _as_dataset(data: list[dict[str, list[int]]]) -> Any:

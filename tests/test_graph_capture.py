@@ -277,14 +277,15 @@ def test_packed_rows_take_a_captured_shape_once_the_graphs_keep_no_more(tiny_mod
     assert graphs.stats["captures"] == 2 and graphs.stats["graphed"] == 3
 
 
-@pytest.mark.parametrize("mode", [True, "offload"])
+@pytest.mark.parametrize("mode", [True, "offload", "partly"])
 def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: bool | str
 ) -> None:
     """lora={"graphs": True, "gradient_checkpointing": True | "offload"}: each layer checkpointed
     inside the captured stack (the backward recomputes it with the stand-ins in place) and on the eager
     passes; with "offload" each captured layer's input goes to its host slot and back. Losses and
-    gradients equal the plain eager layers over two shapes with accumulation."""
+    gradients equal the plain eager layers over two shapes with accumulation. "partly": only the first
+    layer of the two checkpointed (the plan's fewest checkpointed layers), the other kept whole."""
     import torch.utils.checkpoint as ckpt
 
     import xpukit.loading.training.graph_offload as graph_offload
@@ -292,10 +293,13 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
     from xpukit.loading.training.layer_graphs import install_layer_graphs
 
     calls: list[bool] = []
+    captured_layers: set[int] = set()  # the layer forwards checkpointed inside a capture
     real = ckpt.checkpoint
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(bool(kwargs.get("preserve_rng_state")))
+        if not calls[-1]:
+            captured_layers.add(id(args[0]))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(ckpt, "checkpoint", counted)
@@ -317,7 +321,10 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
             eager = model  # no optimizer step changes its weights: the reference below too
         if graphed:
             model.get_base_model().gradient_checkpointing_enable({"use_reentrant": False})
-            install_layer_graphs(model, checkpoint=mode)
+            if mode == "partly":
+                install_layer_graphs(model, checkpoint=True, checkpoint_layers=1)
+            else:
+                install_layer_graphs(model, checkpoint=mode)
             model.xpukit_layer_graphs.backend = RerunBackend()
             layers = model.xpukit_layer_graphs.layers
             assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
@@ -340,6 +347,7 @@ def test_checkpointed_layers_inside_the_graphs_train_as_the_eager_layers(
     stats = model.xpukit_layer_graphs.stats
     assert stats["captures"] == 2 and stats["graphed"] == 5 and stats["eager"] == 1
     assert False in calls  # inside the capture: no RNG state saved
+    assert len(captured_layers) == (1 if mode == "partly" else len(layers))  # which are checkpointed
     if mode == "offload":  # every captured layer's input went through a host slot, one buffer for all
         assert stats["host_slot_bytes"] > 0 and len(came_back) >= 5 * len(layers)
         assert {s.untyped_storage().data_ptr() for s in came_back} == {
@@ -537,7 +545,8 @@ def test_cuda_captures_do_not_fail_on_other_threads_cuda_calls() -> None:
 
     for kind, want in (("cuda", "thread_local"), ("xpu", None)):
         backend = GraphBackend(kind)
-        backend.module = SimpleNamespace(graph=graph, Stream=object)
+        backend.module = SimpleNamespace(graph=graph, Stream=object, current_device=lambda: 0)
+        backend._blas_workspace = lambda: None  # type: ignore[method-assign]  (no device here)
         seen.clear()
         backend.capture(None, lambda: None, "pool")
         assert seen.get("capture_error_mode") == want and seen["pool"] == "pool"
@@ -566,20 +575,26 @@ def test_warm_ups_allocate_from_the_captures_pool_on_the_captures_stream() -> No
         MemPool=lambda: SimpleNamespace(id=(1, 2)),
         stream=lambda s: record("stream", s),
         use_mem_pool=lambda p: record("use_mem_pool", p),
+        current_device=lambda: 0,
     )
     backend = GraphBackend("cuda")
     backend.module, backend.mem_pools = module, True
+    backend._blas_workspace = lambda: events.append(("blas", None))  # type: ignore[method-assign]
     pool = backend.pool()
     with backend.warm_up(pool):
         pass
     backend.capture(None, lambda: None, pool)
-    stream = backend._stream
-    assert events == [("stream", stream), ("use_mem_pool", pool), ("capture", ((1, 2), stream))]
+    stream = backend._side()
+    # the BLAS workspace of the stream is made before each warm-up and capture, outside the pool
+    assert events == [
+        ("blas", None), ("stream", stream), ("use_mem_pool", pool.handle), ("blas", None),
+        ("capture", ((1, 2), stream)),
+    ]  # fmt: skip
     # Without MemPool (an older torch): a plain graph pool handle, and the warm-up only changes stream.
     backend.mem_pools, events[:] = False, []
     with backend.warm_up((3, 4)):
         pass
-    assert events == [("stream", stream)]
+    assert events == [("blas", None), ("stream", stream)]
 
 
 def test_each_capture_first_hands_the_default_pools_cache_back() -> None:
@@ -601,7 +616,9 @@ def test_each_capture_first_hands_the_default_pools_cache_back() -> None:
 
     emptied: list[bool] = []
     real = GraphBackend("cuda")
-    real.module = SimpleNamespace(empty_cache=lambda: emptied.append(True))
+    real.module = SimpleNamespace(
+        empty_cache=lambda: emptied.append(True), is_current_stream_capturing=lambda: False
+    )
     real.release_cached()
     assert emptied == [True]
 

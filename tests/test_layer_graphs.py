@@ -114,13 +114,19 @@ def test_every_checkpointing_rung_runs_captured_with_its_buffers_in_the_fit() ->
     h200 = device_profile("h200")
     inside = TrainingContext(training=inside_plan.training, checkpoint_in_graphs=True)
     assert training_kwargs(h200, context=inside, output_dir="o")["gradient_checkpointing"] is False
-    # ... while the rules that follow checkpointing still see it: the 4-bit optimizer for a tight fit
+    # ... while the rules that follow checkpointing still see it: the 8-bit optimizer where nothing fits
+    from dataclasses import replace
+
+    assert inside_plan.training is not None
     tight = TrainingContext(
-        training=inside_plan.training, checkpoint_in_graphs=True, gradient_checkpointing=True, quantized=True,
-        bitsandbytes_version="0.50.2",
+        training=replace(inside_plan.training, fits=False), checkpoint_in_graphs=True,
+        gradient_checkpointing=True, quantized=True, bitsandbytes_version="0.50.2",
     )  # fmt: skip
     chosen = training_kwargs(h200, context=tight, output_dir="o")
     assert chosen["gradient_checkpointing"] is False and chosen["optim"] == "paged_adamw_8bit"
+    # a plan that fits counted the fused AdamW's fp32 states: it takes that one, checkpointed or not
+    fits = replace(tight, training=inside_plan.training)
+    assert inside_plan.training.fits and training_kwargs(h200, context=fits)["optim"] == "adamw_torch_fused"
     plain = TrainingContext(training=inside_plan.training)
     assert training_kwargs(h200, context=plain, output_dir="o")["gradient_checkpointing"] is True
 
@@ -401,3 +407,46 @@ def test_the_doctor_selftest_layer_graph_check_says_why_nothing_replayed_off_cud
 
     with pytest.raises(RuntimeError, match=r"not replayed.*not a CUDA/XPU call"):
         _graphs_check(torch, "cpu", checkpoint=checkpoint)
+
+
+def test_between_the_rungs_only_the_layers_the_budget_needs_are_checkpointed() -> None:
+    """At 10-12 GB the 8B shape's step does not fit without checkpointing but fits with room to spare
+    with every layer checkpointed: the plan checkpoints the fewest layers whose step fits inside the
+    graphs (docs/training.md "Fewer checkpointed layers"), fewer with more room; a user's own
+    checkpointing and the eager rungs keep every layer."""
+    from xpukit.planning.model.shape import model_shape
+
+    args: dict[str, Any] = {"facts": "h200", "quantize": "4bit", "batch_size": 4, "seq_len": 512}
+    counts = []
+    for budget in ("10GB", "12GB", "14GB"):
+        plan = plan_load(reference_config("qwen3-8b"), lora=True, max_memory={0: budget}, **args)
+        training = plan.training
+        assert training is not None and training.gradient_checkpointing is True and training.graphs
+        assert training.checkpoint_layers is not None and 0 < training.checkpoint_layers < 36
+        assert training.fits and training.estimate["peak"] <= training.room
+        reason = plan.decision("gradient_checkpointing").reason
+        assert f"for {training.checkpoint_layers} of the 36 layers" in reason
+        counts.append(training.checkpoint_layers)
+    assert counts[0] > counts[1] > counts[2]
+    # the fewest: one layer fewer checkpointed would not fit the same room
+    from xpukit.planning.training.activation_memory import dequant_transient
+    from xpukit.planning.training.rungs import Rungs
+
+    shape = model_shape(reference_config("qwen3-8b"))
+    plan = plan_load(reference_config("qwen3-8b"), lora=True, max_memory={0: "12GB"}, **args)
+    assert plan.training is not None and plan.training.loss == "liger"
+    request = resolve_lora(True, quantized=True)
+    rungs = Rungs(shape, request, 2, "cuda", True, True, True, dequant_transient(shape, compute_bytes=2,
+                  fused_lora=True), True)  # fmt: skip
+    rung, room, k = (True, True, True), plan.training.room, plan.training.checkpoint_layers
+    assert rungs.fewest_checkpointed(rung, 4 * 512, room) == k and k is not None
+    spare = int(room / 1.05)  # 5 % of the room kept spare (rungs.PARTLY_SPARE)
+    assert rungs.peak(rung, 4 * 512, k) <= spare < rungs.peak(rung, 4 * 512, k - 1)
+    assert rungs.peak(rung, 4 * 512) < rungs.peak(rung, 4 * 512, k)  # the room every layer would leave
+    assert plan.lora is not None and plan.lora.checkpoint_layers == k  # what loading installs
+    full = plan_load(reference_config("qwen3-8b"), lora=True, **args).training
+    assert full is not None and full.checkpoint_layers is None and not full.gradient_checkpointing
+    assert model_shape(reference_config("qwen3-8b")).layers == 36
+    for lora in ({"gradient_checkpointing": True}, {"graphs": False}):
+        kept = plan_load(reference_config("qwen3-8b"), lora=lora, max_memory={0: "12GB"}, **args).training
+        assert kept is not None and kept.checkpoint_layers is None, lora

@@ -84,7 +84,8 @@ def test_ddp_backend_only_when_distributed(profile: str, torch_version: str, bac
 def test_optimizer_for_quantised_models_under_memory_pressure(
     profile: str, bnb: str | None, optim: str
 ) -> None:
-    """Where the plan had to checkpoint, the paged 8-bit optimizer saves its few hundred MB."""
+    """Checkpointing and no plan that fits (a model xpukit did not load): the paged 8-bit optimizer
+    saves its few hundred MB."""
     ctx = TrainingContext(quantized=True, bitsandbytes_version=bnb, gradient_checkpointing=True)
     assert training_kwargs(device_profile(profile), context=ctx)["optim"] == optim
     not_quantised = TrainingContext(quantized=False, bitsandbytes_version=bnb)

@@ -1,45 +1,111 @@
 """The graph API of one torch device module (``torch.cuda`` or ``torch.xpu``), for the two places
 that capture device graphs themselves: the training layers
 (:mod:`xpukit.loading.training.graph_capture`) and the decode step
-(:mod:`xpukit.loading.decode.step_graph`). A CPU test passes a stand-in with the same methods.
+(:mod:`xpukit.loading.decode.step_graph`). A CPU test passes a stand-in with the same methods, or a
+stand-in device module to :class:`GraphBackend` itself.
+
+What lives how long (docs/training.md "What the graphs hold, and for how long"):
+
+* a capture and its warm-up run with Python's garbage collector paused: a model dropped earlier that
+  is only freed by the collector (its modules and wrappers refer to each other) would otherwise be
+  freed in the middle of the capture, and a graph pool released then makes the allocator
+  synchronize, which it refuses while a capture is under way (the process aborts); a warm-up that
+  allocates from a pool (``use_mem_pool``) counts as one for the allocator too;
+* a pool (:class:`GraphPool`) whose last owner goes while a capture is under way (someone else's
+  capture) is parked and let go at the next capture or ``release_cached`` outside one;
+* the captures' side stream is one per device for the process, and the BLAS library's workspace for
+  it is made before any warm-up or capture, in the device's default pool: made inside a graph pool
+  it would stay allocated there for the whole process and keep that pool's memory.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["GraphBackend"]
+__all__ = ["GraphBackend", "GraphPool", "collector_paused", "parked_pools"]
+
+# The captures' side stream of each device (kind, index), shared by every model of the process.
+_SIDE_STREAMS: dict[tuple[str, int], Any] = {}
+# Pools whose last owner went while a capture was under way: let go at the next safe point.
+_PARKED: list[Any] = []
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (restored as it was): nothing a collection frees
+    (device memory, a graph pool, pinned host memory) is freed in the middle of a capture."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def parked_pools() -> int:
+    """How many pools wait to be let go (their owner went during a capture)."""
+    return len(_PARKED)
+
+
+class GraphPool:
+    """One memory pool of device graphs (a ``MemPool``, or the id ``graph_pool_handle`` gives), held
+    by the graphs captured into it and by their owner. Letting go of a ``MemPool`` empties its cache,
+    which synchronizes: when that would happen during a capture the pool is parked instead."""
+
+    def __init__(self, handle: Any, capturing: Callable[[], bool]) -> None:
+        self.handle = handle
+        self._capturing = capturing
+
+    @property
+    def id(self) -> Any:
+        return getattr(self.handle, "id", self.handle)
+
+    def __del__(self) -> None:
+        try:
+            if self._capturing():
+                _PARKED.append(self.handle)
+        except Exception:  # the interpreter shutting down: nothing to protect any more
+            pass
 
 
 class GraphBackend:
     """The graph API of one torch device module (``torch.cuda`` or ``torch.xpu``).
 
-    Captures and warm-ups run on one side stream of the backend's own. Where the device module has
-    ``MemPool`` and ``use_mem_pool`` (torch 2.6+ on CUDA), :meth:`pool` is a ``MemPool`` and
+    Captures and warm-ups run on one side stream per device, shared by every model. Where the device
+    module has ``MemPool`` and ``use_mem_pool`` (torch 2.6+ on CUDA), :meth:`pool` is a ``MemPool`` and
     :meth:`warm_up` allocates from it: a warm-up pass before a capture then reuses the memory that
     earlier captures left free in the pool, instead of taking as much again from the device's default
     pool (the way inductor's graph trees warm up; docs/training.md "CUDA graphs of the decoder layers").
+    ``module``: the device module itself (a CPU test's stand-in); by default ``torch.<kind>``.
     """
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, module: Any = None) -> None:
         import inspect
 
         import torch
 
         self.kind = kind
-        self.module = getattr(torch, kind)
+        self.module = module if module is not None else getattr(torch, kind)
         self.graph_class = getattr(self.module, "CUDAGraph" if kind == "cuda" else f"{kind.upper()}Graph")
         self.mem_pools = hasattr(self.module, "MemPool") and hasattr(self.module, "use_mem_pool")
         self._graph_stream = "stream" in inspect.signature(self.module.graph).parameters
-        self._stream: Any = None
 
     def new_graph(self) -> Any:
         return self.graph_class()
 
-    def pool(self) -> Any:
-        return self.module.MemPool() if self.mem_pools else self.module.graph_pool_handle()
+    def pool(self) -> GraphPool:
+        self._let_parked_go()
+        handle = self.module.MemPool() if self.mem_pools else self.module.graph_pool_handle()
+        return GraphPool(handle, self.capturing)
+
+    def capturing(self) -> bool:
+        """Whether the current stream is being captured (by anyone)."""
+        check = getattr(self.module, "is_current_stream_capturing", None)
+        return bool(check()) if check is not None else False
 
     def capture(self, graph: Any, body: Callable[[], None], pool: Any) -> None:
         # Captures happen mid-training, where a data loader's pin-memory thread may call into CUDA;
@@ -47,7 +113,9 @@ class GraphBackend:
         options: dict[str, Any] = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
         if self._graph_stream:
             options["stream"] = self._side()
-        with self.module.graph(graph, pool=getattr(pool, "id", pool), **options):
+        self._let_parked_go()
+        self._blas_workspace()
+        with collector_paused(), self.module.graph(graph, pool=getattr(pool, "id", pool), **options):
             body()
 
     def synchronize(self) -> None:
@@ -61,17 +129,19 @@ class GraphBackend:
         into the pool (docs/training.md "CUDA graphs of the decoder layers"). A live graph pool keeps
         its blocks; only unused default-pool blocks (and pools of freed graphs) are released.
         """
+        self._let_parked_go()
         self.module.empty_cache()
 
     def pool_bytes(self, pool: Any) -> int | None:
         """The device memory ``pool`` holds from the allocator (its segments' sizes), where the
         device module can say (``MemPool.snapshot``, else the memory snapshot's segments of that
         pool); ``None`` where it cannot."""
+        handle = getattr(pool, "handle", pool)
         try:
-            if hasattr(pool, "snapshot"):
-                segments = pool.snapshot()
+            if hasattr(handle, "snapshot"):
+                segments = handle.snapshot()
             else:
-                pool_id = tuple(getattr(pool, "id", pool))
+                pool_id = tuple(getattr(handle, "id", handle))
                 segments = [
                     s for s in self.module.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool_id
                 ]
@@ -85,14 +155,38 @@ class GraphBackend:
 
     def warm_up(self, pool: Any) -> Any:
         """Run a capture's warm-up passes: on the captures' stream, allocating from ``pool`` where
-        the device module allows it."""
+        the device module allows it, with the garbage collector paused."""
+        self._blas_workspace()
         stack = contextlib.ExitStack()
+        stack.enter_context(collector_paused())
         stack.enter_context(self.module.stream(self._side()))
-        if self.mem_pools and hasattr(pool, "id"):
-            stack.enter_context(self.module.use_mem_pool(pool))
+        handle = getattr(pool, "handle", pool)
+        if self.mem_pools and hasattr(handle, "id"):
+            stack.enter_context(self.module.use_mem_pool(handle))
         return stack
 
     def _side(self) -> Any:
-        if self._stream is None:
-            self._stream = self.module.Stream()
-        return self._stream
+        key = (self.kind, int(self.module.current_device()))
+        if key not in _SIDE_STREAMS:
+            _SIDE_STREAMS[key] = self.module.Stream()
+        return _SIDE_STREAMS[key]
+
+    def _blas_workspace(self) -> None:
+        """Make the BLAS workspaces of the side stream now, in the default pool: cuBLAS (and
+        cuBLASLt) keep one per handle and stream for the process, made at the stream's first matrix
+        product (torch's cuBLAS workspace cache; inductor's graph trees clear it around their own
+        captures for the same reason). A no-op once they exist."""
+        import torch
+
+        if self.kind != "cuda" or self.capturing():
+            return
+        device = torch.device(self.kind, int(self.module.current_device()))
+        with self.module.stream(self._side()):
+            for dtype in (torch.float32, torch.bfloat16):
+                a = torch.ones(8, 8, device=device, dtype=dtype)
+                torch.nn.functional.linear(a, a, a[0])  # cuBLASLt (a bias epilogue)
+                torch.mm(a, a)  # cuBLAS
+
+    def _let_parked_go(self) -> None:
+        if _PARKED and not self.capturing():
+            _PARKED.clear()

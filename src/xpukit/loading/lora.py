@@ -249,7 +249,14 @@ def _speedups(
 
         if fused and fused_everywhere(peft_model):
             checkpoint = request.gradient_checkpointing  # False, True or "offload": inside the graphs
-            notes.append(install_layer_graphs(peft_model, checkpoint=checkpoint, rope=not no_liger))
+            notes.append(
+                install_layer_graphs(
+                    peft_model,
+                    checkpoint=checkpoint,
+                    rope=not no_liger,
+                    checkpoint_layers=request.checkpoint_layers,
+                )
+            )
         else:  # the graphs were measured on whole fused blocks only
             notes.append(
                 "CUDA graphs of the decoder layers: not installed (not every block runs the fused path, "

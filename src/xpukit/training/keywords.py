@@ -165,12 +165,13 @@ def _ddp_backend(device: DeviceFacts, torch_version: str | None) -> tuple[str | 
 def _optimizer(device: DeviceFacts, ctx: TrainingContext) -> tuple[str, str]:
     if not ctx.quantized:
         return "adamw_torch", "optim=adamw_torch (the model is not quantised)"
-    if device.backend in ("cuda", "xpu") and not ctx.gradient_checkpointing:
+    counted = ctx.training is not None and bool(getattr(ctx.training, "fits", False))
+    if device.backend in ("cuda", "xpu") and (not ctx.gradient_checkpointing or counted):
+        room = "no checkpointing" if not ctx.gradient_checkpointing else "its fit counts AdamW's fp32 states"
         return "adamw_torch_fused", (
-            "optim=adamw_torch_fused: the LoRA weights' update in one fused kernel; the plan has room (no "
-            "checkpointing), so the paged 8-bit states' few hundred MB are not worth their per-tensor "
-            "launches (H200 real run, Qwen3-8B shape: 226 → 187 ms a step; docs/training.md "
-            '"The optimizer")'
+            "optim=adamw_torch_fused: the LoRA weights' update in one fused kernel; the plan has room "
+            f"({room}), so the paged 8-bit states' few hundred MB are not worth their per-tensor "
+            'launches (H200 real run, Qwen3-8B shape: 226 → 187 ms a step; docs/training.md "The optimizer")'
         )
     minimum = _PAGED_OPTIM_MIN_BNB.get(device.backend)
     if minimum and version_at_least(ctx.bitsandbytes_version, minimum):

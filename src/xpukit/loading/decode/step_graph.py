@@ -72,12 +72,15 @@ class StepGraphs:
             self._graphs.clear()
             self._warm.clear()
             self._weights = key
+            self._pool = None  # a pool id without graphs may be released: the next capture gets its own
 
     def forget(self, owner: Hashable) -> None:
         """Drop the captures of one batch state (the loop let its buffers go)."""
         for key in [k for k in self._graphs if k[0] == owner]:
             del self._graphs[key]
         self._warm = {k for k in self._warm if k[0] != owner}
+        if not self._graphs:
+            self._pool = None  # as in check_weights
 
     def run(self, key: GraphKey, step: Callable[[], None]) -> None:
         """One decode step or prefill for ``key``: run, capture or replay ``step``."""

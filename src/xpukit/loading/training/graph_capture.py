@@ -155,13 +155,28 @@ def _replay_function() -> Any:
 
 
 class Captured:
-    """The two graphs of one shape and what they read and write."""
+    """The two graphs of one shape and what they read and write.
 
-    def __init__(self, backend: Any, inputs: tuple[Any, ...], shared: SharedGrads) -> None:
-        self.inputs = inputs
-        self.shared = shared
+    It holds everything its graphs write to or allocate from (their static tensors, the shared
+    gradients, the pool, and ``keep``: host buffers the graphs copy to), so none of it can go before
+    the graphs do, whichever order a garbage collection frees a dropped model's objects in (the
+    graphs are its first attributes, so they go first when it is freed).
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        inputs: tuple[Any, ...],
+        shared: SharedGrads,
+        pool: Any = None,
+        keep: tuple[Any, ...] = (),
+    ) -> None:
         self.forward_graph = backend.new_graph()
         self.backward_graph = backend.new_graph()
+        self.inputs = inputs
+        self.shared = shared
+        self.pool = pool
+        self.keep = keep
         self.state = SimpleNamespace(out=None, grad_out=None, grad_in=None)
         self.used: list[bool] = [True] * len(shared.params)  # which parameters the code uses
         # The parameters' gradients do not go through autograd (they land in ``shared``), so the
@@ -196,13 +211,15 @@ def capture(
     backend: Any,
     pool: Any,
     warmup: int = 1,
+    keep: tuple[Any, ...] = (),
 ) -> Captured:
     """Capture ``fn(*samples)`` (one tensor out) and its backward into ``pool``.
 
     ``fn`` runs with ``stand_ins`` in place of the real parameters (``shared.params``); the
     backward graph adds the stand-ins' gradients into ``shared``'s views. Inputs that require grad
     get their gradient returned by the backward; the others get ``None``. The returned callable
-    takes tensors of the samples' shapes, dtypes and devices.
+    takes tensors of the samples' shapes, dtypes and devices, and holds ``pool`` and ``keep`` (host
+    buffers the captured code copies to) as long as it lives.
     """
     import torch
 
@@ -223,7 +240,7 @@ def capture(
             torch.autograd.grad(out, (*wanted, *leaves), torch.empty_like(out), allow_unused=True)
             del out
     backend.synchronize()
-    captured = Captured(backend, samples, shared)
+    captured = Captured(backend, samples, shared, pool, keep)
     state = captured.state
 
     def forward_body() -> None:

@@ -18,8 +18,9 @@ graphs of the decoder layers"):
   (:class:`.graph_capture.SharedGrads`); passes never overlap: a second forward before the first
   one's backward runs eagerly;
 * the first training call runs eagerly, each layer checkpointed; a new shape after it is captured on
-  first sight, after a warm-up pass, on stand-in parameters (:class:`.graph_capture.StandIns`), with
-  liger-kernel's RoPE where it agrees with the model's own (:mod:`.graph_rope`);
+  first sight (the first one after a warm-up pass), on stand-in parameters
+  (:class:`.graph_capture.StandIns`), with liger-kernel's RoPE where it agrees with the model's own
+  (:mod:`.graph_rope`);
 * with gradient checkpointing each layer is checkpointed inside the captured stack (the backward
   graph recomputes it); with offloaded checkpointing its input also waits in a pinned host slot the
   graphs copy to and back (:mod:`.graph_offload`);
@@ -88,6 +89,7 @@ class LayerGraphs:
         backend: Any = None,
         checkpoint: bool | str = False,
         rope: bool = False,
+        checkpoint_layers: int | None = None,
     ) -> None:
         self.layers = layers
         self.forwards = [layer.forward for layer in layers]
@@ -95,21 +97,23 @@ class LayerGraphs:
         # Each layer checkpointed here, replayed or not (transformers' own checkpointing is off then);
         # "offload": the captured layers' inputs wait in host slots (graph_offload).
         self.checkpoint = checkpoint
+        # With ``checkpoint`` True: only the first this many layers are (None: all; the plan's fit).
+        self.checkpoint_layers = checkpoint_layers
         self.host = HostSlots(pin=False)
         self._forced: str | None = None  # every call runs eagerly, for this reason (eager_inside)
         self.rope = GraphRope(layers, wanted=rope)
         self.max_shapes = MAX_SHAPES
-        # Warm-up passes before each capture after the first. Checkpointed: none, the first capture's
-        # warm-up built and autotuned the kernels (H200, 8 GB: 3 447 against 3 264 tokens/s over 20
-        # steps); without checkpointing one, as measured with room (docs/training.md "What a capture
-        # costs").
-        self.warmups = 0 if checkpoint else 1
+        # Warm-up passes before each capture after the first: none, the first capture's warm-up built
+        # and autotuned the kernels (checkpointed, H200, 8 GB: 3 447 against 3 264 tokens/s over 20
+        # steps); the same kernels run without checkpointing (docs/training.md "What a capture costs").
+        self.warmups = 0
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
         self.failed: str | None = None
         self.unsupported: str | None = None  # why these layers never replay (seen on an eager pass)
         self._graphs: dict[tuple[Any, ...], Any] = {}
         self._pool: Any = None
+        self.captured: list[dict[str, Any]] = []  # each capture: row tokens, ms, pool bytes (record())
         # The capture's leaves and the adapters' gradients every shape shares (graph_capture).
         self._trained: tuple[StandIns, SharedGrads] | None = None
         # The device's graph API (device_graph.GraphBackend); the CPU tests pass a stand-in.
@@ -228,7 +232,7 @@ class LayerGraphs:
             else:
                 self._input, self._calls = hidden_states, []
         if not self._active:
-            out = self._layer(self.forwards[index], hidden_states, args, kwargs, capturing=False)
+            out = self._layer(self.forwards[index], hidden_states, args, kwargs, capturing=False, index=index)
             if isinstance(out, tuple) and self.unsupported is None:
                 # The stack hands one tensor from layer to layer; a decoder that indexes a tuple
                 # would read the wrong thing from it.
@@ -266,8 +270,8 @@ class LayerGraphs:
         """The layers' own forwards over the arguments they handed over (what the decoder's loop
         would have run)."""
         self._eager(why)
-        for forward, (args, kwargs) in zip(self.forwards, calls, strict=True):
-            hidden = self._layer(forward, hidden, args, kwargs, capturing=False)
+        for index, (forward, (args, kwargs)) in enumerate(zip(self.forwards, calls, strict=True)):
+            hidden = self._layer(forward, hidden, args, kwargs, capturing=False, index=index)
         return hidden
 
     def _layer(
@@ -279,6 +283,7 @@ class LayerGraphs:
         *,
         capturing: bool,
         slot: Any = None,
+        index: int = 0,
     ) -> Any:
         """One layer's forward; checkpointed (non-reentrant) in checkpoint mode while training with
         grad, its saved input in ``slot`` on the host when captured with offloading. Inside a capture
@@ -287,7 +292,7 @@ class LayerGraphs:
         import torch
 
         own = getattr(self.layers[0], "gradient_checkpointing", False)  # turned on again: transformers'
-        wanted = self.checkpoint or (self._light and not capturing)
+        wanted = (self.checkpoint and self._checkpointed(index)) or (self._light and not capturing)
         if own or not (wanted and torch.is_grad_enabled() and self.layers[0].training):
             return forward(hidden, *args, **kwargs)
         from torch.utils.checkpoint import checkpoint
@@ -301,6 +306,13 @@ class LayerGraphs:
         with offload_input(hidden, slot):  # the input the checkpoint saves waits in host memory
             return checkpoint(forward, hidden, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
 
+    def _checkpointed(self, index: int) -> bool:
+        """Whether layer ``index`` is checkpointed (plain checkpointing: the first ``checkpoint_layers``;
+        offloaded: all)."""
+        if self.checkpoint is not True or self.checkpoint_layers is None:
+            return True
+        return index < self.checkpoint_layers
+
     def _capture(
         self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...], calls: list[Call]
     ) -> str | None:
@@ -313,6 +325,7 @@ class LayerGraphs:
         autocast = torch.is_autocast_enabled(kind)
         dtype = torch.get_autocast_dtype(kind) if autocast else hidden.dtype
         forwards = self.forwards
+        stand_ins, grads = self._trained_now(backend)  # first: it may drop the graphs and their slots
 
         slots: list[Any] = [None] * len(forwards)
         if self.checkpoint == "offload" and torch.is_grad_enabled():
@@ -321,28 +334,24 @@ class LayerGraphs:
             self.stats["host_slot_bytes"] = self.host.bytes
 
         def stack(h: Any, *values: Any) -> Any:
-            for forward, (args, kwargs), slot in zip(forwards, templates, slots, strict=True):
+            for index, (forward, (args, kwargs), slot) in enumerate(
+                zip(forwards, templates, slots, strict=True)
+            ):
                 args, kwargs = fill(args, values), fill(kwargs, values)
-                h = self._layer(forward, h, args, kwargs, capturing=True, slot=slot)
+                h = self._layer(forward, h, args, kwargs, capturing=True, slot=slot, index=index)
             return h
 
         sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
         samples = (sample.requires_grad_(hidden.requires_grad), *(t.detach().clone() for t in inputs))
-        if self._pool is None:
-            self._pool = backend.pool()
-        current = StandIns(self.layers)
-        if self._trained is None or [id(p) for p in self._trained[1].params] != [id(p) for p in current.real]:
-            self._graphs.clear()  # what is trained changed: the gradient buffers with it
-            self._trained = (current, SharedGrads(current.real))
-        stand_ins, grads = self._trained
         self.rope.decide(calls)
 
         def captured() -> Any:
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
                 warmup = self.warmups if self._graphs else 1  # the first capture always warms up
                 return capture(
-                    stack, samples, stand_ins, grads, backend=backend, pool=self._pool, warmup=warmup
-                )
+                    stack, samples, stand_ins, grads, backend=backend, pool=self._pool, warmup=warmup,
+                    keep=(self.host.buffer,) if slots[0] is not None else (),
+                )  # fmt: skip
 
         try:
             run = self.rope.run(captured, keep=NothingToTrain)
@@ -366,7 +375,37 @@ class LayerGraphs:
         pool = backend.pool_bytes(self._pool) if hasattr(backend, "pool_bytes") else None
         if pool is not None:
             self.stats["pool_bytes"] = pool
+        self.captured.append(
+            {"tokens": int(hidden.shape[-2]) if hidden.dim() >= 2 else 1,
+             "ms": round(1000 * (time.perf_counter() - started)), "pool_bytes": pool}
+        )  # fmt: skip
         return None
+
+    def record(self) -> dict[str, Any]:
+        """What the graphs cost this run, for a trainer-side record (bench/bench_realrun.py reads it):
+        ``captures`` and their total ``capture_ms``; the pool's bytes at the end and per captured
+        shape; each capture's row length, milliseconds and the pool's bytes after it."""
+        shapes = len(self._graphs)
+        pool = self.stats.get("pool_bytes")
+        return {
+            "captures": self.stats["captures"], "capture_ms": self.stats["capture_ms"],
+            "shapes": shapes, "pool_bytes": pool,
+            "pool_bytes_per_shape": pool // shapes if pool and shapes else None,
+            "host_slot_bytes": self.stats.get("host_slot_bytes", 0), "each": list(self.captured),
+        }  # fmt: skip
+
+    def _trained_now(self, backend: Any) -> tuple[StandIns, SharedGrads]:
+        """The stand-ins and shared gradients of what is trained now, and the pool; when what is
+        trained changed, the graphs go with the gradient buffers they add into (and a new pool)."""
+        if self._pool is None:
+            self._pool = backend.pool()
+        current = StandIns(self.layers)
+        if self._trained is None or [id(p) for p in self._trained[1].params] != [id(p) for p in current.real]:
+            if self._graphs:
+                self._drop()
+                self._pool = backend.pool()
+            self._trained = (current, SharedGrads(current.real))
+        return self._trained
 
     def _backend(self, kind: str) -> Any:
         if self.backend is None:
@@ -388,14 +427,17 @@ class LayerGraphs:
         self._pending = False
 
 
-def install_layer_graphs(model: Any, *, checkpoint: bool | str = False, rope: bool = True) -> str:
+def install_layer_graphs(
+    model: Any, *, checkpoint: bool | str = False, rope: bool = True, checkpoint_layers: int | None = None
+) -> str:
     """Wrap the decoder layers' ``forward`` of ``model`` (a PeftModel or transformers model) so that
     matching training calls replay device graphs; returns a note. ``model.xpukit_layer_graphs`` is
     the :class:`LayerGraphs` (its ``stats`` say how many passes ran as graphs). ``checkpoint``: each
     layer is checkpointed inside the graphs (and on the eager passes) instead of by transformers,
     whose checkpointing flags are turned off here (so ``training_args`` does not ask ``Trainer`` to
     turn them on again). ``rope``: the captures run liger-kernel's RoPE where it agrees with the
-    model's own (:mod:`.graph_rope`; ``False`` when the user turned liger off)."""
+    model's own (:mod:`.graph_rope`; ``False`` when the user turned liger off). ``checkpoint_layers``:
+    with ``checkpoint=True``, only the first this many layers are checkpointed (the plan's fit)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
     layers = getattr(decoder, "layers", None)
@@ -411,11 +453,19 @@ def install_layer_graphs(model: Any, *, checkpoint: bool | str = False, rope: bo
                 module.gradient_checkpointing = False
         if getattr(base, "_require_grads_hook", None) is not None:  # only reentrant checkpoints need it
             base.disable_input_require_grads()
-    graphs = LayerGraphs(list(layers), attention=attention, checkpoint=checkpoint, rope=rope)
+    graphs = LayerGraphs(
+        list(layers),
+        attention=attention,
+        checkpoint=checkpoint,
+        rope=rope,
+        checkpoint_layers=checkpoint_layers,
+    )
     for index, layer in enumerate(layers):
         layer.forward = functools.partial(graphs.forward, index)
     model.xpukit_layer_graphs = graphs
-    inside = ", each layer checkpointed inside them (the backward graph recomputes it)" if checkpoint else ""
+    partly = checkpoint is True and checkpoint_layers is not None
+    which = f"the first {checkpoint_layers} layers" if partly else "each layer"
+    inside = f", {which} checkpointed inside them (the backward graph recomputes it)" if checkpoint else ""
     if checkpoint == "offload":
         inside += ", its input copied to a pinned host slot and back inside the graphs"
     rope_note = "; liger-kernel's RoPE where it agrees with the model's own (.rope.note)" if rope else ""

@@ -34,6 +34,7 @@ from xpukit.planning.training.fit_reasons import (
     gc_decision,
     liger_decision,
     loss_decision,
+    partly,
 )
 from xpukit.planning.training.host_embedding import embedding_decision, host_embedding_bytes
 from xpukit.planning.training.lora_request import rank_problem
@@ -183,7 +184,7 @@ def plan_training(
     (fused_ce, gc, captured), micro = choice.rung, choice.micro
     loss = rungs.kind(fused_ce)
     tokens = choice.pass_tokens if choice.by_tokens else micro * seq
-    estimate = rungs.estimate(choice.rung, tokens)
+    estimate = rungs.estimate(choice.rung, tokens, choice.checkpoint_layers)
     fits = estimate["peak"] <= room
     what = f"passes of up to {tokens:,} tokens" if choice.by_tokens else f"{micro} × {seq} tokens"
     need = f"{format_bytes(estimate['peak'])} of activations for {what}"
@@ -195,7 +196,9 @@ def plan_training(
     elif fused_ce and fused_first:
         why_fused = PACKED_LOSS if packed else FUSED_LOSS
     decisions = (
-        gc_decision(gc, user_gc, fit_text, list(choice.tried)),
+        gc_decision(
+            gc, user_gc, fit_text, list(choice.tried), partly(choice.checkpoint_layers, shape.layers)
+        ),
         liger_decision(loss == "liger", user_liger, liger_ok, liger_why, fit_text, why_fused),
         loss_decision(
             loss, "lora={'liger': False} given" if user_liger is False else liger_why, why_fused or fit_text
@@ -217,6 +220,7 @@ def plan_training(
         estimate=estimate, estimates=choice.tried, fits=fits, decisions=decisions, loss=loss,
         pass_tokens=choice.pass_tokens if packed else None, split_by_tokens=choice.by_tokens,
         graphs=captured, embedding_on_host=on_host is not None and on_host.value == "host",
+        checkpoint_layers=choice.checkpoint_layers,
     )  # fmt: skip
 
 
@@ -304,8 +308,9 @@ def training_plan_for(
         ),
     )  # fmt: skip
     updated = replace(
-        request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger, loss=plan.loss
-    )
+        request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger, loss=plan.loss,
+        checkpoint_layers=plan.checkpoint_layers,
+    )  # fmt: skip
     return plan, updated
 
 

@@ -10,10 +10,22 @@ from xpukit.planning.budgets import format_bytes
 from xpukit.planning.training.loss_chunk import LOSS_CHUNK_TOKENS
 from xpukit.planning.vocabulary import Decision
 
-__all__ = ["FUSED_LOSS", "PACKED_LOSS", "gc_decision", "liger_decision", "loss_decision"]
+__all__ = ["FUSED_LOSS", "PACKED_LOSS", "gc_decision", "liger_decision", "loss_decision", "partly"]
 
 
-def gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[str, int]]) -> Decision:
+def partly(checkpointed: int | None, layers: int) -> str | None:
+    """How many layers are checkpointed where not all of them are (``None``: all)."""
+    if checkpointed is None:
+        return None
+    return (
+        f"for {checkpointed} of the {layers} layers, the fewest whose step fits: the others keep their "
+        'activations and are not recomputed (docs/training.md "Fewer checkpointed layers")'
+    )
+
+
+def gc_decision(
+    gc: bool | str, given: bool, fit_text: str, tried: list[tuple[str, int]], partial: str | None = None
+) -> Decision:
     if given:
         return Decision(name="gradient_checkpointing", value=gc, source="user",
                         reason=f"lora={{'gradient_checkpointing': {gc!r}}} given; {fit_text}")  # fmt: skip
@@ -21,6 +33,7 @@ def gc_decision(gc: bool | str, given: bool, fit_text: str, tried: list[tuple[st
         what = "on, saved activations offloaded to host memory (asynchronous pinned copies on CUDA/XPU)"
     else:
         what = "on (non-reentrant)" if gc else "off: the fastest"
+        what += f" {partial}" if partial else ""
     rejected = tuple((option, f"needs {format_bytes(b)}") for option, b in tried[:-1])
     return Decision(name="gradient_checkpointing", value=gc, reason=f"{what}; {fit_text}", rejected=rejected)
 

@@ -105,6 +105,8 @@ class LoraRequest:
     packing: bool | None = None
     loss: str | None = None
     trainable: bool = False
+    # The training plan's: only the first this many layers checkpointed inside the graphs (None: all).
+    checkpoint_layers: int | None = None
     files: AdapterFiles | None = field(default=None, repr=False, compare=False)  # not in the plan's JSON
 
     @property

@@ -56,6 +56,9 @@ class TrainingPlan:
     graphs: bool = False
     # The frozen input embedding lives in host memory (its bytes are not in ``fixed``).
     embedding_on_host: bool = False
+    # With checkpointing inside the graphs: only the first this many layers are checkpointed, the
+    # fewest whose step fits (``None``: every layer; docs/training.md "Fewer checkpointed layers").
+    checkpoint_layers: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict."""
@@ -111,6 +114,8 @@ class TrainingPlan:
 
     def _chosen(self) -> str:
         text = option_text(self.loss, self.gradient_checkpointing, self.micro_batch, self.batch_size)
+        if self.checkpoint_layers is not None:
+            text += f" ({self.checkpoint_layers} layers checkpointed)"
         if self.split_by_tokens and self.pass_tokens is not None:
             text += f", passes of up to {self.pass_tokens:,} tokens (split by tokens at run time)"
         if self.embedding_on_host:

@@ -1,0 +1,165 @@
+"""Tiered decoding on the CPU: the uncompiled step serves at once, the compiled one takes over.
+
+The tiny qwen3 in float32 (its greedy logits are far from ties: tests/test_decode_loop.py checks the
+margin), against transformers' own ``generate`` with the same static cache. The compiled tier is
+built ahead of time with dynamo's ``aot_eager`` backend (torch's ahead-of-time compile with the
+graphs run as traced: the same path as inductor's, cheap), the graph tier with a stand-in for the
+device's graph API that replays a capture by running it again (``rerun_graphs``), so a token lost or
+computed twice at a switch changes the output.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from xpukit.loading.decode import tiers
+from xpukit.loading.decode.install import install_decode_loop
+
+NEW = 12
+PROMPTS = ["the quick brown fox", "a", "when the bell rings in the morning"]
+OPTIONS = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    tok.padding_side = "left"
+    return tok
+
+
+def _model(path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def want(tiny_model, tokenizer):
+    """transformers' greedy tokens for 3 left-padded prompts."""
+    import torch
+
+    model = _model(tiny_model)
+    with torch.no_grad():
+        out = model.generate(
+            **_inputs(tokenizer), max_new_tokens=NEW, do_sample=False, cache_implementation="static",
+            disable_compile=True,
+        )  # fmt: skip
+    return out.tolist()
+
+
+def _inputs(tokenizer):
+    return dict(tokenizer(PROMPTS[:3], return_tensors="pt", padding=True))
+
+
+def _tiered(path, cache_dir, graphs, *, background=False):
+    from xpukit.loading.decode.step_graph import StepGraphs
+
+    model = _model(path)
+    loop = install_decode_loop(model, max_cache_len=256, compile_options=None, cache_dir=cache_dir)
+    loop.background = background
+    loop.set_compile(OPTIONS, tiered=True)
+    if graphs is not None:
+        loop.step_graphs = StepGraphs(graphs())
+    return model, loop
+
+
+def _generate(model, tokenizer):
+    return model.generate(**_inputs(tokenizer), max_new_tokens=NEW, do_sample=False).tolist()
+
+
+def test_the_compiled_tier_gives_transformers_tokens_and_is_saved(
+    tiny_model, tokenizer, want, tmp_path, rerun_graphs
+):
+    model, loop = _tiered(tiny_model, tmp_path, rerun_graphs)  # built in the call: compiled from step 1
+    assert _generate(model, tokenizer) == want
+    assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": NEW - 1}
+    (record,) = loop.cache_records
+    assert record["how"] == "compiled" and record["saved"] is True
+    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy"}  # the prefill: warmed, not captured yet
+    # A second process's loop (a new model, the same cache dir) loads the step: no trace, no compile.
+    again, second = _tiered(tiny_model, tmp_path, rerun_graphs)
+    assert _generate(again, tokenizer) == want
+    assert second.cache_records[0]["how"] == "loaded"
+
+
+def test_a_switch_in_the_middle_of_a_call_loses_no_token(
+    tiny_model, tokenizer, want, tmp_path, monkeypatch, rerun_graphs
+):
+    model, loop = _tiered(tiny_model, tmp_path, rerun_graphs)
+    checks = {"n": 0}
+    ready = tiers.CompileJob.ready
+
+    def late(job):  # the build is done, but the loop sees it only from its 5th look on
+        checks["n"] += 1
+        return ready(job) if checks["n"] > 4 else None
+
+    monkeypatch.setattr(tiers.CompileJob, "ready", late)
+    assert _generate(model, tokenizer) == want
+    assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "graph": 4, "compiled": NEW - 5}
+    # The first tier's captures are its own: the uncompiled step is never replayed as the compiled one.
+    assert {key[1] for key in loop.step_graphs._graphs} == {"graph-greedy", "greedy"}
+
+
+def test_a_failed_build_leaves_the_first_tier_serving_and_says_why(
+    tiny_model, tokenizer, want, tmp_path, monkeypatch
+):
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor could not build the graph")
+
+    monkeypatch.setattr(tiers, "build_step", broken)
+    model, loop = _tiered(tiny_model, tmp_path, None)
+    seen = []
+    loop.on_event = seen.append
+    assert _generate(model, tokenizer) == want
+    assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "eager": NEW - 1}
+    (event,) = seen
+    assert (event.kind, event.what) == ("fallback", "decode_tiers") and "could not build" in event.cause
+    assert _generate(model, tokenizer) == want  # the next call too, and the failure is said once
+    assert loop.events == seen and loop.wait_compiled() is False
+
+
+def test_the_background_build_never_blocks_a_call(
+    tiny_model, tokenizer, want, tmp_path, monkeypatch, rerun_graphs
+):
+    release = threading.Event()
+    build = tiers.build_step
+
+    def slow(*args, **kwargs):  # a compile that lasts until the first call is over
+        assert release.wait(60)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(tiers, "build_step", slow)
+    model, loop = _tiered(tiny_model, tmp_path, rerun_graphs, background=True)
+    assert _generate(model, tokenizer) == want
+    assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "graph": NEW - 1}
+    release.set()
+    assert loop.wait_compiled(60) is True
+    assert _generate(model, tokenizer) == want
+    assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": NEW - 1}
+
+
+def test_tiers_refuse_regional(tiny_model, tmp_path):
+    from xpukit.errors import InvalidRequestError
+
+    model = _model(tiny_model)
+    loop = install_decode_loop(model, max_cache_len=256, compile_options=None, cache_dir=tmp_path)
+    with pytest.raises(InvalidRequestError, match="tiered=True builds the whole compiled step"):
+        loop.set_compile(OPTIONS, tiered=True, regional=True)
+
+
+def test_a_torch_without_aot_compile_compiles_at_the_first_call(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setattr(tiers, "aot_available", lambda torch: "torch 2.0 has no aot_compile")
+    from xpukit.loading.decode import loop as decode_loop
+
+    monkeypatch.setattr(decode_loop, "aot_available", tiers.aot_available)
+    model = _model(tiny_model)
+    loop = install_decode_loop(model, max_cache_len=256, compile_options=None, cache_dir=tmp_path)
+    loop.set_compile(OPTIONS, tiered=True)
+    assert loop.tiered is False
+    assert [(e.kind, e.what) for e in loop.events] == [("fallback", "decode_tiers")]
+    assert "no aot_compile" in loop.events[0].cause

@@ -61,7 +61,7 @@ def _tiered(path, cache_dir, graphs, *, background=False):
 
     model = _model(path)
     loop = install_decode_loop(model, max_cache_len=256, compile_options=None, cache_dir=cache_dir)
-    loop.background = background
+    loop.tiers.background = background
     loop.set_compile(OPTIONS, tiered=True)
     if graphs is not None:
         loop.step_graphs = StepGraphs(graphs())
@@ -114,13 +114,13 @@ def test_a_failed_build_leaves_the_first_tier_serving_and_says_why(
     monkeypatch.setattr(tiers, "build_step", broken)
     model, loop = _tiered(tiny_model, tmp_path, None)
     seen = []
-    loop.on_event = seen.append
+    loop.tiers.on_event = seen.append
     assert _generate(model, tokenizer) == want
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "eager": NEW - 1}
     (event,) = seen
     assert (event.kind, event.what) == ("fallback", "decode_tiers") and "could not build" in event.cause
     assert _generate(model, tokenizer) == want  # the next call too, and the failure is said once
-    assert loop.events == seen and loop.wait_compiled() is False
+    assert loop.tiers.events == seen and loop.tiers.wait() is False
 
 
 def test_the_background_build_never_blocks_a_call(
@@ -138,7 +138,7 @@ def test_the_background_build_never_blocks_a_call(
     assert _generate(model, tokenizer) == want
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "graph": NEW - 1}
     release.set()
-    assert loop.wait_compiled(60) is True
+    assert loop.tiers.wait(60) is True
     assert _generate(model, tokenizer) == want
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": NEW - 1}
 
@@ -161,5 +161,50 @@ def test_a_torch_without_aot_compile_compiles_at_the_first_call(tiny_model, tmp_
     loop = install_decode_loop(model, max_cache_len=256, compile_options=None, cache_dir=tmp_path)
     loop.set_compile(OPTIONS, tiered=True)
     assert loop.tiered is False
-    assert [(e.kind, e.what) for e in loop.events] == [("fallback", "decode_tiers")]
-    assert "no aot_compile" in loop.events[0].cause
+    assert [(e.kind, e.what) for e in loop.tiers.events] == [("fallback", "decode_tiers")]
+    assert "no aot_compile" in loop.tiers.events[0].cause
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["built", "failed"])
+def test_a_tiered_load_warms_up_both_tiers_and_records_a_failure_on_the_plan(
+    tiny_model, tmp_path, monkeypatch, fails
+):
+    """What fast_decode does on a GPU, carried out here: the plan's tiers installed, the warm-up's
+    first call on the first tier, its second on the compiled one; a failed build is a fallback event
+    of the warm-up, and one after the load goes onto the model's plan."""
+    from dataclasses import replace
+
+    from xpukit.loading.decode.fast_decode import warm_up
+    from xpukit.loading.load import carry_out
+    from xpukit.planning.device import decode
+    from xpukit.planning.plan import plan_load
+
+    monkeypatch.setenv("XPUKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(decode, "compile_settings", lambda mode, patterns=True: dict(OPTIONS))
+    if fails:
+        monkeypatch.setattr(tiers, "build_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
+    plan = decode.DecodePlan(
+        static_cache=True, max_cache_len=256, compile=True, compile_mode="default", graph_batch_sizes=(1,),
+        tiered=True,
+    )  # fmt: skip
+    model = carry_out(replace(plan_load(tiny_model, fast_decode=True), decode=plan))
+    loop = model.xpukit_decode_loop
+    assert loop.tiered and [
+        e.actual.get("tiers") for e in model.xpukit_plan.events if e.what == "decode_loop"
+    ] == [["eager", "compiled"]]
+    events = warm_up(model, model.xpukit_plan)
+    warmup = events[-1].actual
+    if not fails:
+        assert [e.what for e in events] == ["warmup"] and warmup["compiled"] is True
+        assert warmup["tiers"] == {"prefill": 1, "compiled": 7} and warmup["waited_for_compiled_s"] >= 0
+        return
+    assert [(e.kind, e.what) for e in events] == [("fallback", "decode_tiers"), ("applied", "warmup")]
+    assert warmup["compiled"] is False and warmup["tiers"] == {"prefill": 1, "eager": 7}
+    # A build that fails after the load is said on the model's plan (here the warm-up ran after the
+    # load too: its batch 1, then a new batch size), once per build.
+    import torch
+
+    model.generate(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3, do_sample=False)
+    model.generate(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3, do_sample=False)
+    causes = [e.cause for e in model.xpukit_plan.fallbacks if e.what == "decode_tiers"]
+    assert len(causes) == 2 and "batch 2 (greedy) was not built: RuntimeError: no" in causes[1]

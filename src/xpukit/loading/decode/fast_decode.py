@@ -109,8 +109,8 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         regional=regional[0],
         tiered=decode.tiered and options is not None and not regional[0],
     )
-    loop.on_event = lambda event: _add_event(model, event)
-    events += loop.events  # said while installing (a torch that cannot build the step ahead of time)
+    loop.tiers.on_event = lambda event: _add_event(model, event)
+    events += loop.tiers.events  # said while installing (a torch that cannot build the step ahead of time)
     loop_event = LoadEvent(
         kind="applied",
         what="decode_loop",
@@ -230,7 +230,7 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     sizes = tuple(plan.decode.graph_batch_sizes) if plan.decode is not None else ()
     durations: dict[int, list[float]] = {}
     waited: dict[int, float] = {}  # tiered: seconds the warm-up waited for the compiled step
-    seen = len(loop.events) if loop is not None else 0
+    seen = len(loop.tiers.events) if loop is not None else 0
     try:
         for batch in sizes or (1,):
             _warm_calls(model, target, batch, durations.setdefault(batch, []), waited)
@@ -253,7 +253,7 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
             )
         ]
     if loop is not None:
-        compiled = bool(loop.graphs) or (loop.tiered and loop.wait_compiled(0))
+        compiled = bool(loop.graphs) or (loop.tiered and loop.tiers.wait(0))
     else:
         compiled = not config.disable_compile and hasattr(target, "_compiled_call")  # get_compiled_call
     first = next(iter(durations.values()))
@@ -273,7 +273,7 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         actual=actual,
         cause=f"{WARMUP_NEW_TOKENS} new tokens, {WARMUP_PROMPT_TOKENS}-token prompt, batch {batches}, greedy",
     )
-    return [*(loop.events[seen:] if loop is not None else []), done]
+    return [*(loop.tiers.events[seen:] if loop is not None else []), done]
 
 
 def _warm_calls(
@@ -300,7 +300,7 @@ def _warm_calls(
     for call in range(2):
         if call == 1 and loop is not None and loop.tiered:  # the compiled tier serves the second
             start = time.perf_counter()
-            loop.wait_compiled()
+            loop.tiers.wait()
             waited[batch] = round(time.perf_counter() - start, 3)
         start = time.perf_counter()
         with torch.no_grad():

@@ -36,9 +36,8 @@ from xpukit.loading.decode.request import DecodeRequest, triage
 from xpukit.loading.decode.state import DecodeState, fill_constants, new_state
 from xpukit.loading.decode.step import decode_step, prefill_step
 from xpukit.loading.decode.step_graph import StepGraphs
-from xpukit.loading.decode.tiers import CompileJob, aot_available, step_job
+from xpukit.loading.decode.tiers import CompileJob, Tiers, aot_available
 from xpukit.loading.device_graph import GraphBackend
-from xpukit.planning.vocabulary import LoadEvent
 
 __all__ = ["CHECK_EVERY", "DecodeLoop"]
 
@@ -73,10 +72,7 @@ class DecodeLoop:
         regional: compile one decoder layer and run its code for every layer, the rest of the step
             eager, instead of compiling the whole step (docs/decode.md "Regional compilation").
         tiered: the uncompiled step serves until the compiled one is built (docs/decode.md
-            "Tiered decoding"); ``background``: built on a thread (``False``: in the call that needs
-            it, as the rule without tiers).
-        events: what happened to the compiled tier after the load (fallbacks), also handed to
-            ``on_event`` (the load puts them on the plan).
+            "Tiered decoding"); ``tiers`` holds the builds (:class:`~xpukit.loading.decode.tiers.Tiers`).
     """
 
     def __init__(
@@ -93,10 +89,7 @@ class DecodeLoop:
         self.step_graphs: StepGraphs | None = None  # set_compile(..., step_graphs=True)
         self.regional = False  # set_compile(..., regional=True)
         self.tiered = False  # set_compile(..., tiered=True)
-        self.background = True
-        self.events: list[LoadEvent] = []
-        self.on_event: Any = None
-        self._jobs: dict[tuple[int, str], CompileJob] = {}
+        self.tiers = Tiers()
         self._tokens: dict[str, int] = {}  # tokens per tier in the last call
         self.enabled = True
         self.max_cache_len = max_cache_len
@@ -148,7 +141,7 @@ class DecodeLoop:
         self.regional = regional and bool(options)
         self.tiered = tiered and bool(options)
         self._compiled.clear()
-        self._jobs.clear()
+        self.tiers.jobs.clear()
         self.graphs.clear()
         device = self.model.device.type
         self.step_graphs = StepGraphs(GraphBackend(device)) if step_graphs and options else None
@@ -158,7 +151,7 @@ class DecodeLoop:
             why = aot_available(torch)
             if why is not None:  # the compiled step then compiles in its first call, as without tiers
                 self.tiered = False
-                self._event("fallback", planned="tiered", actual="compiled at the first call", cause=why)
+                self.tiers.event(planned="tiered", actual="compiled at the first call", cause=why)
 
     def disable_compile(self) -> None:
         """Run the step eagerly from now on (a compile failure)."""
@@ -167,7 +160,7 @@ class DecodeLoop:
         self.regional = False
         self.tiered = False
         self._compiled.clear()
-        self._jobs.clear()
+        self.tiers.jobs.clear()
 
     def dispatch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Serve a ``generate()`` call with this loop or with transformers' (``original``)."""
@@ -232,14 +225,15 @@ class DecodeLoop:
         """The steps after the prefill; returns how many tokens of ``out`` are made."""
         batch = int(state.tokens.shape[0])
         job = self._job(torch, request, state, prompt + 1) if self.tiered else None
-        step, tier = (decode_step, self.first_tier) if job else (self._step(torch, request, batch), "")
+        step, tier = (decode_step, self.first_tier) if job is not None else (None, "")
+        step = step or self._step(torch, request, batch)
         for i in range(1, request.new_tokens):
             if job is not None and tier != "compiled":
                 built = job.ready()
                 if built is not None:
                     step, tier = built, "compiled"
-                elif job.error and not job.reported:
-                    self._job_failed(job, request, batch)
+                else:
+                    self.tiers.report(job, self.first_tier)
             if not tier and i == 1 and self._compiles_now(request, batch):
                 with compile_progress(self._compiling(request, batch)):  # the step compiles here
                     self._call(step, request, state, prompt + i)
@@ -260,9 +254,8 @@ class DecodeLoop:
     def _job(self, torch: Any, request: DecodeRequest, state: DecodeState, needed: int) -> CompileJob:
         """The build of the compiled step for this call's batch and step kind (started on first need)."""
         batch, kind = int(state.tokens.shape[0]), _step_name(request)
-        job = self._jobs.get((batch, kind))
-        if job is not None:
-            return job
+        if (batch, kind) in self.tiers.jobs:
+            return self.tiers.jobs[(batch, kind)]
         consts = self._consts
         args = (
             self.model, state.cache, state.tokens, state.positions, state.mask, self._window(state, needed),
@@ -270,32 +263,10 @@ class DecodeLoop:
             consts["temperature"], self._top_p(request), request.do_sample, request.top_k, self._keep_one,
         )  # fmt: skip
         root = compile_cache.compile_cache_dir() if self.cache_dir is None else Path(self.cache_dir)
-        job = step_job(
-            torch, args, dict(self.compile_options or {}), root / f"{self._key(batch, kind)}.step",
-            record={"batch": batch, "step": kind}, background=self.background,
-        )  # fmt: skip
-        self._jobs[(batch, kind)] = job
+        path = root / f"{self._key(batch, kind)}.step"
+        job = self.tiers.start((batch, kind), args, dict(self.compile_options or {}), path)
         self.cache_records.append(job.record)
         return job
-
-    def _job_failed(self, job: CompileJob, request: DecodeRequest, batch: int) -> None:
-        job.reported = True
-        self._event(
-            "fallback", planned="compiled tier", actual=f"{self.first_tier} tier",
-            cause=f"the compiled step for batch {batch} ({_step_name(request)}) was not built: {job.error}",
-        )  # fmt: skip
-
-    def _event(self, kind: str, *, planned: Any, actual: Any, cause: str) -> None:
-        event = LoadEvent(kind=kind, what="decode_tiers", planned=planned, actual=actual, cause=cause)  # type: ignore[arg-type]
-        self.events.append(event)
-        if callable(self.on_event):
-            self.on_event(event)
-
-    def wait_compiled(self, timeout: float | None = None) -> bool:
-        """Wait for every compiled step being built (the warm-up); whether all were built."""
-        for job in list(self._jobs.values()):
-            job.wait(timeout)
-        return all(job.ready() is not None for job in self._jobs.values())
 
     def _compiles_now(self, request: DecodeRequest, batch: int) -> bool:
         return bool(self.compile_options) and (batch, _step_name(request)) not in self.graphs
@@ -441,7 +412,7 @@ class DecodeLoop:
                 cudagraphs=self.cudagraphs,
                 step_graphs=self.step_graphs is not None,
                 **({"regional": True} if self.regional else {}),
-                **({"tiers": dict(self._tokens)} if self.tiered or self._jobs else {}),
+                **({"tiers": dict(self._tokens)} if self.tiered or self.tiers.jobs else {}),
             )
         self.model.xpukit_last_decode = record
         logger.debug("generate(): %s loop (%s)", loop, reason)

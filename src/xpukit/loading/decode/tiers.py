@@ -33,7 +33,7 @@ from typing import Any
 
 from xpukit._partial import write_file
 
-__all__ = ["CompileJob", "aot_available", "build_step", "load_step", "no_guards", "step_job"]
+__all__ = ["CompileJob", "Tiers", "aot_available", "build_step", "load_step", "no_guards", "step_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -169,3 +169,56 @@ def step_job(
 
     name = f"b{record.get('batch')}-{record.get('step')}"
     return CompileJob(build, name=name, background=background)
+
+
+class Tiers:
+    """The compiled steps a loop is building or has built, and what went wrong.
+
+    Attributes:
+        jobs: one :class:`CompileJob` per (batch size, step kind).
+        background: build on a daemon thread (``False``: in the call that first needs the step).
+        events: ``decode_tiers`` fallbacks after the load, each also handed to ``on_event`` (the load
+            puts them on the model's plan).
+    """
+
+    def __init__(self) -> None:
+        self.jobs: dict[tuple[int, str], CompileJob] = {}
+        self.background = True
+        self.events: list[Any] = []
+        self.on_event: Callable[[Any], None] | None = None
+
+    def start(
+        self, key: tuple[int, str], args: tuple[Any, ...], options: dict[str, Any], path: Path
+    ) -> CompileJob:
+        """The job of ``key`` (batch size, step kind), started on first need."""
+        import torch
+
+        if key not in self.jobs:
+            record = {"batch": key[0], "step": key[1]}
+            self.jobs[key] = step_job(torch, args, options, path, record=record, background=self.background)
+        return self.jobs[key]
+
+    def event(self, *, planned: Any, actual: Any, cause: str) -> None:
+        """A ``decode_tiers`` fallback: recorded, and handed to ``on_event``."""
+        from xpukit.planning.vocabulary import LoadEvent
+
+        event = LoadEvent(kind="fallback", what="decode_tiers", planned=planned, actual=actual, cause=cause)
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def report(self, job: CompileJob, first_tier: str) -> None:
+        """Say once that ``job`` failed and the first tier serves on."""
+        if job.error and not job.reported:
+            job.reported = True
+            what = f"batch {job.record.get('batch')} ({job.record.get('step')})"
+            self.event(
+                planned="compiled tier", actual=f"{first_tier} tier",
+                cause=f"the compiled step for {what} was not built: {job.error}",
+            )  # fmt: skip
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every step being built (the warm-up); whether all were built."""
+        for job in list(self.jobs.values()):
+            job.wait(timeout)
+        return all(job.ready() is not None for job in self.jobs.values())

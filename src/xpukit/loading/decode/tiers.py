@@ -93,9 +93,13 @@ class CompileJob:
     """
 
     def __init__(
-        self, build: Callable[[], tuple[Any, dict[str, Any]]], *, name: str, background: bool
+        self,
+        build: Callable[[], tuple[Any, dict[str, Any]]],
+        *,
+        record: dict[str, Any],
+        background: bool,
     ) -> None:
-        self.record: dict[str, Any] = {}
+        self.record: dict[str, Any] = dict(record)
         self.error: str | None = None
         self.reported = False
         self._step: Any = None
@@ -103,7 +107,8 @@ class CompileJob:
         self._build = build
         self._thread: threading.Thread | None = None
         if background:
-            self._thread = threading.Thread(target=self._run, name=f"xpukit-compile-{name}", daemon=True)
+            name = f"xpukit-compile-b{record.get('batch')}-{record.get('step')}"
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
             self._thread.start()
         else:
             self._run()
@@ -167,8 +172,7 @@ def step_job(
             done["save_error"] = f"{type(exc).__name__}: {exc}"
         return built, done
 
-    name = f"b{record.get('batch')}-{record.get('step')}"
-    return CompileJob(build, name=name, background=background)
+    return CompileJob(build, record=record, background=background)
 
 
 class Tiers:

@@ -451,26 +451,38 @@ def test_artifacts_round_trip_and_an_unwritable_dir_is_recorded(monkeypatch, tmp
     assert record["loaded"] is False and "another torch" in record["error"]
 
 
-def test_the_selftest_decode_line_compares_compiled_with_eager(monkeypatch):
+def test_the_selftest_decode_line_times_the_first_token_and_compares_compiled_with_eager(
+    monkeypatch, tmp_path
+):
     import torch
 
     from xpukit.doctor import selftest
     from xpukit.planning.device import decode
 
-    # On the CPU, dynamo with the eager backend stands in for inductor: the same comparison, fast.
-    monkeypatch.setattr(decode, "compile_settings", lambda mode: {"backend": "eager", "fullgraph": True})
+    # On the CPU, dynamo's aot_eager backend stands in for inductor: the same ahead-of-time build, fast.
+    monkeypatch.setenv("XPUKIT_CACHE_DIR", str(tmp_path))
+    options = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
+    monkeypatch.setattr(decode, "compile_settings", lambda mode: dict(options))
     state = torch.random.get_rng_state()
     detail = selftest._decode_check(torch, "cpu", "cpu")
-    assert detail.startswith("compiled mode=default: tokens equal eager")
+    assert detail.startswith("first token ") and "(eager tier)" in detail, detail
+    assert "compiled step ready" in detail and "its tokens equal eager" in detail
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's RNG is untouched
 
-    def wrong_compile(step, **options):  # a "compiled" step that writes token 3 over its output
+    from xpukit.loading.decode import tiers
+
+    build = tiers.build_step
+
+    def wrong(torch, step, options, args):  # a compiled step that writes token 3 over its output
+        built = build(torch, step, options, args)
+
         def run(*args):
-            step(*args)
+            built(*args)
             args[7].fill_(3)  # decode_step's out
 
         return run
 
-    monkeypatch.setattr(torch, "compile", wrong_compile)
+    monkeypatch.setattr(tiers, "build_step", wrong)
+    monkeypatch.setenv("XPUKIT_CACHE_DIR", str(tmp_path / "fresh"))  # not the saved right one
     with pytest.raises(ArithmeticError, match="differ from eager from new token 0"):
         selftest._decode_check(torch, "cpu", "cpu")

@@ -208,3 +208,24 @@ def test_a_tiered_load_warms_up_both_tiers_and_records_a_failure_on_the_plan(
     model.generate(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3, do_sample=False)
     causes = [e.cause for e in model.xpukit_plan.fallbacks if e.what == "decode_tiers"]
     assert len(causes) == 2 and "batch 2 (greedy) was not built: RuntimeError: no" in causes[1]
+
+
+def test_one_compiled_step_serves_every_attention_window(tiny_model, tokenizer, tmp_path):
+    """The compiled step is built for the window of the call that started it; with no guards left,
+    a later, longer window must still be a symbol of that one graph, not a wrong specialisation."""
+    import torch
+
+    from xpukit.loading.decode.attention import use_grouped_decode_attention
+
+    reference = _model(tiny_model)
+    inputs = _inputs(tokenizer)
+    with torch.no_grad():
+        want = reference.generate(
+            **inputs, max_new_tokens=40, do_sample=False, cache_implementation="static", disable_compile=True
+        )
+    model, loop = _tiered(tiny_model, tmp_path, None)
+    use_grouped_decode_attention(model)
+    loop.window_smallest = 8
+    assert model.generate(**inputs, max_new_tokens=40, do_sample=False).tolist() == want.tolist()
+    assert sorted(loop._states[(3, 256)].windows) == [16, 32, 64]  # a 9-token prompt, 40 new tokens
+    assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": 39}

@@ -229,3 +229,15 @@ def test_one_compiled_step_serves_every_attention_window(tiny_model, tokenizer, 
     assert model.generate(**inputs, max_new_tokens=40, do_sample=False).tolist() == want.tolist()
     assert sorted(loop._states[(3, 256)].windows) == [16, 32, 64]  # a 9-token prompt, 40 new tokens
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": 39}
+
+
+def test_aot_compile_is_asked_for_one_call_and_the_setting_left_as_it_was(monkeypatch):
+    """Some torch releases hand torch.compile's result an aot_compile only with dynamo's
+    enable_aot_compile on: xpukit sets it for the call that makes the wrapper, never for the process."""
+    import torch
+
+    if not hasattr(torch._dynamo.config, "enable_aot_compile"):
+        pytest.skip("this torch has no enable_aot_compile")
+    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
+    assert tiers.aot_available(torch) is None
+    assert torch._dynamo.config.enable_aot_compile is False

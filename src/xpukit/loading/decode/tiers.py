@@ -44,10 +44,20 @@ def no_guards(entries: Sequence[Any]) -> list[bool]:
     return [False] * len(entries)
 
 
+def _aot_enabled(torch: Any) -> Any:
+    """torch hands ``torch.compile``'s result an ``aot_compile`` only with
+    ``torch._dynamo.config.enable_aot_compile`` (off by default in some releases, on in 2.13): set
+    for the one call that makes it, never left changed."""
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return torch._dynamo.config.patch(enable_aot_compile=True)
+    return contextlib.nullcontext()
+
+
 def aot_available(torch: Any) -> str | None:
     """``None`` where this torch compiles ahead of time and loads a saved compiled function, else why
     not (the compiled tier then compiles at its first call)."""
-    probe = torch.compile(lambda x: x, fullgraph=True, backend="eager")
+    with _aot_enabled(torch):
+        probe = torch.compile(lambda x: x, fullgraph=True, backend="eager")
     if not hasattr(probe, "aot_compile"):
         return f"torch {torch.__version__} has no torch.compile(...).aot_compile"
     if not hasattr(torch.compiler, "load_compiled_function"):
@@ -68,7 +78,8 @@ def _compile_kwargs(options: dict[str, Any]) -> dict[str, Any]:
 
 def build_step(torch: Any, step: Callable[..., Any], options: dict[str, Any], args: tuple[Any, ...]) -> Any:
     """``step`` compiled ahead of time for ``args`` (traced with fake tensors: nothing runs)."""
-    compiled = torch.compile(step, **_compile_kwargs(options))
+    with _aot_enabled(torch):
+        compiled = torch.compile(step, **_compile_kwargs(options))
     with torch.inference_mode(False), torch.no_grad():
         built = compiled.aot_compile((args, {}))
     built.disable_guard_check()

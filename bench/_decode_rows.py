@@ -160,10 +160,20 @@ def child_row(args: argparse.Namespace, started: float) -> dict[str, Any]:
     model = load_for_xpu(args.child, device=args.device, **kwargs)
     loaded = time.perf_counter() - start
     warmup = next((e.actual for e in model.xpukit_plan.events if e.what == "warmup"), None)
-    first_calls, tok_s = {}, {}
+    first_calls, tok_s, tiers = {}, {}, {}
+    loop = getattr(model, "xpukit_decode_loop", None)
+    vocab = model.config.get_text_config().vocab_size
+    first_token = round(
+        h.timed_generate(model, prompt(1, args.prompt_len, vocab).to(args.device), 1, args.device)[0], 3
+    )
     for batch in args.batch or [1, 8]:
-        ids = prompt(batch, args.prompt_len, model.config.get_text_config().vocab_size).to(args.device)
+        ids = prompt(batch, args.prompt_len, vocab).to(args.device)
         first_calls[str(batch)] = round(h.timed_generate(model, ids, args.new_tokens, args.device)[0], 3)
+        tiers[str(batch)] = (getattr(model, "xpukit_last_decode", None) or {}).get("tiers")
+        waiting = time.perf_counter()
+        if loop is not None and loop.tiered:  # the saved step loads on a thread: wait, then time it
+            loop.tiers.wait(600)
+        tiers[f"{batch}_ready_after_s"] = round(time.perf_counter() - waiting, 2)
         again = h.timed_generate(model, ids, args.new_tokens, args.device)[0]
         tok_s[str(batch)] = round(batch * args.new_tokens / again, 2)
     return {
@@ -171,7 +181,10 @@ def child_row(args: argparse.Namespace, started: float) -> dict[str, Any]:
         "startup_s": round(start - started, 2),
         "load_s" if quantize else "load_and_warmup_s": round(loaded, 2),
         "warmup": warmup,
+        "first_token_s": first_token,  # a one-token call right after the load
+        "start_to_first_token_s": round(start - started + loaded + first_token, 2),
         "first_call_s": first_calls,
+        "first_call_tiers": tiers,
         "tok_s": tok_s,
         "fast_path": fast_path(model),
         "quantization": model.xpukit_plan.decision("quantization").value,

@@ -241,3 +241,13 @@ def test_aot_compile_is_asked_for_one_call_and_the_setting_left_as_it_was(monkey
     monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
     assert tiers.aot_available(torch) is None
     assert torch._dynamo.config.enable_aot_compile is False
+
+
+def test_replay_runs_the_tier_that_serves(tiny_model, tokenizer, tmp_path, rerun_graphs):
+    """``loop.replay`` (bench_decode --breakdown's step alone) replays the tier a call would use."""
+    model, loop = _tiered(tiny_model, tmp_path, rerun_graphs)
+    _generate(model, tokenizer)
+    before = dict(loop.step_graphs.stats)
+    loop.replay(4)
+    assert loop.step_graphs.stats["replays"] == before["replays"] + 4
+    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy"}  # the compiled tier's capture

@@ -313,12 +313,17 @@ class DecodeLoop:
             raise InvalidRequestError(
                 f"replay({count}): the static cache has no room for {count} more tokens"
             )
-        step = self._step(torch, request, int(state.tokens.shape[0]))
+        batch = int(state.tokens.shape[0])
+        step, tier = None, ""
+        if self.tiered:  # the tier the next call would start with
+            step = self.tiers.jobs[(batch, _step_name(request))].ready()
+            tier = "compiled" if step is not None else self.first_tier
+        step = step or (decode_step if tier else self._step(torch, request, batch))
         filled = int(state.cache.get_seq_length())
         with torch.inference_mode(False), torch.no_grad():
             state.index.fill_(1)
             for _ in range(count):
-                self._call(step, request, state, filled + count)
+                self._call(step, request, state, filled + count, tier=tier)
 
     def _call(
         self, step: Any, request: DecodeRequest, state: DecodeState, needed: int, tier: str = ""

@@ -18,7 +18,8 @@ the first ``generate()``, as before tiers), ``*-regional`` (``fast_decode="regio
 one layer compiled, the step captured whole), ``*-trees`` (inductor's CUDA-graph trees instead of the
 loop's step graph), ``int8-fast-patterns`` (inductor's pattern matcher on), ``*-fast-torchao``
 (torchao's products instead of xpukit's kernels); measurement aids ``static`` / ``compiled`` /
-``loop`` (a static cache, transformers' compile forced, xpukit's loop eager). The row's
+``loop`` (a static cache, transformers' compile forced, xpukit's loop eager), ``loop-tiered`` (the
+loop tiered, inductor, on any device: the CPU's check of tiers). The row's
 ``fast_path`` says which decoding the load set up, or ``none:`` and why.
 
 Per variant, before the timed calls (unless ``--no-speed-ramp``), a fresh load's ramp
@@ -79,7 +80,7 @@ VARIANTS = (
     "nf4", "int4", "int8", "int4-plain", "int8-plain", "int4-fast", "int8-fast", "int4-fast-unfused",
     "int8-fast-unfused", "fast-trees", "int4-fast-trees", "int8-fast-patterns", "fast-regional",
     "int4-fast-regional", "int8-fast-torchao", "int4-fast-torchao", "int4-untiered", "int8-untiered",
-    "fast-untiered", "int4-regional", "fast-untiered-regional",
+    "fast-untiered", "int4-regional", "fast-untiered-regional", "loop-tiered",
 )  # fmt: skip
 # Loads through load_for_xpu's own arguments: variant -> (quantize, fast_decode, warmup)
 # (docs/decode.md "Fast by default", "Fused projections", "Quantized models").
@@ -178,10 +179,13 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)  # transformers' loop compiles
         return model
     model = load_for_xpu(path, device=device)
-    if variant == "loop":
+    if variant in {"loop", "loop-tiered"}:  # loop-tiered: compiled ahead of time on a thread, any device
         from xpukit.loading.decode.install import install_decode_loop
+        from xpukit.planning.device.decode import compile_settings
 
-        install_decode_loop(model, max_cache_len=cache_len, compile_options=None)
+        options = compile_settings("default") if variant == "loop-tiered" else None
+        tiered = options is not None
+        install_decode_loop(model, max_cache_len=cache_len, compile_options=options, tiered=tiered)
     if variant in {"static", "compiled"}:
         config = model.generation_config
         config.cache_implementation = "static"

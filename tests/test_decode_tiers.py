@@ -101,8 +101,10 @@ def test_a_switch_in_the_middle_of_a_call_loses_no_token(
     monkeypatch.setattr(tiers.CompileJob, "ready", late)
     assert _generate(model, tokenizer) == want
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "graph": 4, "compiled": NEW - 5}
-    # The first tier's captures are its own: the uncompiled step is never replayed as the compiled one.
-    assert {key[1] for key in loop.step_graphs._graphs} == {"graph-greedy", "greedy"}
+    # The first tier's captures were its own (never replayed as the compiled step), and are dropped
+    # once the compiled step serves: 2 captures (first tier, then compiled), 1 kept.
+    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy"}
+    assert loop.step_graphs.stats["captures"] == 2
 
 
 def test_a_failed_build_leaves_the_first_tier_serving_and_says_why(

@@ -231,6 +231,8 @@ class DecodeLoop:
             if job is not None and tier != "compiled":
                 built = job.ready()
                 if built is not None:
+                    if self.step_graphs is not None:  # the first tier's captures of this kind are done with
+                        self.step_graphs.forget(state.owner, f"{tier}-{_step_name(request)}")
                     step, tier = built, "compiled"
                 else:
                     self.tiers.report(job, self.first_tier)

@@ -73,11 +73,13 @@ class StepGraphs:
             self._warm.clear()
             self._weights = key
 
-    def forget(self, owner: Hashable) -> None:
-        """Drop the captures of one batch state (the loop let its buffers go)."""
-        for key in [k for k in self._graphs if k[0] == owner]:
+    def forget(self, owner: Hashable, kind: str | None = None) -> None:
+        """Drop the captures of one batch state (the loop let its buffers go), or only those of one
+        step kind (a tier the compiled step replaced)."""
+        gone = lambda k: k[0] == owner and (kind is None or k[1] == kind)  # noqa: E731
+        for key in [k for k in self._graphs if gone(k)]:
             del self._graphs[key]
-        self._warm = {k for k in self._warm if k[0] != owner}
+        self._warm = {k for k in self._warm if not gone(k)}
 
     def run(self, key: GraphKey, step: Callable[[], None]) -> None:
         """One decode step or prefill for ``key``: run, capture or replay ``step``."""

@@ -9,10 +9,14 @@ With a static cache planned, the model's ``generate`` is served by xpukit's deco
   length, so the compiled decoding step keeps its shapes whatever the prompt length);
 * ``compile_config=CompileConfig(fullgraph=True, dynamic=False, mode=...)`` when compiled, else
   ``disable_compile=True`` so that generate() does not compile with its own defaults;
+* tiered (the plan's ``tiers``): the loop serves with the uncompiled step while a thread builds the
+  compiled one (docs/decode.md "Tiered decoding"); a failed build after the load goes onto the
+  model's plan as a ``decode_tiers`` fallback;
 * ``warmup=True``: one short greedy generation at load, twice, at each of the plan's
-  ``graph_batch_sizes`` (the first compiles, the second shows the steady cost), recorded as a
-  ``LoadEvent`` with what the compile cache did. A compile failure there turns compilation off for
-  this model and is recorded as a fallback.
+  ``graph_batch_sizes`` (the first compiles, or tiered runs on the first tier while the warm-up
+  then waits for the build; the second shows the steady cost), recorded as a ``LoadEvent`` with what
+  the compile cache did. A compile failure there turns compilation off for this model and is
+  recorded as a fallback.
 """
 
 from __future__ import annotations

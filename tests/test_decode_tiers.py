@@ -233,16 +233,17 @@ def test_one_compiled_step_serves_every_attention_window(tiny_model, tokenizer, 
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": 39}
 
 
-def test_aot_compile_is_asked_for_one_call_and_the_setting_left_as_it_was(monkeypatch):
+def test_aot_compile_is_asked_for_one_call_and_the_setting_left_as_it_was():
     """Some torch releases hand torch.compile's result an aot_compile only with dynamo's
-    enable_aot_compile on: xpukit sets it for the call that makes the wrapper, never for the process."""
+    enable_aot_compile on: xpukit sets it for the call that makes the wrapper, never for the process.
+    (dynamo's own ``config.patch``: pytest's monkeypatch would delete a config entry on undo.)"""
     import torch
 
     if not hasattr(torch._dynamo.config, "enable_aot_compile"):
         pytest.skip("this torch has no enable_aot_compile")
-    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
-    assert tiers.aot_available(torch) is None
-    assert torch._dynamo.config.enable_aot_compile is False
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        assert tiers.aot_available(torch) is None
+        assert torch._dynamo.config.enable_aot_compile is False
 
 
 def test_replay_runs_the_tier_that_serves(tiny_model, tokenizer, tmp_path, rerun_graphs):

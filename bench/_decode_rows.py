@@ -32,6 +32,19 @@ NO_PLAN = (
 )
 
 
+def cache_len(args: argparse.Namespace, path: Path) -> int:
+    """The static cache length of the 'static', 'compiled' and 'loop' variants."""
+    from xpukit.planning.device.decode import CACHE_LENGTH_STEP
+    from xpukit.planning.plan import plan_load
+
+    if args.cache_len:
+        return int(args.cache_len)
+    decode = plan_load(path, device=args.device, fast_decode=True).decode
+    if decode is not None and decode.max_cache_len:
+        return decode.max_cache_len
+    return -(-(args.prompt_len + args.new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
+
+
 def stored_bytes(tensor: Any) -> int:
     """Bytes a tensor stores: a tensor subclass (torchao's quantized weights) counts its inner tensors."""
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
@@ -88,8 +101,10 @@ def summary_row(variant: str, rows: list[dict[str, Any]], skipped: list[int]) ->
     """One line per variant: tok/s and first-call seconds by batch size, peak memory, the fast path."""
     by_batch = lambda key: {str(r["batch"]): r[key] for r in rows}  # noqa: E731
     last = rows[-1] if rows else {}
+    ramp = (rows[0].get("speed_ramp") if rows else None) or {}
     return {
         "summary": variant,
+        **{k: ramp.get(k) for k in ("first_token_s", "first_tokens_tok_s", "full_speed_s", "prefill_tok_s")},
         "tok_s": by_batch("tok_s"),
         "tok_s_median": by_batch("tok_s_median"),
         "first_call_s": by_batch("first_call_s"),
@@ -145,10 +160,20 @@ def child_row(args: argparse.Namespace, started: float) -> dict[str, Any]:
     model = load_for_xpu(args.child, device=args.device, **kwargs)
     loaded = time.perf_counter() - start
     warmup = next((e.actual for e in model.xpukit_plan.events if e.what == "warmup"), None)
-    first_calls, tok_s = {}, {}
+    first_calls, tok_s, tiers = {}, {}, {}
+    loop = getattr(model, "xpukit_decode_loop", None)
+    vocab = model.config.get_text_config().vocab_size
+    first_token = round(
+        h.timed_generate(model, prompt(1, args.prompt_len, vocab).to(args.device), 1, args.device)[0], 3
+    )
     for batch in args.batch or [1, 8]:
-        ids = prompt(batch, args.prompt_len, model.config.get_text_config().vocab_size).to(args.device)
+        ids = prompt(batch, args.prompt_len, vocab).to(args.device)
         first_calls[str(batch)] = round(h.timed_generate(model, ids, args.new_tokens, args.device)[0], 3)
+        tiers[str(batch)] = (getattr(model, "xpukit_last_decode", None) or {}).get("tiers")
+        waiting = time.perf_counter()
+        if loop is not None and loop.tiered:  # the saved step loads on a thread: wait, then time it
+            loop.tiers.wait(600)
+        tiers[f"{batch}_ready_after_s"] = round(time.perf_counter() - waiting, 2)
         again = h.timed_generate(model, ids, args.new_tokens, args.device)[0]
         tok_s[str(batch)] = round(batch * args.new_tokens / again, 2)
     return {
@@ -156,7 +181,10 @@ def child_row(args: argparse.Namespace, started: float) -> dict[str, Any]:
         "startup_s": round(start - started, 2),
         "load_s" if quantize else "load_and_warmup_s": round(loaded, 2),
         "warmup": warmup,
+        "first_token_s": first_token,  # a one-token call right after the load
+        "start_to_first_token_s": round(start - started + loaded + first_token, 2),
         "first_call_s": first_calls,
+        "first_call_tiers": tiers,
         "tok_s": tok_s,
         "fast_path": fast_path(model),
         "quantization": model.xpukit_plan.decision("quantization").value,
@@ -164,3 +192,44 @@ def child_row(args: argparse.Namespace, started: float) -> dict[str, Any]:
         "peak_memory_gb": peak_gb(args.device),
         "counters": h.dynamo_counters(),
     }
+
+
+def time_to_speed(model: Any, vocab: int, args: argparse.Namespace, loaded_at: float) -> dict[str, Any]:
+    """A fresh load's first calls at batch 1 (docs/decode.md "Tiered decoding"): the first token
+    (a one-token call), the first ``--new-tokens`` tokens, then calls of that length until one is
+    served by the compiled step alone twice in a row (or ``--full-speed-s`` passes): each call's start
+    after the load, tok/s and tokens per tier; ``full_speed_s`` is when the second of those two began
+    (the first may still warm up and capture the compiled step, or compile it, untiered).
+    Then the prefill of a ``--prefill-len``-token prompt (a one-token call, best of 2)."""
+    ids = prompt(1, args.prompt_len, vocab).to(args.device)
+    first_token_s, _ = h.timed_generate(model, ids, 1, args.device)
+    calls: list[dict[str, Any]] = []
+    full_speed_s = None
+    while True:
+        began = time.perf_counter() - loaded_at
+        seconds, _ = h.timed_generate(model, ids, args.new_tokens, args.device)
+        tiers = (getattr(model, "xpukit_last_decode", None) or {}).get("tiers")
+        compiled = not tiers or set(tiers) <= {"prefill", "compiled"}
+        calls.append({"at_s": round(began, 2), "tok_s": round(args.new_tokens / seconds, 2), "tiers": tiers})
+        calls[-1]["compiled"] = compiled
+        if compiled and len(calls) > 1 and calls[-2]["compiled"]:
+            full_speed_s = calls[-1]["at_s"]
+            break
+        if began > args.full_speed_s:
+            break
+    row = {
+        "first_token_s": round(first_token_s, 3),
+        "first_tokens_tok_s": calls[0]["tok_s"],
+        "first_tokens_tiers": calls[0]["tiers"],
+        "full_speed_s": full_speed_s,
+        "calls": calls,
+    }
+    length = min(args.prefill_len, int(getattr(model.config, "max_position_embeddings", 0) or 0) - 8)
+    cache = getattr(model.generation_config, "max_cache_len", None)
+    if cache:
+        length = min(length, int(cache) - 8)
+    if length > 0:
+        long = prompt(1, length, vocab).to(args.device)
+        best = min(h.timed_generate(model, long, 1, args.device)[0] for _ in range(2))
+        row.update(prefill_tokens=length, prefill_s=round(best, 4), prefill_tok_s=round(length / best, 1))
+    return row

@@ -7,64 +7,41 @@ compiled variant, the compile), then ``--repeat`` timed calls. Tokens/s counts g
 all sequences; ``roofline_tok_s`` is ``batch × bandwidth / weight bytes`` (each decoding step reads
 every weight once), from the table below or ``--bandwidth``. One JSON line per row.
 
-Variants:
+Variants (``VARIANTS``; the loads in ``LOADS``, ``RECOMPILED``, ``WITHOUT_KERNELS`` below):
+``raw`` (``from_pretrained`` + ``.to``), ``xpukit`` (``load_for_xpu``, bf16 left plain), ``fast``
+(``fast_decode=True, warmup=True``: xpukit's loop), ``fast-unfused``, ``fast-sdpa`` (transformers'
+SDPA in the step), ``fast-hf`` (the loop off: transformers' compiled ``generate``); ``nf4``
+(bitsandbytes), ``int4`` / ``int8`` (``quantize="4bit"``/``"8bit"`` and nothing else: the default
+fast path, tiered), ``*-plain`` (``fast_decode=False``), ``*-fast`` (``fast_decode=True,
+warmup=True``), ``*-fast-unfused``; ``*-untiered`` (the default load with the step compiled inside
+the first ``generate()``, as before tiers), ``*-regional`` (``fast_decode="regional"``, no warm-up:
+one layer compiled, the step captured whole), ``*-trees`` (inductor's CUDA-graph trees instead of the
+loop's step graph), ``int8-fast-patterns`` (inductor's pattern matcher on), ``*-fast-torchao``
+(torchao's products instead of xpukit's kernels); measurement aids ``static`` / ``compiled`` /
+``loop`` (a static cache, transformers' compile forced, xpukit's loop eager), ``loop-tiered`` (the
+loop tiered, inductor, on any device: the CPU's check of tiers). The row's
+``fast_path`` says which decoding the load set up, or ``none:`` and why.
 
-* ``raw``: ``AutoModelForCausalLM.from_pretrained(path, dtype=<the plan's dtype>).to(device)``;
-* ``xpukit``: ``load_for_xpu(path, device=...)`` (bf16: the default leaves it plain);
-* ``fast``: ``load_for_xpu(path, device=..., fast_decode=True, warmup=True)``: xpukit's decode loop;
-  ``fast-unfused``: ``fast_decode="unfused"`` instead (no fused q/k/v and gate/up: what fusion gains);
-* ``fast-sdpa``: ``fast`` with transformers' SDPA attention in the decode step too (its
-  ``repeat_kv`` copy of the cache) instead of xpukit's grouped decode attention
-  (``xpukit.loading.decode.attention``), to measure what that saves;
-* ``fast-hf``: the same load with xpukit's loop switched off (``model.xpukit_decode_loop.enabled =
-  False``): transformers' ``generate`` with the same static cache and compile settings;
-* quantized weights (docs/decode.md "Fast by default", "Quantized models"): ``nf4`` is
-  ``load_for_xpu(path, quantize="nf4")`` (bitsandbytes); ``int4`` / ``int8`` are ``quantize="4bit"`` /
-  ``"8bit"`` and nothing else (the device's fastest format, the row's ``quantization`` says which;
-  on CUDA/XPU the default fast path, compiled inside the first ``generate``: ``first_call_s``);
-  ``int4-plain`` / ``int8-plain`` add ``fast_decode=False`` (plain ``generate``, the old default);
-  ``int4-fast`` / ``int8-fast`` add ``fast_decode=True, warmup=True``, ``int4-fast-unfused`` /
-  ``int8-fast-unfused`` ``fast_decode="unfused", warmup=True``. The row's ``fast_path`` says which
-  decoding the load set up, or ``none:`` and why (the CPU has no fast path);
-* ``fast-trees`` / ``int4-fast-trees``: ``fast`` / ``int4-fast`` with the loop's step compiled with
-  ``mode="reduce-overhead"`` (inductor's CUDA-graph trees) instead of xpukit's own step graph;
-  ``int8-fast-patterns``: ``int8-fast`` with inductor's pattern matcher on, as before xpukit turned
-  it off for torchao int8 on CUDA (docs/decode.md "Quantized models");
-* ``static`` / ``compiled`` (measurement aids, not what xpukit sets on a CPU): ``load_for_xpu``, then
-  a static cache of the same length as ``fast``, and for ``compiled`` transformers' compiled decoding
-  forced on every device (``CompileConfig._compile_all_devices``); ``loop``: xpukit's decode loop,
-  eager, over a static cache of that length (what ``fast`` runs, uncompiled, on any device).
+Per variant, before the timed calls (unless ``--no-speed-ramp``), a fresh load's ramp
+(``_decode_rows.time_to_speed``): ``first_token_s`` (a one-token call right after the load),
+``first_tokens_tok_s`` (the next ``--new-tokens`` tokens) and the tier of each token, calls until two
+in a row are served by the compiled step alone (``full_speed_s`` after the load), and the prefill of a
+``--prefill-len``-token prompt (2 048).
 
-``--breakdown`` adds, per row, where a token's time goes (docs/decode.md "Where a token's time goes"):
-one more call under ``torch.profiler`` (device busy fraction = kernel time / wall time of that call,
-kernels and CUDA-graph launches per token, device time by category and the top kernels), dynamo's
-counters over the timed calls (graph breaks, new graphs, CUDA-graph skips), a call's fixed part
-(``ms_call_one_token``: a call for one new token, the prefill and what surrounds it), and for
-xpukit's loop the decode step alone (``loop.replay``: 64 steps, one sync) against the per-token time
-of the whole call, and the same model with the attention window and the captured prefill each
-switched off (``same_model_without``); plus a measured copy bandwidth of the device.
+``--breakdown``: per row, where a token's time goes (docs/decode.md "Where a token's time goes"; a
+profiled call, dynamo's counters, a one-token call, the step alone by ``loop.replay``, the same model
+without the window or the captured prefill, the device's copy bandwidth; ``_breakdown.py``).
+``--second-process``: a fresh process (empty inductor and Triton caches, the same
+``XPUKIT_CACHE_DIR``) loads with ``fast_decode=True, warmup=True`` and times its load, warm-up and
+first call; ``--second-process-quantize Q`` (``none``, ``4bit``, ``8bit``) times a user's second
+process, ``load_for_xpu(path, quantize=Q)`` and its first ``generate``, right after the variant that
+fills that compile cache (``_decode_rows.CHILD_SOURCES``).
 
-``--second-process`` adds a row per shape: a fresh process (its own empty inductor and triton
-caches, the same ``XPUKIT_CACHE_DIR``) loads with ``fast_decode=True, warmup=True`` and times its
-load, warm-up and first call at each batch size, so only xpukit's compile cache can make it warm.
-``--second-process-quantize Q`` (``none``, ``4bit``, ``8bit``; repeatable) does the same for what a
-user's second process does: ``load_for_xpu(path, quantize=Q)`` (``none``: bf16 with
-``fast_decode=True``), no warm-up, its first ``generate`` timed (then one more call for tok/s). It
-runs right after the variant in ``--variants`` whose run fills that cache (``int4``/``int4-fast``,
-``int8``/``int8-fast``, ``fast``); the row's ``compile_cache`` says whether the blob was loaded.
-
-Caches: unless ``--keep-caches``, this process points ``XPUKIT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR``
-and ``TRITON_CACHE_DIR`` at fresh directories under its temporary root: the first compile of each
-graph here is cold, a later variant's compile of the same graph (``int4-fast`` after ``int4``) is not.
-``--model-dir`` keeps the random-weight models between runs (an 8B shape takes a minute to write).
-Every row has the date, the versions, ``weights_bytes`` (the stored bytes of the parameters, inner
-tensors of torchao's quantized ones included), ``first_call_s`` apart from ``tok_s`` (best of the
-timed calls), ``memory_gb`` on CUDA/XPU (allocated after the load and warm-up) and ``peak_memory_gb``
-(the most allocated from the load to the last call; on the CPU the process's resident high-water
-mark). After each variant a ``summary`` line holds its tok/s, first call and peak memory by batch
-size. Rows are printed as they are measured. ``--deadline-s`` skips the variants, batch sizes and
-second processes that would start after that many seconds (a ``skipped`` row each), so a bounded run
-still reports what it measured.
+Caches: unless ``--keep-caches``, ``XPUKIT_CACHE_DIR``, ``TORCHINDUCTOR_CACHE_DIR`` and
+``TRITON_CACHE_DIR`` point at fresh directories (each graph's first compile here is cold);
+``--model-dir`` keeps the random-weight models. Rows carry the date, versions, ``weights_bytes``,
+``first_call_s`` apart from ``tok_s`` (best of the timed calls), ``memory_gb`` and ``peak_memory_gb``;
+a ``summary`` line per variant. ``--deadline-s`` skips what would start later (a ``skipped`` row).
 
 Usage::
 
@@ -72,7 +49,6 @@ Usage::
     python bench/bench_decode.py --device cuda --shape qwen3-0.6b --variants fast,fast-hf --breakdown \
         --second-process
     python bench/bench_decode.py --tiny                 # a CPU check in seconds
-    python bench/bench_decode.py --device cpu --shape tiny --new-tokens 32 --threads 1
     python bench/bench_decode.py --device cpu --shape small --variants raw,static,compiled --batch 1
     python bench/bench_decode.py --device cuda --shape qwen3-8b --batch 1 --repeat 1 \
         --variants int4,int4-plain,xpukit,int8 --second-process-quantize 4bit --deadline-s 240
@@ -103,7 +79,8 @@ VARIANTS = (
     "raw", "xpukit", "fast", "fast-unfused", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
     "nf4", "int4", "int8", "int4-plain", "int8-plain", "int4-fast", "int8-fast", "int4-fast-unfused",
     "int8-fast-unfused", "fast-trees", "int4-fast-trees", "int8-fast-patterns", "fast-regional",
-    "int4-fast-regional", "int8-fast-torchao", "int4-fast-torchao",
+    "int4-fast-regional", "int8-fast-torchao", "int4-fast-torchao", "int4-untiered", "int8-untiered",
+    "fast-untiered", "int4-regional", "fast-untiered-regional", "loop-tiered",
 )  # fmt: skip
 # Loads through load_for_xpu's own arguments: variant -> (quantize, fast_decode, warmup)
 # (docs/decode.md "Fast by default", "Fused projections", "Quantized models").
@@ -123,15 +100,21 @@ LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
     # one decoder layer compiled for all of them (docs/decode.md "Regional compilation")
     "fast-regional": (None, "regional", True),
     "int4-fast-regional": ("4bit", "regional", True),
+    "int4-regional": ("4bit", "regional", False),  # compiled inside the first generate
+    "fast-untiered-regional": (None, "regional", False),
 }
 # fast_decode's load with the loop compiled the way it was before, for a same-run comparison:
 # quantize=, then the compile settings: inductor's CUDA-graph trees instead of the loop's own step
 # graph (docs/decode.md "Own step graphs"), or inductor's pattern matcher on for torchao int8 (its
 # rewrite to aten._weight_int8pack_mm, docs/decode.md "Quantized models").
+# (quantize, mode, own step graph, warm-up); the *-untiered loads compile in the first generate.
 RECOMPILED = {
-    "fast-trees": (None, "reduce-overhead", False),
-    "int4-fast-trees": ("4bit", "reduce-overhead", False),
-    "int8-fast-patterns": ("8bit", "default", True),
+    "fast-trees": (None, "reduce-overhead", False, True),
+    "int4-fast-trees": ("4bit", "reduce-overhead", False, True),
+    "int8-fast-patterns": ("8bit", "default", True, True),
+    "int4-untiered": ("4bit", "default", True, False),
+    "int8-untiered": ("8bit", "default", True, False),
+    "fast-untiered": (None, "default", True, False),
 }
 # fast_decode's load with torchao's own products in the decode step instead of xpukit's weight-only
 # kernels (docs/decode.md "Weight-only products"), for a same-run comparison: quantize=.
@@ -150,13 +133,15 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         from xpukit.loading.decode.fast_decode import warm_up
         from xpukit.planning.device.decode import compile_settings
 
-        quantize, mode, step_graphs = RECOMPILED[variant]
+        quantize, mode, step_graphs, warm = RECOMPILED[variant]
         model = load_for_xpu(path, device=device, quantize=quantize, fast_decode=True)
         loop = getattr(model, "xpukit_decode_loop", None)
         if loop is not None and loop.compile_options:
-            loop.set_compile(compile_settings(mode), step_graphs=step_graphs and loop.step_graphs is not None)
-            model.xpukit_bench_note = f"loop compiled: {loop.compile_options}"
-        model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)
+            patterns = variant == "int8-fast-patterns" or loop.compile_options.get("options") is None
+            options = compile_settings(mode, patterns=patterns)
+            loop.set_compile(options, step_graphs=step_graphs and loop.step_graphs is not None)
+            model.xpukit_bench_note = f"loop compiled, untiered: {loop.compile_options}"
+        model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan) if warm else []
         return model
     if variant in WITHOUT_KERNELS:
         from xpukit.loading.decode.fast_decode import warm_up
@@ -194,10 +179,13 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         model.xpukit_bench_warmup = warm_up(model, model.xpukit_plan)  # transformers' loop compiles
         return model
     model = load_for_xpu(path, device=device)
-    if variant == "loop":
+    if variant in {"loop", "loop-tiered"}:  # loop-tiered: compiled ahead of time on a thread, any device
         from xpukit.loading.decode.install import install_decode_loop
+        from xpukit.planning.device.decode import compile_settings
 
-        install_decode_loop(model, max_cache_len=cache_len, compile_options=None)
+        options = compile_settings("default") if variant == "loop-tiered" else None
+        tiered = options is not None
+        install_decode_loop(model, max_cache_len=cache_len, compile_options=options, tiered=tiered)
     if variant in {"static", "compiled"}:
         config = model.generation_config
         config.cache_implementation = "static"
@@ -209,19 +197,6 @@ def load(variant: str, path: Path, device: str, cache_len: int) -> Any:
         else:
             config.disable_compile = True
     return model
-
-
-def cache_len(args: argparse.Namespace, path: Path) -> int:
-    """The static cache length of the 'static', 'compiled' and 'loop' variants."""
-    from xpukit.planning.device.decode import CACHE_LENGTH_STEP
-    from xpukit.planning.plan import plan_load
-
-    if args.cache_len:
-        return int(args.cache_len)
-    decode = plan_load(path, device=args.device, fast_decode=True).decode
-    if decode is not None and decode.max_cache_len:
-        return decode.max_cache_len
-    return -(-(args.prompt_len + args.new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
 
 
 def main() -> None:
@@ -250,6 +225,9 @@ def main() -> None:
         "default is the plan's on a GPU, else prompt + new tokens rounded up to 256",
     )
     parser.add_argument("--breakdown", action="store_true", help="profile where a token's time goes")
+    parser.add_argument("--no-speed-ramp", action="store_true", help="skip each load's first calls' ramp")
+    parser.add_argument("--full-speed-s", type=float, default=300.0, help="the ramp's calls stop after this")
+    parser.add_argument("--prefill-len", type=int, default=2048, help="the ramp's long prompt (tokens)")
     parser.add_argument(
         "--second-process", action="store_true", help="time a fresh process's bf16 warm-up and first call"
     )
@@ -384,8 +362,10 @@ def measure(
 
     h.reset_peak(args.device)
     start = time.perf_counter()
-    model = load(variant, path, args.device, cache_len(args, path))
+    model = load(variant, path, args.device, rows.cache_len(args, path))
     load_s = time.perf_counter() - start
+    vocab = model.config.get_text_config().vocab_size
+    ramp = None if args.no_speed_ramp else rows.time_to_speed(model, vocab, args, start + load_s)
     loaded_gb = h.allocated_gb(args.device)
     if (
         variant in {"fast", "fast-sdpa", "fast-hf"}
@@ -397,7 +377,6 @@ def measure(
     plan = getattr(model, "xpukit_plan", None)
     events = list(plan.events if plan else []) + list(getattr(model, "xpukit_bench_warmup", []))
     warmup = next((e.actual for e in events if e.what == "warmup"), None)
-    vocab = model.config.get_text_config().vocab_size
     done: list[dict[str, Any]] = []
     skipped: list[int] = []
     for batch in args.batch or [1, 8]:
@@ -423,7 +402,8 @@ def measure(
             "batch": batch,
             "cache_len": getattr(model.generation_config, "max_cache_len", None),
             "load_s": round(load_s, 2),
-            "first_call_s": round(first, 3),  # with the default fast path: the compile, in generate
+            "first_call_s": round(first, 3),  # after the ramp (if any): a warm call
+            "speed_ramp": ramp if not done else None,  # the load's first calls, batch 1
             "first_call_over_timed_s": round(first - min(times), 3),
             "tok_s": round(best, 2),
             "tok_s_median": round(tokens / statistics.median(times), 2),

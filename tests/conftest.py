@@ -26,6 +26,7 @@ Treat the returned directories as read-only (other tests share them); copy one t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -426,3 +428,33 @@ def partial_folder() -> Callable[..., Path]:
     named as xpukit names it for process ``pid`` (default: one that has ended) of machine ``host``
     (default: this one's tag), with a file in it."""
     return _partial_folder
+
+
+class ReRunGraphs:
+    """A stand-in for a device's graph API: a capture keeps the step without running it, and a
+    replay runs it again, so the loop is right only if it replays each captured step exactly once."""
+
+    def __init__(self):
+        self.captured = 0
+
+    def new_graph(self):
+        return types.SimpleNamespace(replay=None)
+
+    def pool(self):
+        return object()
+
+    def capture(self, graph, body, pool):
+        self.captured += 1
+        graph.replay = body
+
+    def synchronize(self):
+        pass
+
+    def side_stream(self):
+        return contextlib.nullcontext()
+
+
+@pytest.fixture
+def rerun_graphs() -> type[ReRunGraphs]:
+    """The stand-in graph API for the decode loop's CPU tests (:class:`ReRunGraphs`)."""
+    return ReRunGraphs

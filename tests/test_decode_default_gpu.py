@@ -4,8 +4,10 @@ Run with ``pytest -m gpu -s tests/test_decode_default_gpu.py`` on a CUDA (or XPU
 (``xpukit[serve]``); a few minutes, most of it the compiles of the first process. The model is the
 tiny qwen3 widened so torchao's int4 groups divide every projection, in bfloat16. Greedy tokens are
 compared with the same weights' plain ``generate`` (``fast_decode=False``) along the steps whose top
-two logits are at least ``MIN_MARGIN`` apart. The second-process test prints its first call's
-seconds (the issue's target is 5 s; timing is read, not asserted: bench/bench_decode.py measures it).
+two logits are at least ``MIN_MARGIN`` apart, on the first tier's call and on the compiled tier's
+(docs/decode.md "Tiered decoding"). The second-process test checks that the second process loads the
+compiled step saved by the first (no dynamo trace) and prints each call's seconds and tiers (timing is
+read, not asserted: bench/bench_decode.py measures it).
 """
 
 from __future__ import annotations
@@ -56,15 +58,19 @@ def test_a_quantized_load_to_run_is_fast_by_default(wide_model: Path, bits: str)
     if fused is not None:  # planned where the format slices by rows: CUDA int4 and int8, XPU int8
         assert fused.kind == "applied" and fused.actual["attention"] == fused.actual["blocks"], fused
     with torch.no_grad():
-        got = model.generate(ids, max_new_tokens=16, do_sample=False)
+        got = model.generate(ids, max_new_tokens=16, do_sample=False)  # tiered: the first tier serves
+        first_tiers = model.xpukit_last_decode["tiers"]
+        assert model.xpukit_decode_loop.tiers.wait(600), model.xpukit_decode_loop.tiers.events
+        compiled = model.generate(ids, max_new_tokens=16, do_sample=False)
     last = model.xpukit_last_decode
     assert last["loop"] == "xpukit" and last["compiled"] and last["step_graphs"] == (device == "cuda")
-    assert model.xpukit_decode_loop.graphs  # the step compiled on the first generate()
+    assert last["tiers"] == {"prefill": 1, "compiled": 15}, (first_tiers, last)
     top = torch.stack(want.scores, 1).topk(2, -1).values[0]
     steps = int(((top[:, 0] - top[:, 1]) >= MIN_MARGIN).long().cumprod(0).sum())
     assert steps >= 4, f"the model's greedy path is too close to ties to compare ({steps} steps)"
     start = ids.shape[1]
-    assert got[:, start : start + steps].tolist() == want.sequences[:, start : start + steps].tolist()
+    for out in (got, compiled):
+        assert out[:, start : start + steps].tolist() == want.sequences[:, start : start + steps].tolist()
 
 
 _CHILD = textwrap.dedent(
@@ -80,9 +86,16 @@ _CHILD = textwrap.dedent(
     model.generate(ids, max_new_tokens=32, do_sample=False)
     getattr(torch, device.type).synchronize()
     first = time.perf_counter() - start
+    first_tiers = model.xpukit_last_decode["tiers"]
+    start = time.perf_counter()
+    built = model.xpukit_decode_loop.tiers.wait(600)  # the step is saved for the next process
+    ready = time.perf_counter() - start
+    model.generate(ids, max_new_tokens=32, do_sample=False)
     counters = torch._dynamo.utils.counters
-    print(json.dumps({"load_s": loaded, "first_call_s": first, "last": model.xpukit_last_decode,
+    print(json.dumps({"load_s": loaded, "first_call_s": first, "first_tiers": first_tiers, "built": built,
+                      "ready_after_s": ready, "last": model.xpukit_last_decode,
                       "cache": model.xpukit_decode_loop.cache_records,
+                      "graphs": counters["stats"]["unique_graphs"],
                       "inductor": dict(counters["inductor"])}))
     """
 )
@@ -109,15 +122,18 @@ def test_a_second_process_finds_the_default_path_in_the_compile_cache(
 
     first = child("first")
     [record] = first["cache"]
-    assert first["last"]["loop"] == "xpukit" and record["loaded"] is False and record["saved"] is True
+    assert first["built"] and record["how"] == "compiled" and record["saved"] is True, record
+    assert first["last"]["tiers"] == {"prefill": 1, "compiled": 31}
     second = child("second")
     [record] = second["cache"]
-    assert second["last"]["loop"] == "xpukit" and record["loaded"] is True and record["artifacts"]
-    assert second["inductor"].get("fxgraph_cache_hit", 0) > 0
-    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert second["built"] and record["how"] == "loaded", record
+    assert second["graphs"] == 0  # loaded ahead-of-time: dynamo traced nothing
+    assert second["last"]["tiers"] == {"prefill": 1, "compiled": 31}
     seconds = {
-        "first_process_s": round(first["first_call_s"], 2),
-        "second_process_s": round(second["first_call_s"], 2),
-    }
+        name: {k: round(run[k], 2) for k in ("load_s", "first_call_s", "ready_after_s")} | {
+            "first_tiers": run["first_tiers"], "built_s": run["cache"][0].get("seconds")
+        }
+        for name, run in (("first", first), ("second", second))
+    }  # fmt: skip
     record_property("first_call", seconds)
-    print(f"\nfirst call of a {bits} default load (32 new tokens): {seconds} (target: second <= 5 s)")
+    print(f"\n{bits} default load, 32 new tokens, first call by tier and the build: {seconds}")

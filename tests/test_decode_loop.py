@@ -11,9 +11,6 @@ prompt length, one more per batch size.
 
 from __future__ import annotations
 
-import contextlib
-from types import SimpleNamespace
-
 import pytest
 
 from xpukit.errors import InvalidRequestError
@@ -263,32 +260,8 @@ def test_the_compiled_step_is_one_graph_for_every_prompt_length(tiny_model, refe
     assert all(r.get("saved") or r.get("error") for r in loop.cache_records)
 
 
-class _ReRunGraphs:
-    """A stand-in for a device's graph API: a capture keeps the step without running it, and a
-    replay runs it again, so the loop is right only if it replays each captured step exactly once."""
-
-    def __init__(self):
-        self.captured = 0
-
-    def new_graph(self):
-        return SimpleNamespace(replay=None)
-
-    def pool(self):
-        return object()
-
-    def capture(self, graph, body, pool):
-        self.captured += 1
-        graph.replay = body
-
-    def synchronize(self):
-        pass
-
-    def side_stream(self):
-        return contextlib.nullcontext()
-
-
 def test_own_step_graphs_capture_once_replay_every_token_and_follow_the_weights(
-    tiny_model, reference, tokenizer, monkeypatch
+    tiny_model, reference, tokenizer, monkeypatch, rerun_graphs
 ):
     import torch
 
@@ -300,7 +273,7 @@ def test_own_step_graphs_capture_once_replay_every_token_and_follow_the_weights(
     with pytest.raises(InvalidRequestError, match="reduce-overhead"):
         loop.set_compile(options | {"mode": "reduce-overhead"}, step_graphs=True)
     loop.set_compile(options)
-    backend = _ReRunGraphs()
+    backend = rerun_graphs()
     loop.step_graphs = StepGraphs(backend)
     monkeypatch.setattr(decode_loop, "_KEEP_BATCH_SIZES", 1)
     inputs = _inputs(tokenizer, 3)
@@ -328,7 +301,9 @@ def test_own_step_graphs_capture_once_replay_every_token_and_follow_the_weights(
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_windows_and_prompt_buckets_give_transformers_tokens(tiny_model, reference, tokenizer, batch):
+def test_windows_and_prompt_buckets_give_transformers_tokens(
+    tiny_model, reference, tokenizer, batch, rerun_graphs
+):
     """With grouped decode attention a step reads only its window of the cache; with own graphs the
     prompt is left-padded to its bucket. Windows of 16 and 32 slots here, of a 256-slot cache."""
     from xpukit.loading.decode.attention import use_grouped_decode_attention
@@ -338,7 +313,7 @@ def test_windows_and_prompt_buckets_give_transformers_tokens(tiny_model, referen
     assert use_grouped_decode_attention(model) is not None
     loop = install_decode_loop(model, max_cache_len=256, compile_options=None)
     loop.window_smallest = 16
-    loop.step_graphs = StepGraphs(_ReRunGraphs())
+    loop.step_graphs = StepGraphs(rerun_graphs())
     inputs = _inputs(tokenizer, batch)
     new = 16  # a prefill of the prompt's bucket (16 slots), then steps that fill slots 17 to 31
     want = _transformers(reference, inputs, max_new_tokens=new, do_sample=False)
@@ -350,14 +325,14 @@ def test_windows_and_prompt_buckets_give_transformers_tokens(tiny_model, referen
 
 
 def test_a_prompt_past_the_largest_bucket_runs_its_prefill_uncaptured(
-    tiny_model, reference, tokenizer, monkeypatch
+    tiny_model, reference, tokenizer, monkeypatch, rerun_graphs
 ):
     from xpukit.loading.decode import buckets
     from xpukit.loading.decode.step_graph import StepGraphs
 
     model = _model(tiny_model)
     loop = install_decode_loop(model, max_cache_len=256, compile_options=None)
-    loop.step_graphs = StepGraphs(_ReRunGraphs())
+    loop.step_graphs = StepGraphs(rerun_graphs())
     monkeypatch.setattr(buckets, "PREFILL_LARGEST", 4)  # the 9-token prompt is past it
     inputs = _inputs(tokenizer, 3)
     want = _transformers(reference, inputs, max_new_tokens=NEW, do_sample=False)
@@ -476,26 +451,38 @@ def test_artifacts_round_trip_and_an_unwritable_dir_is_recorded(monkeypatch, tmp
     assert record["loaded"] is False and "another torch" in record["error"]
 
 
-def test_the_selftest_decode_line_compares_compiled_with_eager(monkeypatch):
+def test_the_selftest_decode_line_times_the_first_token_and_compares_compiled_with_eager(
+    monkeypatch, tmp_path
+):
     import torch
 
     from xpukit.doctor import selftest
     from xpukit.planning.device import decode
 
-    # On the CPU, dynamo with the eager backend stands in for inductor: the same comparison, fast.
-    monkeypatch.setattr(decode, "compile_settings", lambda mode: {"backend": "eager", "fullgraph": True})
+    # On the CPU, dynamo's aot_eager backend stands in for inductor: the same ahead-of-time build, fast.
+    monkeypatch.setenv("XPUKIT_CACHE_DIR", str(tmp_path))
+    options = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
+    monkeypatch.setattr(decode, "compile_settings", lambda mode: dict(options))
     state = torch.random.get_rng_state()
     detail = selftest._decode_check(torch, "cpu", "cpu")
-    assert detail.startswith("compiled mode=default: tokens equal eager")
+    assert detail.startswith("first token ") and "(eager tier)" in detail, detail
+    assert "compiled step ready" in detail and "its tokens equal eager" in detail
     assert torch.equal(torch.random.get_rng_state(), state)  # the caller's RNG is untouched
 
-    def wrong_compile(step, **options):  # a "compiled" step that writes token 3 over its output
+    from xpukit.loading.decode import tiers
+
+    build = tiers.build_step
+
+    def wrong(torch, step, options, args):  # a compiled step that writes token 3 over its output
+        built = build(torch, step, options, args)
+
         def run(*args):
-            step(*args)
+            built(*args)
             args[7].fill_(3)  # decode_step's out
 
         return run
 
-    monkeypatch.setattr(torch, "compile", wrong_compile)
+    monkeypatch.setattr(tiers, "build_step", wrong)
+    monkeypatch.setenv("XPUKIT_CACHE_DIR", str(tmp_path / "fresh"))  # not the saved right one
     with pytest.raises(ArithmeticError, match="differ from eager from new token 0"):
         selftest._decode_check(torch, "cpu", "cpu")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode.install import install_decode_loop
 from xpukit.loading.decode.regional import LayerCache, decoder_layers
 from xpukit.planning.model.reference_models import reference_config
@@ -143,12 +142,27 @@ def test_models_without_repeated_layers_have_none(deep_model):
     assert decoder_layers(model) == []
 
 
-def test_regional_and_step_graphs_do_not_go_together(deep_model):
+def test_inside_the_step_graph_the_layer_runs_at_the_warm_up_and_capture_only(
+    deep_model, tokenizer, rerun_graphs
+):
+    """xpukit's step graph captures the regional step whole (docs/decode.md "Regional compilation"):
+    the compiled layer (and its guards) run at the warm run and the capture; a replay runs the
+    capture (here: the stand-in runs the captured step again, so the tokens show a wrong replay)."""
+    from xpukit.loading.decode.step_graph import StepGraphs
+
+    graphs: list[object] = []
+    calls: list[int] = []
     model = _model(deep_model)
-    with pytest.raises(InvalidRequestError, match="regional=True compiles the decoder layers alone"):
-        install_decode_loop(
-            model, max_cache_len=64, compile_options={"backend": "eager"}, step_graphs=True, regional=True
-        )
+    options = _counting(graphs, calls)
+    loop = install_decode_loop(model, max_cache_len=64, compile_options=options, regional=True)
+    loop.step_graphs = StepGraphs(rerun_graphs())
+    inputs = _inputs(tokenizer, 3)
+    want, _ = _plain(_model(deep_model), inputs)
+    for _ in range(2):
+        assert model.generate(**inputs, max_new_tokens=NEW, do_sample=False).tolist() == want
+    assert len(graphs) == 1 and model.xpukit_last_decode["regional"] is True
+    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy", "prefill-greedy"}
+    assert loop.step_graphs.stats["captures"] == 2
 
 
 def test_the_cache_key_names_regional(deep_model, tmp_path):
@@ -169,10 +183,11 @@ def test_the_plan_offers_it_when_asked_never_by_default(facts, mode):
     decision = plan.decision("fast_decode")
     assert plan.decode is not None and plan.decode.regional and decision.source == "user"
     assert decision.value == {"static_cache": True, "max_cache_len": 4096, "compile": mode, "regional": True}
-    assert plan.decode.step_graph is False  # the rest of the step is eager: nothing to capture whole
+    assert plan.decode.step_graph == (facts == "h200")  # the regional step captured whole, on CUDA
+    assert not plan.decode.tiered  # its compile is the short one: in its first call
     assert plan.decode.loop_compile_options() == {"fullgraph": True, "dynamic": False, "mode": "default"}
     assert "regional compilation: one decoder layer compiled" in decision.reason
-    assert "never the default" in decision.reason and "52 tokens/s against 249" in decision.reason
+    assert "not the default" in decision.reason and "52 tokens/s against 249" in decision.reason
     assert plan.decode.fused_projections  # as fast_decode=True
     for asked in (True, "auto", "unfused"):
         other = plan_load(config, facts=facts, fast_decode=asked, quantize="4bit")

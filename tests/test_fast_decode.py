@@ -64,8 +64,12 @@ def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
     budget = plan.memory.headroom - int(plan.memory.weights * HEADROOM_WEIGHT_FRACTION) - HEADROOM_FIXED
     per_token = plan.model_facts.kv_bytes_per_token
     assert plan.decode.max_cache_len == budget // per_token // CACHE_LENGTH_STEP * CACHE_LENGTH_STEP == 4096
-    assert decision.value == {"static_cache": True, "max_cache_len": 4096, "compile": mode}
-    assert plan.decode.graph_batch_sizes == (1,) and "warm-up at batch 1" in decision.reason
+    first = "graph" if facts == "h200" else "eager"  # the tier that serves while the step compiles
+    assert decision.value == {
+        "static_cache": True, "max_cache_len": 4096, "compile": mode, "tiers": [first, "compiled"]
+    }  # fmt: skip
+    assert plan.decode.graph_batch_sizes == (1,) and plan.decode.tiered
+    assert "decodes at once with the uncompiled step" in decision.reason
     assert "4096 tokens" in decision.reason and "fast_decode" in plan.explain()
     assert plan.to_dict()["decode"] == decision.value
     # grouped decode attention: measured on CUDA only (docs/decode.md "Grouped decode attention")
@@ -251,7 +255,9 @@ def test_plan_cli_fast_decode(capsys):
 
     assert main(["plan", "qwen3-8b", "--assume", "max-1550", "--fast-decode", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["decode"] == {"static_cache": True, "max_cache_len": 4096, "compile": "default"}
+    assert plan["decode"] == {
+        "static_cache": True, "max_cache_len": 4096, "compile": "default", "tiers": ["eager", "compiled"]
+    }  # fmt: skip
     assert main(["plan", "qwen3-8b", "--assume", "max-1550", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["decode"] is None  # bf16: "auto" leaves it off
 
@@ -265,7 +271,9 @@ def test_plan_cli_auto_and_no_fast_decode(capsys, monkeypatch):
     monkeypatch.setattr(layout_module, "torchao_version", lambda: "0.18.0")
     assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["decode"] == {"static_cache": True, "max_cache_len": 4096, "compile": "default"}
+    assert plan["decode"] == {
+        "static_cache": True, "max_cache_len": 4096, "compile": "default", "tiers": ["eager", "compiled"]
+    }  # fmt: skip
     off = ["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--no-fast-decode", "--json"]
     assert main(off) == 0
     assert json.loads(capsys.readouterr().out)["decode"] is None

@@ -3,7 +3,9 @@
 The planner decides from recorded facts; this is how an owner of a device checks those facts on the
 real thing (and pastes the JSON into a bug report). Each check is tiny (256×256 tensors) and never
 fatal: a failure is recorded with the exception text. On a CUDA or XPU device the ``decode`` check
-compiles xpukit's decode loop as ``fast_decode=True`` does (tens of seconds, the compile), and
+times the first token of xpukit's decode loop as ``fast_decode=True`` sets it up (tiered: the
+uncompiled step first) and says which tier served, then waits for the compiled step and compares its
+tokens with eager (tens of seconds, the compile), and
 ``decode-int4`` decodes a tiny int4 model the way ``quantize="4bit"`` loads it to run there.
 """
 
@@ -163,11 +165,13 @@ def _graphs_check(torch: Any, name: str, *, checkpoint: bool = False) -> str:
 
 
 def _decode_check(torch: Any, name: str, backend: str) -> str:
-    """xpukit's decode loop compiled as ``fast_decode=True`` compiles it here, against the loop eager.
+    """xpukit's decode loop as ``fast_decode=True`` sets it up here, against the loop eager: the time
+    to the first token and which tier served it, then the compiled tier's tokens.
 
     A tiny random qwen3 in float32 (seeded without touching the caller's RNG), batch 2, 16 greedy
-    tokens; compiled with ``mode="default"``, and on CUDA captured as one graph by the loop, as
-    ``fast_decode=True`` plans it (docs/decode.md "Own step graphs", "XPU").
+    tokens. Tiered as the plan tiers it (docs/decode.md "Tiered decoding"): the first call is served
+    by the uncompiled step (captured as one device graph on CUDA) while a thread compiles the step;
+    the check waits for it and compares the compiled tier's tokens with eager.
     """
     from transformers import AutoModelForCausalLM
 
@@ -180,27 +184,37 @@ def _decode_check(torch: Any, name: str, backend: str) -> str:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         ids = torch.randint(3, 512, (2, 8))
     model = model.to(name).eval()
-    mode = "default, own step graph" if backend == "cuda" else "default"
+    graphs = backend == "cuda"
     loop = install_decode_loop(model, max_cache_len=256, compile_options=None)
     args = {"input_ids": ids.to(name), "max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False}
     eager = model.generate(**args)
-    loop.set_compile(compile_settings("default"), step_graphs=backend == "cuda")
+    loop.set_compile(compile_settings("default"), step_graphs=graphs, tiered=True)
     start = time.perf_counter()
+    model.generate(**{**args, "max_new_tokens": 1, "min_new_tokens": 1})
+    _sync(torch, backend)
+    first_token = time.perf_counter() - start
+    model.generate(**args)
+    served = dict(model.xpukit_last_decode.get("tiers") or {})
+    start = time.perf_counter()
+    built = loop.tiers.wait(600) if loop.tiered else True
+    waited = time.perf_counter() - start
     compiled = model.generate(**args)
-    getattr(torch, backend).synchronize()
-    first = time.perf_counter() - start
     start = time.perf_counter()
     model.generate(**args)
-    getattr(torch, backend).synchronize()
-    again = time.perf_counter() - start
+    _sync(torch, backend)
+    per_token = (time.perf_counter() - start) * 1e3 / 16
     if model.xpukit_last_decode.get("loop") != "xpukit":
         raise RuntimeError(f"generate() ran {model.xpukit_last_decode}")
+    if not built:
+        raise RuntimeError(f"the compiled step was not built: {[e.cause for e in loop.tiers.events]}")
     if not torch.equal(eager.cpu(), compiled.cpu()):
         where = int((eager.cpu() != compiled.cpu()).nonzero()[0, 1]) - ids.shape[1]
-        raise ArithmeticError(f"compiled ({mode}) tokens differ from eager from new token {where}")
-    per_token = again * 1e3 / 16
+        raise ArithmeticError(f"compiled tokens differ from eager from new token {where}")
+    tiers = ", ".join(f"{tier} {n}" for tier, n in served.items())
     return (
-        f"compiled mode={mode}: tokens equal eager; first call {first:.1f} s, then {per_token:.2f} ms/token"
+        f"first token {first_token:.2f} s ({loop.first_tier if loop.tiered else 'compiled'} tier); first "
+        f"call's tokens by tier: {tiers or 'untiered'}; compiled step ready {waited:.1f} s later, its tokens "
+        f"equal eager, {per_token:.2f} ms/token"
     )
 
 
@@ -290,9 +304,10 @@ def _tiny_config(*, layers: int, **extra: Any) -> Any:
     )  # fmt: skip
 
 
-def _sync(torch: Any, device: DeviceFacts) -> None:
-    if device.backend in ("xpu", "cuda", "mps"):
-        getattr(torch, device.backend).synchronize()
+def _sync(torch: Any, device: DeviceFacts | str) -> None:
+    backend = device if isinstance(device, str) else device.backend
+    if backend in ("xpu", "cuda", "mps"):
+        getattr(torch, backend).synchronize()
 
 
 def results_to_dict(results: list[CheckResult]) -> list[dict[str, Any]]:

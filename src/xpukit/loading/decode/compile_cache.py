@@ -32,7 +32,15 @@ from typing import Any
 from xpukit import _environ, _platform
 from xpukit._partial import write_file
 
-__all__ = ["CACHE_FORMAT", "cache_key", "compile_cache_dir", "key_fields", "load_artifacts", "save_artifacts"]
+__all__ = [
+    "CACHE_FORMAT",
+    "cache_key",
+    "compile_cache_dir",
+    "key_fields",
+    "load_artifacts",
+    "model_key",
+    "save_artifacts",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +95,37 @@ def key_fields(
         "versions": versions if versions is not None else _versions(),
         "weights": dict(sorted((weights or {}).items())),
     }
+
+
+def model_key(
+    model: Any,
+    *,
+    batch: int,
+    step: str,
+    cache_len: int,
+    compile_options: dict[str, Any],
+    weights: dict[str, Any],
+) -> str:
+    """:func:`cache_key` of a loaded model's decode step (its config, dtype and device read here)."""
+    import torch
+
+    device = model.device
+    name, capability = device.type, None
+    module = getattr(torch, device.type, None)
+    if device.type in {"cuda", "xpu"} and module is not None:
+        name = module.get_device_name(device)
+        capability = repr(module.get_device_capability(device))
+    fields = key_fields(
+        model.config.to_dict(),
+        dtype=str(model.dtype).removeprefix("torch."),
+        device_name=name,
+        batch_size=batch,
+        cache_len=cache_len,
+        step=step,
+        compile_options=compile_options,
+        weights={**weights, "capability": capability},
+    )
+    return cache_key(fields)
 
 
 def cache_key(fields: dict[str, Any]) -> str:
@@ -172,6 +211,7 @@ def _versions() -> dict[str, str]:
         "transformers",
         "torchao",
         "bitsandbytes",
+        "kernels",  # transformers routes some functions through it when installed (a traced module)
         "xpukit",
     ):
         try:

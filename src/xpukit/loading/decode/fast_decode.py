@@ -9,10 +9,14 @@ With a static cache planned, the model's ``generate`` is served by xpukit's deco
   length, so the compiled decoding step keeps its shapes whatever the prompt length);
 * ``compile_config=CompileConfig(fullgraph=True, dynamic=False, mode=...)`` when compiled, else
   ``disable_compile=True`` so that generate() does not compile with its own defaults;
+* tiered (the plan's ``tiers``): the loop serves with the uncompiled step while a thread builds the
+  compiled one (docs/decode.md "Tiered decoding"); a failed build after the load goes onto the
+  model's plan as a ``decode_tiers`` fallback;
 * ``warmup=True``: one short greedy generation at load, twice, at each of the plan's
-  ``graph_batch_sizes`` (the first compiles, the second shows the steady cost), recorded as a
-  ``LoadEvent`` with what the compile cache did. A compile failure there turns compilation off for
-  this model and is recorded as a fallback.
+  ``graph_batch_sizes`` (the first compiles, or tiered runs on the first tier while the warm-up
+  then waits for the build; the second shows the steady cost), recorded as a ``LoadEvent`` with what
+  the compile cache did. A compile failure there turns compilation off for this model and is
+  recorded as a fallback.
 """
 
 from __future__ import annotations
@@ -96,7 +100,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     options = decode.loop_compile_options()
     regional = _regional(target, decode.regional and options is not None)
     events += regional[1]
-    install_decode_loop(
+    loop = install_decode_loop(
         target,
         max_cache_len=int(decode.max_cache_len or 0),
         compile_options=options,
@@ -107,7 +111,10 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
             "weight_kernel": kernel,
         },
         regional=regional[0],
+        tiered=decode.tiered and options is not None and not regional[0],
     )
+    loop.tiers.on_event = lambda event: _add_event(model, event)
+    events += loop.tiers.events  # said while installing (a torch that cannot build the step ahead of time)
     loop_event = LoadEvent(
         kind="applied",
         what="decode_loop",
@@ -116,6 +123,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
             "step_graph": decode.step_graph,
             "graph_batch_sizes": list(decode.graph_batch_sizes),
             **({"regional": True} if regional[0] else {}),
+            **({"tiers": [loop.first_tier, "compiled"]} if loop.tiered else {}),
         },
         cause="generate() runs xpukit's decode loop for greedy and plain sampling, transformers' "
         "for everything else; model.xpukit_last_decode says which ran",
@@ -124,6 +132,13 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     if decode.grouped_attention:
         events.append(_grouped_attention(target))
     return events
+
+
+def _add_event(model: Any, event: LoadEvent) -> None:
+    """An event of the loop after the load (the compiled tier's failure) onto ``model``'s plan."""
+    plan = getattr(model, "xpukit_plan", None)
+    if plan is not None:
+        model.xpukit_plan = plan.with_events((event,))
 
 
 def _regional(model: Any, asked: bool) -> tuple[bool, list[LoadEvent]]:
@@ -199,7 +214,9 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     """Run one short greedy generation twice, at batch 1, and record how long each took.
 
     The first call compiles the decoding step when the plan compiles; later calls of the same batch
-    size and a prompt that fits ``max_cache_len`` reuse it (docs/decode.md "Recompilation").
+    size and a prompt that fits ``max_cache_len`` reuse it (docs/decode.md "Recompilation"). Tiered,
+    the first call is the first tier's and the warm-up waits for the compiled step before the second
+    (docs/decode.md "Tiered decoding").
 
     Args:
         model: the loaded model, after :func:`apply_fast_decode`.
@@ -209,37 +226,18 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         ``applied warmup`` with the two durations in seconds and whether a compiled step exists, or
         a ``fallback`` when compiling failed (compilation is then disabled for this model).
     """
-    import torch
-
     target = generation_model(model)
     config = getattr(target, "generation_config", None)
     if config is None:
         return []
-    vocab = int(getattr(target.config.get_text_config(), "vocab_size", 0) or 2)
-    token = config.bos_token_id if isinstance(config.bos_token_id, int) else 0
     loop = getattr(target, "xpukit_decode_loop", None)
     sizes = tuple(plan.decode.graph_batch_sizes) if plan.decode is not None else ()
     durations: dict[int, list[float]] = {}
+    waited: dict[int, float] = {}  # tiered: seconds the warm-up waited for the compiled step
+    seen = len(loop.tiers.events) if loop is not None else 0
     try:
         for batch in sizes or (1,):
-            ids = torch.full(
-                (batch, WARMUP_PROMPT_TOKENS), min(token, vocab - 1), dtype=torch.long, device=target.device
-            )
-            kwargs: dict[str, Any] = {
-                "max_new_tokens": WARMUP_NEW_TOKENS,
-                "min_new_tokens": WARMUP_NEW_TOKENS,
-                "do_sample": False,
-                "attention_mask": torch.ones_like(ids),
-                "pad_token_id": config.pad_token_id
-                if config.pad_token_id is not None
-                else config.eos_token_id,
-            }
-            for _ in range(2):
-                start = time.perf_counter()
-                with torch.no_grad():
-                    model.generate(input_ids=ids, **kwargs)
-                _synchronize(target.device)
-                durations.setdefault(batch, []).append(round(time.perf_counter() - start, 3))
+            _warm_calls(model, target, batch, durations.setdefault(batch, []), waited)
     except Exception as exc:
         if plan.decode is None or not plan.decode.compile or config.disable_compile:
             raise
@@ -259,7 +257,7 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
             )
         ]
     if loop is not None:
-        compiled = bool(loop.graphs)
+        compiled = bool(loop.graphs) or (loop.tiered and loop.tiers.wait(0))
     else:
         compiled = not config.disable_compile and hasattr(target, "_compiled_call")  # get_compiled_call
     first = next(iter(durations.values()))
@@ -267,18 +265,52 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     if len(durations) > 1:
         actual["per_batch"] = {str(b): d for b, d in durations.items()}
     if loop is not None:
-        actual["loop"] = getattr(target, "xpukit_last_decode", {}).get("loop")
+        last = getattr(target, "xpukit_last_decode", None) or {}
+        actual["loop"] = last.get("loop")
         actual["compile_cache"] = list(loop.cache_records)
+        if waited:
+            actual.update(waited_for_compiled_s=next(iter(waited.values())), tiers=last.get("tiers"))
     batches = ", ".join(str(b) for b in durations)
-    return [
-        LoadEvent(
-            kind="applied",
-            what="warmup",
-            actual=actual,
-            cause=f"{WARMUP_NEW_TOKENS} new tokens, {WARMUP_PROMPT_TOKENS}-token prompt, batch {batches}, "
-            "greedy",
-        )
-    ]
+    done = LoadEvent(
+        kind="applied",
+        what="warmup",
+        actual=actual,
+        cause=f"{WARMUP_NEW_TOKENS} new tokens, {WARMUP_PROMPT_TOKENS}-token prompt, batch {batches}, greedy",
+    )
+    return [*(loop.tiers.events[seen:] if loop is not None else []), done]
+
+
+def _warm_calls(
+    model: Any, target: Any, batch: int, durations: list[float], waited: dict[int, float]
+) -> None:
+    """The warm-up's two greedy calls at ``batch``, timed into ``durations``; tiered, the wait for the
+    compiled step between them into ``waited``."""
+    import torch
+
+    config = target.generation_config
+    loop = getattr(target, "xpukit_decode_loop", None)
+    vocab = int(getattr(target.config.get_text_config(), "vocab_size", 0) or 2)
+    token = config.bos_token_id if isinstance(config.bos_token_id, int) else 0
+    shape = (batch, WARMUP_PROMPT_TOKENS)
+    ids = torch.full(shape, min(token, vocab - 1), dtype=torch.long, device=target.device)
+    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    kwargs: dict[str, Any] = {
+        "max_new_tokens": WARMUP_NEW_TOKENS,
+        "min_new_tokens": WARMUP_NEW_TOKENS,
+        "do_sample": False,
+        "attention_mask": torch.ones_like(ids),
+        "pad_token_id": pad,
+    }
+    for call in range(2):
+        if call == 1 and loop is not None and loop.tiered:  # the compiled tier serves the second
+            start = time.perf_counter()
+            loop.tiers.wait()
+            waited[batch] = round(time.perf_counter() - start, 3)
+        start = time.perf_counter()
+        with torch.no_grad():
+            model.generate(input_ids=ids, **kwargs)
+        _synchronize(target.device)
+        durations.append(round(time.perf_counter() - start, 3))
 
 
 def _synchronize(device: Any) -> None:

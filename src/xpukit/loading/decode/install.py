@@ -19,6 +19,7 @@ def install_decode_loop(
     step_graphs: bool = False,
     cache_fields: dict[str, Any] | None = None,
     regional: bool = False,
+    tiered: bool = False,
 ) -> DecodeLoop:
     """Give ``model`` xpukit's decode loop behind its own ``generate`` (on this instance only).
 
@@ -28,12 +29,13 @@ def install_decode_loop(
     make no graphs of their own: docs/decode.md "Own step graphs"). ``cache_fields`` go into the
     compile cache's key (the weights' format, whether projections are fused). ``regional=True``
     compiles one decoder layer for all of them instead of the whole step (docs/decode.md
-    "Regional compilation").
+    "Regional compilation"). ``tiered=True`` serves the uncompiled step while a thread builds the
+    compiled one (docs/decode.md "Tiered decoding").
     """
     import functools
 
     loop = DecodeLoop(model, max_cache_len=max_cache_len, cache_dir=cache_dir, cache_fields=cache_fields)
-    loop.set_compile(compile_options, step_graphs=step_graphs, regional=regional)
+    loop.set_compile(compile_options, step_graphs=step_graphs, regional=regional, tiered=tiered)
     original = model.generate
 
     @functools.wraps(original)

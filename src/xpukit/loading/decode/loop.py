@@ -13,7 +13,9 @@ EOS, and the write of the token into the output. Compiled with CUDA graphs the s
 replay per token; the host reads the "all finished" flag once every ``check_every`` tokens. With
 xpukit's grouped decode attention a step reads only the attention window of the cache; with its own
 step graphs the prompt is left-padded to a bucket and its prefill is one replay too
-(:mod:`xpukit.loading.decode.buckets`).
+(:mod:`xpukit.loading.decode.buckets`). Tiered (docs/decode.md "Tiered decoding"), the step runs
+uncompiled until the compiled step, built on a thread (:mod:`xpukit.loading.decode.tiers`), takes
+over between two tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from xpukit.errors import InvalidRequestError
@@ -30,9 +33,10 @@ from xpukit.loading.decode.buckets import WINDOW_SMALLEST, left_pad, prompt_leng
 from xpukit.loading.decode.progress import compile_progress
 from xpukit.loading.decode.regional import compile_layers, regional_step
 from xpukit.loading.decode.request import DecodeRequest, triage
-from xpukit.loading.decode.state import DecodeState, new_state
+from xpukit.loading.decode.state import DecodeState, fill_constants, new_state
 from xpukit.loading.decode.step import decode_step, prefill_step
 from xpukit.loading.decode.step_graph import StepGraphs
+from xpukit.loading.decode.tiers import CompileJob, Tiers, aot_available
 from xpukit.loading.device_graph import GraphBackend
 
 __all__ = ["CHECK_EVERY", "DecodeLoop"]
@@ -67,6 +71,8 @@ class DecodeLoop:
             (``False``: the prefill runs uncaptured, for comparison).
         regional: compile one decoder layer and run its code for every layer, the rest of the step
             eager, instead of compiling the whole step (docs/decode.md "Regional compilation").
+        tiered: the uncompiled step serves until the compiled one is built (docs/decode.md
+            "Tiered decoding"); ``tiers`` holds the builds (:class:`~xpukit.loading.decode.tiers.Tiers`).
     """
 
     def __init__(
@@ -82,6 +88,9 @@ class DecodeLoop:
         self.model = model
         self.step_graphs: StepGraphs | None = None  # set_compile(..., step_graphs=True)
         self.regional = False  # set_compile(..., regional=True)
+        self.tiered = False  # set_compile(..., tiered=True)
+        self.tiers = Tiers()
+        self._tokens: dict[str, int] = {}  # tokens per tier in the last call
         self.enabled = True
         self.max_cache_len = max_cache_len
         self.compile_options = compile_options
@@ -105,16 +114,23 @@ class DecodeLoop:
         return options.get("mode") == "reduce-overhead"
 
     def set_compile(
-        self, options: dict[str, Any] | None, *, step_graphs: bool = False, regional: bool = False
+        self,
+        options: dict[str, Any] | None,
+        *,
+        step_graphs: bool = False,
+        regional: bool = False,
+        tiered: bool = False,
     ) -> None:
         """Compile the step with ``options`` from the next call on (``None``: eager); ``step_graphs``
-        captures the compiled step as one device graph (``options`` must then make no graphs);
-        ``regional`` compiles one decoder layer for all of them instead of the whole step."""
-        if regional and step_graphs:
+        captures the step as one device graph (``options`` must then make no graphs); ``regional``
+        compiles one decoder layer for all of them instead of the whole step; ``tiered`` serves the
+        uncompiled step until the compiled one is built (not with ``regional``, whose compile is the
+        short one)."""
+        if regional and tiered:
             raise InvalidRequestError(
-                "regional=True compiles the decoder layers alone and runs the rest of the step eagerly; "
-                "xpukit's step graphs capture a whole compiled step. Fix: step_graphs=False with "
-                'regional=True (docs/decode.md "Regional compilation")'
+                "tiered=True builds the whole compiled step ahead of time on a thread; regional=True "
+                "compiles one decoder layer in the call that first needs it. Fix: one of the two "
+                '(docs/decode.md "Tiered decoding")'
             )
         if step_graphs and options and options.get("mode") == "reduce-overhead":
             raise InvalidRequestError(
@@ -123,17 +139,28 @@ class DecodeLoop:
             )
         self.compile_options = options
         self.regional = regional and bool(options)
+        self.tiered = tiered and bool(options)
         self._compiled.clear()
+        self.tiers.jobs.clear()
         self.graphs.clear()
         device = self.model.device.type
         self.step_graphs = StepGraphs(GraphBackend(device)) if step_graphs and options else None
+        if self.tiered:
+            import torch
+
+            why = aot_available(torch)
+            if why is not None:  # the compiled step then compiles in its first call, as without tiers
+                self.tiered = False
+                self.tiers.event(planned="tiered", actual="compiled at the first call", cause=why)
 
     def disable_compile(self) -> None:
         """Run the step eagerly from now on (a compile failure)."""
         self.compile_options = None
         self.step_graphs = None
         self.regional = False
+        self.tiered = False
         self._compiled.clear()
+        self.tiers.jobs.clear()
 
     def dispatch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Serve a ``generate()`` call with this loop or with transformers' (``original``)."""
@@ -166,14 +193,13 @@ class DecodeLoop:
 
     def _run(self, torch: Any, request: DecodeRequest) -> Any:
         model = self.model
-        device = model.device
-        given = request.input_ids.to(device)
+        given = request.input_ids.to(model.device)
         batch = given.shape[0]
         mask = request.attention_mask
-        mask = torch.ones_like(given) if mask is None else mask.to(device=device, dtype=torch.long)
+        mask = torch.ones_like(given) if mask is None else mask.to(device=model.device, dtype=torch.long)
         length = self._cache_len()
         state = self._state(batch, length)
-        self._constants(torch, request)
+        fill_constants(model, self._consts, request)
         ids, bucket = given, None
         if self.step_graphs is not None:
             self.step_graphs.check_weights(model)
@@ -185,25 +211,67 @@ class DecodeLoop:
         _fill_mask(state.mask, mask)
         state.prompt(ids.shape[1]).copy_(ids)
         self._prefill(request, state, ids.shape[1], captured=bucket is not None)
-        step = self._step(torch, request, batch)
+        self._tokens = {"prefill": 1}
         self._last = (request, state)
-        done = request.new_tokens
-        for i in range(1, request.new_tokens):
-            if i == 1 and self.compile_options and (batch, _step_name(request)) not in self.graphs:
-                with compile_progress(self._compiling(request, batch)):  # the step compiles here
-                    self._call(step, request, state, ids.shape[1] + i)
-                self._after_compile(request, batch)
-            else:
-                self._call(step, request, state, ids.shape[1] + i)
-            if request.eos_ids and (i + 1) % self.check_every == 0 and not bool(state.unfinished.any()):
-                done = i + 1
-                break
+        done = self._decode(torch, request, state, ids.shape[1])
         new = state.out[:, :done]
         if request.eos_ids and not bool(state.unfinished.any()):
             hit = self._consts["is_eos"][new]
             first_eos = torch.where(hit.any(-1), hit.int().argmax(-1), done - 1)
             new = new[:, : int(first_eos.max()) + 1]
         return torch.cat([given, new.clone()], dim=1)
+
+    def _decode(self, torch: Any, request: DecodeRequest, state: DecodeState, prompt: int) -> int:
+        """The steps after the prefill; returns how many tokens of ``out`` are made."""
+        batch = int(state.tokens.shape[0])
+        job = self._job(torch, request, state, prompt + 1) if self.tiered else None
+        step, tier = (decode_step, self.first_tier) if job is not None else (None, "")
+        step = step or self._step(torch, request, batch)
+        for i in range(1, request.new_tokens):
+            if job is not None and tier != "compiled":
+                built = job.ready()
+                if built is not None:
+                    if self.step_graphs is not None:  # the first tier's captures of this kind are done with
+                        self.step_graphs.forget(state.owner, f"{tier}-{_step_name(request)}")
+                    step, tier = built, "compiled"
+                else:
+                    self.tiers.report(job, self.first_tier)
+            if not tier and i == 1 and self._compiles_now(request, batch):
+                with compile_progress(self._compiling(request, batch)):  # the step compiles here
+                    self._call(step, request, state, prompt + i)
+                self._after_compile(request, batch)
+            else:
+                self._call(step, request, state, prompt + i, tier=tier)
+            self._tokens[tier or "step"] = self._tokens.get(tier or "step", 0) + 1
+            if request.eos_ids and (i + 1) % self.check_every == 0 and not bool(state.unfinished.any()):
+                return i + 1
+        return request.new_tokens
+
+    @property
+    def first_tier(self) -> str:
+        """The tier that serves while the compiled step is built: ``graph`` (the uncompiled step
+        captured as a device graph) or ``eager``."""
+        return "graph" if self.step_graphs is not None else "eager"
+
+    def _job(self, torch: Any, request: DecodeRequest, state: DecodeState, needed: int) -> CompileJob:
+        """The build of the compiled step for this call's batch and step kind (started on first need)."""
+        batch, kind = int(state.tokens.shape[0]), _step_name(request)
+        if (batch, kind) in self.tiers.jobs:
+            return self.tiers.jobs[(batch, kind)]
+        consts = self._consts
+        args = (
+            self.model, state.cache, state.tokens, state.positions, state.mask, self._window(state, needed),
+            state.unfinished, state.out, state.index, consts["is_eos"], consts["pad"], consts["min_new"],
+            consts["temperature"], self._top_p(request), request.do_sample, request.top_k, self._keep_one,
+        )  # fmt: skip
+        root = compile_cache.compile_cache_dir() if self.cache_dir is None else Path(self.cache_dir)
+        path = root / f"{self._key(batch, kind)}.step"
+        job = self.tiers.start((batch, kind), args, dict(self.compile_options or {}), path)
+        self.cache_records.append(job.record)
+        return job
+
+    def _compiles_now(self, request: DecodeRequest, batch: int) -> bool:
+        return bool(self.compile_options) and (batch, _step_name(request)) not in self.graphs
 
     def _compiling(self, request: DecodeRequest, batch: int) -> str:
         record = self.cache_records[-1] if self.cache_records else {}
@@ -247,18 +315,27 @@ class DecodeLoop:
             raise InvalidRequestError(
                 f"replay({count}): the static cache has no room for {count} more tokens"
             )
-        step = self._step(torch, request, int(state.tokens.shape[0]))
+        batch = int(state.tokens.shape[0])
+        step, tier = None, ""
+        if self.tiered:  # the tier the next call would start with
+            step = self.tiers.jobs[(batch, _step_name(request))].ready()
+            tier = "compiled" if step is not None else self.first_tier
+        step = step or (decode_step if tier else self._step(torch, request, batch))
         filled = int(state.cache.get_seq_length())
         with torch.inference_mode(False), torch.no_grad():
             state.index.fill_(1)
             for _ in range(count):
-                self._call(step, request, state, filled + count)
+                self._call(step, request, state, filled + count, tier=tier)
 
-    def _call(self, step: Any, request: DecodeRequest, state: DecodeState, needed: int) -> None:
-        """One decode step whose token goes to cache slot ``needed - 1``."""
+    def _call(
+        self, step: Any, request: DecodeRequest, state: DecodeState, needed: int, tier: str = ""
+    ) -> None:
+        """One decode step whose token goes to cache slot ``needed - 1`` (``tier``: the first tier's
+        captures are kept apart from the compiled step's)."""
         window = self._window(state, needed)
         if self.step_graphs is not None:
-            key = (state.owner, _step_name(request), None if window is None else window.shape[1])
+            kind = _step_name(request) if tier in ("", "compiled") else f"{tier}-{_step_name(request)}"
+            key = (state.owner, kind, None if window is None else window.shape[1])
             self.step_graphs.run(key, lambda: self._step_once(step, request, state, window))
             return
         if self.cudagraphs:
@@ -295,35 +372,6 @@ class DecodeLoop:
                 self.step_graphs.forget(dropped)
         return self._states[key]
 
-    def _constants(self, torch: Any, request: DecodeRequest) -> dict[str, Any]:
-        if not self._consts:
-            device = self.model.device
-            head = self.model.get_output_embeddings()
-            vocab = (
-                int(head.weight.shape[0])
-                if head is not None
-                else self.model.config.get_text_config().vocab_size
-            )
-            self._consts = {
-                "is_eos": torch.zeros(vocab, dtype=torch.bool, device=device),
-                "pad": torch.zeros((), dtype=torch.long, device=device),
-                "min_new": torch.zeros(1, dtype=torch.long, device=device),
-                "temperature": torch.ones((), dtype=torch.float32, device=device),
-                "top_p": torch.ones((), dtype=torch.float32, device=device),
-            }
-            for tensor in self._consts.values():
-                torch._dynamo.mark_static_address(tensor)
-        consts = self._consts
-        consts["is_eos"].zero_()
-        eos = [e for e in request.eos_ids if 0 <= e < consts["is_eos"].shape[0]]
-        if eos:
-            consts["is_eos"][torch.tensor(eos, device=consts["is_eos"].device)] = True
-        consts["pad"].fill_(request.pad_id)
-        consts["min_new"].fill_(request.min_new_tokens)
-        consts["temperature"].fill_(request.temperature)
-        consts["top_p"].fill_(request.top_p)
-        return consts
-
     def _step(self, torch: Any, request: DecodeRequest, batch: int) -> Any:
         if not self.compile_options:
             return decode_step
@@ -355,26 +403,11 @@ class DecodeLoop:
             record.update(compile_cache.save_artifacts(self._key(batch, kind), self.cache_dir))
 
     def _key(self, batch: int, kind: str) -> str:
-        import torch
-
-        model = self.model
-        device = model.device
-        name, capability = device.type, None
-        module = getattr(torch, device.type, None)
-        if device.type in {"cuda", "xpu"} and module is not None:
-            name = module.get_device_name(device)
-            capability = repr(module.get_device_capability(device))
-        fields = compile_cache.key_fields(
-            model.config.to_dict(),
-            dtype=str(model.dtype).removeprefix("torch."),
-            device_name=name,
-            batch_size=batch,
-            cache_len=self._cache_len(),
-            step=kind,
-            compile_options={**(self.compile_options or {}), **({"regional": True} if self.regional else {})},
-            weights={**self.cache_fields, "capability": capability},
-        )
-        return compile_cache.cache_key(fields)
+        options = {**(self.compile_options or {}), **({"regional": True} if self.regional else {})}
+        return compile_cache.model_key(
+            self.model, batch=batch, step=kind, cache_len=self._cache_len(), compile_options=options,
+            weights=self.cache_fields,
+        )  # fmt: skip
 
     def _record(self, loop: str, reason: str, request: DecodeRequest | None) -> None:
         record: dict[str, Any] = {"loop": loop, "reason": reason}
@@ -386,6 +419,7 @@ class DecodeLoop:
                 cudagraphs=self.cudagraphs,
                 step_graphs=self.step_graphs is not None,
                 **({"regional": True} if self.regional else {}),
+                **({"tiers": dict(self._tokens)} if self.tiered or self.tiers.jobs else {}),
             )
         self.model.xpukit_last_decode = record
         logger.debug("generate(): %s loop (%s)", loop, reason)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DecodeState", "new_state"]
+__all__ = ["DecodeState", "fill_constants", "new_state"]
 
 
 @dataclass(slots=True)
@@ -68,3 +68,32 @@ def new_state(model: Any, batch: int, length: int) -> DecodeState:
     for name in ("tokens", "positions", "mask", "unfinished", "out", "index"):
         torch._dynamo.mark_static_address(getattr(state, name))
     return state
+
+
+def fill_constants(model: Any, consts: dict[str, Any], request: Any) -> dict[str, Any]:
+    """The step's constants for ``request`` (EOS ids, pad, minimum length, temperature, top-p), in
+    tensors made once per model at fixed addresses (``consts`` is filled on the first call)."""
+    import torch
+
+    if not consts:
+        device = model.device
+        head = model.get_output_embeddings()
+        vocab = int(head.weight.shape[0]) if head is not None else model.config.get_text_config().vocab_size
+        consts.update(
+            is_eos=torch.zeros(vocab, dtype=torch.bool, device=device),
+            pad=torch.zeros((), dtype=torch.long, device=device),
+            min_new=torch.zeros(1, dtype=torch.long, device=device),
+            temperature=torch.ones((), dtype=torch.float32, device=device),
+            top_p=torch.ones((), dtype=torch.float32, device=device),
+        )
+        for tensor in consts.values():
+            torch._dynamo.mark_static_address(tensor)
+    consts["is_eos"].zero_()
+    eos = [e for e in request.eos_ids if 0 <= e < consts["is_eos"].shape[0]]
+    if eos:
+        consts["is_eos"][torch.tensor(eos, device=consts["is_eos"].device)] = True
+    consts["pad"].fill_(request.pad_id)
+    consts["min_new"].fill_(request.min_new_tokens)
+    consts["temperature"].fill_(request.temperature)
+    consts["top_p"].fill_(request.top_p)
+    return consts

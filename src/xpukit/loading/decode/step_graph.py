@@ -74,11 +74,13 @@ class StepGraphs:
             self._weights = key
             self._pool = None  # a pool id without graphs may be released: the next capture gets its own
 
-    def forget(self, owner: Hashable) -> None:
-        """Drop the captures of one batch state (the loop let its buffers go)."""
-        for key in [k for k in self._graphs if k[0] == owner]:
+    def forget(self, owner: Hashable, kind: str | None = None) -> None:
+        """Drop the captures of one batch state (the loop let its buffers go), or only those of one
+        step kind (a tier the compiled step replaced)."""
+        gone = lambda k: k[0] == owner and (kind is None or k[1] == kind)  # noqa: E731
+        for key in [k for k in self._graphs if gone(k)]:
             del self._graphs[key]
-        self._warm = {k for k in self._warm if k[0] != owner}
+        self._warm = {k for k in self._warm if not gone(k)}
         if not self._graphs:
             self._pool = None  # as in check_weights
 

@@ -10,7 +10,11 @@ mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`
   every other load is left as ``fast_decode=False`` leaves it. ``True`` asks for it anywhere;
   ``"unfused"`` is ``True`` without the fused projections (docs/decode.md "Fused projections");
   ``"regional"`` is ``True`` with one decoder layer compiled for all of them instead of the whole
-  step, and no step graph (docs/decode.md "Regional compilation"; never the default).
+  step, compiled in the first call that needs it (docs/decode.md "Regional compilation"; never
+  the default).
+* Tiered (docs/decode.md "Tiered decoding"): the whole step's compile does not hold up the first
+  ``generate()``: the uncompiled step serves (captured as one device graph on CUDA) while a thread
+  compiles the step ahead of time, which then takes over between two tokens.
 * The static cache holds ``max_cache_len`` tokens per sequence: the KV part of the headroom
   (headroom minus its weight share and runtime reserve, docs/planning.md) divided by the KV bytes of
   one token, capped by the model's context length, rounded down to a multiple of 256.
@@ -91,9 +95,13 @@ class DecodePlan:
             "Fused projections").
         weights: the weights' format as the compile cache keys it (``bfloat16``, the torchao label).
         regional: xpukit's loop compiles one decoder layer and runs its code for every layer, the
-            rest of the step eager, with no step graph (docs/decode.md "Regional compilation").
+            rest of the step eager, all of it captured as one step graph on CUDA (docs/decode.md
+            "Regional compilation").
         weight_kernel: xpukit's weight-only product serves the decode step's quantized products
             (``int8``), or ``""`` (docs/decode.md "Weight-only products").
+        tiered: the first ``generate()`` decodes at once with the uncompiled step (captured as one
+            device graph with ``step_graph``, else eager) while a thread compiles the step, which
+            takes over between two tokens (docs/decode.md "Tiered decoding").
     """
 
     static_cache: bool
@@ -109,6 +117,7 @@ class DecodePlan:
     weights: str = ""
     regional: bool = False
     weight_kernel: str = ""
+    tiered: bool = False
 
     def loop_compile_options(self) -> dict[str, Any] | None:
         """The ``torch.compile`` keyword arguments of xpukit's loop (``None``: eager). Its own step
@@ -130,6 +139,8 @@ class DecodePlan:
         }
         if self.regional and self.compile:
             value["regional"] = True
+        if self.tiered and self.compile:
+            value["tiers"] = ["graph" if self.step_graph else "eager", "compiled"]
         if self.weight_kernel:
             value["weight_kernel"] = self.weight_kernel
         return value
@@ -302,12 +313,13 @@ def _plan(
         kv_bytes=kv_bytes,
         graph_batch_sizes=GRAPH_BATCH_SIZES,
         grouped_attention=backend == "cuda",
-        step_graph=backend == "cuda" and not ask.regional,
+        step_graph=backend == "cuda",
         inductor_patterns=not int8_patterns_off(backend, quantization_config),
         fused_projections=ask.fuse and fusable(quantization, quantization_config),
         weights=weights_label(dtype, quantization_config),
         regional=ask.regional,
         weight_kernel=weight_kernel(backend, quantization, quantization_config),
+        tiered=not ask.regional,
     )
     return plan, Decision(
         name="fast_decode",

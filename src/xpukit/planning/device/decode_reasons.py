@@ -9,14 +9,35 @@ from typing import Any
 
 from xpukit.planning.budgets import format_bytes
 
-__all__ = ["compiled_reason", "regional_reason", "sized_reason"]
+__all__ = ["compiled_reason", "regional_reason", "sized_reason", "tiers_reason"]
 
+_COMPILE_COST = (
+    "the compile of the decode step (measured on the H200 for the 36-layer Qwen3-8B shape: 59-119 s cold "
+    "for int4, 40-71 s for bf16; it grows with the layers)"
+)
 _WARMUP_COST = (
-    "the first generate() at a new batch size compiles the decode step (measured on the H200 for the "
-    "36-layer Qwen3-8B shape: 59-119 s cold for int4, 40-71 s for bf16; 11-15 s in a later process that "
-    "finds the compile cache; it grows with the layers), with a progress line while it runs; "
+    f"the first generate() at a new batch size compiles the decode step: {_COMPILE_COST}; 11-15 s in a "
+    "later process that finds the compile cache; with a progress line while it runs; "
     'warmup=True compiles at load instead (docs/decode.md "Warm-up")'
 )
+
+
+def tiers_reason(plan: Any) -> str:
+    """How the tiers share the work (``plan``: a tiered :class:`.decode.DecodePlan`)."""
+    first = (
+        "the uncompiled step captured as one CUDA graph (a capture, no compile)"
+        if plan.step_graph
+        else "the uncompiled step, eagerly (no device graph here)"
+    )
+    return (
+        f"tiered: generate() decodes at once with {first} while a thread compiles the step ahead of time "
+        f"with no device work ({_COMPILE_COST}; a later process loads the saved step from the compile "
+        "cache instead); the compiled step takes over between two tokens of the same static cache, "
+        "so no call waits for the compile and none loses a token; model.xpukit_last_decode['tiers'] "
+        "counts each tier's tokens; a failed compile leaves the first tier serving, with a "
+        "decode_tiers fallback event; warmup=True waits for the compiled step at load. The first "
+        'tier\'s speed on the 8B shape is not yet measured (docs/decode.md "Tiered decoding")'
+    )
 
 
 # Why xpukit's own weight-only product serves the decode step (docs/decode.md "Weight-only products").
@@ -55,7 +76,12 @@ def compiled_reason(plan: Any, backend: str) -> str:
     sizes = ", ".join(str(b) for b in plan.graph_batch_sizes)
     text = (
         "decoding step compiled (fullgraph, static shapes but the attention window's length, "
-        f"{graphs}), by the warm-up at batch {sizes}, other batch sizes on first use; " + _WARMUP_COST
+        f"{graphs}), "
+        + (
+            tiers_reason(plan)
+            if plan.tiered
+            else f"by the warm-up at batch {sizes}, other batch sizes on first use; " + _WARMUP_COST
+        )
     )
     if plan.grouped_attention:
         text += (
@@ -98,13 +124,18 @@ def compiled_reason(plan: Any, backend: str) -> str:
 def regional_reason(plan: Any) -> str:
     """The reason of regional compilation (``fast_decode="regional"``)."""
     sizes = ", ".join(str(b) for b in plan.graph_batch_sizes)
+    captured = (
+        "the whole step, compiled layers and eager rest, captured as one CUDA graph by xpukit's loop, so "
+        "the layers' guards run at the capture, not at every token"
+        if plan.step_graph
+        else "the rest of the step runs eagerly, with no device graph"
+    )
     return (
         "regional compilation: one decoder layer compiled (fullgraph, mode default) and its code run "
-        "by every layer, each with its own weights and part of the static cache; the rest of the step "
-        "runs eagerly and is not captured as a device graph, by the warm-up at batch "
-        f"{sizes}, other batch sizes on first use. Its first call is short (2-core CPU, 36-layer Qwen3 of "
-        "hidden size 64: a fifth of the whole step's compile; H200, Qwen3-8B shape, int4: 2.4 s with "
-        "Triton's kernels already built by the whole step's compile in the same run) and its steps are "
-        "slow (H200: 52 tokens/s against 249 for the whole step captured as one graph), so it is never "
-        'the default (docs/decode.md "Regional compilation")'
+        "by every layer, each with its own weights and part of the static cache; "
+        f"{captured}; compiled by the warm-up at batch {sizes}, other batch sizes in their first call. "
+        "Its compile is short (2-core CPU, 36-layer Qwen3 of hidden size 64: a fifth of the whole "
+        "step's); without the step graph its steps were slow (H200, Qwen3-8B shape, int4: 52 tokens/s "
+        "against 249 for the whole step captured as one graph); captured, not yet measured, so it is "
+        'not the default (docs/decode.md "Regional compilation")'
     )

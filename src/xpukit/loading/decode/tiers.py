@@ -1,0 +1,239 @@
+"""Tiered decoding: the uncompiled step serves at once, the compiled step takes over when it is built.
+
+docs/decode.md "Tiered decoding". A load that takes the fast path does not make its first
+``generate()`` wait for a compile. The loop's first tier is its decode step uncompiled (captured as a
+device graph by :class:`~xpukit.loading.decode.step_graph.StepGraphs` where the plan captures, else
+run eagerly); meanwhile a daemon thread builds the compiled step (:class:`CompileJob`), and the loop
+switches to it between two tokens once it is ready. Both tiers read and write the same static cache
+and buffers, so a switch in the middle of a call loses no token.
+
+The thread builds the step ahead of time, with no device work: ``torch.compile(...).aot_compile``
+(torch's ahead-of-time compile of a whole-graph function, which traces with fake tensors and runs no
+kernel), so the main thread's replays and captures never share the device with it; its first real
+run is the next tier's warm-up, on the main thread. The compiled function keeps no dynamo guards
+(:func:`no_guards`): every input it may see is a buffer of the loop, and what changes the code is in
+the compile cache's key. It is written beside the compile cache (``<key>.step``, torch's
+``save_compiled_function``) and a later process loads it instead of tracing and compiling
+(``torch.compiler.load_compiled_function``; docs/decode.md "Compile cache"). A torch without
+``aot_compile`` compiles the step at its first call instead (the rule before tiers), and says so.
+
+An error in the thread (a failed compile, a load that torch refuses) leaves the first tier serving;
+the loop records it as a ``fallback`` event on the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from xpukit._partial import write_file
+
+__all__ = ["CompileJob", "Tiers", "aot_available", "build_step", "load_step", "no_guards", "step_job"]
+
+logger = logging.getLogger(__name__)
+
+
+def no_guards(entries: Sequence[Any]) -> list[bool]:
+    """A dynamo guard filter that keeps no guard: the loop calls the step with its own buffers only,
+    and the compile cache's key holds everything that changes the traced code."""
+    return [False] * len(entries)
+
+
+def _aot_enabled(torch: Any) -> Any:
+    """torch hands ``torch.compile``'s result an ``aot_compile`` only with
+    ``torch._dynamo.config.enable_aot_compile`` (off by default in some releases, on in 2.13): set
+    for the one call that makes it, never left changed."""
+    if hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return torch._dynamo.config.patch(enable_aot_compile=True)
+    return contextlib.nullcontext()
+
+
+def aot_available(torch: Any) -> str | None:
+    """``None`` where this torch compiles ahead of time and loads a saved compiled function, else why
+    not (the compiled tier then compiles at its first call)."""
+    with _aot_enabled(torch):
+        probe = torch.compile(lambda x: x, fullgraph=True, backend="eager")
+    if not hasattr(probe, "aot_compile"):
+        return f"torch {torch.__version__} has no torch.compile(...).aot_compile"
+    if not hasattr(torch.compiler, "load_compiled_function"):
+        return f"torch {torch.__version__} has no torch.compiler.load_compiled_function"
+    return None
+
+
+def _compile_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments with the guard filter (torch takes it in ``options``,
+    which excludes ``mode``: mode ``default`` is the same as none)."""
+    kwargs = dict(options)
+    mode = kwargs.pop("mode", None)
+    if mode not in (None, "default"):
+        raise ValueError(f"an ahead-of-time step is built without inductor's graphs, not mode {mode!r}")
+    kwargs["options"] = {**(kwargs.get("options") or {}), "guard_filter_fn": no_guards}
+    return kwargs
+
+
+def build_step(torch: Any, step: Callable[..., Any], options: dict[str, Any], args: tuple[Any, ...]) -> Any:
+    """``step`` compiled ahead of time for ``args`` (traced with fake tensors: nothing runs)."""
+    with _aot_enabled(torch):
+        compiled = torch.compile(step, **_compile_kwargs(options))
+    with torch.inference_mode(False), torch.no_grad():
+        built = compiled.aot_compile((args, {}))
+    built.disable_guard_check()
+    return built
+
+
+def load_step(torch: Any, path: Path, step: Callable[..., Any]) -> Any:
+    """The compiled step saved at ``path`` (``FileNotFoundError`` when there is none)."""
+    with path.open("rb") as file:
+        built = torch.compiler.load_compiled_function(file, f_globals=step.__globals__)
+    built.disable_guard_check()
+    return built
+
+
+class CompileJob:
+    """The compiled step of one (batch size, step kind), built on a daemon thread.
+
+    Attributes:
+        record: what happened, for ``loop.cache_records``: ``how`` (``loaded`` from the compile cache,
+            ``compiled``), ``seconds``, ``saved`` / ``error``.
+        error: why the compiled tier will not come (``None`` while building or when built).
+    """
+
+    def __init__(
+        self,
+        build: Callable[[], tuple[Any, dict[str, Any]]],
+        *,
+        record: dict[str, Any],
+        background: bool,
+    ) -> None:
+        self.record: dict[str, Any] = dict(record)
+        self.error: str | None = None
+        self.reported = False
+        self._step: Any = None
+        self._done = threading.Event()
+        self._build = build
+        self._thread: threading.Thread | None = None
+        if background:
+            name = f"xpukit-compile-b{record.get('batch')}-{record.get('step')}"
+            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread.start()
+        else:
+            self._run()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            self._step, record = self._build()
+            self.record.update(record)
+        except BaseException as exc:  # a thread's failure is recorded; the first tier serves on
+            self.error = f"{type(exc).__name__}: {exc}"
+            logger.warning("xpukit: compiled decode step not built (%s); the first tier serves", self.error)
+        self.record["seconds"] = round(time.perf_counter() - start, 2)
+        self._done.set()
+
+    def ready(self) -> Any:
+        """The compiled step when built, else ``None`` (never waits)."""
+        return self._step if self._done.is_set() else None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Wait for the build (warm-up at load); the compiled step, or ``None`` after an error."""
+        self._done.wait(timeout)
+        return self._step
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+def step_job(
+    torch: Any,
+    args: tuple[Any, ...],
+    options: dict[str, Any],
+    path: Path,
+    *,
+    record: dict[str, Any],
+    background: bool,
+) -> CompileJob:
+    """Build xpukit's decode step for ``args`` (the loop's buffers of one batch size and step kind):
+    loaded from ``path`` when a process saved it there, else compiled ahead of time and saved there
+    (atomically; a directory that cannot be written is recorded, never raised)."""
+    from xpukit.loading.decode.step import decode_step
+
+    def build() -> tuple[Any, dict[str, Any]]:
+        done: dict[str, Any] = {**record, "path": str(path)}
+        try:
+            return load_step(torch, path, decode_step), done | {"how": "loaded"}
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # a file of another torch: compile again
+            done["load_error"] = f"{type(exc).__name__}: {exc}"
+        lock = getattr(torch._dynamo.convert_frame, "compile_lock", None)  # one dynamo compile at a time
+        with lock if lock is not None else contextlib.nullcontext():
+            built = build_step(torch, decode_step, options, args)
+        done["how"] = "compiled"
+        try:
+            blob = type(built).serialize(built).serialized_data
+            write_file(path, blob)
+            done.update(saved=True, bytes=len(blob))
+        except Exception as exc:  # a cache dir that cannot be written, a step torch cannot save
+            done["save_error"] = f"{type(exc).__name__}: {exc}"
+        return built, done
+
+    return CompileJob(build, record=record, background=background)
+
+
+class Tiers:
+    """The compiled steps a loop is building or has built, and what went wrong.
+
+    Attributes:
+        jobs: one :class:`CompileJob` per (batch size, step kind).
+        background: build on a daemon thread (``False``: in the call that first needs the step).
+        events: ``decode_tiers`` fallbacks after the load, each also handed to ``on_event`` (the load
+            puts them on the model's plan).
+    """
+
+    def __init__(self) -> None:
+        self.jobs: dict[tuple[int, str], CompileJob] = {}
+        self.background = True
+        self.events: list[Any] = []
+        self.on_event: Callable[[Any], None] | None = None
+
+    def start(
+        self, key: tuple[int, str], args: tuple[Any, ...], options: dict[str, Any], path: Path
+    ) -> CompileJob:
+        """The job of ``key`` (batch size, step kind), started on first need."""
+        import torch
+
+        if key not in self.jobs:
+            record = {"batch": key[0], "step": key[1]}
+            self.jobs[key] = step_job(torch, args, options, path, record=record, background=self.background)
+        return self.jobs[key]
+
+    def event(self, *, planned: Any, actual: Any, cause: str) -> None:
+        """A ``decode_tiers`` fallback: recorded, and handed to ``on_event``."""
+        from xpukit.planning.vocabulary import LoadEvent
+
+        event = LoadEvent(kind="fallback", what="decode_tiers", planned=planned, actual=actual, cause=cause)
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def report(self, job: CompileJob, first_tier: str) -> None:
+        """Say once that ``job`` failed and the first tier serves on."""
+        if job.error and not job.reported:
+            job.reported = True
+            what = f"batch {job.record.get('batch')} ({job.record.get('step')})"
+            self.event(
+                planned="compiled tier", actual=f"{first_tier} tier",
+                cause=f"the compiled step for {what} was not built: {job.error}",
+            )  # fmt: skip
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for every step being built (the warm-up); whether all were built."""
+        for job in list(self.jobs.values()):
+            job.wait(timeout)
+        return all(job.ready() is not None for job in self.jobs.values())

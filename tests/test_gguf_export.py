@@ -363,7 +363,10 @@ def test_a_stopped_export_leaves_nothing_half_written(
 
 
 @pytest.mark.slow
-def test_llama_cpp_greedy_decodes_like_transformers(bf16_sources: dict[str, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_llama_cpp_greedy_decodes_like_transformers(
+    family: str, bf16_sources: dict[str, Path], tmp_path: Path
+) -> None:
     """llama.cpp itself (through llama-cpp-python) runs the exported file: greedy tokens as transformers'."""
     llama_cpp = pytest.importorskip(
         "llama_cpp",
@@ -375,7 +378,7 @@ def test_llama_cpp_greedy_decodes_like_transformers(bf16_sources: dict[str, Path
 
     from xpukit.loading.gguf_export import export_gguf_from_source
 
-    source = bf16_sources["llama"]
+    source = bf16_sources[family]
     result = export_gguf_from_source(str(source), tmp_path / "gguf", type="f16")
     prompt = AutoTokenizer.from_pretrained(source)("The baker").input_ids
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)

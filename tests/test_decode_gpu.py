@@ -154,6 +154,7 @@ _CHILD = textwrap.dedent(
     warm = next(e.actual for e in model.xpukit_plan.events if e.what == "warmup")
     counters = torch._dynamo.utils.counters
     print(json.dumps({"load_and_warmup_s": time.perf_counter() - start, "warmup": warm,
+                      "graphs": counters["stats"]["unique_graphs"],
                       "inductor": dict(counters["inductor"]), "aot": dict(counters["aot_autograd"])}))
     """
 )
@@ -178,11 +179,12 @@ def test_a_second_process_loads_the_compile_cache(tiny_model, tmp_path):
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
+    # fast_decode=True is tiered (docs/decode.md "Tiered decoding"): the warm-up waits for the compiled
+    # step, built ahead of time and saved; a second process loads it whole: dynamo traces nothing.
     first = child("first")
     [record] = first["warmup"]["compile_cache"]
-    assert first["warmup"]["compiled"] is True and record["loaded"] is False and record["saved"] is True
+    assert first["warmup"]["compiled"] is True and record["how"] == "compiled" and record["saved"] is True
     second = child("second")
     [record] = second["warmup"]["compile_cache"]
-    assert record["loaded"] is True and record["artifacts"]
-    assert second["inductor"].get("fxgraph_cache_hit", 0) > 0
-    assert second["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert record["how"] == "loaded", record
+    assert second["graphs"] == 0 and second["inductor"].get("fxgraph_cache_miss", 0) == 0

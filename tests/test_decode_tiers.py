@@ -123,6 +123,7 @@ def test_a_failed_build_leaves_the_first_tier_serving_and_says_why(
     assert (event.kind, event.what) == ("fallback", "decode_tiers") and "could not build" in event.cause
     assert _generate(model, tokenizer) == want  # the next call too, and the failure is said once
     assert loop.tiers.events == seen and loop.tiers.wait() is False
+    assert "could not build" in loop.cache_records[0]["error"]  # what bench rows show
 
 
 def test_the_background_build_never_blocks_a_call(

@@ -130,7 +130,7 @@ class CompileJob:
             self._step, record = self._build()
             self.record.update(record)
         except BaseException as exc:  # a thread's failure is recorded; the first tier serves on
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = self.record["error"] = f"{type(exc).__name__}: {exc}"
             logger.warning("xpukit: compiled decode step not built (%s); the first tier serves", self.error)
         self.record["seconds"] = round(time.perf_counter() - start, 2)
         self._done.set()

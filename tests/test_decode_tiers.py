@@ -123,6 +123,7 @@ def test_a_failed_build_leaves_the_first_tier_serving_and_says_why(
     assert (event.kind, event.what) == ("fallback", "decode_tiers") and "could not build" in event.cause
     assert _generate(model, tokenizer) == want  # the next call too, and the failure is said once
     assert loop.tiers.events == seen and loop.tiers.wait() is False
+    assert "could not build" in loop.cache_records[0]["error"]  # what bench rows show
 
 
 def test_the_background_build_never_blocks_a_call(
@@ -254,3 +255,25 @@ def test_replay_runs_the_tier_that_serves(tiny_model, tokenizer, tmp_path, rerun
     loop.replay(4)
     assert loop.step_graphs.stats["replays"] == before["replays"] + 4
     assert {key[1] for key in loop.step_graphs._graphs} == {"greedy"}  # the compiled tier's capture
+
+
+def test_torchao_weights_build_save_and_load_ahead_of_time(wide_model, tmp_path):
+    """The default fast path's weights are torchao tensor subclasses: the ahead-of-time step takes
+    them as inputs, is saved, and a second loop loads it, with plain generate's greedy tokens."""
+    import torch
+
+    from xpukit import load_for_xpu
+
+    ids = torch.arange(3, 3 + 7 * 12, 7).remainder(1000).unsqueeze(0)
+    plain = load_for_xpu(str(wide_model), device="cpu", dtype="float32", quantize="8bit")
+    with torch.no_grad():
+        want = plain.generate(ids, max_new_tokens=8, do_sample=False).tolist()
+    for how in ("compiled", "loaded"):
+        model = load_for_xpu(str(wide_model), device="cpu", dtype="float32", quantize="8bit")
+        assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "Int8Tensor"
+        loop = install_decode_loop(model, max_cache_len=256, compile_options=None, cache_dir=tmp_path)
+        loop.tiers.background = False
+        loop.set_compile(OPTIONS, tiered=True)
+        assert model.generate(ids, max_new_tokens=8, do_sample=False).tolist() == want
+        assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": 7}
+        assert loop.cache_records[0]["how"] == how

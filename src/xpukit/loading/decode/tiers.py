@@ -115,22 +115,22 @@ class CompileJob:
         self.reported = False
         self._step: Any = None
         self._done = threading.Event()
-        self._build = build
         self._thread: threading.Thread | None = None
         if background:
             name = f"xpukit-compile-b{record.get('batch')}-{record.get('step')}"
-            self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(build,), name=name, daemon=True)
             self._thread.start()
         else:
-            self._run()
+            self._run(build)
 
-    def _run(self) -> None:
+    def _run(self, build: Callable[[], tuple[Any, dict[str, Any]]]) -> None:
+        """Build (the example inputs live in ``build``: nothing here keeps them once it returns)."""
         start = time.perf_counter()
         try:
-            self._step, record = self._build()
+            self._step, record = build()
             self.record.update(record)
         except BaseException as exc:  # a thread's failure is recorded; the first tier serves on
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = self.record["error"] = f"{type(exc).__name__}: {exc}"
             logger.warning("xpukit: compiled decode step not built (%s); the first tier serves", self.error)
         self.record["seconds"] = round(time.perf_counter() - start, 2)
         self._done.set()

@@ -62,13 +62,25 @@ def finetune(args: argparse.Namespace) -> int:
                 batch = tokenizer(held_out, return_tensors="pt", padding=True)
                 labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
                 held = float(model(**batch, labels=labels).loss)
-            print(json.dumps({
-                "bench": "qlora-finetune", "round": round_, "lora_dropout": dropout, "fused": fused,
-                "loss": loss_kind,
-                "steps": steps,
-                "loss_first": losses[0], "loss_last10_mean": round(statistics.mean(losses[-10:]), 4),
-                "held_out_loss": round(held, 4), "tokens_per_s": round(tokens / seconds, 1),
-                "seconds": round(seconds, 2), "losses": losses, "versions": versions(),
-                "date": today(),
-            }), flush=True)  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "bench": "qlora-finetune",
+                        "round": round_,
+                        "lora_dropout": dropout,
+                        "fused": fused,
+                        "loss": loss_kind,
+                        "steps": steps,
+                        "loss_first": losses[0],
+                        "loss_last10_mean": round(statistics.mean(losses[-10:]), 4),
+                        "held_out_loss": round(held, 4),
+                        "tokens_per_s": round(tokens / seconds, 1),
+                        "seconds": round(seconds, 2),
+                        "losses": losses,
+                        "versions": versions(),
+                        "date": today(),
+                    }
+                ),
+                flush=True,
+            )
     return 0

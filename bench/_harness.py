@@ -287,8 +287,17 @@ def ensure_model(
         return
     started = time.perf_counter()
     shape = build(model_dir, args)
-    print(json.dumps({"bench": bench, "event": "built", "shape": shape,
-                      "seconds": round(time.perf_counter() - started, 1)}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "bench": bench,
+                "event": "built",
+                "shape": shape,
+                "seconds": round(time.perf_counter() - started, 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 def interleaved_rounds(
@@ -325,9 +334,15 @@ def interleaved_rounds(
 
 
 def rounds_of_children(
-    args: argparse.Namespace, variants: list[str], *, script: str, bench: str, summarize: Any,
-    build: Callable[..., dict[str, Any]], compare: Any = None,
-) -> int:  # fmt: skip
+    args: argparse.Namespace,
+    variants: list[str],
+    *,
+    script: str,
+    bench: str,
+    summarize: Any,
+    build: Callable[..., dict[str, Any]],
+    compare: Any = None,
+) -> int:
     """The model built once (``--model-cache``, ``--workdir``), then the interleaved rounds of child
     processes; returns the process's exit status (1 when a variant failed)."""
     if args.workdir:

@@ -17,9 +17,27 @@ KERNEL_CATEGORIES = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "mha", "efficient")),
     ("optimizer", ("multi_tensor_apply", "adam", "fused_adam")),
     ("copy_cast", ("copy", "memcpy", "memset")),  # dtype casts are direct_copy_kernel on CUDA
-    ("elementwise", ("elementwise", "vectorized", "reduce", "silu", "swiglu", "rms", "norm", "softmax",
-                     "mul", "add", "sigmoid", "cross_entropy", "rope", "fill", "triton")),
-)  # fmt: skip
+    (
+        "elementwise",
+        (
+            "elementwise",
+            "vectorized",
+            "reduce",
+            "silu",
+            "swiglu",
+            "rms",
+            "norm",
+            "softmax",
+            "mul",
+            "add",
+            "sigmoid",
+            "cross_entropy",
+            "rope",
+            "fill",
+            "triton",
+        ),
+    ),
+)
 
 
 def kernel_category(name: str) -> str:
@@ -64,9 +82,10 @@ def profile_summary(prof: Any, wall: float, steps: int, device: str) -> dict[str
     # Device events less the user annotations the profiler also draws on the device's timeline (the
     # optimizer's step range spans its kernels and the gaps between them).
     kernels = [
-        e for e in prof.events()
+        e
+        for e in prof.events()
         if e.device_type == device_type and not getattr(e, "is_user_annotation", False)
-    ]  # fmt: skip
+    ]
     by_name: dict[str, float] = {}
     intervals = []
     for event in kernels:

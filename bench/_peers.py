@@ -30,9 +30,11 @@ def load_recipe(args: argparse.Namespace, facts: Any, dtype: str) -> tuple[Any, 
     from xpukit.planning.training.lora_request import DEFAULT_LORA
 
     model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir, dtype=getattr(torch, dtype), device_map=facts.torch_device,
+        args.model_dir,
+        dtype=getattr(torch, dtype),
+        device_map=facts.torch_device,
         quantization_config=bnb_config(dtype),
-    )  # fmt: skip
+    )
     model = prepare_model_for_kbit_training(
         model, use_gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False}
     )
@@ -57,16 +59,22 @@ def load_unsloth(args: argparse.Namespace, variant: str, dtype: str) -> tuple[An
 
         tokenizer = str(demo_model_dir())
     model, _ = FastLanguageModel.from_pretrained(
-        args.model_dir, max_seq_length=args.seq, dtype=getattr(torch, dtype), load_in_4bit=True,
+        args.model_dir,
+        max_seq_length=args.seq,
+        dtype=getattr(torch, dtype),
+        load_in_4bit=True,
         tokenizer_name=tokenizer,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     gc: Any = "unsloth" if variant == "unsloth" else False
     model = FastLanguageModel.get_peft_model(
-        model, r=DEFAULT_LORA["r"], lora_alpha=DEFAULT_LORA["lora_alpha"],
-        lora_dropout=DEFAULT_LORA["lora_dropout"], use_gradient_checkpointing=gc,
+        model,
+        r=DEFAULT_LORA["r"],
+        lora_alpha=DEFAULT_LORA["lora_alpha"],
+        lora_dropout=DEFAULT_LORA["lora_dropout"],
+        use_gradient_checkpointing=gc,
         target_modules=unsloth_targets(model),
-    )  # fmt: skip
+    )
     return model, [f"unsloth {getattr(unsloth, '__version__', '?')}, use_gradient_checkpointing={gc!r}"], None
 
 
@@ -146,8 +154,9 @@ def against_fastest_peer(
         }
         for key in ("tokens_per_s", "tokens_per_s_first20"):
             theirs = {r.get("round"): r.get(key) for r in fitting[best]}
-            ratios = [r[key] / theirs[r.get("round")] for r in mine
-                      if r.get(key) and theirs.get(r.get("round"))]  # fmt: skip
+            ratios = [
+                r[key] / theirs[r.get("round")] for r in mine if r.get(key) and theirs.get(r.get("round"))
+            ]
             if ratios:
                 name = "ratio" if key == "tokens_per_s" else "ratio_first20"
                 row[name] = round(statistics.median(ratios), 3)

@@ -76,12 +76,38 @@ _STARTED = time.perf_counter()  # the second process reports its start-up from h
 DECODE_PACKAGES = ("torch", "transformers", "accelerate", "xpukit", "torchao", "bitsandbytes")
 
 VARIANTS = (
-    "raw", "xpukit", "fast", "fast-unfused", "fast-sdpa", "fast-hf", "static", "compiled", "loop",
-    "nf4", "int4", "int8", "int4-plain", "int8-plain", "int4-fast", "int8-fast", "int4-fast-unfused",
-    "int8-fast-unfused", "fast-trees", "int4-fast-trees", "int8-fast-patterns", "fast-regional",
-    "int4-fast-regional", "int8-fast-torchao", "int4-fast-torchao", "int4-untiered", "int8-untiered",
-    "fast-untiered", "int4-regional", "fast-untiered-regional", "loop-tiered",
-)  # fmt: skip
+    "raw",
+    "xpukit",
+    "fast",
+    "fast-unfused",
+    "fast-sdpa",
+    "fast-hf",
+    "static",
+    "compiled",
+    "loop",
+    "nf4",
+    "int4",
+    "int8",
+    "int4-plain",
+    "int8-plain",
+    "int4-fast",
+    "int8-fast",
+    "int4-fast-unfused",
+    "int8-fast-unfused",
+    "fast-trees",
+    "int4-fast-trees",
+    "int8-fast-patterns",
+    "fast-regional",
+    "int4-fast-regional",
+    "int8-fast-torchao",
+    "int4-fast-torchao",
+    "int4-untiered",
+    "int8-untiered",
+    "fast-untiered",
+    "int4-regional",
+    "fast-untiered-regional",
+    "loop-tiered",
+)
 # Loads through load_for_xpu's own arguments: variant -> (quantize, fast_decode, warmup)
 # (docs/decode.md "Fast by default", "Fused projections", "Quantized models").
 LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
@@ -335,8 +361,9 @@ def run(args: argparse.Namespace, variants: list[str], root: Path) -> None:
             second(args, common | {"shape": shape}, path, root, None, late())
 
 
-def second(args: argparse.Namespace, common: dict[str, Any], path: Path, root: Path, quantize: str | None,
-           late: bool) -> None:  # fmt: skip
+def second(
+    args: argparse.Namespace, common: dict[str, Any], path: Path, root: Path, quantize: str | None, late: bool
+) -> None:
     """A fresh process's first call (``rows.second_process``), or a ``skipped`` row past the deadline."""
     if late:
         name = f"second-process-{quantize}" if quantize else "fast-second-process"

@@ -207,11 +207,16 @@ def main() -> None:
                 row = compare(name, outputs(merged, held_out, prompts, args.new_tokens), reference, mask)
                 print(
                     json.dumps(
-                        {**common, "trained_on": trained_on, "train_loss_first": round(losses[0], 4),
-                         "train_loss_last": round(losses[-1], 4), **row}
+                        {
+                            **common,
+                            "trained_on": trained_on,
+                            "train_loss_first": round(losses[0], 4),
+                            "train_loss_last": round(losses[-1], 4),
+                            **row,
+                        }
                     ),
                     flush=True,
-                )  # fmt: skip
+                )
             del variants
 
 

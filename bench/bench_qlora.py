@@ -367,9 +367,16 @@ def load_xpukit(
 
     def load(lora: Any) -> Any:
         return load_for_xpu(
-            args.model_dir, device=device, dtype=dtype, quantize="4bit", lora=lora, seed=0,
-            batch_size=args.batch, seq_len=args.seq, max_memory=max_memory,
-        )  # fmt: skip
+            args.model_dir,
+            device=device,
+            dtype=dtype,
+            quantize="4bit",
+            lora=lora,
+            seed=0,
+            batch_size=args.batch,
+            seq_len=args.seq,
+            max_memory=max_memory,
+        )
 
     from xpukit.loading.training import fused_lora
 

@@ -86,16 +86,29 @@ from _shapes import SHAPES, build_model
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VARIANTS = (
-    "xpukit", "xpukit-sft", "xpukit-nopack", "xpukit-eager", "xpukit-liger", "xpukit-adamw",
-    "xpukit-gc-graphs", "xpukit-offload-graphs", "xpukit-lean", "xpukit-nowarm", "xpukit-b512",
-    "xpukit-warm1", "xpukit-paged", *UNSLOTH_SETUPS,
-)  # fmt: skip
+    "xpukit",
+    "xpukit-sft",
+    "xpukit-nopack",
+    "xpukit-eager",
+    "xpukit-liger",
+    "xpukit-adamw",
+    "xpukit-gc-graphs",
+    "xpukit-offload-graphs",
+    "xpukit-lean",
+    "xpukit-nowarm",
+    "xpukit-b512",
+    "xpukit-warm1",
+    "xpukit-paged",
+    *UNSLOTH_SETUPS,
+)
 # lora= and training_args keywords of the xpukit variants beside the one call.
 XPUKIT_LORA: dict[str, Any] = {
-    "xpukit-nopack": {"packing": False}, "xpukit-eager": {"graphs": False}, "xpukit-liger": {"liger": True},
+    "xpukit-nopack": {"packing": False},
+    "xpukit-eager": {"graphs": False},
+    "xpukit-liger": {"liger": True},
     "xpukit-gc-graphs": {"gradient_checkpointing": True, "graphs": True},
     "xpukit-offload-graphs": {"gradient_checkpointing": "offload", "graphs": True},
-}  # fmt: skip
+}
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
     "xpukit-paged": {"optim": "paged_adamw_8bit"},
@@ -150,15 +163,19 @@ def main() -> int:
         help="xpukit's device budget, e.g. 8GB; a comma-separated list runs each (none: no budget)",
     )
     parser.add_argument(
-        "--profile-steps", type=int, default=0,
+        "--profile-steps",
+        type=int,
+        default=0,
         help="profile the last N steps (torch.profiler): the device's busy share, kernels, device ms a step",
-    )  # fmt: skip
+    )
     parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
     parser.add_argument("--first-round", type=int, default=0, help="the first round's number (runs split up)")
     parser.add_argument(
-        "--summarize", nargs="+", metavar="ROWS",
+        "--summarize",
+        nargs="+",
+        metavar="ROWS",
         help="only the summaries and versus lines of the JSON rows in these files (rounds run apart)",
-    )  # fmt: skip
+    )
     parser.add_argument("--workdir", help="where the random model is written (default: a temp dir)")
     parser.add_argument("--model-cache", help="reuse (or build once into) this model directory")
     parser.add_argument("--tokenizer", help="a small local tokenizer (default: the demo model's)")
@@ -183,9 +200,14 @@ def main() -> int:
     for data in args.data.split(","):
         args.data, sys.argv = data, _with_data(argv, data)  # the children read sys.argv
         status |= h.rounds_of_children(
-            args, variants, script=__file__, bench="realrun", summarize=summary, build=build_model,
+            args,
+            variants,
+            script=__file__,
+            bench="realrun",
+            summarize=summary,
+            build=build_model,
             compare=compare,
-        )  # fmt: skip
+        )
     return status
 
 
@@ -214,8 +236,14 @@ def summarize_files(paths: list[str]) -> int:
 
 
 def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    summed = ("tokens_per_s", "tokens_per_s_steady", "tokens_per_s_first20", "peak_mem_gb", "step_ms_median",
-              "loss_last")  # fmt: skip
+    summed = (
+        "tokens_per_s",
+        "tokens_per_s_steady",
+        "tokens_per_s_first20",
+        "peak_mem_gb",
+        "step_ms_median",
+        "loss_last",
+    )
     kept = ("data", "micro_batch", "graphs", "packing", "plan", "max_memory", "budget_kept")
     return h.summary(variant, rows, bench="realrun", summed=summed, kept=kept)
 
@@ -259,17 +287,35 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     data = dataset(args.data, n, config["vocab_size"], seed=0, scale=scale)
     longest = max(len(d["input_ids"]) for d in data)
     out_dir = tempfile.mkdtemp(prefix="realrun-")
-    common = dict(output_dir=out_dir, max_steps=args.steps, logging_steps=args.log_every, save_strategy="no",
-                  report_to=[], disable_tqdm=True, learning_rate=2e-4, seed=0, data_seed=0,
-                  dataloader_num_workers=0)  # fmt: skip
+    common = dict(
+        output_dir=out_dir,
+        max_steps=args.steps,
+        logging_steps=args.log_every,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        learning_rate=2e-4,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+    )
     plan: Any = None
     if variant.startswith("xpukit"):
         from xpukit import load_for_xpu, training_args
 
         budget = {0 if device != "cpu" else "cpu": args.max_memory} if args.max_memory else None
         lora: Any = XPUKIT_LORA.get(variant, True)
-        model = load_for_xpu(args.model_dir, device=device, dtype=dtype, quantize="4bit", lora=lora, seed=0,
-                             batch_size=args.batch, seq_len=longest, max_memory=budget)  # fmt: skip
+        model = load_for_xpu(
+            args.model_dir,
+            device=device,
+            dtype=dtype,
+            quantize="4bit",
+            lora=lora,
+            seed=0,
+            batch_size=args.batch,
+            seq_len=longest,
+            max_memory=budget,
+        )
         plan = model.xpukit_plan
         if variant == "xpukit-warm1" and getattr(model, "xpukit_layer_graphs", None) is not None:
             model.xpukit_layer_graphs.warmups = 1
@@ -294,8 +340,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         if trainer_kind == "sft":
             from trl import SFTConfig
 
-            targs = SFTConfig(per_device_train_batch_size=args.batch, bf16=dtype == "bfloat16",
-                              max_length=None, **common)  # fmt: skip
+            targs = SFTConfig(
+                per_device_train_batch_size=args.batch, bf16=dtype == "bfloat16", max_length=None, **common
+            )
         else:
             from transformers import TrainingArguments
 
@@ -367,11 +414,15 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     slack = h.graph_pool_slack(device, pools)
     losses = [round(h["loss"], 4) for h in trainer.state.log_history if "loss" in h]
     row: dict[str, Any] = {
-        "bench": "realrun", "variant": variant, "data": args.data, "device": device,
+        "bench": "realrun",
+        "variant": variant,
+        "data": args.data,
+        "device": device,
         "tokens_per_s": round(sum(per_step[timed]) / sum(steps), 1) if steps else None,
         "tokens_per_s_steady": round(sum(per_step[k] for k in steady) / steady_time, 1) if steady else None,
         "tokens_per_s_first20": round(sum(per_step[:first]) / (times[first - 1] - started), 1)
-        if first else None,
+        if first
+        else None,
         "captures": captures[-1] if captures else 0,
         "captures_timed": captures[-1] - captures[args.warmup - 1] if captures else 0,
         "step_ms_median": round(1000 * statistics.median(steps), 1) if steps else None,
@@ -379,23 +430,42 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "real_tokens_per_step": round(statistics.mean(per_step), 1),
         "real_tokens_max_micro_batch": max(counting.tokens) if counting.tokens else None,
         "memory_pools_gb": pools,
-        "peak_mem_gb": round(peak / 1e9, 2), "peak_allocated_gb": round(allocated / 1e9, 2),
-        "graph_pool_slack_gb": round(slack / 1e9, 2), "seconds": round(time.perf_counter() - started, 1),
-        "micro_batch": micro, "accumulation": accumulate, "losses": losses,
-        "loss_last": losses[-1] if losses else None, "max_memory": args.max_memory,
+        "peak_mem_gb": round(peak / 1e9, 2),
+        "peak_allocated_gb": round(allocated / 1e9, 2),
+        "graph_pool_slack_gb": round(slack / 1e9, 2),
+        "seconds": round(time.perf_counter() - started, 1),
+        "micro_batch": micro,
+        "accumulation": accumulate,
+        "losses": losses,
+        "loss_last": losses[-1] if losses else None,
+        "max_memory": args.max_memory,
         "budget_kept": reserved <= (budget_bytes(args.max_memory) or reserved)
-        if reserved is not None and args.max_memory else None,
-        "versions": h.versions(), "date": h.today(),
-    }  # fmt: skip
+        if reserved is not None and args.max_memory
+        else None,
+        "versions": h.versions(),
+        "date": h.today(),
+    }
     if "summary" in profiled:
         row["profile"] = profiled["summary"]
     if plan is not None and plan.training is not None:
         row["pass_tokens"] = plan.training.pass_tokens
         row["split_by_tokens"] = plan.training.split_by_tokens
     if plan is not None:
-        row["plan"] = {d.name: str(d.value) for d in plan.decisions
-                       if d.name in ("gradient_checkpointing", "liger", "loss", "micro_batch", "fused_lora",
-                                     "layer_graphs", "packing", "input_embedding")}  # fmt: skip
+        row["plan"] = {
+            d.name: str(d.value)
+            for d in plan.decisions
+            if d.name
+            in (
+                "gradient_checkpointing",
+                "liger",
+                "loss",
+                "micro_batch",
+                "fused_lora",
+                "layer_graphs",
+                "packing",
+                "input_embedding",
+            )
+        }
     for attr, key in (("xpukit_packing", "packing"), ("xpukit_layer_graphs", "graphs")):
         counters = getattr(model, attr, None)
         if counters is not None:

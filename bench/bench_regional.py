@@ -44,9 +44,12 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(args.model_path, dtype=dtype).to(args.device).eval()
     options = None if args.mode == "eager" else compile_settings("default")
     loop = install_decode_loop(
-        model, max_cache_len=args.cache_len, compile_options=options,
-        cache_dir=Path(tempfile.mkdtemp(prefix="xpukit-compile-")), regional=args.mode == "regional",
-    )  # fmt: skip
+        model,
+        max_cache_len=args.cache_len,
+        compile_options=options,
+        cache_dir=Path(tempfile.mkdtemp(prefix="xpukit-compile-")),
+        regional=args.mode == "regional",
+    )
     vocab = int(model.config.vocab_size)
     seeded = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (1, args.prompt), generator=seeded).to(args.device)
@@ -88,9 +91,12 @@ def main() -> int:
     root = Path(args.model_dir or tempfile.mkdtemp(prefix="xpukit-bench-regional-"))
     path = build(args.shape, root, args.device)
     common = {
-        "bench": "regional", "date": h.today(), "device": args.device, "shape": args.shape,
+        "bench": "regional",
+        "date": h.today(),
+        "device": args.device,
+        "shape": args.shape,
         "versions": h.versions_with_python(("torch", "transformers", "xpukit")),
-    }  # fmt: skip
+    }
     rows: dict[str, list[dict[str, Any]]] = {}
     for round_ in range(args.repeat):
         for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
@@ -111,9 +117,16 @@ def main() -> int:
     for mode, runs in rows.items():
         good = [r for r in runs if "error" not in r]
         if good:
-            h.emit(common | {"mode": mode, "summary": True, "runs": len(good),
-                             "best_first_call_s": min(r["first_call_s"] for r in good),
-                             "best_tok_s": max(r["tok_s"] for r in good)})  # fmt: skip
+            h.emit(
+                common
+                | {
+                    "mode": mode,
+                    "summary": True,
+                    "runs": len(good),
+                    "best_first_call_s": min(r["first_call_s"] for r in good),
+                    "best_tok_s": max(r["tok_s"] for r in good),
+                }
+            )
     return 0
 
 

@@ -91,9 +91,19 @@ def live_malloc() -> int | None:
     class Mallinfo2(ctypes.Structure):
         _fields_ = [
             (name, ctypes.c_size_t)
-            for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                         "fordblks", "keepcost")
-        ]  # fmt: skip
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     name = ctypes.util.find_library("c")
     try:
@@ -150,15 +160,18 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument(
-        "--loader", choices=("xpukit", "plain", "plain-map"), default="xpukit",
+        "--loader",
+        choices=("xpukit", "plain", "plain-map"),
+        default="xpukit",
         help="xpukit: load_for_xpu; plain: transformers' from_pretrained(...).to(device), the control; "
         "plain-map: from_pretrained(..., device_map=device), transformers' own loading path with a map",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--dtype", choices=("auto", "bfloat16", "float16", "float32"),
+        "--dtype",
+        choices=("auto", "bfloat16", "float16", "float32"),
         help="the dtype every loader loads in; default: load_for_xpu's choice for xpukit, the checkpoint's "
         "for plain and plain-map",
-    )  # fmt: skip
+    )
     parser.add_argument("--tracemalloc", action="store_true", help="trace the Python heap's growth")
     args = parser.parse_args()
     import tracemalloc

@@ -223,9 +223,13 @@ def test_the_recorded_settings_hold_the_base_for_a_load_and_for_training(
         assert config["bnb_4bit_quant_type"] == "fp4" and config["bnb_4bit_use_double_quant"] is False
         assert not [w for w in plan.warnings if "trained" in w]
     eight = parse_record(
-        record_from({"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": 5.0},
-                    dtype="bfloat16", base_model="m"), "r.json",
-    )  # fmt: skip
+        record_from(
+            {"quant_method": "bitsandbytes", "load_in_8bit": True, "llm_int8_threshold": 5.0},
+            dtype="bfloat16",
+            base_model="m",
+        ),
+        "r.json",
+    )
     assert eight.load_quantization("bfloat16") == {"load_in_8bit": True, "llm_int8_threshold": 5.0}
     gptq = parse_record(record_from({"quant_method": "gptq"}, dtype="bfloat16", base_model="m"), "r.json")
     assert gptq.load_quantization("bfloat16") is None

@@ -406,3 +406,18 @@ def test_the_reading_rule_sees_a_read() -> None:
     code = "import os\nfrom urllib import request\ndef f(p):\n    return open(p).read(), os.environ['X']\n"
     found = _reads(ast.parse(code))
     assert sorted(f.split(" on")[0] for f in found) == ["import urllib", "open()", "os.environ"]
+
+
+def test_the_formatter_is_on_everywhere() -> None:
+    """No formatter skip or off marker in the code: ruff format lays every line out, and a body the
+    formatter makes too long is split into named steps instead (CONTRIBUTING.md)."""
+    root = SRC.parent
+    markers = ("# fmt: " + "skip", "# fmt: " + "off")  # spelled apart: this file holds no marker
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for folder in ("src", "tests", "bench", "examples")
+        for path in sorted((root / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if any(marker in line for marker in markers)
+    ]
+    assert found == [], f"formatter switched off at {found}"

@@ -66,8 +66,9 @@ def test_a_lora_model_trains_the_same(tiny_model: Path, monkeypatch: pytest.Monk
     labels[:, :4] = -100
     results = []
     for chunked in (False, True):
-        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0,
-                             lora={"gradient_checkpointing": False})  # fmt: skip
+        model = load_for_xpu(
+            tiny_model, device="cpu", dtype="float32", seed=0, lora={"gradient_checkpointing": False}
+        )
         base = model.get_base_model()
         if chunked:
             note = apply_chunked_loss(base)

@@ -66,8 +66,11 @@ def test_a_regular_file_as_merge_out_is_named_a_file(tiny_model: Path, tmp_path:
 def test_an_adapter_passed_as_the_model_gives_the_call_that_loads_it(
     tiny_model: Path, adapter: Path, tmp_path: Path
 ) -> None:
-    for argv in (["plan", str(adapter)], ["merge", str(adapter), str(adapter), str(tmp_path / "o")],
-                 ["demo", "--model", str(adapter)]):  # fmt: skip
+    for argv in (
+        ["plan", str(adapter)],
+        ["merge", str(adapter), str(adapter), str(tmp_path / "o")],
+        ["demo", "--model", str(adapter)],
+    ):
         code, _, err = _cli(*argv)
         line = _one_line(err, argv[0])
         assert code == 1 and "is a LoRA adapter (adapter_config.json found)" in line
@@ -80,8 +83,11 @@ def test_a_model_folder_without_weights_is_one_line(
 ) -> None:
     folder = tmp_path / "no-weights"
     shutil.copytree(tiny_model, folder, ignore=shutil.ignore_patterns("*.safetensors"))
-    argv = ["merge", str(folder), str(adapter), str(tmp_path / "o")] if command == "merge" else [
-        "demo", "--model", str(folder)]  # fmt: skip
+    argv = (
+        ["merge", str(folder), str(adapter), str(tmp_path / "o")]
+        if command == "merge"
+        else ["demo", "--model", str(folder)]
+    )
     code, out, err = _cli(*argv)
     assert code == 1 and "has a config.json but no weights" in _one_line(err, command)
     assert "Plan for" not in out  # the demo refuses before it prints its plan

@@ -44,8 +44,15 @@ def test_qlora_trains_on_the_cpu(tiny_model: Path, cpu_kind: str, tmp_path: Path
     tok = AutoTokenizer.from_pretrained(tiny_model)
     data = [tok("the quick brown fox jumps over the lazy dog", max_length=32, truncation=True)] * 16
     args = training_args(
-        model, output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=6, learning_rate=1e-2,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-    )  # fmt: skip
+        model,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=6,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
     losses = train_losses(model, args, tok, data)
     assert len(losses) == 6 and losses[-1] < losses[0]

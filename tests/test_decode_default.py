@@ -43,9 +43,14 @@ def test_auto_on_every_profile(profile: str, quantize: str | None) -> None:
         assert plan.decode.compile and plan.decode.graph_batch_sizes == (1,)
         assert decision.value["compile"] in {"default", "reduce-overhead"}
         assert decision.value["tiers"][1] == "compiled" and plan.decode.tiered  # no wait for the compile
-        for said in ("fast_decode by default", "13 tokens/s with plain generate() against 253",
-                     "fast_decode=False opts out", "59-119 s cold", "decodes at once",
-                     "warmup=True"):  # fmt: skip
+        for said in (
+            "fast_decode by default",
+            "13 tokens/s with plain generate() against 253",
+            "fast_decode=False opts out",
+            "59-119 s cold",
+            "decodes at once",
+            "warmup=True",
+        ):
             assert said in decision.reason, said
     else:  # bf16, bitsandbytes, the CPU, MPS: as fast_decode=False, no decision at all
         assert decision is None and plan.decode is None

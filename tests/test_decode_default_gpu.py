@@ -115,8 +115,11 @@ def test_a_second_process_finds_the_default_path_in_the_compile_cache(
         )
         done = subprocess.run(
             [sys.executable, "-c", _CHILD, str(wide_model), bits],
-            env=env, capture_output=True, text=True, timeout=540,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=540,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -130,10 +133,9 @@ def test_a_second_process_finds_the_default_path_in_the_compile_cache(
     assert second["graphs"] == 0  # loaded ahead-of-time: dynamo traced nothing
     assert second["last"]["tiers"] == {"prefill": 1, "compiled": 31}
     seconds = {
-        name: {k: round(run[k], 2) for k in ("load_s", "first_call_s", "ready_after_s")} | {
-            "first_tiers": run["first_tiers"], "built_s": run["cache"][0].get("seconds")
-        }
+        name: {k: round(run[k], 2) for k in ("load_s", "first_call_s", "ready_after_s")}
+        | {"first_tiers": run["first_tiers"], "built_s": run["cache"][0].get("seconds")}
         for name, run in (("first", first), ("second", second))
-    }  # fmt: skip
+    }
     record_property("first_call", seconds)
     print(f"\n{bits} default load, 32 new tokens, first call by tier and the build: {seconds}")

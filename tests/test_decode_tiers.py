@@ -46,9 +46,12 @@ def want(tiny_model, tokenizer):
     model = _model(tiny_model)
     with torch.no_grad():
         out = model.generate(
-            **_inputs(tokenizer), max_new_tokens=NEW, do_sample=False, cache_implementation="static",
+            **_inputs(tokenizer),
+            max_new_tokens=NEW,
+            do_sample=False,
+            cache_implementation="static",
             disable_compile=True,
-        )  # fmt: skip
+        )
     return out.tolist()
 
 
@@ -187,9 +190,13 @@ def test_a_tiered_load_warms_up_both_tiers_and_records_a_failure_on_the_plan(
     if fails:
         monkeypatch.setattr(tiers, "build_step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no")))
     plan = decode.DecodePlan(
-        static_cache=True, max_cache_len=256, compile=True, compile_mode="default", graph_batch_sizes=(1,),
+        static_cache=True,
+        max_cache_len=256,
+        compile=True,
+        compile_mode="default",
+        graph_batch_sizes=(1,),
         tiered=True,
-    )  # fmt: skip
+    )
     model = carry_out(replace(plan_load(tiny_model, fast_decode=True), decode=plan))
     loop = model.xpukit_decode_loop
     assert loop.tiered and [

@@ -49,9 +49,13 @@ def test_the_first_tier_serves_and_captures_while_the_step_compiles(tiny_model, 
     install_decode_loop(reference, max_cache_len=512, compile_options=None)
     model = _model(tiny_model, device)
     loop = install_decode_loop(
-        model, max_cache_len=512, compile_options=compile_settings("default"), cache_dir=tmp_path,
-        step_graphs=device == "cuda", tiered=True,
-    )  # fmt: skip
+        model,
+        max_cache_len=512,
+        compile_options=compile_settings("default"),
+        cache_dir=tmp_path,
+        step_graphs=device == "cuda",
+        tiered=True,
+    )
     loop.window_smallest = 16  # windows of 16, 32, 64 … slots: new captures along the calls
     runs = []
     for round_ in range(12):

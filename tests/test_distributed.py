@@ -68,9 +68,22 @@ def test_torchrun_two_ranks_train_in_sync_with_gloo(tiny_model: Path, tmp_path: 
     out.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="3")  # a stale export
     cmd = [
-        sys.executable, "-m", "xpukit.cli.main", "launch", "--backend", "cuda", "--devices", "all",
-        "--nproc", "2", "--", "python", str(script), str(tiny_model), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "xpukit.cli.main",
+        "launch",
+        "--backend",
+        "cuda",
+        "--devices",
+        "all",
+        "--nproc",
+        "2",
+        "--",
+        "python",
+        str(script),
+        str(tiny_model),
+        str(out),
+    ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
@@ -132,10 +145,24 @@ def test_accelerate_launch_two_cpu_ranks(tiny_model: Path, tmp_path: Path) -> No
         # accelerate 1.15: `--cpu` with several processes needs mpirun (--mpirun_hostfile), else it
         # starts one process; --multi_gpu starts them through torch elastic, and they train on the
         # CPU with gloo (docs/distributed.md "accelerate launch on the CPU").
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--multi_gpu",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()), str(script), str(tiny_model), str(out),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "2",
+        "--multi_gpu",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        str(script),
+        str(tiny_model),
+        str(out),
+    ]
     run = subprocess.run(
         cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=400
     )

@@ -20,14 +20,29 @@ from xpukit.training.strategy import StrategyFacts, deepspeed_config, strategy_k
 
 # Rank 1 of 2 on one node, as each launcher writes it.
 LAUNCHERS: dict[str, dict[str, str]] = {
-    "torchrun": {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                 "TORCHELASTIC_RUN_ID": "none"},
-    "accelerate": {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                   "ACCELERATE_MIXED_PRECISION": "bf16", "TORCHELASTIC_RUN_ID": "none"},
+    "torchrun": {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "TORCHELASTIC_RUN_ID": "none",
+    },
+    "accelerate": {
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "ACCELERATE_MIXED_PRECISION": "bf16",
+        "TORCHELASTIC_RUN_ID": "none",
+    },
     "intel-mpi": {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"},
-    "open-mpi": {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-                 "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
-}  # fmt: skip
+    "open-mpi": {
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+    },
+}
 MACHINES = {"xpu": ("max-1550", 2), "cuda": ("h200", 2), "cpu": ("cpu-bf16", 1)}
 
 
@@ -210,10 +225,24 @@ def test_launch_dry_run_shows_torchrun_command_and_ccl_env(capsys: pytest.Captur
     code, out, err = _cli(capsys, "launch", *args, "--", "python", "train.py", "--lr", "1")
     assert code == 0, err
     data = json.loads(out)
-    assert data["command"][1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                                   "--module", "xpukit.cli.launch", "train.py", "--lr", "1"]  # fmt: skip
-    assert data["env"] == {"ZE_AFFINITY_MASK": "0,1", "ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1",
-                           "CCL_PROCESS_LAUNCHER": "none", "CCL_LOCAL_SIZE": "2"}  # fmt: skip
+    assert data["command"][1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "--module",
+        "xpukit.cli.launch",
+        "train.py",
+        "--lr",
+        "1",
+    ]
+    assert data["env"] == {
+        "ZE_AFFINITY_MASK": "0,1",
+        "ZE_ENABLE_PCI_ID_DEVICE_ORDER": "1",
+        "CCL_PROCESS_LAUNCHER": "none",
+        "CCL_LOCAL_SIZE": "2",
+    }
     assert data["per_rank_env"] == {"CCL_LOCAL_RANK": "LOCAL_RANK"}
     assert data["shell"].endswith("--module xpukit.cli.launch train.py --lr 1")
     multi = ["--nproc", "4", "--nnodes", "2", "--rdzv-endpoint", "h:29400", "--dry-run", "--", "t.py"]
@@ -240,8 +269,15 @@ def test_launch_nproc_runs_python_c_code(
     )
     assert code == 0, err
     assert out.split("torch.distributed.run", 1)[1].split() == [
-        "--nproc-per-node", "2", "--standalone", "--no-python", sys.executable, "-c", "'print(1)'", "a"
-    ]  # fmt: skip
+        "--nproc-per-node",
+        "2",
+        "--standalone",
+        "--no-python",
+        sys.executable,
+        "-c",
+        "'print(1)'",
+        "a",
+    ]
     args = ["--devices", "0,1", "--backend", "xpu", "--nproc", "2", "--dry-run", "--json"]
     code, out, err = _cli(capsys, "launch", *args, "--", "python", "-c", "print(1)")
     assert code == 0, err

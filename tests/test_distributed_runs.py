@@ -73,8 +73,18 @@ def test_fsdp2_lora_and_qlora_train_to_identical_adapters(tiny_model: Path, tmp_
     script.write_text(FSDP)
     out = tmp_path / "out"
     out.mkdir()
-    cmd = [sys.executable, "-m", "xpukit.cli.main", "launch", "--nproc", "2", "--",
-           str(script), str(tiny_model), str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "xpukit.cli.main",
+        "launch",
+        "--nproc",
+        "2",
+        "--",
+        str(script),
+        str(tiny_model),
+        str(out),
+    ]
     run = subprocess.run(
         cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300
     )

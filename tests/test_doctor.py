@@ -311,8 +311,15 @@ def test_real_host_reports_kernels_and_hub_without_network() -> None:
 def test_what_the_versions_enable_from_hand_made_facts() -> None:
     from xpukit.doctor.ecosystem import enabled_by_versions
 
-    newest = {"transformers": "5.25.0", "kernels": "0.19.1", "liger-kernel": "0.8.5", "triton": "3.9.0",
-              "bitsandbytes": "0.50.2", "peft": "0.21.2", "deepspeed": "0.19.8"}  # fmt: skip
+    newest = {
+        "transformers": "5.25.0",
+        "kernels": "0.19.1",
+        "liger-kernel": "0.8.5",
+        "triton": "3.9.0",
+        "bitsandbytes": "0.50.2",
+        "peft": "0.21.2",
+        "deepspeed": "0.19.8",
+    }
     lines = enabled_by_versions(newest, kernels_accepted=True, kernels_reason="kernels 0.19.1 is installed")
     text = "\n".join(lines)
     assert "Hub kernels: on" in text and "transformers 5.25.0 turns use_kernels on" in text

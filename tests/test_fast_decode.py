@@ -66,8 +66,11 @@ def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
     assert plan.decode.max_cache_len == budget // per_token // CACHE_LENGTH_STEP * CACHE_LENGTH_STEP == 4096
     first = "graph" if facts == "h200" else "eager"  # the tier that serves while the step compiles
     assert decision.value == {
-        "static_cache": True, "max_cache_len": 4096, "compile": mode, "tiers": [first, "compiled"]
-    }  # fmt: skip
+        "static_cache": True,
+        "max_cache_len": 4096,
+        "compile": mode,
+        "tiers": [first, "compiled"],
+    }
     assert plan.decode.graph_batch_sizes == (1,) and plan.decode.tiered
     assert "decodes at once with the uncompiled step" in decision.reason
     assert "4096 tokens" in decision.reason and "fast_decode" in plan.explain()
@@ -256,8 +259,11 @@ def test_plan_cli_fast_decode(capsys):
     assert main(["plan", "qwen3-8b", "--assume", "max-1550", "--fast-decode", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["decode"] == {
-        "static_cache": True, "max_cache_len": 4096, "compile": "default", "tiers": ["eager", "compiled"]
-    }  # fmt: skip
+        "static_cache": True,
+        "max_cache_len": 4096,
+        "compile": "default",
+        "tiers": ["eager", "compiled"],
+    }
     assert main(["plan", "qwen3-8b", "--assume", "max-1550", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["decode"] is None  # bf16: "auto" leaves it off
 
@@ -272,8 +278,11 @@ def test_plan_cli_auto_and_no_fast_decode(capsys, monkeypatch):
     assert main(["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["decode"] == {
-        "static_cache": True, "max_cache_len": 4096, "compile": "default", "tiers": ["eager", "compiled"]
-    }  # fmt: skip
+        "static_cache": True,
+        "max_cache_len": 4096,
+        "compile": "default",
+        "tiers": ["eager", "compiled"],
+    }
     off = ["plan", "qwen3-8b", "--assume", "arc-b580", "--quantize", "4bit", "--no-fast-decode", "--json"]
     assert main(off) == 0
     assert json.loads(capsys.readouterr().out)["decode"] is None

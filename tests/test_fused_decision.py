@@ -116,10 +116,16 @@ def _config(name: str, **extra: Any) -> Any:
     import transformers
 
     small = {
-        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1,
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
         "eos_token_id": 2,
-    }  # fmt: skip
+    }
     return getattr(transformers, name)(**{**small, **extra})
 
 

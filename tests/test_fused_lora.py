@@ -184,35 +184,66 @@ def test_fused_equals_peft(tiny_models: Mapping[str, Path], arch: str, double_qu
 # classes (sizes as xpukit.demo.tiny's, plus what makes the family itself: multipliers, norms, NoPE
 # layers, sliding windows, fused projections, biases, experts).
 _SMALL = {
-    "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-    "initializer_range": 0.2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip
+    "vocab_size": 1024,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.2,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma1": ("GemmaConfig", {"head_dim": 16, "hidden_act": "gelu_pytorch_tanh"}),
-    "gemma2": ("Gemma2Config", {
-        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
-        "layer_types": ["sliding_attention", "full_attention"], "attn_implementation": "eager",
-    }),  # soft-capped attention logits: eager attention only
-    "gemma3": ("Gemma3TextConfig", {
-        "head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
-        "layer_types": ["sliding_attention", "full_attention"],
-    }),
-    "granite": ("GraniteConfig", {
-        "head_dim": 16, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
-        "attention_multiplier": 0.015625, "logits_scaling": 8.0,
-    }),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "attn_implementation": "eager",
+        },
+    ),  # soft-capped attention logits: eager attention only
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+    "granite": (
+        "GraniteConfig",
+        {
+            "head_dim": 16,
+            "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22,
+            "attention_multiplier": 0.015625,
+            "logits_scaling": 8.0,
+        },
+    ),
     "olmo2": ("Olmo2Config", {}),  # q/k norms over the whole projection, post-norms
     "qwen3": ("Qwen3Config", {"head_dim": 16}),  # per-head q/k norms
     "smollm3": ("SmolLM3Config", {"num_hidden_layers": 4, "no_rope_layer_interval": 2}),  # NoPE layers
     "mistral-swa": ("MistralConfig", {"head_dim": 16, "sliding_window": 8}),
     "phi3": ("Phi3Config", {"original_max_position_embeddings": 512}),  # qkv_proj, gate_up_proj
     "glm4": ("Glm4Config", {"head_dim": 16}),  # gate_up_proj, q/k/v with biases, post-norms
-    "qwen3-moe": ("Qwen3MoeConfig", {
-        "head_dim": 16, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
-    }),
+    "qwen3-moe": (
+        "Qwen3MoeConfig",
+        {
+            "head_dim": 16,
+            "moe_intermediate_size": 32,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+    ),
     "mixtral": ("MixtralConfig", {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2}),
-}  # fmt: skip
+}
 MOE = ("qwen3-moe", "mixtral")
 
 
@@ -453,9 +484,14 @@ def test_apply_lora_fused_with_checkpointing(tiny_model: Path) -> None:
         assert request is not None and request.gradient_checkpointing
         torch.manual_seed(0)
         model, notes = apply_lora(
-            _load_4bit(tiny_model), request, compute_dtype="float32", quantized=True,
-            device=cpu_facts(), fused=fused, fused_insist=fused,
-        )  # fmt: skip
+            _load_4bit(tiny_model),
+            request,
+            compute_dtype="float32",
+            quantized=True,
+            device=cpu_facts(),
+            fused=fused,
+            fused_insist=fused,
+        )
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "lora_B" in name:
@@ -479,9 +515,14 @@ def test_apply_lora_fused_insist_refuses(tiny_models: Mapping[str, Path]) -> Non
     assert request is not None
     with pytest.raises(InvalidRequestError, match="no decoder block with self_attn and mlp"):
         apply_lora(
-            _load_4bit(tiny_models["gpt2"]), request, compute_dtype="float32", quantized=True,
-            device=cpu_facts(), fused=True, fused_insist=True,
-        )  # fmt: skip
+            _load_4bit(tiny_models["gpt2"]),
+            request,
+            compute_dtype="float32",
+            quantized=True,
+            device=cpu_facts(),
+            fused=True,
+            fused_insist=True,
+        )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -148,9 +148,13 @@ def test_the_default_quantized_path_gives_plain_greedy_tokens(wide_model: Path) 
     top = torch.stack(want.scores, 1).topk(2, -1).values
     assert (top[..., 0] - top[..., 1]).min().item() > 1e-3
     decode = DecodePlan(
-        static_cache=True, max_cache_len=256, compile=False, compile_mode=None, fused_projections=True,
+        static_cache=True,
+        max_cache_len=256,
+        compile=False,
+        compile_mode=None,
+        fused_projections=True,
         weights="torchao Int8WeightOnlyConfig",
-    )  # fmt: skip
+    )
     model = carry_out(replace(plain.xpukit_plan, decode=decode))
     fused = next(e for e in model.xpukit_plan.events if e.what == "fused_projections")
     assert fused.kind == "applied" and fused.actual["attention"] == 2

@@ -312,8 +312,14 @@ def test_llama3_rope_factors_match_transformers() -> None:
 
     from xpukit.loading.gguf_file import llama3_rope_factors
 
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config = LlamaConfig(hidden_size=2048, num_attention_heads=32, head_dim=64, rope_parameters=rope)
     scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     base = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))

@@ -128,8 +128,14 @@ def test_stand_ins_and_shared_gradients_must_cover_the_same_parameters() -> None
     net = _net()
     params = [p for p in net.parameters() if p.requires_grad]
     with pytest.raises(ValueError, match="same parameters, in order"):
-        capture(net, (torch.randn(2, 4),), StandIns([net]), SharedGrads(params[::-1]),
-                backend=RerunBackend(), pool=None)  # fmt: skip
+        capture(
+            net,
+            (torch.randn(2, 4),),
+            StandIns([net]),
+            SharedGrads(params[::-1]),
+            backend=RerunBackend(),
+            pool=None,
+        )
 
 
 def test_one_set_of_gradient_buffers_for_all_shapes() -> None:
@@ -524,8 +530,14 @@ def test_a_parameter_the_code_does_not_use_keeps_no_gradient() -> None:
 
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     stand_ins = StandIns([net])
-    run = capture(net[0], (torch.randn(2, 4),), stand_ins, SharedGrads(stand_ins.real),
-                  backend=RerunBackend(), pool=None)  # fmt: skip
+    run = capture(
+        net[0],
+        (torch.randn(2, 4),),
+        stand_ins,
+        SharedGrads(stand_ins.real),
+        backend=RerunBackend(),
+        pool=None,
+    )
     run(torch.randn(2, 4)).sum().backward()
     assert net[0].weight.grad is not None and net[1].weight.grad is None  # as autograd leaves it
 
@@ -587,9 +599,12 @@ def test_warm_ups_allocate_from_the_captures_pool_on_the_captures_stream() -> No
     stream = backend._side()
     # the BLAS workspace of the stream is made before each warm-up and capture, outside the pool
     assert events == [
-        ("blas", None), ("stream", stream), ("use_mem_pool", pool.handle), ("blas", None),
+        ("blas", None),
+        ("stream", stream),
+        ("use_mem_pool", pool.handle),
+        ("blas", None),
         ("capture", ((1, 2), stream)),
-    ]  # fmt: skip
+    ]
     # Without MemPool (an older torch): a plain graph pool handle, and the warm-up only changes stream.
     backend.mem_pools, events[:] = False, []
     with backend.warm_up((3, 4)):

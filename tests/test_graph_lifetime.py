@@ -61,8 +61,10 @@ def test_captures_and_their_warm_ups_run_with_the_collector_paused() -> None:
     assert inside == [False, False] and gc.isenabled()
     # the BLAS workspace is made first, with the collector on and outside the pool
     assert [e for e in events if e[0] in ("blas", "use_mem_pool")] == [
-        ("blas", True), ("use_mem_pool", False), ("blas", True)
-    ]  # fmt: skip
+        ("blas", True),
+        ("use_mem_pool", False),
+        ("blas", True),
+    ]
     gc.disable()
     try:  # a collector the caller had turned off stays off
         backend.capture(None, lambda: None, pool)

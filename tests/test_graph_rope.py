@@ -46,9 +46,14 @@ def _layers(family: str, n: int = 2, **extra: Any) -> tuple[list[Any], tuple[Any
 
     config_class = {"llama": "LlamaConfig", "phi3": "Phi3Config", "glm4": "Glm4Config"}[family]
     config = getattr(transformers, config_class)(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=n, vocab_size=64, **extra,
-    )  # fmt: skip
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=n,
+        vocab_size=64,
+        **extra,
+    )
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     layer_class = next(v for k, v in vars(module).items() if k.endswith("DecoderLayer"))
     rotary_class = next(v for k, v in vars(module).items() if k.endswith("RotaryEmbedding"))
@@ -196,9 +201,21 @@ def _family_calls(family: str) -> tuple[list[Any], list[tuple[Any, dict[str, Any
 
 @pytest.mark.parametrize(
     "family",
-    ["gemma1", "gemma2", "gemma3", "granite", "olmo2", "qwen3", "smollm3", "mistral-swa", "phi3", "glm4",
-     "qwen3-moe", "mixtral"],
-)  # fmt: skip
+    [
+        "gemma1",
+        "gemma2",
+        "gemma3",
+        "granite",
+        "olmo2",
+        "qwen3",
+        "smollm3",
+        "mistral-swa",
+        "phi3",
+        "glm4",
+        "qwen3-moe",
+        "mixtral",
+    ],
+)
 def test_every_fused_family_takes_the_halves_formula_but_glm4(
     monkeypatch: pytest.MonkeyPatch, family: str
 ) -> None:

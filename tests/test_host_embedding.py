@@ -19,8 +19,9 @@ from xpukit.planning.training.lora_request import LoraRequest
 def _plan(seq: int, budget: str | None, facts: str = "h200", **kw: Any) -> Any:
     kw.setdefault("lora", True)
     memory = {"max_memory": {0: budget}} if budget else {}
-    return plan_load(reference_config("qwen3-8b"), facts=facts, quantize="4bit", batch_size=4, seq_len=seq,
-                     **memory, **kw)  # fmt: skip
+    return plan_load(
+        reference_config("qwen3-8b"), facts=facts, quantize="4bit", batch_size=4, seq_len=seq, **memory, **kw
+    )
 
 
 @pytest.fixture
@@ -67,8 +68,9 @@ def test_only_a_frozen_untied_embedding_on_one_gpu_may_move() -> None:
     config = reference_config("qwen3-8b")  # untied: 151 936 × 4 096
 
     def moved(config: Any, request: LoraRequest, backend: str = "cuda", single: bool = True) -> int:
-        return host_embedding_bytes(config, model_shape(config), request, backend=backend, compute_bytes=2,
-                                    single_process=single)  # fmt: skip
+        return host_embedding_bytes(
+            config, model_shape(config), request, backend=backend, compute_bytes=2, single_process=single
+        )
 
     plain = _request({"r": 16, "target_modules": "all-linear"})
     assert moved(config, plain) == 151936 * 4096 * 2

@@ -18,8 +18,9 @@ def _decision(plan: Any) -> Any:
 
 
 def test_on_for_cuda_fused_qlora_without_checkpointing() -> None:
-    plan = plan_load(reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True,
-                     batch_size=4, seq_len=512)  # fmt: skip
+    plan = plan_load(
+        reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True, batch_size=4, seq_len=512
+    )
     assert plan.decision("fused_lora").value is True
     assert plan.training is not None and plan.training.gradient_checkpointing is False
     graphs = _decision(plan)
@@ -119,9 +120,12 @@ def test_every_checkpointing_rung_runs_captured_with_its_buffers_in_the_fit() ->
 
     assert inside_plan.training is not None
     tight = TrainingContext(
-        training=replace(inside_plan.training, fits=False), checkpoint_in_graphs=True,
-        gradient_checkpointing=True, quantized=True, bitsandbytes_version="0.50.2",
-    )  # fmt: skip
+        training=replace(inside_plan.training, fits=False),
+        checkpoint_in_graphs=True,
+        gradient_checkpointing=True,
+        quantized=True,
+        bitsandbytes_version="0.50.2",
+    )
     chosen = training_kwargs(h200, context=tight, output_dir="o")
     assert chosen["gradient_checkpointing"] is False and chosen["optim"] == "paged_adamw_8bit"
     # a plan that fits counted the fused AdamW's fp32 states: it takes that one, checkpointed or not
@@ -436,8 +440,17 @@ def test_between_the_rungs_only_the_layers_the_budget_needs_are_checkpointed() -
     plan = plan_load(reference_config("qwen3-8b"), lora=True, max_memory={0: "12GB"}, **args)
     assert plan.training is not None and plan.training.loss == "liger"
     request = resolve_lora(True, quantized=True)
-    rungs = Rungs(shape, request, 2, "cuda", True, True, True, dequant_transient(shape, compute_bytes=2,
-                  fused_lora=True), True)  # fmt: skip
+    rungs = Rungs(
+        shape,
+        request,
+        2,
+        "cuda",
+        True,
+        True,
+        True,
+        dequant_transient(shape, compute_bytes=2, fused_lora=True),
+        True,
+    )
     rung, room, k = (True, True, True), plan.training.room, plan.training.checkpoint_layers
     assert rungs.fewest_checkpointed(rung, 4 * 512, room) == k and k is not None
     spare = int(room / 1.05)  # 5 % of the room kept spare (rungs.PARTLY_SPARE)

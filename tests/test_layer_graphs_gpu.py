@@ -30,8 +30,7 @@ def _load(tiny_model: Any, lora: dict[str, Any], **shape: int) -> Any:
     from xpukit import load_for_xpu
 
     sizes = {"batch_size": 2, "seq_len": 32, **shape}
-    return load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, lora=lora,
-                        **sizes)  # fmt: skip
+    return load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, lora=lora, **sizes)
 
 
 def _grads(model: Any) -> Any:
@@ -209,8 +208,9 @@ def test_a_step_split_by_tokens_trains_as_the_whole_step(tiny_model: Any, checkp
     labels = ids.masked_fill(mask == 0, -100)
     results = []
     for budget in (None, 64):
-        model = _load(tiny_model, {"graphs": True, "gradient_checkpointing": checkpointing}, batch_size=4,
-                      seq_len=48)  # fmt: skip
+        model = _load(
+            tiny_model, {"graphs": True, "gradient_checkpointing": checkpointing}, batch_size=4, seq_len=48
+        )
         model.train()
         model.xpukit_packing.max_tokens = budget
         out = []
@@ -259,8 +259,16 @@ def test_ten_loads_in_one_process_train_and_give_the_device_memory_back(tiny_mod
     def cycle(lora: dict[str, Any], budget: Any) -> dict[str, int]:
         lora = dict(lora)
         partly = lora.pop("checkpoint_layers", None)
-        model = load_for_xpu(tiny_model, device="cuda", quantize="4bit", seed=0, lora=lora, batch_size=2,
-                             seq_len=32, max_memory=budget)  # fmt: skip
+        model = load_for_xpu(
+            tiny_model,
+            device="cuda",
+            quantize="4bit",
+            seed=0,
+            lora=lora,
+            batch_size=2,
+            seq_len=32,
+            max_memory=budget,
+        )
         if partly is not None:
             model.xpukit_layer_graphs.checkpoint_layers = partly
         _steps(model, ids, 3)

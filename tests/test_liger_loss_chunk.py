@@ -67,12 +67,23 @@ def fake_liger(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
 
     def liger_fused_linear_cross_entropy(  # liger-kernel 0.8.5's signature
-        input: Any, weight: Any, target: Any, bias: Any = None, ce_weight: Any = None,
-        ignore_index: int = -100, lse_square_scale: float = 0.0, label_smoothing: float = 0.0,
-        reduction: str = "mean", softcap: float | None = None, return_z_loss: bool = False,
-        accum_dtype: Any = None, use_token_scaling: bool = False, return_token_accuracy: bool = False,
-        return_predicted_tokens: bool = False, chunk_mem_const: int = 1,
-    ) -> Any:  # fmt: skip
+        input: Any,
+        weight: Any,
+        target: Any,
+        bias: Any = None,
+        ce_weight: Any = None,
+        ignore_index: int = -100,
+        lse_square_scale: float = 0.0,
+        label_smoothing: float = 0.0,
+        reduction: str = "mean",
+        softcap: float | None = None,
+        return_z_loss: bool = False,
+        accum_dtype: Any = None,
+        use_token_scaling: bool = False,
+        return_token_accuracy: bool = False,
+        return_predicted_tokens: bool = False,
+        chunk_mem_const: int = 1,
+    ) -> Any:
         calls.append(chunk_mem_const)
         logits = (input @ weight.t()).float()
         return torch.nn.functional.cross_entropy(
@@ -122,8 +133,9 @@ def test_a_lora_model_trains_the_same(fake_liger: list[int], tiny_model: Path) -
     labels[:, :4] = -100
     results = []
     for liger in (False, True):
-        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0,
-                             lora={"gradient_checkpointing": False})  # fmt: skip
+        model = load_for_xpu(
+            tiny_model, device="cpu", dtype="float32", seed=0, lora={"gradient_checkpointing": False}
+        )
         if liger:
             assert "chunks of up to 8 tokens" in apply_chunked_loss(
                 model.get_base_model(), kernel="liger", chunk=8

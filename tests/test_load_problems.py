@@ -10,8 +10,9 @@ from xpukit.planning.model.reference_models import reference_config
 def test_a_4bit_model_dispatched_off_the_device_is_said_with_the_fix() -> None:
     """The 8B shape in 4-bit under 6 GB (seen on the H200): accelerate's map spills a module to the
     CPU and bitsandbytes raises; the message names the budget, the weights and the fixes."""
-    plan = plan_load(reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True,
-                     max_memory={0: "6GB"})  # fmt: skip
+    plan = plan_load(
+        reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True, max_memory={0: "6GB"}
+    )
     exc = ValueError(
         "Some modules are dispatched on the CPU or the disk. Make sure you have enough GPU RAM to fit "
         "the quantized model."

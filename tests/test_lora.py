@@ -543,8 +543,11 @@ def test_offloading_stays_around_liger_s_own_loss(monkeypatch: pytest.MonkeyPatc
     request = resolve_lora({"gradient_checkpointing": "offload", "liger": True}, quantized=False)
     assert request is not None
     model, notes = apply_lora(
-        AutoModelForCausalLM.from_pretrained(tiny_model), request, compute_dtype="float32", quantized=False,
+        AutoModelForCausalLM.from_pretrained(tiny_model),
+        request,
+        compute_dtype="float32",
+        quantized=False,
         device=device_profile("h100"),
-    )  # fmt: skip
+    )
     assert any("liger's fused loss in its own chunks" in n for n in notes)
     assert getattr(model.get_base_model().forward, "_xpukit_offload", False)

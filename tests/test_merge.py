@@ -456,8 +456,14 @@ def test_ctrl_c_after_a_complete_merge_exits_0_and_took_is_the_wall_time(
     out = tmp_path / "merged"
     argv = [sys.executable, "-m", "xpukit", "merge", str(tiny_model), str(adapters["qlora"]), str(out)]
     started = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert proc.stdout is not None
     took = None
     for line in proc.stdout:

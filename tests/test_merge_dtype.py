@@ -40,9 +40,16 @@ def _train(base: Path, out: Path, windows: Any) -> Any:
     model = load_for_xpu(base, device="cpu", dtype="bfloat16", quantize="4bit", lora=LORA, seed=0)
     data = [{"input_ids": w, "labels": w, "attention_mask": w * 0 + 1} for w in windows[:24]]
     args = training_args(
-        model, output_dir=str(out / "run"), max_steps=3, per_device_train_batch_size=8, learning_rate=3e-2,
-        save_strategy="no", report_to=[], logging_strategy="no", disable_tqdm=True,
-    )  # fmt: skip
+        model,
+        output_dir=str(out / "run"),
+        max_steps=3,
+        per_device_train_batch_size=8,
+        learning_rate=3e-2,
+        save_strategy="no",
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+    )
     assert args.bf16  # the trained model computes in bf16
     Trainer(model=model, args=args, train_dataset=data, data_collator=default_data_collator).train()
     model.save_pretrained(out / "adapter")

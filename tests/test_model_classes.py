@@ -61,20 +61,33 @@ KINDS: dict[str, tuple[str, str, dict[str, Any], str, str]] = {
     "seq2seq": (
         "T5ForConditionalGeneration",
         "T5Config",
-        {"vocab_size": 128, "d_model": 32, "d_kv": 16, "d_ff": 64, "num_layers": 1, "num_heads": 2,
-         "decoder_start_token_id": 0, "pad_token_id": 0},
+        {
+            "vocab_size": 128,
+            "d_model": 32,
+            "d_kv": 16,
+            "d_ff": 64,
+            "num_layers": 1,
+            "num_heads": 2,
+            "decoder_start_token_id": 0,
+            "pad_token_id": 0,
+        },
         "AutoModelForSeq2SeqLM",
         "SEQ_2_SEQ_LM",
     ),
     "vlm": (
         "Qwen2VLForConditionalGeneration",
         "Qwen2VLConfig",
-        {"vision_config": _VLM_VISION, "text_config": _VLM_TEXT, "image_token_id": 250,
-         "video_token_id": 251, "vision_start_token_id": 252},
+        {
+            "vision_config": _VLM_VISION,
+            "text_config": _VLM_TEXT,
+            "image_token_id": 250,
+            "video_token_id": 251,
+            "vision_start_token_id": 252,
+        },
         "AutoModelForImageTextToText",
         "CAUSAL_LM",
     ),
-}  # fmt: skip
+}
 
 
 def _build(kind: str, root: Path) -> Path:
@@ -173,10 +186,17 @@ def test_each_kind_trains_one_step_in_4bit_with_lora(task_model: Any, kind: str,
             return torch.nn.functional.mse_loss(outputs.last_hidden_state[:, 0].float(), labels.float())
 
     args = training_args(
-        model, output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=1, learning_rate=1e-2,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        model,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
         remove_unused_columns=kind != "embedding",  # BertModel.forward takes no labels: keep them
-    )  # fmt: skip
+    )
     trainer = Trainer(
         model=model,
         args=args,
@@ -274,10 +294,23 @@ def test_lora_settings_the_user_gave_are_kept_and_a_wrong_task_is_refused(task_m
 def test_vlm_configs_put_lora_on_the_language_model_only(family: str) -> None:
     import transformers as t
 
-    text = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}  # fmt: skip
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-              "image_size": 28, "patch_size": 14}  # fmt: skip
+    text = {
+        "vocab_size": 256,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 28,
+        "patch_size": 14,
+    }
     if family == "llava":
         config = t.LlavaConfig(
             vision_config=t.CLIPVisionConfig(**vision),

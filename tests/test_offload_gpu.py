@@ -52,8 +52,13 @@ def test_offloaded_checkpointing_trains_as_checkpointing(tiny_model: Any, monkey
     monkeypatch.setattr(offload, "MIN_BYTES", 0)  # the tiny model's layer inputs are small
     grads = []
     for gc in (True, "offload"):
-        model = load_for_xpu(tiny_model, device="cuda", dtype="float32", seed=0,
-                             lora={"gradient_checkpointing": gc, "liger": False, "fused": False})  # fmt: skip
+        model = load_for_xpu(
+            tiny_model,
+            device="cuda",
+            dtype="float32",
+            seed=0,
+            lora={"gradient_checkpointing": gc, "liger": False, "fused": False},
+        )
         ids = torch.arange(256, device="cuda").reshape(4, 64) % 200
         model.train()
         model(input_ids=ids, labels=ids).loss.backward()

@@ -224,10 +224,19 @@ def test_trainer_with_gradient_accumulation_trains_the_same_with_and_without_pac
     for packing in (False, True):
         model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora={"packing": packing})
         args = training_args(
-            model, output_dir=str(tmp_path / str(packing)), per_device_train_batch_size=4,
-            gradient_accumulation_steps=2, max_steps=3, learning_rate=5e-3, logging_steps=1,
-            save_strategy="no", disable_tqdm=True, seed=0, data_seed=0, report_to=[],
-        )  # fmt: skip
+            model,
+            output_dir=str(tmp_path / str(packing)),
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            max_steps=3,
+            learning_rate=5e-3,
+            logging_steps=1,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            data_seed=0,
+            report_to=[],
+        )
         runs.append((model, train_losses(model, args, tok, data)))
     (plain, plain_losses), (packed, packed_losses) = runs
     assert len(plain_losses) == 3
@@ -257,10 +266,18 @@ def test_sft_trainer_packs_padded_batches_and_buckets_flattened_ones(
     tok.pad_token = tok.pad_token or tok.eos_token
     model = load_for_xpu(tiny_model, device="cpu", dtype="float32", seed=0, lora=True)
     args = training_args(
-        model, config_class=SFTConfig, output_dir=str(tmp_path), per_device_train_batch_size=4,
-        max_steps=2, logging_steps=1, save_strategy="no", disable_tqdm=True, report_to=[],
-        padding_free=padding_free, max_length=None if padding_free else 64,
-    )  # fmt: skip
+        model,
+        config_class=SFTConfig,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to=[],
+        padding_free=padding_free,
+        max_length=None if padding_free else 64,
+    )
     data = Dataset.from_list(_examples(8, seed=7))
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
     trainer.train()
@@ -279,9 +296,12 @@ def test_packing_under_gradient_checkpointing_gives_the_unpacked_loss_and_gradie
     results = []
     for packing in (False, True):
         model = load_for_xpu(
-            tiny_model, device="cpu", dtype="float32", seed=0,
+            tiny_model,
+            device="cpu",
+            dtype="float32",
+            seed=0,
             lora={"packing": packing, "gradient_checkpointing": True},
-        )  # fmt: skip
+        )
         model.train()
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
         out.loss.backward()

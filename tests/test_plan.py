@@ -887,7 +887,9 @@ def test_quantize_to_run_without_an_importable_torchao_falls_back_to_bitsandbyte
 def test_doctor_says_what_torchao_enables() -> None:
     from xpukit.doctor.ecosystem import enabled_by_versions
 
-    for torchao, says in ((None, 'no torchao, so quantize="4bit"/"8bit" loads to run use bitsandbytes'),
-                          ("0.18.0", "torchao 0.18.0: quantize=\"4bit\"/\"8bit\" loads to run")):  # fmt: skip
+    for torchao, says in (
+        (None, 'no torchao, so quantize="4bit"/"8bit" loads to run use bitsandbytes'),
+        ("0.18.0", 'torchao 0.18.0: quantize="4bit"/"8bit" loads to run'),
+    ):
         lines = enabled_by_versions({"torchao": torchao}, kernels_accepted=None, kernels_reason="")
         assert any(says in line for line in lines), lines

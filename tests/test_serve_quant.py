@@ -268,9 +268,13 @@ def test_merged_int4_for_the_cpu_records_it_and_loads_quantized(
     perturbed_adapter(wide_model, tmp_path / "adapter", quantize=None)
     # torchao's CPU int4 has no on-disk form: full precision, recorded to load quantized (the older record)
     result = save_merged(
-        str(wide_model), tmp_path / "adapter", tmp_path / "out", dtype="bfloat16", merge="original",
+        str(wide_model),
+        tmp_path / "adapter",
+        tmp_path / "out",
+        dtype="bfloat16",
+        merge="original",
         quantize="int4",
-    )  # fmt: skip
+    )
     assert result.quantize == "4bit" and result.to_dict()["quantize"] == "4bit"
     assert result.quantized is not None and not result.quantized["on_disk"]
     assert "no safetensors form" in result.quantized["reason"]

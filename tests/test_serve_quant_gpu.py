@@ -58,9 +58,12 @@ def test_quantized_fast_path_on_the_gpu(wide_model: Path, bits: str) -> None:
     new = 16
     with torch.no_grad():
         out = plain.generate(
-            _ids(device), max_new_tokens=new, do_sample=False, output_scores=True,
+            _ids(device),
+            max_new_tokens=new,
+            do_sample=False,
+            output_scores=True,
             return_dict_in_generate=True,
-        )  # fmt: skip
+        )
     top = torch.stack(out.scores, 1)[0].float().topk(2, -1).values
     clear = int(((top[:, 0] - top[:, 1]) > MIN_MARGIN).long().cumprod(0).sum())
     assert clear >= 4, "the model's greedy path is too close to ties to compare"

@@ -427,9 +427,15 @@ def test_qlora_trainer_on_the_gpu(tiny_model: Path, tmp_path: Path, train_losses
     assert request is not None
     model, _ = apply_lora(model, request, compute_dtype=want.name, quantized=True, device=device)
     args = training_args(
-        model, output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=8, learning_rate=5e-3,
-        logging_steps=1, save_strategy="no", seed=0,
-    )  # fmt: skip
+        model,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=8,
+        learning_rate=5e-3,
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+    )
     assert (args.bf16, args.fp16, args.use_cpu) == (want.bf16, want.fp16, False)
     assert args.optim == "paged_adamw_8bit" and args.device.type == device.backend
     tok = AutoTokenizer.from_pretrained(tiny_model)

@@ -99,8 +99,9 @@ def test_estimate_matches_measured_cpu_peaks() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
-    shape = ModelShape(hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2, head_dim=64, vocab=4096,
-                       qk_norm=True)  # fmt: skip
+    shape = ModelShape(
+        hidden=256, intermediate=768, layers=4, heads=4, kv_heads=2, head_dim=64, vocab=4096, qk_norm=True
+    )
     for case, peak in zip(CASES, measured, strict=True):
         estimate = activation_bytes(
             shape,
@@ -159,18 +160,35 @@ def test_room_means_no_savers_and_a_budget_means_savers(liger: Any) -> None:
 
 def test_micro_batch_times_accumulation_is_the_batch_asked_for() -> None:
     assert micro_batches(6) == [6, 3, 2, 1] and micro_batches(5) == [5, 1] and micro_batches(1) == [1]
-    shape = ModelShape(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
-                       vocab=151936, qk_norm=True)  # fmt: skip
+    shape = ModelShape(
+        hidden=4096,
+        intermediate=12288,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+    )
     request = resolve_lora(True, quantized=True)
     assert request is not None
     seen = set()
     for batch in (5, 6, 7, 8, 12):
         for budget_gb in [7 + i / 4 for i in range(12)]:
             plan = plan_training(
-                shape, request, compute_dtype="bfloat16", backend="cuda", weights=int(6e9),
-                budget=int(budget_gb * 1e9), budget_rule="test", batch_size=batch, seq_len=2048,
-                max_positions=None, liger_available=(False, "not installed"), quantized=True,
-            )  # fmt: skip
+                shape,
+                request,
+                compute_dtype="bfloat16",
+                backend="cuda",
+                weights=int(6e9),
+                budget=int(budget_gb * 1e9),
+                budget_rule="test",
+                batch_size=batch,
+                seq_len=2048,
+                max_positions=None,
+                liger_available=(False, "not installed"),
+                quantized=True,
+            )
             # Trainer runs micro_batch × accumulation sequences a step: never another batch than asked.
             assert plan.micro_batch * plan.gradient_accumulation_steps == batch, (batch, budget_gb)
             seen.add((batch, plan.micro_batch))
@@ -179,14 +197,22 @@ def test_micro_batch_times_accumulation_is_the_batch_asked_for() -> None:
 
 
 def test_a_step_that_does_not_fit_warns_with_the_numbers_and_the_fix() -> None:
-    over = plan_load(reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True,
-                     batch_size=4, seq_len=8192, max_memory={0: "8GB"})  # fmt: skip
+    over = plan_load(
+        reference_config("qwen3-8b"),
+        facts="h200",
+        quantize="4bit",
+        lora=True,
+        batch_size=4,
+        seq_len=8192,
+        max_memory={0: "8GB"},
+    )
     assert over.training is not None and not over.training.fits
     [warning] = [w for w in over.warnings if w.startswith("training: a step")]
     assert "may run out of device memory" in warning and "cuda:0" in warning
     assert "seq_len=" in warning and "max_memory=" in warning  # the fixes
-    fits = plan_load(reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True,
-                     batch_size=4, seq_len=512)  # fmt: skip
+    fits = plan_load(
+        reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora=True, batch_size=4, seq_len=512
+    )
     assert fits.training is not None and fits.training.fits
     assert not [w for w in fits.warnings if w.startswith("training: a step")]
 
@@ -208,17 +234,33 @@ def test_user_choices_win() -> None:
 
 
 def test_ladder_order_with_liger_and_cpu_has_no_offload() -> None:
-    shape = ModelShape(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
-                       vocab=151936, qk_norm=True)  # fmt: skip
+    shape = ModelShape(
+        hidden=4096,
+        intermediate=12288,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+    )
     request = resolve_lora(True, quantized=True)
     assert request is not None
 
     def plan(budget: float, backend: str = "cuda") -> Any:
         return plan_training(
-            shape, request, compute_dtype="bfloat16", backend=backend, weights=int(6e9),
-            budget=int(budget), budget_rule="test", batch_size=4, seq_len=512, max_positions=None,
+            shape,
+            request,
+            compute_dtype="bfloat16",
+            backend=backend,
+            weights=int(6e9),
+            budget=int(budget),
+            budget_rule="test",
+            batch_size=4,
+            seq_len=512,
+            max_positions=None,
             liger_available=(True, "installed"),
-        )  # fmt: skip
+        )
 
     tight = plan(8e9)
     order = [o for o, _ in tight.estimates]
@@ -233,17 +275,33 @@ def test_ladder_order_with_liger_and_cpu_has_no_offload() -> None:
 
 
 def test_without_liger_the_fused_loss_is_xpukits_chunked_one() -> None:
-    shape = ModelShape(hidden=4096, intermediate=12288, layers=36, heads=32, kv_heads=8, head_dim=128,
-                       vocab=151936, qk_norm=True)  # fmt: skip
+    shape = ModelShape(
+        hidden=4096,
+        intermediate=12288,
+        layers=36,
+        heads=32,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        qk_norm=True,
+    )
     request = resolve_lora(True, quantized=True)
     assert request is not None
 
     def plan(budget: float, liger: tuple[bool, str], req: Any = request) -> Any:
         return plan_training(
-            shape, req, compute_dtype="bfloat16", backend="xpu", weights=int(6e9),
-            budget=int(budget), budget_rule="test", batch_size=4, seq_len=512, max_positions=None,
+            shape,
+            req,
+            compute_dtype="bfloat16",
+            backend="xpu",
+            weights=int(6e9),
+            budget=int(budget),
+            budget_rule="test",
+            batch_size=4,
+            seq_len=512,
+            max_positions=None,
             liger_available=liger,
-        )  # fmt: skip
+        )
 
     missing = (False, "liger-kernel is not installed")
     tight = plan(8e9, missing)
@@ -269,14 +327,28 @@ def test_a_chunked_plan_loads_with_the_chunked_loss(
 
     # The tiny model's 1 024 words fit one 256 MiB chunk whole (no saving): 64-token chunks here.
     monkeypatch.setattr(activation_memory, "CHUNK_BYTES", 4 * 1024 * 64)
-    probe = plan_for(tiny_model, device="cpu", dtype="float32", lora=True, batch_size=8, seq_len=256,
-                     max_memory={"cpu": "1MiB"})  # no room to train: every option is estimated  # fmt: skip
+    probe = plan_for(
+        tiny_model,
+        device="cpu",
+        dtype="float32",
+        lora=True,
+        batch_size=8,
+        seq_len=256,
+        max_memory={"cpu": "1MiB"},
+    )  # no room to train: every option is estimated
     assert probe.training is not None
     (_, plain), (option, chunked) = probe.training.estimates[:2]
     assert option == "chunked CE" and chunked < plain
     budget = probe.training.fixed + chunked + 1  # chunked fits, plain does not
-    model = load_for_xpu(tiny_model, device="cpu", dtype="float32", lora=True, batch_size=8, seq_len=256,
-                         max_memory={"cpu": budget})  # fmt: skip
+    model = load_for_xpu(
+        tiny_model,
+        device="cpu",
+        dtype="float32",
+        lora=True,
+        batch_size=8,
+        seq_len=256,
+        max_memory={"cpu": budget},
+    )
     assert model.xpukit_plan.training.loss == "chunked"
     notes = [e.actual for e in model.xpukit_plan.events if e.what == "lora"]
     assert any(str(n).startswith("chunked cross-entropy: lm_head + loss in chunks of 64") for n in notes)
@@ -331,8 +403,9 @@ def test_offloaded_checkpointing_trains_the_same(tiny_model: Any) -> None:
 
     grads = []
     for gc in (True, "offload"):
-        model = load_for_xpu(tiny_model, device="cpu", dtype="float32", lora={"gradient_checkpointing": gc},
-                             seed=0)  # fmt: skip
+        model = load_for_xpu(
+            tiny_model, device="cpu", dtype="float32", lora={"gradient_checkpointing": gc}, seed=0
+        )
         ids = torch.arange(32).reshape(2, 16)
         model.train()
         model(input_ids=ids, labels=ids).loss.backward()
@@ -398,9 +471,15 @@ def test_estimate_matches_the_h200_graph_peaks_of_other_families(
 
     monkeypatch.setattr(fit, "liger_availability", lambda backend: (True, "injected"))
     gemma = {
-        "vocab_size": 262208, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
-        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024,
-    }  # fmt: skip
+        "vocab_size": 262208,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 1024,
+    }
     config = Gemma3TextConfig(**gemma) if family == "gemma-3-4b" else reference_config(family)
     plan = plan_load(config, facts="h200", quantize="4bit", lora=True, batch_size=4, seq_len=512)
     assert plan.training is not None and plan.training.micro_batch == 4
@@ -469,9 +548,13 @@ def test_the_fused_path_takes_liger_s_loss_first_where_it_runs(
 
     monkeypatch.setattr(fit, "liger_availability", lambda backend: (liger, "injected"))
     plan = plan_load(
-        reference_config("qwen3-8b"), facts="h200", quantize="4bit", lora={"packing": False},
-        batch_size=4, seq_len=512,
-    )  # fmt: skip
+        reference_config("qwen3-8b"),
+        facts="h200",
+        quantize="4bit",
+        lora={"packing": False},
+        batch_size=4,
+        seq_len=512,
+    )
     training = plan.training
     assert training is not None and training.fits and training.gradient_checkpointing is False
     assert training.loss == ("liger" if liger else "plain")

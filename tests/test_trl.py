@@ -36,10 +36,17 @@ def test_sft_trainer_trains_4bit_lora_with_an_sft_config_from_xpukit(
     model = load_for_xpu(tiny_model, device="cpu", quantize="4bit", lora=True)
     tok = AutoTokenizer.from_pretrained(tiny_model)
     args = training_args(
-        model, config_class=SFTConfig, output_dir=str(tmp_path), per_device_train_batch_size=8,
-        max_steps=3, learning_rate=1e-2, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        model,
+        config_class=SFTConfig,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=3,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
         max_length=32,
-    )  # fmt: skip
+    )
     assert type(args) is SFTConfig
     assert (args.bf16, args.fp16, args.use_cpu) == (NATIVE[cpu_kind], False, True)
     assert args.max_length == 32 and args.report_to == []  # TRL's own keyword, and xpukit's "none"

@@ -261,8 +261,11 @@ def test_installed_products_give_the_same_greedy_tokens(wide_model: Path) -> Non
     with torch.no_grad():
         assert torch.allclose(model(_ids()).logits, logits, atol=1e-4)
     assert remove_weight_only_products(model) == 4 * layers
-    assert not any("forward" in m.__dict__ for m in model.modules() if type(m) is torch.nn.Linear
-                   and m.__dict__.get("xpukit_weight_only"))  # fmt: skip
+    assert not any(
+        "forward" in m.__dict__
+        for m in model.modules()
+        if type(m) is torch.nn.Linear and m.__dict__.get("xpukit_weight_only")
+    )
 
 
 def test_dynamo_traces_the_products_as_one_graph(wide_model: Path) -> None:
@@ -339,9 +342,14 @@ def test_a_plan_with_the_kernel_on_the_cpu_records_a_fallback(wide_model: Path) 
 
     plain = _int8_model(wide_model)
     decode = DecodePlan(
-        static_cache=True, max_cache_len=256, compile=False, compile_mode=None, fused_projections=True,
-        weights="torchao Int8WeightOnlyConfig", weight_kernel="int8",
-    )  # fmt: skip
+        static_cache=True,
+        max_cache_len=256,
+        compile=False,
+        compile_mode=None,
+        fused_projections=True,
+        weights="torchao Int8WeightOnlyConfig",
+        weight_kernel="int8",
+    )
     model = carry_out(replace(plain.xpukit_plan, decode=decode))
     event = next(e for e in model.xpukit_plan.events if e.what == "weight_only_products")
     assert event.kind == "fallback" and event.planned == "int8"

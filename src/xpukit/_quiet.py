@@ -169,8 +169,16 @@ class _Held(io.TextIOBase):
             return int(self._stream.write(text))
         for line in text.splitlines():
             if line.strip():
-                _keep(logging.makeLogRecord({"name": f"<{self._name}>", "levelno": logging.WARNING,
-                                             "levelname": "WARNING", "msg": line}))  # fmt: skip
+                _keep(
+                    logging.makeLogRecord(
+                        {
+                            "name": f"<{self._name}>",
+                            "levelno": logging.WARNING,
+                            "levelname": "WARNING",
+                            "msg": line,
+                        }
+                    )
+                )
         return len(text)
 
     def flush(self) -> None:
@@ -199,8 +207,14 @@ def _capturing() -> Iterator[None]:
         elif record.levelno >= logging.WARNING:
             _keep(record)
 
-    def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                     file: Any = None, line: str | None = None) -> None:  # fmt: skip
+    def show_warning(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
         _keep_warning(message, category, filename, lineno, line)
 
     streams = (sys.stdout, sys.stderr)
@@ -238,8 +252,14 @@ def quiet_load() -> Iterator[None]:
         with warnings.catch_warnings():
             shown = warnings.showwarning
 
-            def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                             file: Any = None, line: str | None = None) -> None:  # fmt: skip
+            def show_warning(
+                message: Warning | str,
+                category: type[Warning],
+                filename: str,
+                lineno: int,
+                file: Any = None,
+                line: str | None = None,
+            ) -> None:
                 if not issubclass(category, (DeprecationWarning, PendingDeprecationWarning, FutureWarning)):
                     shown(message, category, filename, lineno, file, line)
                     return
@@ -269,11 +289,15 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def _keep_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                  line: str | None) -> None:  # fmt: skip
+def _keep_warning(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None
+) -> None:
     text = warnings.formatwarning(message, category, filename, lineno, line).rstrip()
-    _keep(logging.makeLogRecord({"name": "py.warnings", "levelno": logging.WARNING,
-                                 "levelname": "WARNING", "msg": text}))  # fmt: skip
+    _keep(
+        logging.makeLogRecord(
+            {"name": "py.warnings", "levelno": logging.WARNING, "levelname": "WARNING", "msg": text}
+        )
+    )
 
 
 # --- what a collected record costs, in xpukit's words --------------------------------------------

@@ -131,8 +131,14 @@ def library_output(verbose: bool) -> Iterator[None]:
             log.handlers, log.propagate = handlers, propagate
 
 
-def _warning_to_record(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                       file: object = None, line: str | None = None) -> None:  # fmt: skip
+def _warning_to_record(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
     """A Python warning as a record of the ``py.warnings`` logger (as ``logging.captureWarnings`` does)."""
     text = warnings.formatwarning(message, category, filename, lineno, line)
     logging.getLogger("py.warnings").warning("%s", text.rstrip())

@@ -140,14 +140,16 @@ def summary(result: Any, base: str, *, wall: float | None = None) -> list[str]:
     quantized = result.quantized
     if quantized is not None and quantized["on_disk"]:
         said.insert(
-            3, f"quantized on disk: {quantized['format']} for {quantized['for']} (loads on "
+            3,
+            f"quantized on disk: {quantized['format']} for {quantized['for']} (loads on "
             f"{', '.join(quantized['runs_on'])}), loaded as it is by load_for_xpu and from_pretrained",
-        )  # fmt: skip
+        )
     elif quantized is not None:
         said.insert(
-            3, f"loads quantized: load_for_xpu({str(result.out)!r}) takes quantize={result.quantize!r}; "
+            3,
+            f"loads quantized: load_for_xpu({str(result.out)!r}) takes quantize={result.quantize!r}; "
             f"{quantized['reason']}",
-        )  # fmt: skip
+        )
     for line in said:
         lines += textwrap.wrap(
             line, 100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False

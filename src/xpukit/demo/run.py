@@ -230,9 +230,18 @@ def run_demo(
 
         say("", f"Fine-tuning the LoRA adapters on the bundled text ({len(corpus_lines())} lines):")
         run = train(
-            peft_model, tokenizer, corpus_lines(), steps=steps, batch_size=batch_size, learning_rate=lr,
-            max_tokens=_MAX_TOKENS, log_every=log_every, seed=seed, output_dir=work, stream=say.stream,
-        )  # fmt: skip
+            peft_model,
+            tokenizer,
+            corpus_lines(),
+            steps=steps,
+            batch_size=batch_size,
+            learning_rate=lr,
+            max_tokens=_MAX_TOKENS,
+            log_every=log_every,
+            seed=seed,
+            output_dir=work,
+            stream=say.stream,
+        )
 
         say("", "After training:")
         after = _generate(peft_model, tokenizer, DEMO_PROMPTS, max_new_tokens)
@@ -240,41 +249,79 @@ def run_demo(
 
         lora_layers, updated = _check_gradients(peft_model, run)
         _keep(peft_model, tokenizer, run, say, work=keep, source=source, plot_path=plot_path)
-        trainable, total = peft_model.get_nb_trainable_parameters()
-        peak, memory_source = peak_memory(loaded_plan.device.backend)
-        last = [loss for _, loss in run.losses[-max(1, min(log_every, len(run.losses))) :]]
-        return DemoResult(
-            model=source,
+        return _result(
+            peft_model,
+            run,
+            loaded_plan,
+            source=source,
             embedded=embedded,
-            device=loaded_plan.device.torch_device,
-            device_name=loaded_plan.device.name,
-            dtype=loaded_plan.dtype,
-            quantization=loaded_plan.quantization,
-            quantization_note=quant_note,
-            trainable_params=int(trainable),
-            total_params=int(total),
-            lora_layers=lora_layers,
-            lora_layers_with_gradient=sum(run.first_gradients.values()),
-            lora_layers_updated=updated,
+            quant_note=quant_note,
             steps=steps,
             batch_size=batch_size,
-            learning_rate=lr,
-            train_seconds=run.seconds,
-            steps_per_second=steps / run.seconds if run.seconds > 0 else math.inf,
-            losses=run.losses,
-            first_loss=run.losses[0][1],
-            last_loss=sum(last) / len(last),
-            peak_memory=peak,
-            memory_source=memory_source,
+            lr=lr,
+            log_every=log_every,
             before=before,
             after=after,
-            fallbacks=tuple(
-                f"{e.what}: {e.planned} -> {e.actual} ({e.cause})" for e in loaded_plan.fallbacks
-            ),
-            plot=str(plot_path) if plot_path is not None else None,
-            output_dir=str(keep) if keep is not None else None,
-            wall_seconds=time.perf_counter() - started,
+            layers=(lora_layers, updated),
+            plot_path=plot_path,
+            keep=keep,
+            started=started,
         )
+
+
+def _result(
+    peft_model: Any,
+    run: Any,
+    loaded_plan: Any,
+    *,
+    source: str,
+    embedded: bool,
+    quant_note: str,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    log_every: int,
+    before: tuple[tuple[str, str], ...],
+    after: tuple[tuple[str, str], ...],
+    layers: tuple[int, int],
+    plot_path: Path | None,
+    keep: Path | None,
+    started: float,
+) -> DemoResult:
+    """The :class:`DemoResult` of a finished run (``layers``: LoRA layers, and those updated)."""
+    trainable, total = peft_model.get_nb_trainable_parameters()
+    peak, memory_source = peak_memory(loaded_plan.device.backend)
+    last = [loss for _, loss in run.losses[-max(1, min(log_every, len(run.losses))) :]]
+    return DemoResult(
+        model=source,
+        embedded=embedded,
+        device=loaded_plan.device.torch_device,
+        device_name=loaded_plan.device.name,
+        dtype=loaded_plan.dtype,
+        quantization=loaded_plan.quantization,
+        quantization_note=quant_note,
+        trainable_params=int(trainable),
+        total_params=int(total),
+        lora_layers=layers[0],
+        lora_layers_with_gradient=sum(run.first_gradients.values()),
+        lora_layers_updated=layers[1],
+        steps=steps,
+        batch_size=batch_size,
+        learning_rate=lr,
+        train_seconds=run.seconds,
+        steps_per_second=steps / run.seconds if run.seconds > 0 else math.inf,
+        losses=run.losses,
+        first_loss=run.losses[0][1],
+        last_loss=sum(last) / len(last),
+        peak_memory=peak,
+        memory_source=memory_source,
+        before=before,
+        after=after,
+        fallbacks=tuple(f"{e.what}: {e.planned} -> {e.actual} ({e.cause})" for e in loaded_plan.fallbacks),
+        plot=str(plot_path) if plot_path is not None else None,
+        output_dir=str(keep) if keep is not None else None,
+        wall_seconds=time.perf_counter() - started,
+    )
 
 
 def _check_output_dir(output_dir: str | os.PathLike[str] | None) -> Path | None:
@@ -348,9 +395,15 @@ def _check_gradients(peft_model: Any, run: Any) -> tuple[int, int]:
 
 
 def _keep(
-    peft_model: Any, tokenizer: Any, run: Any, say: Narrator, *, work: Path | None, source: str,
+    peft_model: Any,
+    tokenizer: Any,
+    run: Any,
+    say: Narrator,
+    *,
+    work: Path | None,
+    source: str,
     plot_path: Path | None,
-) -> None:  # fmt: skip
+) -> None:
     """Save the adapter and tokenizer (``output_dir=``) and the loss curve (``plot=``)."""
     loaded_plan = peft_model.xpukit_plan
     if work is not None:

@@ -298,10 +298,17 @@ def _tiny_config(*, layers: int, **extra: Any) -> Any:
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        tie_word_embeddings=True, **extra,
-    )  # fmt: skip
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        **extra,
+    )
 
 
 def _sync(torch: Any, device: DeviceFacts | str) -> None:

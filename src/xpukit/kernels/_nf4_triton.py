@@ -108,8 +108,19 @@ def dequantize_nf4_triton(
     grid = (triton.cdiv(n_bytes, _BLOCK),)
     with on_device(weight.device):
         _nf4_dequant_kernel[grid](
-            packed, absmax, _nf4_table(weight.device), absmax2, code2, offset, out, n_bytes, n_out,
-            BLOCKSIZE=int(quant_state.blocksize), BLOCKSIZE2=blocksize2,
-            NESTED=bool(quant_state.nested), BLOCK=_BLOCK, enable_fp_fusion=False,
-        )  # fmt: skip
+            packed,
+            absmax,
+            _nf4_table(weight.device),
+            absmax2,
+            code2,
+            offset,
+            out,
+            n_bytes,
+            n_out,
+            BLOCKSIZE=int(quant_state.blocksize),
+            BLOCKSIZE2=blocksize2,
+            NESTED=bool(quant_state.nested),
+            BLOCK=_BLOCK,
+            enable_fp_fusion=False,
+        )
     return out

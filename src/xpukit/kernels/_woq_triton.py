@@ -46,9 +46,21 @@ if triton is not None:
 
     @triton.jit  # type: ignore[misc, untyped-decorator, unused-ignore]
     def _int8_mm_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, q_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_ym,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-    ):  # fmt: skip
+        x_ptr,
+        q_ptr,
+        s_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        stride_xm,
+        stride_qn,
+        stride_ym,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
@@ -87,10 +99,23 @@ if triton is not None:
 
     @triton.jit  # type: ignore[misc, untyped-decorator, unused-ignore]
     def _int4_tile_mm_kernel(  # type: ignore[no-untyped-def]
-        x_ptr, q_ptr, sz_ptr, y_ptr, M, N, K, K_TILES, N_PAD, stride_xm, stride_ym,
-        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+        x_ptr,
+        q_ptr,
+        sz_ptr,
+        y_ptr,
+        M,
+        N,
+        K,
+        K_TILES,
+        N_PAD,
+        stride_xm,
+        stride_ym,
+        GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        TILES: tl.constexpr,
         IEEE: tl.constexpr,
-    ):  # fmt: skip
+    ):
         WORDS: tl.constexpr = TILES * 16
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -214,16 +239,31 @@ def int8_mm_triton(
     grid = (triton.cdiv(n, chosen["BLOCK_N"]), triton.cdiv(rows, chosen["BLOCK_M"]))
     with on_device(x.device):
         _int8_mm_kernel[grid](
-            x, qdata, scale, y, rows, n, width, x.stride(0), qdata.stride(0), y.stride(0),
-            IEEE=x.dtype == torch.float32, num_warps=warps, **chosen,
-        )  # fmt: skip
+            x,
+            qdata,
+            scale,
+            y,
+            rows,
+            n,
+            width,
+            x.stride(0),
+            qdata.stride(0),
+            y.stride(0),
+            IEEE=x.dtype == torch.float32,
+            num_warps=warps,
+            **chosen,
+        )
     return y
 
 
 def int4_tile_mm_triton(
-    x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int, n: int,
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale_and_zero: torch.Tensor,
+    group: int,
+    n: int,
     blocks: dict[str, int] | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``x @ W.T`` for an int4 weight ``W`` (``n`` rows) in tinygemm's layout, in ``x``'s dtype.
 
     Args:
@@ -247,8 +287,20 @@ def int4_tile_mm_triton(
     grid = (triton.cdiv(n, chosen["BLOCK_N"]), triton.cdiv(rows, chosen["BLOCK_M"]))
     with on_device(x.device):
         _int4_tile_mm_kernel[grid](
-            x, qdata, scale_and_zero, y, rows, n, width, qdata.shape[1], scale_and_zero.shape[1],
-            x.stride(0), y.stride(0), GROUP=group, IEEE=x.dtype == torch.float32, num_warps=warps,
+            x,
+            qdata,
+            scale_and_zero,
+            y,
+            rows,
+            n,
+            width,
+            qdata.shape[1],
+            scale_and_zero.shape[1],
+            x.stride(0),
+            y.stride(0),
+            GROUP=group,
+            IEEE=x.dtype == torch.float32,
+            num_warps=warps,
             **chosen,
-        )  # fmt: skip
+        )
     return y

@@ -121,7 +121,11 @@ def liger_linear_cross_entropy(
     summed = num_items_in_batch is not None
     with torch.autocast(hidden.device.type, enabled=False):
         loss = functional.liger_fused_linear_cross_entropy(
-            flat, weight, flat_labels, ignore_index=IGNORE_INDEX, reduction="sum" if summed else "mean",
+            flat,
+            weight,
+            flat_labels,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum" if summed else "mean",
             chunk_mem_const=chunk_mem_const,
-        )  # fmt: skip
+        )
     return loss / num_items_in_batch if summed else loss

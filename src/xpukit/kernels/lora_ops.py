@@ -223,9 +223,14 @@ def _functions() -> Any:
 
         @staticmethod
         def forward(
-            ctx: Any, x: torch.Tensor, dtype: torch.dtype, specs: Any, act: str, liger: bool,
+            ctx: Any,
+            x: torch.Tensor,
+            dtype: torch.dtype,
+            specs: Any,
+            act: str,
+            liger: bool,
             *adapters: torch.Tensor,
-        ) -> Any:  # fmt: skip
+        ) -> Any:
             return _gated_forward(ctx, x, dtype, specs, act, liger, adapters)
 
         @staticmethod

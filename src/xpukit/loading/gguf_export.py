@@ -178,9 +178,14 @@ def export_gguf_from_source(
         default = Path(source).name if Path(source).is_dir() else source.split("/")[-1]
         result = _write(model, plan, target, tokenizer_dir, name=name or default, ollama=ollama, start=start)
     return GgufExport(
-        out=result.out, file=result.file, plan=plan, bytes=result.bytes, seconds=time.perf_counter() - start,
-        modelfile=result.modelfile, merge=getattr(model, "xpukit_plan", None),
-    )  # fmt: skip
+        out=result.out,
+        file=result.file,
+        plan=plan,
+        bytes=result.bytes,
+        seconds=time.perf_counter() - start,
+        modelfile=result.modelfile,
+        merge=getattr(model, "xpukit_plan", None),
+    )
 
 
 def modelfile(gguf_name: str, eos_tokens: list[str]) -> str:
@@ -195,9 +200,15 @@ def modelfile(gguf_name: str, eos_tokens: list[str]) -> str:
 
 
 def _write(
-    model: Any, plan: GgufExportPlan, target: Path, tokenizer_dir: Path, *, name: str | None, ollama: bool,
+    model: Any,
+    plan: GgufExportPlan,
+    target: Path,
+    tokenizer_dir: Path,
+    *,
+    name: str | None,
+    ollama: bool,
     start: float,
-) -> GgufExport:  # fmt: skip
+) -> GgufExport:
     from xpukit.loading.gguf_file import write_gguf
 
     title = name or target.name
@@ -214,9 +225,13 @@ def _write(
         partial.rename(target)
     file = target / file_name
     return GgufExport(
-        out=target, file=file, plan=plan, bytes=file.stat().st_size, seconds=time.perf_counter() - start,
+        out=target,
+        file=file,
+        plan=plan,
+        bytes=file.stat().st_size,
+        seconds=time.perf_counter() - start,
         modelfile=target / "Modelfile" if ollama else None,
-    )  # fmt: skip
+    )
 
 
 def _tensors(model: Any, plan: GgufExportPlan) -> Iterator[tuple[str, Any]]:

@@ -232,9 +232,13 @@ def _check_weights(
     unexpected = info.get("unexpected_keys")
     user_class = any(d.name == "model_class" and d.source == "user" for d in plan.decisions)
     unused, head_note = unexpected_weights_problem(
-        str(plan.model), cls.__name__, unexpected, config,
-        base_prefix=str(getattr(model, "base_model_prefix", "") or ""), user_class=user_class,
-    )  # fmt: skip
+        str(plan.model),
+        cls.__name__,
+        unexpected,
+        config,
+        base_prefix=str(getattr(model, "base_model_prefix", "") or ""),
+        user_class=user_class,
+    )
     if unused is not None:
         return unused
     if head_note is not None:

@@ -20,8 +20,16 @@ _BNB_DISPATCHED = "Some modules are dispatched on the CPU or the disk"
 # What from_pretrained reads weights from (safetensors, torch .bin, sharded indexes, TF/Flax, GGUF):
 # a local directory with none of these has nothing to load.
 _WEIGHT_SUFFIXES = (
-    ".safetensors", ".bin", ".index.json", ".h5", ".msgpack", ".ckpt.index", ".gguf", ".pt", ".pth",
-)  # fmt: skip
+    ".safetensors",
+    ".bin",
+    ".index.json",
+    ".h5",
+    ".msgpack",
+    ".ckpt.index",
+    ".gguf",
+    ".pt",
+    ".pth",
+)
 
 
 def missing_weights_problem(plan: LoadPlan) -> str | None:

@@ -107,9 +107,18 @@ def apply_lora(
     if request.kind == "adapter" and not request.trainable:
         return _load_adapter(model, request)
     return _new_adapters(
-        model, request, dtype=dtype, quantized=quantized, device=device, fused=fused, insist=fused_insist,
-        graphs=graphs, packing=packing, pass_tokens=pass_tokens, host_embedding=host_embedding,
-    )  # fmt: skip
+        model,
+        request,
+        dtype=dtype,
+        quantized=quantized,
+        device=device,
+        fused=fused,
+        insist=fused_insist,
+        graphs=graphs,
+        packing=packing,
+        pass_tokens=pass_tokens,
+        host_embedding=host_embedding,
+    )
 
 
 def _load_adapter(model: Any, request: LoraRequest) -> tuple[Any, list[str]]:

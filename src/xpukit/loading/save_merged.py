@@ -158,10 +158,13 @@ def save_merged(
     saved = _saved(kind, for_family, planned)
     facts = planned.model_facts
     check_merge_disk(
-        out=str(target), full_bytes=facts.weight_bytes[planned.dtype],
-        four_bit_bytes=facts.weight_bytes[f"4bit/{planned.dtype}"], quantizable=facts.quantizable_numel,
-        saved=saved, free=free_bytes(target),
-    )  # fmt: skip
+        out=str(target),
+        full_bytes=facts.weight_bytes[planned.dtype],
+        four_bit_bytes=facts.weight_bytes[f"4bit/{planned.dtype}"],
+        quantizable=facts.quantizable_numel,
+        saved=saved,
+        free=free_bytes(target),
+    )
     model = load_for_xpu(base, lora=os.fspath(adapter), merge=merge, force=force, dtype=chosen, device=device)
     plan = model.xpukit_plan
     if dtype_from == "record":  # the plan's dtype decision took the recorded dtype, and says why
@@ -182,14 +185,25 @@ def save_merged(
     quantized = None
     if saved is not None:
         quantized = {
-            "format": saved.label, "for": saved.family, "runs_on": list(saved.runs_on),
-            "on_disk": saved.on_disk, "reason": saved.reason,
-        }  # fmt: skip
+            "format": saved.label,
+            "for": saved.family,
+            "runs_on": list(saved.runs_on),
+            "on_disk": saved.on_disk,
+            "reason": saved.reason,
+        }
     return MergeResult(
-        out=target, files=files, dtype=chosen, dtype_reason=why, tokenizer_from=tokenizer_from, plan=plan,
-        quantize=kind, dtype_from=dtype_from, quantized=quantized, notes=tuple(notes),
+        out=target,
+        files=files,
+        dtype=chosen,
+        dtype_reason=why,
+        tokenizer_from=tokenizer_from,
+        plan=plan,
+        quantize=kind,
+        dtype_from=dtype_from,
+        quantized=quantized,
+        notes=tuple(notes),
         seconds=time.perf_counter() - start,
-    )  # fmt: skip
+    )
 
 
 def _check_out(target: Path, base: Any, adapter: str | os.PathLike[str]) -> None:

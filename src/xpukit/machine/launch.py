@@ -26,10 +26,15 @@ __all__ = ["LAUNCH_VARIABLES", "LaunchFacts", "parse_launch"]
 # variables first (torchrun sets them even when started under mpirun).
 _FAMILIES: tuple[tuple[str, str, str, str, str], ...] = (
     ("torchrun", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"),
-    ("open-mpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE",
-     "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "open-mpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("intel-mpi", "PMI_RANK", "MPI_LOCALRANKID", "PMI_SIZE", "MPI_LOCALNRANKS"),
-)  # fmt: skip
+)
 # Variables that tell which program started the job, beside the rank variables.
 _MARKERS = (
     "TORCHELASTIC_RUN_ID",

@@ -283,9 +283,18 @@ def check_keywords(
 
 
 # LoRA settings a user may give as keywords of their own; they belong in lora= (a LoraConfig field).
-_LORA_FIELDS = {"lora_r": "r", "lora_rank": "r", "rank": "r", "r": "r", "lora_alpha": "lora_alpha",
-                "alpha": "lora_alpha", "lora_dropout": "lora_dropout", "target_modules": "target_modules",
-                "lora_target_modules": "target_modules", "lora_targets": "target_modules"}  # fmt: skip
+_LORA_FIELDS = {
+    "lora_r": "r",
+    "lora_rank": "r",
+    "rank": "r",
+    "r": "r",
+    "lora_alpha": "lora_alpha",
+    "alpha": "lora_alpha",
+    "lora_dropout": "lora_dropout",
+    "target_modules": "target_modules",
+    "lora_target_modules": "target_modules",
+    "lora_targets": "target_modules",
+}
 
 
 def _lora_field(key: str) -> str | None:

@@ -197,10 +197,14 @@ def machine_stage(req: LoadRequest) -> Machine:
     if rank is not None and strategy in {"auto", "fsdp"}:
         candidates = shard_candidates(main, machine)  # sized against the ranks' devices together
     return Machine(
-        machine=machine, facts_given=facts_given, rank=rank, main=main, candidates=candidates,
+        machine=machine,
+        facts_given=facts_given,
+        rank=rank,
+        main=main,
+        candidates=candidates,
         device_decision=device_decision,
         world=machine.launch.world_size if machine.launch is not None else 1,
-    )  # fmt: skip
+    )
 
 
 def model_stage(req: LoadRequest, cfg: Config) -> Model:
@@ -220,14 +224,22 @@ def model_stage(req: LoadRequest, cfg: Config) -> Model:
     warnings: list[str] = []
     # A trained adapter: its tensors against the base's modules, before any weight is read.
     adapter_check, record = check_saved_adapter(
-        req.lora_request, config=cfg.config, model_class=class_choice.cls or class_choice.name,
-        base=facts.name, force=req.force, merging=req.merge is not None, warnings=warnings,
+        req.lora_request,
+        config=cfg.config,
+        model_class=class_choice.cls or class_choice.name,
+        base=facts.name,
+        force=req.force,
+        merging=req.merge is not None,
+        warnings=warnings,
         trust_remote_code=_trust_remote_code(req),
-    )  # fmt: skip
+    )
     return Model(
-        class_choice=class_choice, facts=facts, adapter_check=adapter_check, record=record,
+        class_choice=class_choice,
+        facts=facts,
+        adapter_check=adapter_check,
+        record=record,
         warnings=tuple(warnings),
-    )  # fmt: skip
+    )
 
 
 def _attempt(
@@ -237,28 +249,49 @@ def _attempt(
     main, facts = mach.main, model.facts
     said: list[str] = []
     lay = plan_layout(
-        facts=facts, machine=mach.machine, main=main, candidates=mach.candidates,
-        dtype_decision=dtype_decision, quant=quant, device_map=req.device_map,
-        max_memory=req.max_memory, offload=req.offload is not False, headroom=req.headroom,
-        enforce_extras=not mach.facts_given, warnings=said,
+        facts=facts,
+        machine=mach.machine,
+        main=main,
+        candidates=mach.candidates,
+        dtype_decision=dtype_decision,
+        quant=quant,
+        device_map=req.device_map,
+        max_memory=req.max_memory,
+        offload=req.offload is not False,
+        headroom=req.headroom,
+        enforce_extras=not mach.facts_given,
+        warnings=said,
         serve=req.lora is None and req.strategy is None,  # docs/planning.md "Quantization for inference"
         saved=cfg.saved,
-    )  # fmt: skip
+    )
     # lora= as resolved with the request, its checkpointing default fitted to this layout
     request = req.lora_request.for_base(quantized=lay.quantization is not None) if req.lora_request else None
     request = fit_lora_to_class(request, model.class_choice, facts)  # task, head, VLM targets
     check_lora_targets(request, facts, enforce=not mach.facts_given, warnings=said)
     fused = fused_will_run(request, facts, quantization=lay.quantization, backend=main.backend)
     graphs = graphs_possible(
-        request, fused=fused, backend=main.backend, world_size=mach.world,
+        request,
+        fused=fused,
+        backend=main.backend,
+        world_size=mach.world,
         torch_version=mach.machine.torch_version,
-    )  # fmt: skip
+    )
     train, request = training_plan_for(
-        request, config=cfg.config, max_positions=facts.max_positions, memory=lay.memory,
-        device=main, dtype=str(lay.dtype.value), batch_size=req.batch_size, seq_len=req.seq_len,
-        fused=fused, quantized=lay.quantization in {"4bit", "8bit"}, packed=packing_wanted(request, facts),
-        allocation_cap=allocation_cap(main, mach.machine.env), graphs=graphs, single_process=mach.world == 1,
-    )  # fmt: skip
+        request,
+        config=cfg.config,
+        max_positions=facts.max_positions,
+        memory=lay.memory,
+        device=main,
+        dtype=str(lay.dtype.value),
+        batch_size=req.batch_size,
+        seq_len=req.seq_len,
+        fused=fused,
+        quantized=lay.quantization in {"4bit", "8bit"},
+        packed=packing_wanted(request, facts),
+        allocation_cap=allocation_cap(main, mach.machine.env),
+        graphs=graphs,
+        single_process=mach.world == 1,
+    )
     return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
 
 
@@ -290,22 +323,34 @@ def placement_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model) 
         dtype_decision = saved_dtype(cfg.saved, req.dtype, cfg.name) or dtype_decision
     attempt = functools.partial(_attempt, req, cfg, mach, model, dtype_decision)
     chosen = layout_for_training(  # new adapters: 4-bit by fit, no silent weight offload
-        attempt(base.quant), replan=attempt, quantize_given=req.quantize is not None or base.followed,
-        offload=req.offload, device=mach.main.torch_device,
-    )  # fmt: skip
+        attempt(base.quant),
+        replan=attempt,
+        quantize_given=req.quantize is not None or base.followed,
+        offload=req.offload,
+        device=mach.main.torch_device,
+    )
     warnings += chosen.warnings
     training = chosen.training
     if training is not None and (too_big := training.warning(mach.main.torch_device)) is not None:
         warnings.append(too_big)
     distributed = plan_distributed(
-        rank=mach.rank, strategy=req.strategy, layout=chosen.layout, model_facts=model.facts,
-        main=mach.main, machine=mach.machine, user_device_map=req.device_map,
-        user_quant_config=cfg.quant.user_config, lora=req.lora is not None,
-    )  # fmt: skip
+        rank=mach.rank,
+        strategy=req.strategy,
+        layout=chosen.layout,
+        model_facts=model.facts,
+        main=mach.main,
+        machine=mach.machine,
+        user_device_map=req.device_map,
+        user_quant_config=cfg.quant.user_config,
+        lora=req.lora is not None,
+    )
     return Placement(
-        layout=chosen.layout, lora=chosen.lora, training=training, distributed=distributed,
+        layout=chosen.layout,
+        lora=chosen.lora,
+        training=training,
+        distributed=distributed,
         warnings=tuple(warnings),
-    )  # fmt: skip
+    )
 
 
 def attention_stage(req: LoadRequest, mach: Machine, model: Model, place: Placement) -> Attention:
@@ -338,9 +383,13 @@ def adapters_stage(req: LoadRequest, mach: Machine, model: Model, place: Placeme
     decisions += [fused] if fused is not None else []
     whole = fused_will_run(lora, facts, quantization=quantization, backend=main.backend)
     graphs = decide_layer_graphs(
-        lora, fused=whole, training=training, backend=main.backend, world_size=mach.world,
+        lora,
+        fused=whole,
+        training=training,
+        backend=main.backend,
+        world_size=mach.world,
         torch_version=mach.machine.torch_version,
-    )  # fmt: skip
+    )
     decisions += [graphs] if graphs is not None else []
     checkpointing = training.gradient_checkpointing if training is not None else False
     packing = decide_packing(
@@ -379,16 +428,30 @@ def merge_stage(
     if req.merge is None:
         return None
     return plan_merge(
-        req.merge, lora_request=place.lora, memory=place.layout.memory, main=mach.main,
-        machine=mach.machine, facts=model.facts, dtype=place.dtype, adapter_check=model.adapter_check or "",
-        record=model.record, warnings=warnings,
-    )  # fmt: skip
+        req.merge,
+        lora_request=place.lora,
+        memory=place.layout.memory,
+        main=mach.main,
+        machine=mach.machine,
+        facts=model.facts,
+        dtype=place.dtype,
+        adapter_check=model.adapter_check or "",
+        record=model.record,
+        warnings=warnings,
+    )
 
 
 def plan_stage(
-    req: LoadRequest, cfg: Config, mach: Machine, model: Model, place: Placement, attn: Attention,
-    adapters: Adapters, decode: Decode, warnings: tuple[str, ...],
-) -> LoadPlan:  # fmt: skip
+    req: LoadRequest,
+    cfg: Config,
+    mach: Machine,
+    model: Model,
+    place: Placement,
+    attn: Attention,
+    adapters: Adapters,
+    decode: Decode,
+    warnings: tuple[str, ...],
+) -> LoadPlan:
     """Every decision in the plan's order, and the frozen :class:`LoadPlan`."""
     layout, distributed = place.layout, place.distributed
     decisions = [mach.device_decision, layout.dtype, *layout.decisions, attn.attention.decision]
@@ -398,15 +461,31 @@ def plan_stage(
     decisions += [decode.decision] if decode.decision is not None else []
     user_config = cfg.quant.user_config
     return LoadPlan(
-        model=cfg.source, model_facts=model.facts, machine=mach.machine, device=mach.main, dtype=place.dtype,
+        model=cfg.source,
+        model_facts=model.facts,
+        machine=mach.machine,
+        device=mach.main,
+        dtype=place.dtype,
         quantization=layout.quantization,
         quantization_config=head_skip_modules(model.facts, distributed.quantization_config, user_config),
         attn_implementation=attn.attention.value,
         attention_kernel=attn.attention.kernel.repo if attn.attention.kernel else None,
-        use_kernels=attn.kernels.use, device_map=distributed.device_map, max_memory=distributed.max_memory,
-        memory=layout.memory, lora=place.lora, decisions=tuple(decisions), warnings=warnings,
-        passthrough=req.from_pretrained_kwargs, model_class=model.class_choice.name,
-        user_quantization_config=user_config, config_kwargs=cfg.consumed, config_given=cfg.given,
-        kernel_config=attn.kernels.config if attn.kernels.use else None, config=cfg.config,
-        seed=req.seed, strategy=distributed.strategy, decode=decode.plan, training=place.training,
-    )  # fmt: skip
+        use_kernels=attn.kernels.use,
+        device_map=distributed.device_map,
+        max_memory=distributed.max_memory,
+        memory=layout.memory,
+        lora=place.lora,
+        decisions=tuple(decisions),
+        warnings=warnings,
+        passthrough=req.from_pretrained_kwargs,
+        model_class=model.class_choice.name,
+        user_quantization_config=user_config,
+        config_kwargs=cfg.consumed,
+        config_given=cfg.given,
+        kernel_config=attn.kernels.config if attn.kernels.use else None,
+        config=cfg.config,
+        seed=req.seed,
+        strategy=distributed.strategy,
+        decode=decode.plan,
+        training=place.training,
+    )

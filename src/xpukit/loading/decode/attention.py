@@ -66,9 +66,16 @@ def grouped_decode_sdpa(
     special = dropout or kwargs.get("softcap") is not None or kwargs.get("output_attentions")
     if q_len != 1 or groups == 1 or special or kwargs.get("cache") is not None:
         result: tuple[Any, None] = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            is_causal=is_causal, **kwargs,
-        )  # fmt: skip
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
         return result
     kv_heads = key.shape[1]
     grouped = query.reshape(batch, kv_heads, groups, dim)  # head h = kv head h // groups (repeat_kv)

@@ -183,13 +183,18 @@ def _weight_only_products(model: Any, kernel: str) -> LoadEvent:
     if "kept" in done:
         logger.warning("xpukit's %s weight-only products not applied: %s", kernel, done["kept"])
         return LoadEvent(
-            kind="fallback", what="weight_only_products", planned=kernel, actual=None,
+            kind="fallback",
+            what="weight_only_products",
+            planned=kernel,
+            actual=None,
             cause=f"{done['kept']}; torchao's own product serves every layer",
-        )  # fmt: skip
+        )
     return LoadEvent(
-        kind="applied", what="weight_only_products", actual={"kernel": kernel, **done},
+        kind="applied",
+        what="weight_only_products",
+        actual={"kernel": kernel, **done},
         cause="a decode step's products of up to 16 rows read the quantized weights once, as stored",
-    )  # fmt: skip
+    )
 
 
 def _grouped_attention(model: Any) -> LoadEvent:

@@ -260,10 +260,24 @@ class DecodeLoop:
             return self.tiers.jobs[(batch, kind)]
         consts = self._consts
         args = (
-            self.model, state.cache, state.tokens, state.positions, state.mask, self._window(state, needed),
-            state.unfinished, state.out, state.index, consts["is_eos"], consts["pad"], consts["min_new"],
-            consts["temperature"], self._top_p(request), request.do_sample, request.top_k, self._keep_one,
-        )  # fmt: skip
+            self.model,
+            state.cache,
+            state.tokens,
+            state.positions,
+            state.mask,
+            self._window(state, needed),
+            state.unfinished,
+            state.out,
+            state.index,
+            consts["is_eos"],
+            consts["pad"],
+            consts["min_new"],
+            consts["temperature"],
+            self._top_p(request),
+            request.do_sample,
+            request.top_k,
+            self._keep_one,
+        )
         root = compile_cache.compile_cache_dir() if self.cache_dir is None else Path(self.cache_dir)
         path = root / f"{self._key(batch, kind)}.step"
         job = self.tiers.start((batch, kind), args, dict(self.compile_options or {}), path)
@@ -291,11 +305,24 @@ class DecodeLoop:
 
         def prefill() -> None:
             prefill_step(
-                self.model, state.cache, state.prompt(length), state.mask, window, state.tokens,
-                state.positions, state.unfinished, state.out, state.index, consts["is_eos"],
-                consts["min_new"], consts["temperature"], self._top_p(request), request.do_sample,
-                request.top_k, self._keep_one,
-            )  # fmt: skip
+                self.model,
+                state.cache,
+                state.prompt(length),
+                state.mask,
+                window,
+                state.tokens,
+                state.positions,
+                state.unfinished,
+                state.out,
+                state.index,
+                consts["is_eos"],
+                consts["min_new"],
+                consts["temperature"],
+                self._top_p(request),
+                request.do_sample,
+                request.top_k,
+                self._keep_one,
+            )
 
         if self.step_graphs is None or not captured:  # (captured only with step graphs)
             prefill()
@@ -347,11 +374,24 @@ class DecodeLoop:
     def _step_once(self, step: Any, request: DecodeRequest, state: DecodeState, window: Any) -> None:
         consts = self._consts
         step(
-            self.model, state.cache, state.tokens, state.positions, state.mask, window,
-            state.unfinished, state.out, state.index, consts["is_eos"], consts["pad"],
-            consts["min_new"], consts["temperature"], self._top_p(request), request.do_sample,
-            request.top_k, self._keep_one,
-        )  # fmt: skip
+            self.model,
+            state.cache,
+            state.tokens,
+            state.positions,
+            state.mask,
+            window,
+            state.unfinished,
+            state.out,
+            state.index,
+            consts["is_eos"],
+            consts["pad"],
+            consts["min_new"],
+            consts["temperature"],
+            self._top_p(request),
+            request.do_sample,
+            request.top_k,
+            self._keep_one,
+        )
 
     def _top_p(self, request: DecodeRequest) -> Any:
         return self._consts["top_p"] if request.top_p < 1.0 else None
@@ -405,9 +445,13 @@ class DecodeLoop:
     def _key(self, batch: int, kind: str) -> str:
         options = {**(self.compile_options or {}), **({"regional": True} if self.regional else {})}
         return compile_cache.model_key(
-            self.model, batch=batch, step=kind, cache_len=self._cache_len(), compile_options=options,
+            self.model,
+            batch=batch,
+            step=kind,
+            cache_len=self._cache_len(),
+            compile_options=options,
             weights=self.cache_fields,
-        )  # fmt: skip
+        )
 
     def _record(self, loop: str, reason: str, request: DecodeRequest | None) -> None:
         record: dict[str, Any] = {"loop": loop, "reason": reason}

@@ -228,9 +228,10 @@ class Tiers:
             job.reported = True
             what = f"batch {job.record.get('batch')} ({job.record.get('step')})"
             self.event(
-                planned="compiled tier", actual=f"{first_tier} tier",
+                planned="compiled tier",
+                actual=f"{first_tier} tier",
                 cause=f"the compiled step for {what} was not built: {job.error}",
-            )  # fmt: skip
+            )
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for every step being built (the warm-up); whether all were built."""

@@ -139,12 +139,18 @@ def check_blocks(model: Any, groups: dict[str, list[tuple[str, Any]]], dtype: An
         seconds = capture_s + time.perf_counter() - t0
         checks.append(
             BlockCheck(
-                kind=key, first=name, blocks=len(groups[key]), dtype=_dtype_name(dtype),
-                output_error=out_err, gradient_error=grad_err, worst=worst,
-                tolerance=_tolerance(dtype), seconds=seconds,
+                kind=key,
+                first=name,
+                blocks=len(groups[key]),
+                dtype=_dtype_name(dtype),
+                output_error=out_err,
+                gradient_error=grad_err,
+                worst=worst,
+                tolerance=_tolerance(dtype),
+                seconds=seconds,
                 reference=reference,
             )
-        )  # fmt: skip
+        )
     return checks
 
 

@@ -70,9 +70,11 @@ def offload_input(hidden: Any, slot: Any) -> Iterator[None]:
 
     def same(tensor: Any) -> bool:
         return bool(
-            tensor.data_ptr() == hidden.data_ptr() and tensor.shape == hidden.shape
-            and tensor.dtype == hidden.dtype and tensor.device == hidden.device
-        )  # fmt: skip
+            tensor.data_ptr() == hidden.data_ptr()
+            and tensor.shape == hidden.shape
+            and tensor.dtype == hidden.dtype
+            and tensor.device == hidden.device
+        )
 
     def pack(tensor: Any) -> Any:
         if not same(tensor):

@@ -207,9 +207,14 @@ class LayerGraphs:
         kind = hidden.device.type
         autocast = torch.is_autocast_enabled(kind)
         return (
-            tuple(hidden.shape), hidden.dtype, hidden.device, hidden.requires_grad, autocast,
-            torch.get_autocast_dtype(kind) if autocast else None, signature,
-        )  # fmt: skip
+            tuple(hidden.shape),
+            hidden.dtype,
+            hidden.device,
+            hidden.requires_grad,
+            autocast,
+            torch.get_autocast_dtype(kind) if autocast else None,
+            signature,
+        )
 
     def _eager(self, why: str) -> None:
         self.stats["eager"] += 1
@@ -349,9 +354,15 @@ class LayerGraphs:
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
                 warmup = self.warmups if self._graphs else 1  # the first capture always warms up
                 return capture(
-                    stack, samples, stand_ins, grads, backend=backend, pool=self._pool, warmup=warmup,
+                    stack,
+                    samples,
+                    stand_ins,
+                    grads,
+                    backend=backend,
+                    pool=self._pool,
+                    warmup=warmup,
                     keep=(self.host.buffer,) if slots[0] is not None else (),
-                )  # fmt: skip
+                )
 
         try:
             run = self.rope.run(captured, keep=NothingToTrain)
@@ -376,9 +387,12 @@ class LayerGraphs:
         if pool is not None:
             self.stats["pool_bytes"] = pool
         self.captured.append(
-            {"tokens": int(hidden.shape[-2]) if hidden.dim() >= 2 else 1,
-             "ms": round(1000 * (time.perf_counter() - started)), "pool_bytes": pool}
-        )  # fmt: skip
+            {
+                "tokens": int(hidden.shape[-2]) if hidden.dim() >= 2 else 1,
+                "ms": round(1000 * (time.perf_counter() - started)),
+                "pool_bytes": pool,
+            }
+        )
         return None
 
     def record(self) -> dict[str, Any]:
@@ -388,11 +402,14 @@ class LayerGraphs:
         shapes = len(self._graphs)
         pool = self.stats.get("pool_bytes")
         return {
-            "captures": self.stats["captures"], "capture_ms": self.stats["capture_ms"],
-            "shapes": shapes, "pool_bytes": pool,
+            "captures": self.stats["captures"],
+            "capture_ms": self.stats["capture_ms"],
+            "shapes": shapes,
+            "pool_bytes": pool,
             "pool_bytes_per_shape": pool // shapes if pool and shapes else None,
-            "host_slot_bytes": self.stats.get("host_slot_bytes", 0), "each": list(self.captured),
-        }  # fmt: skip
+            "host_slot_bytes": self.stats.get("host_slot_bytes", 0),
+            "each": list(self.captured),
+        }
 
     def _trained_now(self, backend: Any) -> tuple[StandIns, SharedGrads]:
         """The stand-ins and shared gradients of what is trained now, and the pool; when what is

@@ -127,9 +127,14 @@ def _decide(
     if version is not None and device.backend in TRITON_BACKENDS and wanted is not False:
         supported = _supported_model_types()
     decision = decide_liger(
-        device, model_type, wanted=wanted, given=given, liger_version=version,
-        triton=is_installed("triton"), supported_types=supported,
-    )  # fmt: skip
+        device,
+        model_type,
+        wanted=wanted,
+        given=given,
+        liger_version=version,
+        triton=is_installed("triton"),
+        supported_types=supported,
+    )
     return base, model_type, version, decision
 
 

@@ -306,10 +306,13 @@ def install_packing(
         decoder.config.get_text_config() if hasattr(decoder.config, "get_text_config") else decoder.config
     )
     pad_id = next(
-        (int(v) for v in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None))
-         if isinstance(v, int) and v >= 0),
+        (
+            int(v)
+            for v in (getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None))
+            if isinstance(v, int) and v >= 0
+        ),
         0,
-    )  # fmt: skip
+    )
     packing = Packing(forward, bucket=bucket, pad_id=pad_id, graphs=graphs, max_tokens=max_tokens)
 
     @functools.wraps(forward)

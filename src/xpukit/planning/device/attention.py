@@ -257,9 +257,14 @@ def _off_accelerator(attn: str, explicit: bool, host_modules: str, default: _Def
 
 
 def _flash_taken(
-    attn: str, explicit: bool, device: DeviceFacts, value: str, kernel: KernelRef | None, how: str,
+    attn: str,
+    explicit: bool,
+    device: DeviceFacts,
+    value: str,
+    kernel: KernelRef | None,
+    how: str,
     family_note: str | None,
-) -> AttentionChoice:  # fmt: skip
+) -> AttentionChoice:
     """Flash attention can be had: taken (with a warning off the Intel families its kernels target)."""
     warning = None
     if family_note is not None and explicit:

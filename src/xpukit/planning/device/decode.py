@@ -228,9 +228,15 @@ def decide_decode(
             regional=fast_decode == "regional",
         )
     return _plan(
-        ask, device=device, dtype=dtype, memory=memory, facts=facts, quantization=quantization,
-        device_map=device_map, quantization_config=quantization_config,
-    )  # fmt: skip
+        ask,
+        device=device,
+        dtype=dtype,
+        memory=memory,
+        facts=facts,
+        quantization=quantization,
+        device_map=device_map,
+        quantization_config=quantization_config,
+    )
 
 
 def plan_decode(
@@ -260,10 +266,15 @@ def plan_decode(
         everything asked for is had, ``"fallback"`` when part is not, with the reason).
     """
     return _plan(
-        _Ask(lead="fast_decode=True given", source="user", fuse=True), device=device, dtype=dtype,
-        memory=memory, facts=facts, quantization=quantization, device_map=device_map,
+        _Ask(lead="fast_decode=True given", source="user", fuse=True),
+        device=device,
+        dtype=dtype,
+        memory=memory,
+        facts=facts,
+        quantization=quantization,
+        device_map=device_map,
         quantization_config=quantization_config,
-    )  # fmt: skip
+    )
 
 
 def _auto_applies(serving: bool, chosen_format: bool, backend: str, quantization: str | None) -> bool:

@@ -132,12 +132,11 @@ def place_rank(
     if len(devices) == 1 and index > 0:
         # A per-rank mask (each rank sees only its own card): its device is index 0.
         index = 0
-        reason = (
-            f"{where}: one {backend} device visible (a per-rank device mask), so {backend}:0; "
-            + ("oneCCL needs every rank to see every selected device (docs/distributed.md)"
-               if backend == "xpu"
-               else "the model stays whole on it")
-        )  # fmt: skip
+        reason = f"{where}: one {backend} device visible (a per-rank device mask), so {backend}:0; " + (
+            "oneCCL needs every rank to see every selected device (docs/distributed.md)"
+            if backend == "xpu"
+            else "the model stays whole on it"
+        )
     elif index >= len(devices):
         raise DeviceSelectionError(
             f"This process is {where}, but only {len(devices)} {backend} device(s) are visible "
@@ -225,8 +224,11 @@ def choose_strategy(
             + short,
             rejected=(("ddp", "every rank would need the whole model"),),
         )
-    what = {"ddp": "a full copy per rank", "fsdp": "FSDP2 shards weights over the ranks",
-            "deepspeed": "DeepSpeed ZeRO"}[requested]  # fmt: skip
+    what = {
+        "ddp": "a full copy per rank",
+        "fsdp": "FSDP2 shards weights over the ranks",
+        "deepspeed": "DeepSpeed ZeRO",
+    }[requested]
     reason = f"strategy={requested!r} given: {what}"
     if requested == "ddp" and not fits:
         reason += f" ({sizes}: it may run out of memory; strategy='fsdp' shards it)"

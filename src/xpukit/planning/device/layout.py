@@ -147,10 +147,13 @@ class _Formats:
                 raise
             error = exc  # neither library: both installs can serve this load
         raise MissingExtraError(
-            f"quantize={self.quant.kind!r} (a load to run)", error.package, error.extra, found=error.found,
+            f"quantize={self.quant.kind!r} (a load to run)",
+            error.package,
+            error.extra,
+            found=error.found,
             requirement=error.requirement,
             alternative=f'pip install "xpukit[serve]" for {asked.rejected[0][0]}, the faster format here',
-        )  # fmt: skip
+        )
 
 
 def _sizing(

@@ -141,18 +141,27 @@ def saved_format(kind: str, family: str, dtype: str, torchao: str | None) -> Sav
             else chosen.reason
         )
         return SavedFormat(
-            kind=kind, family=family, dtype=dtype, label=f"{dtype}, quantized at each load ({chosen.label})",
-            config=None, runs_on=FAMILIES,
+            kind=kind,
+            family=family,
+            dtype=dtype,
+            label=f"{dtype}, quantized at each load ({chosen.label})",
+            config=None,
+            runs_on=FAMILIES,
             reason=f"written in full precision and quantized at each load: {why}",
-        )  # fmt: skip
+        )
     bits = "int4" if kind == "4bit" else "int8"
     write_on = family if bits == "int4" and family in _PACKS_ON_DEVICE else "cpu"
     return SavedFormat(
-        kind=kind, family=family, dtype=dtype, label=chosen.label, config=config, runs_on=runs_on,
+        kind=kind,
+        family=family,
+        dtype=dtype,
+        label=chosen.label,
+        config=config,
+        runs_on=runs_on,
         reason=f"{chosen.label}, the format an {bits} load on {family} takes ({chosen.reason}); "
         f"loads on {', '.join(runs_on)}",
         write_on=write_on,
-    )  # fmt: skip
+    )
 
 
 def read_saved(config: Any) -> SavedFormat | None:

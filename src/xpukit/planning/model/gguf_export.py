@@ -178,10 +178,17 @@ def plan_gguf_export(facts: ExportFacts, type: str = "bf16") -> GgufExportPlan:
         ),
     )
     return GgufExportPlan(
-        family=family, model_type=model_type, type=asked, tensor_types=types, tokenizer_model=model,
-        tokenizer_pre=pre, estimated_bytes=size, rope_type=rope_type, decisions=decisions,
+        family=family,
+        model_type=model_type,
+        type=asked,
+        tensor_types=types,
+        tokenizer_model=model,
+        tokenizer_pre=pre,
+        estimated_bytes=size,
+        rope_type=rope_type,
+        decisions=decisions,
         notes=_notes(facts.config, family),
-    )  # fmt: skip
+    )
 
 
 def gguf_type(type: str) -> str:

@@ -15,6 +15,7 @@ An explicit choice wins: ``lora={"gradient_checkpointing": True | False | "offlo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,7 @@ from xpukit.planning.training.fit_reasons import (
 )
 from xpukit.planning.training.host_embedding import embedding_decision, host_embedding_bytes
 from xpukit.planning.training.lora_request import rank_problem
-from xpukit.planning.training.rungs import Choice, Rungs, choose, ladder_of, micro_batches
+from xpukit.planning.training.rungs import Choice, Rung, Rungs, choose, ladder_of, micro_batches
 from xpukit.planning.training.training_plan import TrainingPlan
 from xpukit.planning.vocabulary import Decision
 
@@ -156,29 +157,25 @@ def plan_training(
     room = budget - fixed
     user_gc, user_liger = request.gradient_checkpointing_given, request.liger
     liger_ok, liger_why = liger_available
-    rungs = Rungs(
-        shape, request, a, backend, fused, packed, graphs,
-        dequant_transient(shape, compute_bytes=a, fused_lora=fused) if quantized else 0, liger_ok,
-    )  # fmt: skip
+    transient = dequant_transient(shape, compute_bytes=a, fused_lora=fused) if quantized else 0
+    rungs = Rungs(shape, request, a, backend, fused, packed, graphs, transient, liger_ok)
     fused_first = (packed or fused) and liger_ok and user_liger is not False  # PACKED_LOSS, FUSED_LOSS
-    on_graphs: tuple[bool, ...] = ((True,) if request.graphs else (True, False)) if graphs else (False,)
-    ladder = ladder_of(
-        request.gradient_checkpointing if user_gc else None, True if fused_first else user_liger,
-        offload=backend != "cpu", graphs=on_graphs,
-    )  # fmt: skip
+    ladder = _ladder(request, backend, graphs, fused_first)
 
-    def capped(micro: int) -> bool:  # the plain loss's logits, one tensor above the allocation cap
-        return allocation_cap is not None and logits_bytes(micro, seq, shape.vocab) > allocation_cap
-
+    capped = functools.partial(_capped, allocation_cap, seq, shape.vocab)
     if capped(batch):  # only the fused losses (the ladder always holds them)
         ladder = [r for r in ladder if r[0]]
     choice = choose(rungs, ladder, batch, seq, room)
     on_host = None
     if host_embedding:
         choice, on_host = embedding_decision(
-            choice, lambda extra: choose(rungs, ladder, batch, seq, room + extra), host_embedding, room,
-            batch, ladder,
-        )  # fmt: skip
+            choice,
+            lambda extra: choose(rungs, ladder, batch, seq, room + extra),
+            host_embedding,
+            room,
+            batch,
+            ladder,
+        )
         if on_host is not None and on_host.value == "host":
             fixed, room = fixed - host_embedding, room + host_embedding
     (fused_ce, gc, captured), micro = choice.rung, choice.micro
@@ -205,23 +202,60 @@ def plan_training(
         ),
         _micro_batch_decision(choice, batch, seq, fit_text),
     ) + ((on_host,) if on_host is not None else ())
-    fixed_rule = (
+    moved = host_embedding if on_host is not None and on_host.value == "host" else 0
+    fixed_rule = _fixed_rule(weights, lora_params, moved)
+    return TrainingPlan(
+        batch_size=batch,
+        seq_len=seq,
+        batch_given=batch_size is not None,
+        seq_given=seq_len is not None,
+        micro_batch=micro,
+        gradient_accumulation_steps=max(1, batch // micro),
+        gradient_checkpointing=gc,
+        liger=loss == "liger",
+        budget=budget,
+        budget_rule=budget_rule,
+        fixed=fixed,
+        fixed_rule=fixed_rule,
+        estimate=estimate,
+        estimates=choice.tried,
+        fits=fits,
+        decisions=decisions,
+        loss=loss,
+        pass_tokens=choice.pass_tokens if packed else None,
+        split_by_tokens=choice.by_tokens,
+        graphs=captured,
+        embedding_on_host=on_host is not None and on_host.value == "host",
+        checkpoint_layers=choice.checkpoint_layers,
+    )
+
+
+def _capped(allocation_cap: int | None, seq: int, vocab: int, micro: int) -> bool:
+    """The plain loss's logits of ``micro`` sequences: one tensor above the allocation cap."""
+    return allocation_cap is not None and logits_bytes(micro, seq, vocab) > allocation_cap
+
+
+def _ladder(request: LoraRequest, backend: str, graphs: bool, fused_first: bool) -> list[Rung]:
+    """The rungs to try, fastest first: the user's checkpointing and liger choices kept."""
+    user_gc, user_liger = request.gradient_checkpointing_given, request.liger
+    on_graphs: tuple[bool, ...] = ((True,) if request.graphs else (True, False)) if graphs else (False,)
+    return ladder_of(
+        request.gradient_checkpointing if user_gc else None,
+        True if fused_first else user_liger,
+        offload=backend != "cpu",
+        graphs=on_graphs,
+    )
+
+
+def _fixed_rule(weights: int, lora_params: int, moved: int) -> str:
+    """How the fixed part of the training memory is counted, in words (``moved``: bytes of the input
+    embedding in host memory, 0 when it stays)."""
+    rule = (
         f"weights {format_bytes(weights)} + LoRA state {format_bytes(LORA_STATE_BYTES * lora_params)} "
         f"({lora_params:,} params × {LORA_STATE_BYTES} B: weight, grad, AdamW) + reserve "
         f'{format_bytes(TRAINING_RESERVE)} (calibrated, docs/training.md "The activation estimate")'
     )
-    if on_host is not None and on_host.value == "host":
-        fixed_rule += f" − the input embedding's {format_bytes(host_embedding)}, in host memory"
-    return TrainingPlan(
-        batch_size=batch, seq_len=seq, batch_given=batch_size is not None, seq_given=seq_len is not None,
-        micro_batch=micro, gradient_accumulation_steps=max(1, batch // micro), gradient_checkpointing=gc,
-        liger=loss == "liger", budget=budget, budget_rule=budget_rule, fixed=fixed,
-        fixed_rule=fixed_rule,
-        estimate=estimate, estimates=choice.tried, fits=fits, decisions=decisions, loss=loss,
-        pass_tokens=choice.pass_tokens if packed else None, split_by_tokens=choice.by_tokens,
-        graphs=captured, embedding_on_host=on_host is not None and on_host.value == "host",
-        checkpoint_layers=choice.checkpoint_layers,
-    )  # fmt: skip
+    return rule + (f" − the input embedding's {format_bytes(moved)}, in host memory" if moved else "")
 
 
 # What the training plan keeps free beside weights, LoRA state and the activation estimate. Calibrated
@@ -303,14 +337,21 @@ def training_plan_for(
         allocation_cap=allocation_cap,
         graphs=graphs,
         host_embedding=host_embedding_bytes(
-            config, shape, request, backend=device.backend, compute_bytes=4 if dtype == "float32" else 2,
+            config,
+            shape,
+            request,
+            backend=device.backend,
+            compute_bytes=4 if dtype == "float32" else 2,
             single_process=single_process,
         ),
-    )  # fmt: skip
+    )
     updated = replace(
-        request, gradient_checkpointing=plan.gradient_checkpointing, liger=plan.liger, loss=plan.loss,
+        request,
+        gradient_checkpointing=plan.gradient_checkpointing,
+        liger=plan.liger,
+        loss=plan.loss,
         checkpoint_layers=plan.checkpoint_layers,
-    )  # fmt: skip
+    )
     return plan, updated
 
 

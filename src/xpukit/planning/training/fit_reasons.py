@@ -27,8 +27,12 @@ def gc_decision(
     gc: bool | str, given: bool, fit_text: str, tried: list[tuple[str, int]], partial: str | None = None
 ) -> Decision:
     if given:
-        return Decision(name="gradient_checkpointing", value=gc, source="user",
-                        reason=f"lora={{'gradient_checkpointing': {gc!r}}} given; {fit_text}")  # fmt: skip
+        return Decision(
+            name="gradient_checkpointing",
+            value=gc,
+            source="user",
+            reason=f"lora={{'gradient_checkpointing': {gc!r}}} given; {fit_text}",
+        )
     if gc == "offload":
         what = "on, saved activations offloaded to host memory (asynchronous pinned copies on CUDA/XPU)"
     else:
@@ -86,8 +90,12 @@ def loss_decision(loss: str, liger_why: str, fit_text: str) -> Decision:
     0.04 GB, in 512-token chunks 8.1 ms and 0.17 GB)."""
     if loss == "plain":
         rejected = (("chunked", "not needed to fit"), ("liger", "not needed to fit"))
-        return Decision(name="loss", value="plain", rejected=rejected,
-                        reason="lm_head + transformers' cross-entropy: it fits")  # fmt: skip
+        return Decision(
+            name="loss",
+            value="plain",
+            rejected=rejected,
+            reason="lm_head + transformers' cross-entropy: it fits",
+        )
     if loss == "liger":
         why = (
             f"liger-kernel's fused linear cross-entropy in chunks of up to {LOSS_CHUNK_TOKENS} tokens "
@@ -95,7 +103,8 @@ def loss_decision(loss: str, liger_why: str, fit_text: str) -> Decision:
         )
         return Decision(name="loss", value="liger", reason=why)
     return Decision(
-        name="loss", value="chunked",
+        name="loss",
+        value="chunked",
         reason=f"xpukit's chunked cross-entropy (one chunk's logits at a time), since liger's cannot be "
         f"used ({liger_why}): {fit_text}",
-    )  # fmt: skip
+    )

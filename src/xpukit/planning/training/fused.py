@@ -52,22 +52,25 @@ class BlockShape:
 # One rule per shape; the first whose projections the model has applies.
 ATTENTION_SHAPES = (
     BlockShape(
-        "attention", ("q_proj", "k_proj", "v_proj", "o_proj"),
+        "attention",
+        ("q_proj", "k_proj", "v_proj", "o_proj"),
         "q/k/v in one function over their shared input, o_proj in another",
     ),
     BlockShape(
-        "attention", ("qkv_proj", "o_proj"),
+        "attention",
+        ("qkv_proj", "o_proj"),
         "the stored qkv_proj (one adapter on the fused weight, as peft puts it) and o_proj, one "
         "function each",
     ),
-)  # fmt: skip
+)
 MLP_SHAPES = (
     BlockShape("MLP", ("gate_proj", "up_proj", "down_proj"), "down(act(gate(x)) * up(x)) in one function"),
     BlockShape(
-        "MLP", ("gate_up_proj", "down_proj"),
+        "MLP",
+        ("gate_up_proj", "down_proj"),
         "down(act(gate) * up) in one function, gate and up the halves of the stored gate_up_proj",
     ),
-)  # fmt: skip
+)
 # The gating activations the fused MLP computes, by the config's name (transformers' ACT2FN):
 # SiLU (SwiGLU: Llama, Mistral, Qwen, Granite, OLMo 2, SmolLM3, Phi-3, GLM-4) and GELU, exact or
 # tanh-approximated (GeGLU: Gemma 1-3).
@@ -156,9 +159,13 @@ def fused_blocks(facts: ModelFacts) -> FusedBlocks:
             ),
         )
     return FusedBlocks(
-        attention=attention, mlp=mlp, activation=activation if mlp is not None else None,
-        attention_problem=attention_problem, mlp_problem=mlp_problem, experts=experts,
-    )  # fmt: skip
+        attention=attention,
+        mlp=mlp,
+        activation=activation if mlp is not None else None,
+        attention_problem=attention_problem,
+        mlp_problem=mlp_problem,
+        experts=experts,
+    )
 
 
 # Where the fused path is on without being asked: the devices whose training it was built for.
@@ -224,9 +231,11 @@ def decide_fused(
     asked = request.fused
     if asked is False:
         return Decision(
-            name="fused_lora", value=False, reason="lora={'fused': False} given: peft's LoRA modules",
+            name="fused_lora",
+            value=False,
+            reason="lora={'fused': False} given: peft's LoRA modules",
             source="user",
-        )  # fmt: skip
+        )
     problem = fused_problem(request, facts, quantization)
     if problem is not None:
         if asked:
@@ -236,9 +245,11 @@ def decide_fused(
                 "in the way (quantize='4bit', lora_dropout=0, no DoRA or bias adapters, all-linear targets)."
             )
         return Decision(
-            name="fused_lora", value=False, reason=f"peft's LoRA modules: {problem}",
+            name="fused_lora",
+            value=False,
+            reason=f"peft's LoRA modules: {problem}",
             rejected=((True, problem),),
-        )  # fmt: skip
+        )
     blocks = fused_blocks(facts)
     if asked and blocks.mlp is None and not blocks.experts:
         raise InvalidRequestError(
@@ -249,20 +260,24 @@ def decide_fused(
     expected = f"{blocks.expected()}; each distinct block type is checked against peft's block at load"
     if asked:
         return Decision(
-            name="fused_lora", value=True, source="user",
+            name="fused_lora",
+            value=True,
+            source="user",
             reason=f"lora={{'fused': True}} given: each block's 4-bit projections and adapters in fused "
             f"autograd functions (loading/training/fused_lora.py): {expected}",
-        )  # fmt: skip
+        )
     if backend not in _AUTO_BACKENDS:
         return Decision(
-            name="fused_lora", value=False,
+            name="fused_lora",
+            value=False,
             reason=f"peft's LoRA modules: the fused path is on by default on cuda and xpu only, not "
             f"{backend} (lora={{'fused': True}} uses it here too)",
             rejected=((True, f"not measured faster on {backend}"),),
-        )  # fmt: skip
+        )
     return Decision(
-        name="fused_lora", value=True,
+        name="fused_lora",
+        value=True,
         reason="4-bit projections and their adapters computed together per block, one dequantisation "
         f"per weight in forward and one in backward, the LoRA term added in place ({expected}; "
         "lora={'fused': False} turns it off)",
-    )  # fmt: skip
+    )

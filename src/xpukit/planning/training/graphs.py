@@ -92,9 +92,11 @@ def graphs_possible(
     """Whether the layers may run as graphs, whatever checkpointing the training plan then chooses: the
     plan counts the graphs' buffers where they may."""
     return (
-        request is not None and request.kind == "new" and request.graphs is not False
+        request is not None
+        and request.kind == "new"
+        and request.graphs is not False
         and layer_graphs_problem(fused, backend, world_size, torch_version) is None
-    )  # fmt: skip
+    )
 
 
 def decide_layer_graphs(
@@ -114,8 +116,12 @@ def decide_layer_graphs(
     if request is None or request.kind != "new":
         return None
     if request.graphs is False:
-        return Decision(name="layer_graphs", value=False, source="user",
-                        reason="lora={'graphs': False} given: the decoder layers run eagerly")  # fmt: skip
+        return Decision(
+            name="layer_graphs",
+            value=False,
+            source="user",
+            reason="lora={'graphs': False} given: the decoder layers run eagerly",
+        )
     # The checkpointing that will run: the training plan's, else the request's (what loading applies).
     checkpointing = (training or request).gradient_checkpointing
     problem = layer_graphs_problem(fused, backend, world_size, torch_version)
@@ -126,15 +132,20 @@ def decide_layer_graphs(
                 "Fix: drop 'graphs' (the layers then run eagerly, and the plan says why), or train on "
                 "CUDA or an Intel GPU with quantize='4bit' and the fused path."
             )
-        return Decision(name="layer_graphs", value=False, reason=f"the layers run eagerly: {problem}",
-                        rejected=((True, problem),))  # fmt: skip
+        return Decision(
+            name="layer_graphs",
+            value=False,
+            reason=f"the layers run eagerly: {problem}",
+            rejected=((True, problem),),
+        )
     if training is not None and not training.graphs:
         why = (
             "the step fits the budget only without the graphs' own memory (their buffers and the "
             "recomputation in their pool): the training plan's estimates of both are in its rungs"
         )
-        return Decision(name="layer_graphs", value=False, reason=f"the layers run eagerly: {why}",
-                        rejected=((True, why),))  # fmt: skip
+        return Decision(
+            name="layer_graphs", value=False, reason=f"the layers run eagerly: {why}", rejected=((True, why),)
+        )
     who = "lora={'graphs': True} given: " if request.graphs else ""
     api = graph_api(backend, torch_version)
     where = (

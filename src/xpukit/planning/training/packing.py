@@ -44,9 +44,11 @@ def packing_problem(facts: ModelFacts) -> str | None:
 def packing_wanted(request: LoraRequest | None, facts: ModelFacts) -> bool:
     """Whether padded batches will run packed (the decision below says so with its bucket and why)."""
     return (
-        request is not None and request.kind == "new" and request.packing is not False
+        request is not None
+        and request.kind == "new"
+        and request.packing is not False
         and packing_problem(facts) is None
-    )  # fmt: skip
+    )
 
 
 def decide_packing(
@@ -77,8 +79,12 @@ def decide_packing(
                 f"but {problem}. Fix: drop 'packing' (batches then run padded, and the plan says why), "
                 "or train a decoder with rotary positions (Llama, Qwen, Mistral, Gemma, Phi-3 …)."
             )
-        return Decision(name="packing", value=False, reason=f"padded batches run as given: {problem}",
-                        rejected=((True, problem),))  # fmt: skip
+        return Decision(
+            name="packing",
+            value=False,
+            reason=f"padded batches run as given: {problem}",
+            rejected=((True, problem),),
+        )
     bucket = graph_bucket(checkpointing) if graphs else 1
     who = "lora={'packing': True} given: " if request.packing else ""
     tail = (

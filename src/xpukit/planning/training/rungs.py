@@ -60,14 +60,20 @@ class Rungs:
         # which the 8 GB budget runs fit.
         request, a, measured = self.request, self.compute_bytes, not gc
         out = activation_bytes(
-            self.shape, tokens, compute_bytes=a, lora_r=int(request.config.get("r", 16)),
+            self.shape,
+            tokens,
+            compute_bytes=a,
+            lora_r=int(request.config.get("r", 16)),
             targets=request.config.get("target_modules"),
             dropout=float(request.config.get("lora_dropout", 0) or 0) > 0,
-            mask_bytes=1 if self.backend in ("cuda", "xpu") else a, checkpointing=gc, fused_loss=fused_ce,
-            fused_lora=self.fused and measured, dequant_bytes=self.dequant,
+            mask_bytes=1 if self.backend in ("cuda", "xpu") else a,
+            checkpointing=gc,
+            fused_loss=fused_ce,
+            fused_lora=self.fused and measured,
+            dequant_bytes=self.dequant,
             chunked_loss=self.kind(fused_ce) == "chunked",
             kernel_norms=measured and self.kind(fused_ce) == "liger",
-        )  # fmt: skip
+        )
         if gc is True and checkpointed is not None and checkpointed < self.shape.layers:
             out = self._partly(rung, tokens, out, checkpointed)
         if graphs:  # the graphs' own buffers: one shape, or a packed row's buckets
@@ -156,8 +162,12 @@ def choose(rungs: Rungs, ladder: list[Rung], batch: int, seq: int, room: int) ->
         rung = max(ladder, key=lambda r: (rungs.pass_tokens(r, room), r[2]))
         tokens = rungs.pass_tokens(rung, room)
         if tokens >= seq:  # one longest example fits a pass
-            tried.append((rungs.text(rung, batch, batch) + f", passes of up to {tokens:,} tokens",
-                          rungs.peak(rung, tokens)))  # fmt: skip
+            tried.append(
+                (
+                    rungs.text(rung, batch, batch) + f", passes of up to {tokens:,} tokens",
+                    rungs.peak(rung, tokens),
+                )
+            )
             return Choice(rung, batch, tokens, True, tuple(tried))
     rung = min(ladder, key=lambda r: rungs.peak(r, worst))
     micro = next((m for m in micro_batches(batch) if rungs.peak(rung, m * seq) <= room), 1)

@@ -26,7 +26,7 @@ Per variant, before the timed calls (unless ``--no-speed-ramp``), a fresh load's
 (``_decode_rows.time_to_speed``): ``first_token_s`` (a one-token call right after the load),
 ``first_tokens_tok_s`` (the next ``--new-tokens`` tokens) and the tier of each token, calls until two
 in a row are served by the compiled step alone (``full_speed_s`` after the load), and the prefill of a
-``--prefill-len``-token prompt (2 048).
+``--prefill-len``-token prompt (2 048). The timed calls of a tiered load wait for its compiled step.
 
 ``--breakdown``: per row, where a token's time goes (docs/decode.md "Where a token's time goes"; a
 profiled call, dynamo's counters, a one-token call, the step alone by ``loop.replay``, the same model

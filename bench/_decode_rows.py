@@ -45,6 +45,17 @@ def cache_len(args: argparse.Namespace, path: Path) -> int:
     return -(-(args.prompt_len + args.new_tokens) // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
 
 
+def wait_compiled(model: Any, limit_s: float) -> float | None:
+    """Tiered: wait (at most ``limit_s``) until the compiled steps being built are ready, so that the
+    timed calls measure the compiled tier; the seconds waited, or ``None`` for an untiered load."""
+    loop = getattr(model, "xpukit_decode_loop", None)
+    if loop is None or not loop.tiered:
+        return None
+    start = time.perf_counter()
+    loop.tiers.wait(limit_s)
+    return round(time.perf_counter() - start, 2)
+
+
 def stored_bytes(tensor: Any) -> int:
     """Bytes a tensor stores: a tensor subclass (torchao's quantized weights) counts its inner tensors."""
     flatten = getattr(type(tensor), "__tensor_flatten__", None)

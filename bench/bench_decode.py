@@ -26,7 +26,7 @@ Per variant, before the timed calls (unless ``--no-speed-ramp``), a fresh load's
 (``_decode_rows.time_to_speed``): ``first_token_s`` (a one-token call right after the load),
 ``first_tokens_tok_s`` (the next ``--new-tokens`` tokens) and the tier of each token, calls until two
 in a row are served by the compiled step alone (``full_speed_s`` after the load), and the prefill of a
-``--prefill-len``-token prompt (2 048).
+``--prefill-len``-token prompt (2 048). The timed calls of a tiered load wait for its compiled step.
 
 ``--breakdown``: per row, where a token's time goes (docs/decode.md "Where a token's time goes"; a
 profiled call, dynamo's counters, a one-token call, the step alone by ``loop.replay``, the same model
@@ -45,11 +45,9 @@ a ``summary`` line per variant. ``--deadline-s`` skips what would start later (a
 
 Usage::
 
-    python bench/bench_decode.py --device cuda --shape qwen3-8b --shape qwen3-0.6b
-    python bench/bench_decode.py --device cuda --shape qwen3-0.6b --variants fast,fast-hf --breakdown \
-        --second-process
+    python bench/bench_decode.py --device cuda --shape qwen3-0.6b --variants fast,fast-hf --breakdown
     python bench/bench_decode.py --tiny                 # a CPU check in seconds
-    python bench/bench_decode.py --device cpu --shape small --variants raw,static,compiled --batch 1
+    python bench/bench_decode.py --device cpu --shape tiny-36 --variants loop-tiered --batch 1 --threads 1
     python bench/bench_decode.py --device cuda --shape qwen3-8b --batch 1 --repeat 1 \
         --variants int4,int4-plain,xpukit,int8 --second-process-quantize 4bit --deadline-s 240
 """
@@ -413,6 +411,7 @@ def measure(
             continue
         ids = rows.prompt(batch, args.prompt_len, vocab).to(args.device)
         first, out = h.timed_generate(model, ids, args.new_tokens, args.device)
+        waited = rows.wait_compiled(model, args.full_speed_s)  # tiered: time the compiled tier
         counters = h.dynamo_counters()
         times = [h.timed_generate(model, ids, args.new_tokens, args.device)[0] for _ in range(args.repeat)]
         tokens = batch * args.new_tokens
@@ -432,6 +431,8 @@ def measure(
             "first_call_s": round(first, 3),  # after the ramp (if any): a warm call
             "speed_ramp": ramp if not done else None,  # the load's first calls, batch 1
             "first_call_over_timed_s": round(first - min(times), 3),
+            "waited_for_compiled_s": waited,
+            "tiers": (getattr(model, "xpukit_last_decode", None) or {}).get("tiers"),  # the last call's
             "tok_s": round(best, 2),
             "tok_s_median": round(tokens / statistics.median(times), 2),
             "roofline_tok_s": round(roofline, 1) if roofline else None,

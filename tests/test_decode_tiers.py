@@ -214,6 +214,7 @@ def test_a_tiered_load_warms_up_both_tiers_and_records_a_failure_on_the_plan(
     # load too: its batch 1, then a new batch size), once per build.
     import torch
 
+    loop.tiers.background = False  # the build fails before the call's first step (no race with a thread)
     model.generate(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3, do_sample=False)
     model.generate(input_ids=torch.tensor([[5, 6, 7], [8, 9, 10]]), max_new_tokens=3, do_sample=False)
     causes = [e.cause for e in model.xpukit_plan.fallbacks if e.what == "decode_tiers"]
@@ -284,3 +285,18 @@ def test_torchao_weights_build_save_and_load_ahead_of_time(wide_model, tmp_path)
         assert model.generate(ids, max_new_tokens=8, do_sample=False).tolist() == want
         assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": 7}
         assert loop.cache_records[0]["how"] == how
+
+
+def test_a_step_that_cannot_be_captured_runs_uncaptured(tiny_model, tokenizer, want, tmp_path, rerun_graphs):
+    """A capture runs nothing; one that raises leaves its key uncaptured, and the token comes from the
+    step run uncaptured: the output is unchanged."""
+
+    class Refusing(rerun_graphs):
+        def capture(self, graph, body, pool):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    model, loop = _tiered(tiny_model, tmp_path, Refusing)
+    for _ in range(2):
+        assert _generate(model, tokenizer) == want
+    assert loop.step_graphs.stats["captures"] == 0 and loop.step_graphs._graphs == {}
+    assert {key[1] for key in loop.step_graphs.uncaptured} == {"greedy", "prefill-greedy"}

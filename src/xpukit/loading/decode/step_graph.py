@@ -1,4 +1,5 @@
-"""The compiled decode step captured as one device graph by xpukit, replayed once per token.
+"""The decode step (compiled, or the first tier's uncompiled one) captured as one device graph by
+xpukit, replayed once per token.
 
 With ``mode="reduce-overhead"`` inductor's CUDA-graph trees replay the step, but every token first
 goes through dynamo's guards and the trees' checks of every graph input's address (each weight is
@@ -10,17 +11,22 @@ call per token.
 Per key (a kept batch state, the step kind, and the shape: the attention window of a step, the
 prompt bucket of a prefill, docs/decode.md "Attention window"): the first call runs the function
 on a side stream (it compiles, and its token is a real one), the second captures it and replays the
-capture, every later one replays. The weights' identities and addresses are read once per
+capture, every later one replays. A capture that raises (an operation that cannot be captured)
+leaves that key uncaptured from then on, said once: a capture runs nothing, so the step then runs
+uncaptured for its token. The weights' identities and addresses are read once per
 ``generate()`` call; a change (a merge, a move, a swapped parameter) drops every capture, and the
 next calls capture again.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Hashable
 from typing import Any
 
 __all__ = ["GraphKey", "StepGraphs", "weights_key"]
+
+logger = logging.getLogger(__name__)
 
 # (the batch state's owner key, the step kind, the shape it is for: a window or a prompt bucket)
 GraphKey = tuple[Hashable, str, int | None]
@@ -54,6 +60,8 @@ class StepGraphs:
             tests pass a stand-in).
         stats: ``captures`` and ``replays`` so far, and ``dropped`` (captures dropped because the
             weights changed).
+        uncaptured: the keys whose capture raised, with the error: they run uncaptured from then on
+            (a capture runs nothing, so the step's token is computed by that uncaptured run).
     """
 
     def __init__(self, backend: Any) -> None:
@@ -61,6 +69,7 @@ class StepGraphs:
         self.stats = {"captures": 0, "replays": 0, "dropped": 0}
         self._pool: Any = None
         self._graphs: dict[GraphKey, Any] = {}
+        self.uncaptured: dict[GraphKey, str] = {}
         self._warm: set[GraphKey] = set()
         self._weights: tuple[tuple[int, int], ...] | None = None
 
@@ -81,6 +90,7 @@ class StepGraphs:
         for key in [k for k in self._graphs if gone(k)]:
             del self._graphs[key]
         self._warm = {k for k in self._warm if not gone(k)}
+        self.uncaptured = {k: why for k, why in self.uncaptured.items() if not gone(k)}
         if not self._graphs:
             self._pool = None  # as in check_weights
 
@@ -96,10 +106,20 @@ class StepGraphs:
                 self.backend.synchronize()
                 self._warm.add(key)
                 return
+            if key in self.uncaptured:
+                step()
+                return
             if self._pool is None:
                 self._pool = self.backend.pool()
             graph = self.backend.new_graph()
-            self.backend.capture(graph, step, self._pool)
+            try:
+                self.backend.capture(graph, step, self._pool)
+            except RuntimeError as exc:  # a capture runs nothing: the step runs uncaptured instead
+                self.uncaptured[key] = f"{type(exc).__name__}: {exc}"
+                logger.warning("xpukit: decode step %s not captured (%s); it runs uncaptured", key, exc)
+                self.backend.synchronize()
+                step()
+                return
             self._graphs[key] = graph
             self.stats["captures"] += 1
         graph.replay()

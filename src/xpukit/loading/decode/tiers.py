@@ -82,15 +82,22 @@ def build_step(torch: Any, step: Callable[..., Any], options: dict[str, Any], ar
         compiled = torch.compile(step, **_compile_kwargs(options))
     with torch.inference_mode(False), torch.no_grad():
         built = compiled.aot_compile((args, {}))
-    built.disable_guard_check()
+    _no_guard_check(built)
     return built
+
+
+def _no_guard_check(built: Any) -> None:
+    """Skip the (empty) guard check per call, where this torch's compiled function offers it."""
+    skip = getattr(built, "disable_guard_check", None)
+    if callable(skip):
+        skip()
 
 
 def load_step(torch: Any, path: Path, step: Callable[..., Any]) -> Any:
     """The compiled step saved at ``path`` (``FileNotFoundError`` when there is none)."""
     with path.open("rb") as file:
         built = torch.compiler.load_compiled_function(file, f_globals=step.__globals__)
-    built.disable_guard_check()
+    _no_guard_check(built)
     return built
 
 

@@ -300,3 +300,16 @@ def test_a_step_that_cannot_be_captured_runs_uncaptured(tiny_model, tokenizer, w
         assert _generate(model, tokenizer) == want
     assert loop.step_graphs.stats["captures"] == 0 and loop.step_graphs._graphs == {}
     assert {key[1] for key in loop.step_graphs.uncaptured} == {"greedy", "prefill-greedy"}
+
+
+def test_fused_projections_build_save_and_load_ahead_of_time(tiny_model, tokenizer, want, tmp_path):
+    """The fast path fuses q/k/v and gate/up at load; q_proj hands k and v over through Python state,
+    which the ahead-of-time step must carry as the whole-step compile does (tests/test_fused_proj.py)."""
+    from xpukit.loading.decode.fused_proj import fuse_projections
+
+    for how in ("compiled", "loaded"):
+        model, loop = _tiered(tiny_model, tmp_path, None)
+        assert fuse_projections(model)["attention"] > 0
+        assert _generate(model, tokenizer) == want
+        assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": NEW - 1}
+        assert loop.cache_records[0]["how"] == how

@@ -288,7 +288,12 @@ def test_own_step_graphs_capture_once_replay_every_token_and_follow_the_weights(
         ((3, 256), "greedy", None),
         ((3, 256), "prefill-greedy", 16),
     ]
-    assert loop.step_graphs.stats == {"captures": 2, "replays": 2 * (NEW - 1) - 1 + 1, "dropped": 0}
+    assert loop.step_graphs.stats == {
+        "captures": 2,
+        "replays": 2 * (NEW - 1) - 1 + 1,
+        "dropped": 0,
+        "uncaptured_while_building": 0,
+    }
     # New weights at a new address: the captures read the old ones, so they are dropped and made again.
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight * 1.0)

@@ -18,6 +18,17 @@ from xpukit.loading.decode import tiers
 from xpukit.loading.decode.install import install_decode_loop
 
 NEW = 12
+
+
+@pytest.fixture(autouse=True)
+def _no_build_left_running():
+    """A build a test left on its thread would keep other tests' captures off (device_graph)."""
+    from xpukit.loading.device_graph import wait_for_background
+
+    yield
+    assert wait_for_background(120), "a compiled step was still being built two minutes after the test"
+
+
 PROMPTS = ["the quick brown fox", "a", "when the bell rings in the morning"]
 OPTIONS = {"backend": "aot_eager", "fullgraph": True, "dynamic": False}
 
@@ -78,12 +89,16 @@ def _generate(model, tokenizer):
 def test_the_compiled_tier_gives_transformers_tokens_and_is_saved(
     tiny_model, tokenizer, want, tmp_path, rerun_graphs
 ):
-    model, loop = _tiered(tiny_model, tmp_path, rerun_graphs)  # built in the call: compiled from step 1
-    assert _generate(model, tokenizer) == want
+    model, loop = _tiered(tiny_model, tmp_path, rerun_graphs)
+    assert _generate(model, tokenizer) == want  # the first call: the first tier (the build starts as it ends)
+    assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "graph": NEW - 1}
+    assert _generate(model, tokenizer) == want  # built (in the call's thread here): compiled from step 1
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": NEW - 1}
     (record,) = loop.cache_records
     assert record["how"] == "compiled" and record["saved"] is True
-    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy"}  # the prefill: warmed, not captured yet
+    # the compiled step's capture and the prefill's (warmed in the first call, captured in the second);
+    # the first tier's step captures were dropped at the switch
+    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy", "prefill-greedy"}
     # A second process's loop (a new model, the same cache dir) loads the step: no trace, no compile.
     again, second = _tiered(tiny_model, tmp_path, rerun_graphs)
     assert _generate(again, tokenizer) == want
@@ -94,6 +109,7 @@ def test_a_switch_in_the_middle_of_a_call_loses_no_token(
     tiny_model, tokenizer, want, tmp_path, monkeypatch, rerun_graphs
 ):
     model, loop = _tiered(tiny_model, tmp_path, rerun_graphs)
+    assert _generate(model, tokenizer) == want  # the first tier's call; the build starts as it ends
     checks = {"n": 0}
     ready = tiers.CompileJob.ready
 
@@ -105,9 +121,10 @@ def test_a_switch_in_the_middle_of_a_call_loses_no_token(
     assert _generate(model, tokenizer) == want
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "graph": 4, "compiled": NEW - 5}
     # The first tier's captures were its own (never replayed as the compiled step), and are dropped
-    # once the compiled step serves: 2 captures (first tier, then compiled), 1 kept.
-    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy"}
-    assert loop.step_graphs.stats["captures"] == 2
+    # once the compiled step serves: 3 captures (the first tier's step, the prefill, the compiled
+    # step), the prefill's and the compiled step's kept.
+    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy", "prefill-greedy"}
+    assert loop.step_graphs.stats["captures"] == 3
 
 
 def test_a_failed_build_leaves_the_first_tier_serving_and_says_why(
@@ -120,7 +137,9 @@ def test_a_failed_build_leaves_the_first_tier_serving_and_says_why(
     model, loop = _tiered(tiny_model, tmp_path, None)
     seen = []
     loop.tiers.on_event = seen.append
-    assert _generate(model, tokenizer) == want
+    assert _generate(model, tokenizer) == want  # the first call; the build starts (and fails) as it ends
+    assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "eager": NEW - 1} and seen == []
+    assert _generate(model, tokenizer) == want  # the next call finds the failure and says it
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "eager": NEW - 1}
     (event,) = seen
     assert (event.kind, event.what) == ("fallback", "decode_tiers") and "could not build" in event.cause
@@ -238,6 +257,8 @@ def test_one_compiled_step_serves_every_attention_window(tiny_model, tokenizer, 
     use_grouped_decode_attention(model)
     loop.window_smallest = 8
     assert model.generate(**inputs, max_new_tokens=40, do_sample=False).tolist() == want.tolist()
+    assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "eager": 39}  # built as the call ends
+    assert model.generate(**inputs, max_new_tokens=40, do_sample=False).tolist() == want.tolist()
     assert sorted(loop._states[(3, 256)].windows) == [16, 32, 64]  # a 9-token prompt, 40 new tokens
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": 39}
 
@@ -258,11 +279,12 @@ def test_aot_compile_is_asked_for_one_call_and_the_setting_left_as_it_was():
 def test_replay_runs_the_tier_that_serves(tiny_model, tokenizer, tmp_path, rerun_graphs):
     """``loop.replay`` (bench_decode --breakdown's step alone) replays the tier a call would use."""
     model, loop = _tiered(tiny_model, tmp_path, rerun_graphs)
-    _generate(model, tokenizer)
+    for _ in range(2):  # the first tier's call, then the compiled tier's (captured by then)
+        _generate(model, tokenizer)
     before = dict(loop.step_graphs.stats)
     loop.replay(4)
     assert loop.step_graphs.stats["replays"] == before["replays"] + 4
-    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy"}  # the compiled tier's capture
+    assert {key[1] for key in loop.step_graphs._graphs} == {"greedy", "prefill-greedy"}  # compiled tier's
 
 
 def test_torchao_weights_build_save_and_load_ahead_of_time(wide_model, tmp_path):
@@ -282,6 +304,8 @@ def test_torchao_weights_build_save_and_load_ahead_of_time(wide_model, tmp_path)
         loop = install_decode_loop(model, max_cache_len=256, compile_options=None, cache_dir=tmp_path)
         loop.tiers.background = False
         loop.set_compile(OPTIONS, tiered=True)
+        assert model.generate(ids, max_new_tokens=8, do_sample=False).tolist() == want
+        assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "eager": 7}  # built as the call ends
         assert model.generate(ids, max_new_tokens=8, do_sample=False).tolist() == want
         assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": 7}
         assert loop.cache_records[0]["how"] == how
@@ -310,6 +334,7 @@ def test_fused_projections_build_save_and_load_ahead_of_time(tiny_model, tokeniz
     for how in ("compiled", "loaded"):
         model, loop = _tiered(tiny_model, tmp_path, None)
         assert fuse_projections(model)["attention"] > 0
+        assert _generate(model, tokenizer) == want  # the first tier; the build starts as the call ends
         assert _generate(model, tokenizer) == want
         assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": NEW - 1}
         assert loop.cache_records[0]["how"] == how

@@ -15,22 +15,64 @@ What lives how long (docs/training.md "What the graphs hold, and for how long"):
   capture) is parked and let go at the next capture or ``release_cached`` outside one;
 * the captures' side stream is one per device for the process, and the BLAS library's workspace for
   it is made before any warm-up or capture, in the device's default pool: made inside a graph pool
-  it would stay allocated there for the whole process and keep that pool's memory.
+  it would stay allocated there for the whole process and keep that pool's memory;
+* no capture starts while work on another thread may touch the device (:func:`background_device_work`:
+  the decode loop's compiled step being built, whose compile runs kernels: inductor benchmarks
+  padded matrix products on random inputs). Such work launches on the device's default stream, which
+  waits for every other stream: a capture under way is invalidated and the other thread's call fails
+  (seen on an H200, docs/decode.md "Tiered decoding"). The decode loop runs a step uncaptured
+  meanwhile (:func:`background_busy`); any other capture waits for the work to end.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["GraphBackend", "GraphPool", "collector_paused", "parked_pools"]
+__all__ = [
+    "GraphBackend",
+    "GraphPool",
+    "background_busy",
+    "background_device_work",
+    "collector_paused",
+    "parked_pools",
+    "wait_for_background",
+]
 
 # The captures' side stream of each device (kind, index), shared by every model of the process.
 _SIDE_STREAMS: dict[tuple[str, int], Any] = {}
 # Pools whose last owner went while a capture was under way: let go at the next safe point.
 _PARKED: list[Any] = []
+# Work on other threads that may touch the device (module docstring), and its end.
+_BACKGROUND = [0]
+_QUIET = threading.Condition()
+
+
+@contextlib.contextmanager
+def background_device_work() -> Iterator[None]:
+    """Mark work on this (non-main) thread that may touch the device: no capture starts meanwhile."""
+    with _QUIET:
+        _BACKGROUND[0] += 1
+    try:
+        yield
+    finally:
+        with _QUIET:
+            _BACKGROUND[0] -= 1
+            _QUIET.notify_all()
+
+
+def background_busy() -> bool:
+    """Whether work on another thread may touch the device now (then no capture may start)."""
+    return _BACKGROUND[0] > 0
+
+
+def wait_for_background(timeout: float | None = None) -> bool:
+    """Wait until no such work runs; whether it ended within ``timeout``."""
+    with _QUIET:
+        return _QUIET.wait_for(lambda: _BACKGROUND[0] == 0, timeout)
 
 
 @contextlib.contextmanager
@@ -113,6 +155,7 @@ class GraphBackend:
         options: dict[str, Any] = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
         if self._graph_stream:
             options["stream"] = self._side()
+        wait_for_background()  # another thread's device work would invalidate the capture
         self._let_parked_go()
         self._blas_workspace()
         with collector_paused(), self.module.graph(graph, pool=getattr(pool, "id", pool), **options):

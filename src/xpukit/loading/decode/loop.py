@@ -224,8 +224,18 @@ class DecodeLoop:
     def _decode(self, torch: Any, request: DecodeRequest, state: DecodeState, prompt: int) -> int:
         """The steps after the prefill; returns how many tokens of ``out`` are made."""
         batch = int(state.tokens.shape[0])
-        job = self._job(torch, request, state, prompt + 1) if self.tiered else None
-        step, tier = (decode_step, self.first_tier) if job is not None else (None, "")
+        job = self.tiers.jobs.get((batch, _step_name(request))) if self.tiered else None
+        try:
+            return self._decode_steps(torch, request, state, prompt, job)
+        finally:  # the build starts when the first call that needs it ends (xpukit/loading/decode/tiers.py)
+            if self.tiered and job is None:
+                self._job(torch, request, state, prompt + 1)
+
+    def _decode_steps(
+        self, torch: Any, request: DecodeRequest, state: DecodeState, prompt: int, job: CompileJob | None
+    ) -> int:
+        batch = int(state.tokens.shape[0])
+        step, tier = (decode_step, self.first_tier) if self.tiered else (None, "")
         step = step or self._step(torch, request, batch)
         for i in range(1, request.new_tokens):
             if job is not None and tier != "compiled":

@@ -24,6 +24,8 @@ import logging
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from xpukit.loading.device_graph import background_busy
+
 __all__ = ["GraphKey", "StepGraphs", "weights_key"]
 
 logger = logging.getLogger(__name__)
@@ -58,15 +60,16 @@ class StepGraphs:
     Attributes:
         backend: the device's graph API (:class:`xpukit.loading.device_graph.GraphBackend`; the CPU
             tests pass a stand-in).
-        stats: ``captures`` and ``replays`` so far, and ``dropped`` (captures dropped because the
-            weights changed).
+        stats: ``captures`` and ``replays`` so far, ``dropped`` (captures dropped because the
+            weights changed), and ``uncaptured_while_building`` (steps with no graph yet run while a
+            compiled step was being built: no capture starts then, xpukit.loading.device_graph).
         uncaptured: the keys whose capture raised, with the error: they run uncaptured from then on
             (a capture runs nothing, so the step's token is computed by that uncaptured run).
     """
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
-        self.stats = {"captures": 0, "replays": 0, "dropped": 0}
+        self.stats = {"captures": 0, "replays": 0, "dropped": 0, "uncaptured_while_building": 0}
         self._pool: Any = None
         self._graphs: dict[GraphKey, Any] = {}
         self.uncaptured: dict[GraphKey, str] = {}
@@ -98,6 +101,10 @@ class StepGraphs:
         """One decode step or prefill for ``key``: run, capture or replay ``step``."""
         graph = self._graphs.get(key)
         if graph is None:
+            if background_busy():  # a compiled step is being built: it may touch the device
+                self.stats["uncaptured_while_building"] += 1
+                step()
+                return
             if key not in self._warm:
                 # Lazily made state (cuBLAS workspaces, the compile itself) stays out of the capture.
                 self.backend.synchronize()

@@ -7,11 +7,14 @@ run eagerly); meanwhile a daemon thread builds the compiled step (:class:`Compil
 switches to it between two tokens once it is ready. Both tiers read and write the same static cache
 and buffers, so a switch in the middle of a call loses no token.
 
-The thread builds the step ahead of time, with no device work: ``torch.compile(...).aot_compile``
-(torch's ahead-of-time compile of a whole-graph function, which traces with fake tensors and runs no
-kernel), so the main thread's replays and captures never share the device with it; its first real
-run is the next tier's warm-up, on the main thread. The compiled function keeps no dynamo guards
-(:func:`no_guards`): every input it may see is a buffer of the loop, and what changes the code is in
+The thread builds the step ahead of time: ``torch.compile(...).aot_compile`` (torch's ahead-of-time
+compile of a whole-graph function, traced with fake tensors). Inductor's compile still runs kernels
+(it benchmarks padded matrix products on random inputs), on the device's default stream, which would
+invalidate a capture under way on another stream (seen on an H200): so the build starts when the
+first call that needs it ends (that call's graph tier captures freely), and while it runs no capture
+starts (:func:`xpukit.loading.device_graph.background_device_work`): a step with no graph yet runs
+uncaptured. Its first real run is the next tier's warm-up, on the main thread. The compiled
+function keeps no dynamo guards (:func:`no_guards`): every input it may see is a buffer of the loop, and what changes the code is in
 the compile cache's key. It is written beside the compile cache (``<key>.step``, torch's
 ``save_compiled_function``) and a later process loads it instead of tracing and compiling
 (``torch.compiler.load_compiled_function``; docs/decode.md "Compile cache"). A torch without
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from xpukit._partial import write_file
+from xpukit.loading.device_graph import background_device_work
 
 __all__ = ["CompileJob", "Tiers", "aot_available", "build_step", "load_step", "no_guards", "step_job"]
 
@@ -134,7 +138,8 @@ class CompileJob:
         """Build (the example inputs live in ``build``: nothing here keeps them once it returns)."""
         start = time.perf_counter()
         try:
-            self._step, record = build()
+            with background_device_work():  # inductor's compile runs kernels: no capture meanwhile
+                self._step, record = build()
             self.record.update(record)
         except BaseException as exc:  # a thread's failure is recorded; the first tier serves on
             self.error = self.record["error"] = f"{type(exc).__name__}: {exc}"

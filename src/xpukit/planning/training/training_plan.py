@@ -57,7 +57,7 @@ class TrainingPlan:
     # The frozen input embedding lives in host memory (its bytes are not in ``fixed``).
     embedding_on_host: bool = False
     # With checkpointing inside the graphs: only the first this many layers are checkpointed, the
-    # fewest whose step fits (``None``: every layer; docs/training.md "Fewer checkpointed layers").
+    # fewest whose step fits (``None``: every layer; docs/training-plan.md "Fewer checkpointed layers").
     checkpoint_layers: int | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -54,5 +54,5 @@ def cap_text(size: int, cap: int) -> str:
     return (
         f"the plain loss's float32 logits would be one {format_bytes(size)} tensor, above this GPU's "
         f"{format_bytes(cap)} single-allocation cap ({RELAXED_VARIABLE}=1 lifts it, "
-        "docs/platform-notes.md §6.5)"
+        "docs/platform-install.md §6.5)"
     )

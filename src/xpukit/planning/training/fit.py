@@ -83,7 +83,7 @@ def _micro_batch_decision(choice: Choice, batch: int, seq: int, fit_text: str) -
             value=micro,
             reason=f"the whole batch of {batch} in one pass of its real tokens (packing knows them per "
             f"batch at run time) up to {choice.pass_tokens:,} tokens: {fit_text}; a step that carries "
-            'more is split by tokens into passes of at most that many (docs/training.md "A token '
+            'more is split by tokens into passes of at most that many (docs/training-plan.md "A token '
             'budget per pass"), where the worst case of every example at its longest would split every step',
             rejected=((f"{batch} × {seq} tokens in one pass", "the worst case does not fit"),),
         )
@@ -208,7 +208,7 @@ def plan_training(
     fixed_rule = (
         f"weights {format_bytes(weights)} + LoRA state {format_bytes(LORA_STATE_BYTES * lora_params)} "
         f"({lora_params:,} params × {LORA_STATE_BYTES} B: weight, grad, AdamW) + reserve "
-        f'{format_bytes(TRAINING_RESERVE)} (calibrated, docs/training.md "The activation estimate")'
+        f'{format_bytes(TRAINING_RESERVE)} (calibrated, docs/training-plan.md "The activation estimate")'
     )
     if on_host is not None and on_host.value == "host":
         fixed_rule += f" − the input embedding's {format_bytes(host_embedding)}, in host memory"

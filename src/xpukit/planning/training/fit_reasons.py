@@ -19,7 +19,7 @@ def partly(checkpointed: int | None, layers: int) -> str | None:
         return None
     return (
         f"for {checkpointed} of the {layers} layers, the fewest whose step fits: the others keep their "
-        'activations and are not recomputed (docs/training.md "Fewer checkpointed layers")'
+        'activations and are not recomputed (docs/training-plan.md "Fewer checkpointed layers")'
     )
 
 

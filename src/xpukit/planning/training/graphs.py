@@ -147,7 +147,7 @@ def decide_layer_graphs(
         True: ", each layer checkpointed inside the graphs (the backward graph recomputes it; on an H200 "
         "under 8 GB 1.55x the offloaded eager step)",
         "offload": ", each layer checkpointed inside the graphs with its input copied to a pinned host slot "
-        'and back by the graphs themselves (docs/training.md "Offloaded checkpointing in the graphs")',
+        'and back by the graphs themselves (docs/layer-graphs.md "Offloaded checkpointing in the graphs")',
     }.get(checkpointing, "")
     return Decision(
         name="layer_graphs",

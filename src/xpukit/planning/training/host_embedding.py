@@ -107,6 +107,6 @@ def embedding_decision(
         value="host",
         reason=f"in host memory ({size}, frozen, not tied to the head): the room it frees lets a "
         "faster step fit; each step gathers its tokens' rows on the host and copies them over "
-        '(docs/training.md "The input embedding in host memory")',
+        '(docs/training-plan.md "The input embedding in host memory")',
         rejected=(("on the device", "the fit keeps a slower step"),),
     )

@@ -15,7 +15,7 @@ def liger_chunks(chunk_mem_const: int) -> None:
     hidden states (tokens × hidden): ``next_pow2(tokens / ceil(vocab / (c · hidden)))``. With c = 1
     and a large vocabulary the chunk is small (Gemma-3-4B at 2 048 tokens: 32 tokens, 64 chunks),
     and each chunk's two products read the whole ``lm_head`` weight (docs/benchmarks.md "Other
-    families"). xpukit now passes its own per call (docs/training.md "liger's loss chunk"); this
+    families"). xpukit now passes its own per call (docs/training-plan.md "liger's loss chunk"); this
     fixed value replaces it, to try other chunk sizes."""
     import functools
 

@@ -1,4 +1,4 @@
-"""Merging a LoRA adapter trained on a 4-bit base: into which weights (docs/training.md "Merging an adapter")?
+"""Merging a LoRA adapter trained on a 4-bit base: into which weights (docs/merging.md "Merging an adapter")?
 
 Builds a tiny Qwen3 (``--hidden``, ``--layers``; float32 checkpoint), trains a LoRA adapter on it
 for ``--steps`` AdamW steps on the bundled corpus — once on the 4-bit base (QLoRA: nf4, double

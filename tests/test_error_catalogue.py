@@ -726,7 +726,7 @@ CASES = [
         "trainable already",
         "lora='path/to/adapter', trainable=True",
     ),
-    # --- merge= (docs/training.md "Merging an adapter") --------------------------------------------
+    # --- merge= (docs/merging.md "Merging an adapter") --------------------------------------------
     Case(
         "merge-without-adapter",
         _merge("tiny", None, device="cpu"),

@@ -615,7 +615,7 @@ def test_warm_ups_allocate_from_the_captures_pool_on_the_captures_stream() -> No
 def test_each_capture_first_hands_the_default_pools_cache_back() -> None:
     """The first training pass runs eagerly and leaves a step's activations cached in the default
     pool, which the graphs' pool cannot reuse; every capture releases that cache before its warm-up
-    (on an H200 the two held the activations twice: docs/training.md "CUDA graphs of the decoder
+    (on an H200 the two held the activations twice: docs/layer-graphs.md "CUDA graphs of the decoder
     layers")."""
     from types import SimpleNamespace
 

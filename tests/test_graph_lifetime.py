@@ -1,4 +1,4 @@
-"""What the layer graphs hold, and for how long (docs/training.md "What the graphs hold, and for how
+"""What the layer graphs hold, and for how long (docs/layer-graphs.md "What the graphs hold, and for how
 long"), on the CPU: the capture's lifetime rules with a stand-in device module and a backend that
 re-runs the captured bodies. tests/test_layer_graphs_gpu.py loads, trains and drops ten models in one
 process on CUDA."""

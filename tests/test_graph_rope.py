@@ -2,7 +2,7 @@
 against each family's own ``apply_rotary_pos_emb`` and the swap that holds only while the graphs
 capture. liger's Triton kernel cannot run on a CPU, so a plain PyTorch function that computes what
 liger's kernel computes (the rotary width taken from ``cos``, the rest passed through) stands in
-for it; the H200 runs liger's own (docs/training.md "RoPE in the layer graphs")."""
+for it; the H200 runs liger's own (docs/layer-graphs.md "RoPE in the layer graphs")."""
 
 from __future__ import annotations
 

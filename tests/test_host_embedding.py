@@ -1,4 +1,4 @@
-"""The frozen input embedding in host memory under a budget (docs/training.md "The input embedding in
+"""The frozen input embedding in host memory under a budget (docs/training-plan.md "The input embedding in
 host memory"): the plan moves it only where the room it frees lets a faster step fit; the load moves
 it and the model computes what it computed before."""
 

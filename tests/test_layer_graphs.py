@@ -416,7 +416,7 @@ def test_the_doctor_selftest_layer_graph_check_says_why_nothing_replayed_off_cud
 def test_between_the_rungs_only_the_layers_the_budget_needs_are_checkpointed() -> None:
     """At 10-12 GB the 8B shape's step does not fit without checkpointing but fits with room to spare
     with every layer checkpointed: the plan checkpoints the fewest layers whose step fits inside the
-    graphs (docs/training.md "Fewer checkpointed layers"), fewer with more room; a user's own
+    graphs (docs/training-plan.md "Fewer checkpointed layers"), fewer with more room; a user's own
     checkpointing and the eager rungs keep every layer."""
     from xpukit.planning.model.shape import model_shape
 

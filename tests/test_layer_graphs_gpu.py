@@ -73,7 +73,7 @@ def _steps(model: Any, ids: Any, steps: int) -> list[tuple[float, Any]]:
 )
 def test_graphed_layers_give_the_eager_losses_and_gradients(tiny_model: Any, lora: dict[str, Any]) -> None:
     """Graphed layers (and, with checkpointing, the recomputation captured with them; with offloaded
-    checkpointing the copies of each layer's input to its pinned host slot and back: docs/training.md
+    checkpointing the copies of each layer's input to its pinned host slot and back: docs/layer-graphs.md
     "CUDA graphs of the decoder layers") give the eager layers' losses and gradients."""
     import torch
 
@@ -195,7 +195,7 @@ def test_graphed_training_with_accumulation_and_optimizer_steps_ends_at_the_eage
 
 @pytest.mark.parametrize("checkpointing", [True, "offload"])
 def test_a_step_split_by_tokens_trains_as_the_whole_step(tiny_model: Any, checkpointing: Any) -> None:
-    """A padded batch over the token budget (docs/training.md "A token budget per pass") runs as
+    """A padded batch over the token budget (docs/training-plan.md "A token budget per pass") runs as
     checkpointed passes of whole examples, eagerly beside the graphs; its loss and LoRA gradients are
     the whole step's, replayed, and the graphs replay again on the next step."""
     import torch
@@ -238,7 +238,7 @@ def test_ten_loads_in_one_process_train_and_give_the_device_memory_back(tiny_mod
     them, offloaded inside them, eager) and budgets. After each is dropped (``del`` and a collection)
     the device memory is back where it was after the first (which made the process's lazily built
     state: kernels, the BLAS workspace of the captures' stream): allocated within 16 MiB, reserved
-    within 64 MiB (docs/training.md "What the graphs hold, and for how long")."""
+    within 64 MiB (docs/layer-graphs.md "What the graphs hold, and for how long")."""
     _need_cuda()
     import gc
 
@@ -292,7 +292,7 @@ def test_ten_loads_in_one_process_train_and_give_the_device_memory_back(tiny_mod
 
 
 def test_a_graph_pool_let_go_during_a_capture_is_parked_not_released() -> None:
-    """The abort of the GPU suite run whole (docs/training.md "What the graphs hold, and for how
+    """The abort of the GPU suite run whole (docs/layer-graphs.md "What the graphs hold, and for how
     long"): a pool whose last owner goes in the middle of a capture (a dropped model freed by a
     collection there) is parked until the next capture, instead of emptying its cache then, which the
     allocator refuses during a capture. Here the owner goes inside a capture's body, on purpose."""

@@ -7,7 +7,7 @@ write a model whose logits, over every position of 64 sequences of 16 tokens, ar
 trained ``PeftModel``'s as ``load_for_xpu(base, lora=adapter, merge=True, dtype="bfloat16")``'s
 are (and ``merge=True`` with no dtype plans that dtype too). Merged in the
 float32 base's own dtype instead, the mean |Δlogit| is several times larger and the argmax agrees
-less (docs/training.md "Merging an adapter").
+less (docs/merging.md "Merging an adapter").
 """
 
 from __future__ import annotations

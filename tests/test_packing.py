@@ -326,7 +326,7 @@ def test_a_packed_row_takes_a_captured_shape_once_no_more_are_captured(
 ) -> None:
     """A row pads to a multiple of the bucket; once the graphs keep all the shapes they can, a row
     whose bucket is not captured takes a longer captured shape, so it replays instead of running
-    eagerly beside the graphs' memory (docs/training.md "Packing: no compute on padding")."""
+    eagerly beside the graphs' memory (docs/training-plan.md "Packing: no compute on padding")."""
     from xpukit.loading.training.packing import padded_length
 
     assert padded_length(tokens, captured, 256, full=full) == want

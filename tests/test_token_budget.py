@@ -1,4 +1,4 @@
-"""A token budget per pass (docs/training.md "A token budget per pass"): the plan sizes a pass on the
+"""A token budget per pass (docs/training-plan.md "A token budget per pass"): the plan sizes a pass on the
 real tokens a step carries (packing knows them per batch at run time), and a step over the budget is
 split by tokens into passes of whole examples, each checkpointed, with the same loss and gradients."""
 

@@ -490,7 +490,7 @@ def test_estimate_matches_the_h200_graph_peaks_of_other_families(
 
 
 def test_a_step_whose_logits_cross_the_arc_allocation_cap_takes_a_fused_loss(liger: Any) -> None:
-    """Arc GPUs refuse one allocation above 4 GiB (docs/platform-notes.md §6.5): the plain loss's fp32
+    """Arc GPUs refuse one allocation above 4 GiB (docs/platform-install.md §6.5): the plain loss's fp32
     logits of Qwen3-0.6B at 4 x 2 048 tokens are 4.98 GB, so the plan takes a fused loss there, says
     why, and keeps the plain one where the logits fit under the cap or the card has none (arranged
     without liger-kernel, whose fused loss the plan takes wherever it can run)."""
@@ -542,7 +542,7 @@ def test_the_graphs_buffers_are_in_the_estimate_one_shape_or_a_packed_rows_bucke
 def test_the_fused_path_takes_liger_s_loss_first_where_it_runs(
     monkeypatch: pytest.MonkeyPatch, liger: bool
 ) -> None:
-    """In 512-token chunks liger's loss is faster than the plain one (docs/training.md "liger's loss
+    """In 512-token chunks liger's loss is faster than the plain one (docs/training-plan.md "liger's loss
     chunk"): on the fused path it is taken even when the plain loss fits; without liger, plain."""
     import xpukit.planning.training.fit as fit
 

@@ -284,7 +284,7 @@ def dri_dir() -> Path | None:
 
 def in_render_group() -> bool:
     """Whether the user is root or in the ``render`` group; True where there is no such group
-    (Windows, macOS, a Linux without it): nothing to be missing from (docs/platform-notes.md §6.3)."""
+    (Windows, macOS, a Linux without it): nothing to be missing from (docs/platform-install.md §6.3)."""
     if system() != "linux":
         return True
     import grp

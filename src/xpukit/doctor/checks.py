@@ -3,7 +3,7 @@
 Each check is one function of the facts that yields its findings, and :data:`CHECKS` lists them in
 the order they run; adding a check is one function and one row. All pure (:mod:`xpukit.doctor.host`
 reads the host), so every known-bad setup is tested with hand-made facts. Sources for each check:
-docs/platform-notes.md §6 and docs/platform-notes.md §6.4–6.5.
+docs/platform-install.md §6 and docs/platform-install.md §6.4–6.5.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ __all__ = ["CHECKS", "Check", "Finding", "Severity", "diagnose", "environment_fi
 
 Severity = Literal["error", "warning", "info"]
 
-# Names people export that the runtime never reads (docs/platform-notes.md §6.5), and the real one.
+# Names people export that the runtime never reads (docs/platform-install.md §6.5), and the real one.
 _MISSPELLED = {"UR_L0_USE_RELAXED_ALLOCATION_LIMITS": "UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS"}
 
 

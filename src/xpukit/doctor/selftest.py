@@ -125,7 +125,7 @@ def _graphs_check(torch: Any, name: str, *, checkpoint: bool = False) -> str:
     """One LoRA training layer captured as a device graph and replayed (``lora={"graphs": ...}``;
     with ``checkpoint``, checkpointed inside the graph as with ``"gradient_checkpointing": True``),
     against the same layer eager: the losses and LoRA gradients of the third step (the second is
-    captured, the third replayed; docs/training.md "CUDA graphs of the decoder layers")."""
+    captured, the third replayed; docs/layer-graphs.md "CUDA graphs of the decoder layers")."""
     from xpukit._compat import is_installed
 
     if not is_installed("peft"):

@@ -12,12 +12,12 @@ extra memory is one chunk's logits plus the hidden-state gradient; the caller si
 
 The loss is transformers' ``ForCausalLMLoss``: labels shifted left by one, ``ignore_index`` -100,
 fp32 log-softmax, the sum divided by ``num_items_in_batch`` when given (gradient accumulation, as
-``Trainer`` passes it) else by the number of counted tokens (docs/training.md "Chunked cross-entropy").
+``Trainer`` passes it) else by the number of counted tokens (docs/training-plan.md "Chunked cross-entropy").
 The ``lm_head`` weight must be frozen (LoRA training); a trainable head keeps the plain loss.
 
 :func:`liger_linear_cross_entropy` is the same loss through liger-kernel's Triton kernel (extra
 ``liger``), with the ``chunk_mem_const`` the caller sets (liger's default makes small chunks,
-each re-reading the head; docs/training.md "liger's loss chunk").
+each re-reading the head; docs/training-plan.md "liger's loss chunk").
 """
 
 from __future__ import annotations

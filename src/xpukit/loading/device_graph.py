@@ -4,7 +4,7 @@ that capture device graphs themselves: the training layers
 (:mod:`xpukit.loading.decode.step_graph`). A CPU test passes a stand-in with the same methods, or a
 stand-in device module to :class:`GraphBackend` itself.
 
-What lives how long (docs/training.md "What the graphs hold, and for how long"):
+What lives how long (docs/layer-graphs.md "What the graphs hold, and for how long"):
 
 * a capture and its warm-up run with Python's garbage collector paused: a model dropped earlier that
   is only freed by the collector (its modules and wrappers refer to each other) would otherwise be
@@ -121,7 +121,7 @@ class GraphBackend:
     module has ``MemPool`` and ``use_mem_pool`` (torch 2.6+ on CUDA), :meth:`pool` is a ``MemPool`` and
     :meth:`warm_up` allocates from it: a warm-up pass before a capture then reuses the memory that
     earlier captures left free in the pool, instead of taking as much again from the device's default
-    pool (the way inductor's graph trees warm up; docs/training.md "CUDA graphs of the decoder layers").
+    pool (the way inductor's graph trees warm up; docs/layer-graphs.md "CUDA graphs of the decoder layers").
     ``module``: the device module itself (a CPU test's stand-in); by default ``torch.<kind>``.
     """
 
@@ -169,7 +169,7 @@ class GraphBackend:
 
         The graphs' pool cannot take blocks the default pool caches, and the first training pass runs
         eagerly: without this its activations stay cached there while the captures take as much again
-        into the pool (docs/training.md "CUDA graphs of the decoder layers"). A live graph pool keeps
+        into the pool (docs/layer-graphs.md "CUDA graphs of the decoder layers"). A live graph pool keeps
         its blocks; only unused default-pool blocks (and pools of freed graphs) are released.
         """
         self._let_parked_go()

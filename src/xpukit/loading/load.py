@@ -62,10 +62,10 @@ def load_for_xpu(model: ModelArg | LoadPlan, **keywords: Any) -> Any:
     its time (the compile) as a ``warmup`` event, else the first ``generate()`` compiles, with a
     progress line (docs/decode.md). With new LoRA
     adapters, ``batch_size=`` and ``seq_len=`` size the training step the memory savers are chosen
-    for (checkpointing, offload, liger, micro-batch; docs/training.md "Training plan by fit").
+    for (checkpointing, offload, liger, micro-batch; docs/training-plan.md "Training plan by fit").
     ``merge=True`` with ``lora=`` an adapter directory returns a plain transformers model with the
     adapter merged into full-precision base weights, as the plan's ``merge`` decision says
-    (docs/training.md "Merging an adapter"). ``trainable=True`` with ``lora=`` an adapter directory
+    (docs/merging.md "Merging an adapter"). ``trainable=True`` with ``lora=`` an adapter directory
     loads it to train further (docs/training.md "Training a saved adapter further"). A model loaded
     with adapters to train writes, on ``save_pretrained`` (``Trainer``'s saves too), how its base is
     held beside the adapter, which ``merge=True`` follows (:mod:`xpukit.loading.adapter_record`).

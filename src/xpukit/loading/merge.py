@@ -7,7 +7,7 @@ then every 4-bit layer is dequantised with transformers' ``model.dequantize()`` 
 ``dequantize_4bit``); for ``"original"`` the checkpoint's weights are used as they are. Then peft's
 ``PeftModel.from_pretrained`` and ``merge_and_unload`` give a plain transformers model. The
 decision is :func:`xpukit.planning.training.merge.plan_merge`
-(docs/training.md "Merging an adapter").
+(docs/merging.md "Merging an adapter").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 was trained in, as the base record beside it says (the plan's dtype decision), so the merged model
 is the trained one; an adapter without a record merges in the dtype the base checkpoint declares
 (its config's ``dtype``, or ``torch_dtype`` in older files); ``dtype=`` overrides both
-(docs/training.md "Merging an adapter"). It writes the merged model with transformers'
+(docs/merging.md "Merging an adapter"). It writes the merged model with transformers'
 ``save_pretrained`` (safetensors, config, generation config) plus the tokenizer, from the adapter
 directory when it has one (tokens added in training), else from the base. ``quantize="int4"`` /
 ``"int8"`` writes torchao's quantized weights in the format the device family ``for_family`` runs
@@ -131,7 +131,7 @@ def save_merged(
             as its base record says (``xpukit_base.json``), so the merged model is the trained one;
             without a record, the base checkpoint's own.
         device: where to merge (default: the plan's device when the model fits, else the CPU).
-        merge: ``True`` / ``"dequantized"`` / ``"original"`` (docs/training.md "Merging an adapter").
+        merge: ``True`` / ``"dequantized"`` / ``"original"`` (docs/merging.md "Merging an adapter").
         force: merge an adapter whose tensors do not all fit the base (a warning on the plan).
         quantize: ``"int4"`` / ``"int8"`` (or ``"4bit"`` / ``"8bit"``): write torchao's quantized
             weights for ``for_family`` (docs/export.md "To another machine"); default: full precision.

@@ -84,5 +84,5 @@ def plan_request(model: ModelArg, req: LoadRequest) -> LoadPlan:
         for warning in warnings:
             logger.warning("%s", warning)
         plan = plan_stage(req, cfg, mach, described, place, attention, adapters, decode, tuple(warnings))
-        # merge=: the plan as the merge carries it out (docs/planning.md "Merge (`merge=`)").
+        # merge=: the plan as the merge carries it out (docs/merging.md "Merge (`merge=`)").
         return plan if merge_plan is None else replace_plan(plan, merge_plan)

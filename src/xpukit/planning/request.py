@@ -134,13 +134,13 @@ class LoadRequest:
             record its time (the compile) as a ``warmup`` event (docs/decode.md); ``plan_load``
             ignores it.
         batch_size: with new LoRA adapters, the sequences per optimizer step to plan training for
-            (default 8); the memory savers are chosen by fit (docs/training.md "Training plan by fit").
+            (default 8); the memory savers are chosen by fit (docs/training-plan.md "Training plan by fit").
         seq_len: with new LoRA adapters, the tokens per sequence (default 2048, capped at the
             model's context).
         merge: with ``lora=`` an adapter directory: ``True`` (or ``"dequantized"``) merges it into the
             base as 4-bit training saw it, ``"original"`` into the checkpoint's own weights; never into
             4-bit weights (``quantize=`` is refused). Placed by fit: the device, else the CPU. The
-            plan's ``merge`` decision says which and why (docs/training.md "Merging an adapter").
+            plan's ``merge`` decision says which and why (docs/merging.md "Merging an adapter").
         force: with ``lora=`` an adapter directory, load or merge it even when its tensors do not
             all fit the base (a warning instead of :class:`InvalidRequestError`); every trained
             adapter is checked against the base's modules before any weight is read.

@@ -46,7 +46,7 @@ class TrainingContext:
         compute_dtype: the dtype the model was loaded to compute in (``model.xpukit_plan.dtype``);
             when set, the mixed precision follows it instead of the device's best.
         training: the load plan's training plan (``model.xpukit_plan.training``): its micro-batch
-            and accumulation become the defaults (docs/training.md "Training plan by fit").
+            and accumulation become the defaults (docs/training-plan.md "Training plan by fit").
         checkpoint_in_graphs: the model's layer graphs checkpoint each layer themselves
             (``model.xpukit_layer_graphs.checkpoint``): transformers' checkpointing stays off.
     """
@@ -171,7 +171,8 @@ def _optimizer(device: DeviceFacts, ctx: TrainingContext) -> tuple[str, str]:
         return "adamw_torch_fused", (
             "optim=adamw_torch_fused: the LoRA weights' update in one fused kernel; the plan has room "
             f"({room}), so the paged 8-bit states' few hundred MB are not worth their per-tensor "
-            'launches (H200 real run, Qwen3-8B shape: 226 → 187 ms a step; docs/training.md "The optimizer")'
+            "launches (H200 real run, Qwen3-8B shape: 226 → 187 ms a step; "
+            'docs/training-plan.md "The optimizer")'
         )
     minimum = _PAGED_OPTIM_MIN_BNB.get(device.backend)
     if minimum and version_at_least(ctx.bitsandbytes_version, minimum):

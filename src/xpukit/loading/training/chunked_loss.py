@@ -6,10 +6,10 @@ back are the final hidden states, and the loss is computed from them and ``lm_he
 by chunk; the output's ``logits`` are ``None`` then, as with liger-kernel's fused loss. Every other
 call (no labels, inference, a trainable ``lm_head``) runs the model unchanged. Models that change the
 logits after ``lm_head`` (soft-capping, a logit scale) or whose head is not one ``nn.Linear`` keep
-the plain loss: :func:`chunked_loss_problem` says why (docs/training.md "Chunked cross-entropy").
+the plain loss: :func:`chunked_loss_problem` says why (docs/training-plan.md "Chunked cross-entropy").
 
 ``kernel="liger"`` computes the same loss with liger-kernel's fused kernel in chunks of the caller's
-size (xpukit sets liger's ``chunk_mem_const`` per call; docs/training.md "liger's loss chunk").
+size (xpukit sets liger's ``chunk_mem_const`` per call; docs/training-plan.md "liger's loss chunk").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The load-time proof of the fused LoRA path: each distinct decoder-block type against peft's block.
 
-docs/training.md "The load-time check". For the first block of each distinct type (the block's,
+docs/fused-lora.md "The load-time check". For the first block of each distinct type (the block's,
 attention's and MLP's classes and the per-layer attention settings: sliding window, RoPE on or off,
 layer type), :func:`check_blocks`:
 
@@ -36,7 +36,7 @@ __all__ = ["BATCH", "TOKENS", "TOLERANCES", "BlockCheck", "block_key", "check_bl
 BATCH, TOKENS = 1, 16
 # Relative L2 error allowed, (output and input gradient, each LoRA gradient), by compute dtype.
 # float32: the targets of docs/training.md; bf16/fp16: the rounding of the compute dtype, which the
-# two paths round differently (docs/training.md "The load-time check" has the measurements).
+# two paths round differently (docs/fused-lora.md "The load-time check" has the measurements).
 TOLERANCES: dict[str, tuple[float, float]] = {
     "float32": (1e-4, 1e-3),
     "bfloat16": (3e-2, 6e-2),

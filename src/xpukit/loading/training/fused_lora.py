@@ -70,7 +70,7 @@ def apply_fused_lora(model: Any, *, insist: bool, liger: bool | None = None, che
             a block type's check disagrees.
         liger: the gated step of the fused MLP in liger-kernel's Triton kernels where they run
             (CUDA/XPU, liger-kernel installed); ``False`` keeps it in PyTorch (``lora={"liger": False}``).
-        check: prove each newly fused block type against peft's block (docs/training.md "The
+        check: prove each newly fused block type against peft's block (docs/fused-lora.md "The
             load-time check"); ``False`` only for measuring the check itself.
 
     Returns:

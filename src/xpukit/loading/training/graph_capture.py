@@ -7,7 +7,7 @@ the decoder stack once per training shape, so that held one copy of the adapters
 shape: 175 MB each for an 8B model's LoRA r=16 in float32, over 1 GB with 6 shapes, and the first
 gradient had to be cloned out of the graph's buffer every step. Here the backward graph adds each
 gradient into a flat buffer per dtype that all shapes share, and the parameters' ``.grad`` are views
-of that buffer, so the gradients exist once, as in eager training (docs/training.md "CUDA graphs of
+of that buffer, so the gradients exist once, as in eager training (docs/layer-graphs.md "CUDA graphs of
 the decoder layers").
 
 How ``.grad`` stays what autograd would give:

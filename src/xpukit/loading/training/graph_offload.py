@@ -7,7 +7,7 @@ layer copies its input into a **slot** of one pinned host buffer made before the
 backward graph copies it back into device memory from the graphs' pool just before the layer is
 recomputed. Both copies are ordinary asynchronous copies on the capture's stream, which CUDA graphs
 record as memory-copy nodes (CUDA programming guide, "CUDA Graphs": memcpy nodes between device and
-page-locked host memory; docs/training.md "Offloaded checkpointing in the graphs"). The device then
+page-locked host memory; docs/layer-graphs.md "Offloaded checkpointing in the graphs"). The device then
 holds one layer's input and its recomputation at a time, as on the eager rung, and the step replays
 without the host.
 

@@ -19,7 +19,7 @@ the position embeddings of that very call (cos and sin in float32, random ``q``/
 the attention hands them over, forward and both gradients): they must agree within
 :data:`TOLERANCE` of the largest value. A family whose RoPE is another function (GLM-4 interleaves
 the rotated pairs) fails the check and keeps its own, with the difference in :attr:`GraphRope.note`
-(docs/training.md "RoPE in the layer graphs").
+(docs/layer-graphs.md "RoPE in the layer graphs").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The frozen input embedding in host memory while the adapters train (docs/training.md "The input
+"""The frozen input embedding in host memory while the adapters train (docs/training-plan.md "The input
 embedding in host memory"; the plan decides it: ``planning/training/host_embedding.py``).
 
 :func:`install_host_embedding` moves the table of the model's input embedding to host memory and

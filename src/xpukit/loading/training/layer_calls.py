@@ -11,7 +11,7 @@ each layer hands over the arguments the decoder gave it. Here:
 * :class:`Watch`: the storage and adapter state the captured graphs depend on, to drop them when a
   merge, move or adapter switch changes it.
 
-docs/training.md "CUDA graphs of the decoder layers".
+docs/layer-graphs.md "CUDA graphs of the decoder layers".
 """
 
 from __future__ import annotations

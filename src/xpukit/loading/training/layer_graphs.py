@@ -6,7 +6,7 @@ kernels. :func:`install_layer_graphs` captures the decoder layers' forward and b
 (``torch.cuda.graph``; ``torch.xpu.graph`` on Intel GPUs; :mod:`.graph_capture`) and replays them;
 the step then costs what the device needs (4 995 → 13 043 tokens/s, measured there).
 
-How it stays correct, in short (the rules, with what was measured, are in docs/training.md "CUDA
+How it stays correct, in short (the rules, with what was measured, are in docs/layer-graphs.md "CUDA
 graphs of the decoder layers"):
 
 * each layer's ``forward`` is wrapped on the instance; layer 0 decides whether a call may replay,
@@ -105,7 +105,7 @@ class LayerGraphs:
         self.max_shapes = MAX_SHAPES
         # Warm-up passes before each capture after the first: none, the first capture's warm-up built
         # and autotuned the kernels (checkpointed, H200, 8 GB: 3 447 against 3 264 tokens/s over 20
-        # steps); the same kernels run without checkpointing (docs/training.md "What a capture costs").
+        # steps); the same kernels run without checkpointing (docs/layer-graphs.md "What a capture costs").
         self.warmups = 0
         self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()

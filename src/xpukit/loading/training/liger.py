@@ -60,7 +60,7 @@ def apply_liger(
         device: the device the model trains on.
         wanted: ``False`` never applies it; ``None``/``True`` apply it where it can run.
         given: ``wanted`` came from the user's ``lora=`` (else from the training plan), for the notes.
-        loss_chunk: tokens per chunk of the fused loss (docs/training.md "liger's loss chunk"); the
+        loss_chunk: tokens per chunk of the fused loss (docs/training-plan.md "liger's loss chunk"); the
             loss then goes through :func:`xpukit.loading.training.chunked_loss.apply_chunked_loss`
             with liger's kernel where the model and liger's version allow, else through liger's own
             model forward (its default chunk). ``None``: liger's own.

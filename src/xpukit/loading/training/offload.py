@@ -1,6 +1,6 @@
 """Activation offloading for ``gradient_checkpointing="offload"``.
 
-See docs/training.md "Offloaded checkpointing".
+See docs/training-plan.md "Offloaded checkpointing".
 
 With non-reentrant gradient checkpointing each decoder layer keeps only its input for backward. The
 model's ``forward`` runs inside saved-tensor hooks (:func:`_hooks`) that move every tensor saved

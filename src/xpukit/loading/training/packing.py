@@ -3,7 +3,7 @@
 :func:`install_packing` wraps the forward of the decoder (``model.model``, the stack of layers under
 the causal LM head) on the instance, under peft's wrappers, the causal LM's loss and any library
 that patches the head (liger-kernel's fused loss, xpukit's chunked loss, TRL's fused LM head): the
-user's collator, the labels and the loss are untouched (docs/training.md "Packing: no compute on
+user's collator, the labels and the loss are untouched (docs/training-plan.md "Packing: no compute on
 padding"). A training call whose batch is ``[B, L]`` with a 2-D ``attention_mask`` (any mix of right
 and left padding) runs the layers on one row of the real tokens:
 
@@ -96,7 +96,7 @@ class Packing:
         self.graphs = graphs
         self.max_tokens = max_tokens
         # Capture a bucket only once it recurs: on first sight a row takes a captured shape that holds
-        # it (docs/training.md "What a capture costs"); the buckets seen so far, counted.
+        # it (docs/layer-graphs.md "What a capture costs"); the buckets seen so far, counted.
         self.capture_on_recurrence = False
         self.seen: Counter[int] = Counter()
         self.stats: Counter[str] = Counter()
@@ -172,7 +172,7 @@ class Packing:
     def _split(self, kwargs: dict[str, Any], flat: Any, positions: Any, groups: list[int]) -> tuple[Any, Any]:
         """A row over the token budget, run as passes of whole examples (``groups``: the tokens of
         each), each checkpointed: its activations are dropped after its forward and recomputed in
-        backward one pass at a time, so no more than one pass's activations are held (docs/training.md
+        backward one pass at a time, so no more than one pass's activations are held (docs/training-plan.md
         "A token budget per pass"). The passes run eagerly, each layer as the plan's rung has it."""
         import torch
         from torch.utils.checkpoint import checkpoint

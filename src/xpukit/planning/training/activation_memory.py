@@ -1,6 +1,6 @@
 """The activation memory of one LoRA training step, from a decoder's shape (pure).
 
-:func:`activation_bytes` is the formula of docs/training.md "The activation estimate", one line per
+:func:`activation_bytes` is the formula of docs/training-plan.md "The activation estimate", one line per
 term; tests/test_training_plan.py checks it against peaks measured on the CPU.
 :mod:`xpukit.planning.training.fit` uses it to choose the memory savers.
 """
@@ -91,7 +91,7 @@ def activation_bytes(
     dequant_bytes: int = 0,
     chunked_loss: bool = False,
 ) -> dict[str, int]:
-    """The peak activation memory of one forward + backward, in bytes (docs/training.md "The
+    """The peak activation memory of one forward + backward, in bytes (docs/training-plan.md "The
     activation estimate": every term there is one line here).
 
     Args:
@@ -169,7 +169,7 @@ def activation_bytes(
 
 
 # The graphs of the layers keep at most this many step shapes, the packed rows' buckets of this many
-# tokens (loading/training/layer_graphs.py imports them; docs/training.md "CUDA graphs of the decoder
+# tokens (loading/training/layer_graphs.py imports them; docs/layer-graphs.md "CUDA graphs of the decoder
 # layers").
 GRAPH_SHAPES = 8
 GRAPH_BUCKET = 256

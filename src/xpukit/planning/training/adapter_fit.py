@@ -6,7 +6,7 @@ the meta device; every ``lora_A`` must match its module's input size, every
 ``lora_B`` its output size, and every other saved tensor (``modules_to_save``) the base's parameter
 of that name. A tensor that fits nothing is refused, because peft would either fail on it (after the
 base's weights are loaded, with torch's size-mismatch dump) or drop it; a ``base_model_name_or_path``
-naming another model while every shape fits is only a warning (docs/planning.md "Merge (`merge=`)").
+naming another model while every shape fits is only a warning (docs/merging.md "Merge (`merge=`)").
 Every path that takes a trained adapter (``lora=DIR`` for inference, ``trainable=True``,
 ``merge=``) is checked this way by :func:`xpukit.planning.plan.plan_load` before any weight is read
 (:func:`check_saved_adapter`).

@@ -1,7 +1,7 @@
 """The largest single tensor of a LoRA step against the device's single-allocation cap (pure).
 
 Arc GPUs refuse one allocation above about 4 GB unless ``UR_L0_ENABLE_RELAXED_ALLOCATION_LIMITS=1``
-is set (docs/platform-notes.md §6.5): a step whose largest tensor crosses that line fails with "XPU
+is set (docs/platform-install.md §6.5): a step whose largest tensor crosses that line fails with "XPU
 out of memory" on a card with memory to spare. In a LoRA step the largest tensor is the loss's
 float32 logits with the plain loss (transformers upcasts them: micro-batch × tokens × vocabulary ×
 4 bytes; Qwen3-0.6B at 4 × 2 048 tokens: 4.98 GB). The fused losses never hold them whole: liger's
@@ -54,5 +54,5 @@ def cap_text(size: int, cap: int) -> str:
     return (
         f"the plain loss's float32 logits would be one {format_bytes(size)} tensor, above this GPU's "
         f"{format_bytes(cap)} single-allocation cap ({RELAXED_VARIABLE}=1 lifts it, "
-        "docs/platform-notes.md §6.5)"
+        "docs/platform-install.md §6.5)"
     )

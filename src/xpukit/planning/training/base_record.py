@@ -2,7 +2,7 @@
 
 peft's ``adapter_config.json`` says which model an adapter belongs to, not whether that model was
 held in 4-bit or in full precision while the adapter trained; merging into the wrong one of the two
-changes the model (docs/training.md "Merging an adapter"). So when a model xpukit loaded with
+changes the model (docs/merging.md "Merging an adapter"). So when a model xpukit loaded with
 trainable adapters is saved (``save_pretrained``, ``Trainer``'s checkpoints included), xpukit writes
 :data:`RECORD_FILE` beside ``adapter_config.json`` (acting: :mod:`xpukit.loading.base_record`), and
 ``merge=True`` follows it (:mod:`xpukit.planning.training.merge`). This module is the record's

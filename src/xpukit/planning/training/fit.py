@@ -3,10 +3,10 @@
 From the model's shape (read from its config), the batch and sequence length and the LoRA settings,
 :func:`activation_bytes` estimates the activation memory of one training step under each set of
 savers. :func:`plan_training` takes the fastest set that fits the device's memory beside the weights
-and the adapters' training state, trying them in the order of docs/training.md "Training plan by
+and the adapters' training state, trying them in the order of docs/training-plan.md "Training plan by
 fit": none → liger-kernel's fused linear cross-entropy → gradient checkpointing → checkpointing with
 the saved activations offloaded to host memory → a smaller micro-batch with gradient accumulation.
-The formula and its derivation are in docs/training.md "The activation estimate"; the measured
+The formula and its derivation are in docs/training-plan.md "The activation estimate"; the measured
 peaks it was checked against are in tests/test_training_plan.py.
 
 An explicit choice wins: ``lora={"gradient_checkpointing": True | False | "offload"}`` and
@@ -84,7 +84,7 @@ def _micro_batch_decision(choice: Choice, batch: int, seq: int, fit_text: str) -
             value=micro,
             reason=f"the whole batch of {batch} in one pass of its real tokens (packing knows them per "
             f"batch at run time) up to {choice.pass_tokens:,} tokens: {fit_text}; a step that carries "
-            'more is split by tokens into passes of at most that many (docs/training.md "A token '
+            'more is split by tokens into passes of at most that many (docs/training-plan.md "A token '
             'budget per pass"), where the worst case of every example at its longest would split every step',
             rejected=((f"{batch} × {seq} tokens in one pass", "the worst case does not fit"),),
         )
@@ -253,13 +253,13 @@ def _fixed_rule(weights: int, lora_params: int, moved: int) -> str:
     rule = (
         f"weights {format_bytes(weights)} + LoRA state {format_bytes(LORA_STATE_BYTES * lora_params)} "
         f"({lora_params:,} params × {LORA_STATE_BYTES} B: weight, grad, AdamW) + reserve "
-        f'{format_bytes(TRAINING_RESERVE)} (calibrated, docs/training.md "The activation estimate")'
+        f'{format_bytes(TRAINING_RESERVE)} (calibrated, docs/training-plan.md "The activation estimate")'
     )
     return rule + (f" − the input embedding's {format_bytes(moved)}, in host memory" if moved else "")
 
 
 # What the training plan keeps free beside weights, LoRA state and the activation estimate. Calibrated
-# on the H200 (docs/training.md "The activation estimate"): weights + LoRA state + the estimate gave the
+# on the H200 (docs/training-plan.md "The activation estimate"): weights + LoRA state + the estimate gave the
 # measured max_memory_allocated peaks of every rung within -3..+11 % with no reserve at all (the 8 GB
 # run: 7.56 GB planned, 7.74 GB measured), so the reserve only covers what that peak does not show
 # (the allocator's rounding, library workspaces). The 10 % of the weights it also held before is in

@@ -1,7 +1,7 @@
 """The decisions the training plan records, with their reasons (pure; ``fit.py`` chooses the values).
 
 ``gradient_checkpointing``, ``liger`` and ``loss`` each say what was chosen, why, and which cheaper
-options were tried and rejected with their estimated peak (docs/training.md "Training plan by fit").
+options were tried and rejected with their estimated peak (docs/training-plan.md "Training plan by fit").
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def partly(checkpointed: int | None, layers: int) -> str | None:
         return None
     return (
         f"for {checkpointed} of the {layers} layers, the fewest whose step fits: the others keep their "
-        'activations and are not recomputed (docs/training.md "Fewer checkpointed layers")'
+        'activations and are not recomputed (docs/training-plan.md "Fewer checkpointed layers")'
     )
 
 
@@ -42,14 +42,15 @@ def gc_decision(
     return Decision(name="gradient_checkpointing", value=gc, reason=f"{what}; {fit_text}", rejected=rejected)
 
 
-# Why the fused loss is taken first when packing is on (docs/training.md "Packing: no compute on padding").
+# Why the fused loss is taken first when packing is on (docs/training-plan.md
+# "Packing: no compute on padding").
 PACKED_LOSS = (
     "with packing the head still runs over the collator's padded batch, where the plain loss keeps logits "
     "for the padding too; liger's fused loss kept the step time and saved 3.7 GB there (H200 real run, "
     "Qwen3-8B shape: 226 ms a step both, peak 19.36 → 15.66 GB)"
 )
 
-# Why the fused LoRA path takes liger's loss first (docs/training.md "liger's loss chunk"): in chunks
+# Why the fused LoRA path takes liger's loss first (docs/training-plan.md "liger's loss chunk"): in chunks
 # of LOSS_CHUNK_TOKENS it is faster than the plain loss, and keeps no logits.
 FUSED_LOSS = (
     f"liger's fused loss in chunks of {LOSS_CHUNK_TOKENS} tokens is faster than the plain loss and keeps "
@@ -84,7 +85,7 @@ def liger_decision(
 
 
 def loss_decision(loss: str, liger_why: str, fit_text: str) -> Decision:
-    """Which loss: plain when it fits on the unfused path, else a fused cross-entropy (docs/training.md
+    """Which loss: plain when it fits on the unfused path, else a fused cross-entropy (docs/training-plan.md
     "Chunked cross-entropy", "liger's loss chunk"; H200 bench_loss, 2 048 tokens × 151 936 words:
     plain 10.4 ms and 3.75 GB, chunked 13.7 ms and 0.82 GB, liger in its own chunks 21.6 ms and
     0.04 GB, in 512-token chunks 8.1 ms and 0.17 GB)."""

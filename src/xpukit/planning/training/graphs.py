@@ -8,7 +8,7 @@ blocks (attention and MLP; a model whose MLP keeps peft's modules does not quali
 checkpointing, and every checkpointing rung too: with plain checkpointing each layer is checkpointed
 inside the graphs (the backward graph recomputes it; on an H200 under an 8 GB budget 1.55× the
 offloaded eager step), with offloaded checkpointing each layer's input is also copied to a pinned host
-slot and back by the graphs themselves (docs/training.md "Offloaded checkpointing in the graphs"). The
+slot and back by the graphs themselves (docs/layer-graphs.md "Offloaded checkpointing in the graphs"). The
 training plan counts the graphs' own buffers in its fit, so a budget that takes a checkpointing rung
 takes the graphs with it.
 
@@ -20,7 +20,7 @@ replays one training layer so an owner can check). On an older torch it is off w
 It is off in a launched job of several processes: DDP and FSDP hook each parameter's gradient
 accumulator, and the capture's stand-in parameters (loading/training/graph_capture.py) bypass those.
 ``lora={"graphs": False}`` turns it off, ``lora={"graphs": True}`` insists (refused where it cannot
-run). docs/training.md "CUDA graphs of the decoder layers" has the rules.
+run). docs/layer-graphs.md "CUDA graphs of the decoder layers" has the rules.
 """
 
 from __future__ import annotations
@@ -158,7 +158,7 @@ def decide_layer_graphs(
         True: ", each layer checkpointed inside the graphs (the backward graph recomputes it; on an H200 "
         "under 8 GB 1.55x the offloaded eager step)",
         "offload": ", each layer checkpointed inside the graphs with its input copied to a pinned host slot "
-        'and back by the graphs themselves (docs/training.md "Offloaded checkpointing in the graphs")',
+        'and back by the graphs themselves (docs/layer-graphs.md "Offloaded checkpointing in the graphs")',
     }.get(checkpointing, "")
     return Decision(
         name="layer_graphs",

@@ -1,5 +1,5 @@
 """Whether a frozen input embedding lives in host memory while the adapters train (pure;
-docs/training.md "The input embedding in host memory").
+docs/training-plan.md "The input embedding in host memory").
 
 A LoRA run never trains the input embedding, and a step reads only the rows of its own tokens: on the
 8B shape the table is 1.24 GB of a device's memory (151 936 words × 4 096 × bf16) of which a step of
@@ -107,6 +107,6 @@ def embedding_decision(
         value="host",
         reason=f"in host memory ({size}, frozen, not tied to the head): the room it frees lets a "
         "faster step fit; each step gathers its tokens' rows on the host and copies them over "
-        '(docs/training.md "The input embedding in host memory")',
+        '(docs/training-plan.md "The input embedding in host memory")',
         rejected=(("on the device", "the fit keeps a slower step"),),
     )

@@ -21,7 +21,7 @@ __all__ = ["DEFAULT_LORA", "LORA_CONFIG_KEYS", "LoraRequest", "rank_problem", "r
 
 # lora=True. r=16 with alpha=32 (scale alpha/r = 2) is the common QLoRA-era default: enough capacity
 # for instruction or domain tuning on every linear layer, about 0.5 % of an 8B model's parameters.
-# Dropout 0: measured on the demo fine-tune (docs/training.md "lora_dropout: why 0"), 0.05 gave no
+# Dropout 0: measured on the demo fine-tune (docs/training-plan.md "lora_dropout: why 0"), 0.05 gave no
 # better held-out loss, 20 % fewer tokens/s and a copy of every LoRA layer's input (peft's and
 # unsloth's default is 0 too). "all-linear" targets every linear
 # layer but the output head, on any architecture (peft's per-model default list misses new ones).

@@ -8,7 +8,7 @@ the chunk so that its logits are about ``chunk_mem_const`` times the hidden stat
 vocabulary that makes chunks of 32 tokens (Gemma-3-4B at 2 048 tokens: 64 chunks, 172 GB of head
 reads a step, 41 ms of a 134 ms step on an H200). xpukit asks for chunks of :data:`LOSS_CHUNK_TOKENS`
 instead, by passing the ``c`` that gives them for each call's token count
-(docs/training.md "liger's loss chunk").
+(docs/training-plan.md "liger's loss chunk").
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __all__ = ["LOSS_CHUNK_TOKENS", "liger_chunk", "liger_chunk_mem_const"]
 
 # Tokens per chunk: each of a chunk's products then does 512 flops per byte of lm_head it reads (2
 # flops per token and bf16 weight of 2 bytes), above the ~206 of an H200 (989 dense bf16 TFLOP/s
-# over 4.8 TB/s), so the re-reads of the head no longer bound the loss (docs/training.md "liger's
+# over 4.8 TB/s), so the re-reads of the head no longer bound the loss (docs/training-plan.md "liger's
 # loss chunk").
 LOSS_CHUNK_TOKENS = 512
 

@@ -5,7 +5,7 @@
 as the plan's ``merge`` decision, after
 :func:`xpukit.planning.training.adapter_fit.check_adapter` has compared the adapter with the base.
 
-The rules (docs/planning.md "Merge (`merge=`)", the measurements in docs/training.md "Merging an
+The rules (docs/merging.md "Merge (`merge=`)", the measurements in docs/merging.md "Merging an
 adapter"):
 
 - ``merge=True`` merges into the base as 4-bit training saw it (``"dequantized"``: the
@@ -56,7 +56,7 @@ __all__ = [
     "replace_plan",
 ]
 
-# "dequantized": measured on the CPU (bench/bench_merge.py, docs/training.md "Merging an adapter"),
+# "dequantized": measured on the CPU (bench/bench_merge.py, docs/merging.md "Merging an adapter"),
 # merging a QLoRA adapter into the dequantised 4-bit base reproduces the trained 4-bit + adapter model
 # to float32 rounding, while the original weights move every logit by the base's quantisation error.
 MERGE_BASES = ("dequantized", "original")
@@ -70,7 +70,7 @@ _WHY_BASE = {
 }
 _WHY_NOT_4BIT = (
     "merging into 4-bit weights re-quantises every merged weight (peft's merge_and_unload on a 4-bit "
-    'model), which loses part of the adapter (docs/training.md "Merging an adapter")'
+    'model), which loses part of the adapter (docs/merging.md "Merging an adapter")'
 )
 
 

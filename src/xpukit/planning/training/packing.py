@@ -2,7 +2,7 @@
 
 A user's collator pads every example of a batch to the longest one; the decoder layers then compute
 on the padding too. ``loading/training/packing.py`` flattens such a batch, inside the model's
-``forward``, to its real tokens with positions restarting per example (docs/training.md "Packing: no
+``forward``, to its real tokens with positions restarting per example (docs/training-plan.md "Packing: no
 compute on padding"). That is exact where the positions are rotary: an example's attention
 depends only on the distance between its own tokens, so it computes what it computes alone, and the
 loss is the same mean over the same targets. Models with learned absolute positions or none are not

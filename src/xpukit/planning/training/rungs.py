@@ -1,4 +1,4 @@
-"""The rungs of the training plan's ladder and how one is chosen by fit (pure; docs/training.md
+"""The rungs of the training plan's ladder and how one is chosen by fit (pure; docs/training-plan.md
 "Training plan by fit", "A token budget per pass").
 
 A rung is a set of memory savers (a fused cross-entropy, gradient checkpointing, plain or offloaded)
@@ -25,7 +25,7 @@ __all__ = ["Choice", "Rung", "Rungs", "choose", "ladder_of", "micro_batches"]
 # One rung of the ladder: (fused cross-entropy, gradient checkpointing, the layers as graphs).
 Rung = tuple[bool, bool | str, bool]
 # A step with only some layers checkpointed is sized to fill the room: its estimate, which ran up to
-# 3 % under the measured peaks (docs/training.md "The activation estimate"), must fit with 5 % spare.
+# 3 % under the measured peaks (docs/training-plan.md "The activation estimate"), must fit with 5 % spare.
 PARTLY_SPARE = 1.05
 
 
@@ -51,7 +51,7 @@ class Rungs:
         return "liger" if self.liger_ok and self.request.liger is not False else "chunked"
 
     def estimate(self, rung: Rung, tokens: int, checkpointed: int | None = None) -> dict[str, int]:
-        """The activation estimate of a pass of ``tokens`` tokens on this rung (docs/training.md "The
+        """The activation estimate of a pass of ``tokens`` tokens on this rung (docs/training-plan.md "The
         activation estimate"), the graphs' own buffers included where the layers run as graphs.
         ``checkpointed``: on a checkpointed rung, only that many layers are (:meth:`fewest_checkpointed`)."""
         fused_ce, gc, graphs = rung
@@ -186,7 +186,7 @@ def _fewer_checkpointed(
 ) -> Choice | None:
     """The checkpointed rung ``rung`` (the fastest that fits) with only the layers checkpointed that the
     budget needs, where the same rung without checkpointing was tried and did not fit: the rest of
-    the budget goes to speed (docs/training.md "Fewer checkpointed layers"). ``None``: all of them."""
+    the budget goes to speed (docs/training-plan.md "Fewer checkpointed layers"). ``None``: all of them."""
     if (rung[0], False, rung[2]) not in ladder:  # the user asked for checkpointing: every layer
         return None
     layers = rungs.fewest_checkpointed(rung, worst, room)

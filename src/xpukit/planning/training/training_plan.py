@@ -57,7 +57,7 @@ class TrainingPlan:
     # The frozen input embedding lives in host memory (its bytes are not in ``fixed``).
     embedding_on_host: bool = False
     # With checkpointing inside the graphs: only the first this many layers are checkpointed, the
-    # fewest whose step fits (``None``: every layer; docs/training.md "Fewer checkpointed layers").
+    # fewest whose step fits (``None``: every layer; docs/training-plan.md "Fewer checkpointed layers").
     checkpoint_layers: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,7 +77,7 @@ class TrainingPlan:
         lines = [
             "",
             f"Training memory (batch {self.batch_size} [{said[self.batch_given]}] × seq {self.seq_len} "
-            f'[{said[self.seq_given]}]; docs/training.md "The activation estimate")',
+            f'[{said[self.seq_given]}]; docs/training-plan.md "The activation estimate")',
             f"  budget     {format_bytes(self.budget):>11}  {self.budget_rule}",
             f"  fixed      {format_bytes(self.fixed):>11}  {self.fixed_rule}",
             f"  for steps  {format_bytes(self.room):>11}  budget − fixed",
@@ -107,7 +107,7 @@ class TrainingPlan:
             f"weights, the LoRA state and the reserve ({format_bytes(self.fixed)} of a "
             f"{format_bytes(self.budget)} budget: "
             f"{self.budget_rule}), so it may run out of device memory (the estimate is within -3..+11 % "
-            'of the peaks measured on an H200: docs/training.md "The activation estimate"). Fix: a '
+            'of the peaks measured on an H200: docs/training-plan.md "The activation estimate"). Fix: a '
             "shorter seq_len=, a larger max_memory= or a device with more memory (batch_size= does not "
             "change it: the step already runs the smallest micro-batch)."
         )

@@ -13,9 +13,10 @@ compile of a whole-graph function, traced with fake tensors). Inductor's compile
 invalidate a capture under way on another stream (seen on an H200): so the build starts when the
 first call that needs it ends (that call's graph tier captures freely), and while it runs no capture
 starts (:func:`xpukit.loading.device_graph.background_device_work`): a step with no graph yet runs
-uncaptured. Its first real run is the next tier's warm-up, on the main thread. The compiled
-function keeps no dynamo guards (:func:`no_guards`): every input it may see is a buffer of the
-loop, and what changes the code is in the compile cache's key. It is written beside the compile cache (``<key>.step``, torch's
+uncaptured. Its first real run is the next tier's warm-up, on the main thread. The compiled function
+keeps no dynamo guards (:func:`no_guards`): every input it may see is a buffer of the loop, and what
+changes the code is in the compile cache's key. It is written beside the compile cache
+(``<key>.step``, torch's
 ``save_compiled_function``) and a later process loads it instead of tracing and compiling
 (``torch.compiler.load_compiled_function``; docs/decode.md "Compile cache"). A torch without
 ``aot_compile`` compiles the step at its first call instead (the rule before tiers), and says so.

@@ -11,9 +11,8 @@ import difflib
 import functools
 import inspect
 import re
-import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
@@ -21,6 +20,9 @@ from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.budgets import parse_size
 from xpukit.planning.device.choice import DEVICE_PATTERN
 from xpukit.planning.vocabulary import Decision
+
+if TYPE_CHECKING:
+    from xpukit.sources.hub_access import HubFacts
 
 __all__ = [
     "check_keywords",
@@ -195,12 +197,14 @@ def host_modules_reason(
     return None
 
 
-def check_lora_targets(request: Any, facts: Any, *, enforce: bool, warnings: list[str]) -> None:
-    """Check the LoRA settings and targets against the model's facts, before any weight is read."""
+def check_lora_targets(
+    request: Any, facts: Any, *, enforce: bool, hub: HubFacts, warnings: list[str]
+) -> None:
+    """Check the LoRA settings and targets against the model's facts, before any weight is read
+    (peft imported under ``hub.import_offline``: its import can reach the Hub)."""
     if request is None or request.kind != "new":
         return
     from xpukit._compat import is_installed, require
-    from xpukit.hub import hub_offline, hub_status, offline_guard
     from xpukit.planning.training.lora_config import check_lora_request
 
     if not is_installed("peft"):
@@ -208,9 +212,7 @@ def check_lora_targets(request: Any, facts: Any, *, enforce: bool, warnings: lis
             require("peft", "lora=True")  # MissingExtraError naming the extra
         warnings.append("peft is not installed here: the LoRA settings were not checked against the model")
         return
-    # peft imports bitsandbytes, whose import reaches the Hub with no timeout on avx512_bf16 CPUs.
-    guard = "peft" not in sys.modules and (hub_offline() or not hub_status().usable)
-    with offline_guard(guard):
+    with hub.import_offline("peft"):  # peft imports bitsandbytes, whose import can reach the Hub
         check_lora_request(request, facts)
 
 

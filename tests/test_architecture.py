@@ -348,12 +348,10 @@ def test_the_length_rule_sees_a_long_body(tmp_path: Path) -> None:
 
 # Planning decides from facts; reading them is machine/'s and sources/'s (docs/index.md "Architecture:
 # facts → plan → act"). These modules still read for themselves, each to be moved into a facts object:
-# the config and the Hub (model/source.py), transformers' source (model/class_source.py, arguments.py's
-# from_pretrained keywords). The Hub kernels' cache and reachability are a facts object now
-# (sources/hub_access.py). The list may only shrink.
+# the config and the Hub (model/source.py). The Hub kernels' cache and reachability are a facts object
+# now (sources/hub_access.py), transformers' source an installed library's facts
+# (machine/library_source.py). The list may only shrink.
 STILL_READING = {
-    "xpukit.planning.arguments",
-    "xpukit.planning.model.class_source",
     "xpukit.planning.model.source",
 }
 _IO_MODULES = ("huggingface_hub", "requests", "urllib", "xpukit.hub")

@@ -8,9 +8,6 @@ validated so that a typo is refused with the valid choices.
 from __future__ import annotations
 
 import difflib
-import functools
-import inspect
-import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -260,7 +257,9 @@ def check_keywords(
     left = [k for k in kwargs if k not in consumed and not hasattr(config, k)]
     if not left or kwargs.get("trust_remote_code"):
         return  # nothing to check: transformers' modeling code is not imported for it
-    keywords = _from_pretrained_keywords()
+    from xpukit.machine.library_source import from_pretrained_keywords
+
+    keywords = from_pretrained_keywords()  # the installed transformers' (read once per process)
     if keywords is None:
         return
     accepted, named = keywords
@@ -302,36 +301,3 @@ _LORA_FIELDS = {
 def _lora_field(key: str) -> str | None:
     """The ``LoraConfig`` field a stray keyword names (``lora_r`` → ``r``), else ``None``."""
     return _LORA_FIELDS.get(key)
-
-
-@functools.cache
-def _from_pretrained_keywords() -> tuple[frozenset[str], frozenset[str]] | None:
-    """What this transformers' ``from_pretrained`` (``PreTrainedModel``'s and the Auto classes') takes:
-    ``(accepted, named)``. ``named``: the signatures and the ``kwargs.pop("...")`` keys, offered as
-    "did you mean"; ``accepted`` adds every identifier-like string in their bodies (keys popped in a
-    loop, such as the ignored ``low_cpu_mem_usage``), so a keyword transformers takes is never refused.
-    ``None`` when the source cannot be read: then nothing is checked.
-    """
-    import ast
-    import textwrap
-
-    from transformers import PreTrainedModel
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
-
-    named: set[str] = set()
-    accepted: set[str] = set()
-    for method in (PreTrainedModel.from_pretrained, _BaseAutoModelClass.from_pretrained):
-        try:
-            source = textwrap.dedent(inspect.getsource(method))
-        except (OSError, TypeError):
-            return None
-        named |= set(inspect.signature(method).parameters) | set(
-            re.findall(r"kwargs\.pop\(\s*[\"'](\w+)", source)
-        )
-        accepted |= {
-            node.value
-            for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier()
-        }
-    named -= {"kwargs", "model_args", "pretrained_model_name_or_path"}
-    return frozenset(named | accepted), frozenset(k for k in named if not k.startswith("_"))

@@ -14,7 +14,7 @@ from typing import Any
 
 from xpukit._quiet import quiet_imports
 from xpukit.planning.loadplan import LoadPlan
-from xpukit.planning.request import LoadRequest, ModelArg, takes_request
+from xpukit.planning.request import LoadRequest, ModelArg, read_model_config, takes_request
 from xpukit.planning.stages import (
     adapters_stage,
     attention_stage,
@@ -77,7 +77,7 @@ def plan_request(model: ModelArg, req: LoadRequest, *, hub: HubFacts | None = No
     ``hub``: the Hub's facts (default: :class:`HubAccess`, this process's, each asked when needed).
     """
     with quiet_imports():
-        cfg = config_stage(model, req)
+        cfg = config_stage(model, req, read_model_config(model, req))  # the config read first
         mach = machine_stage(req, HubAccess() if hub is None else hub)
         described = model_stage(req, cfg)
         place = placement_stage(req, cfg, mach, described)

@@ -41,7 +41,6 @@ from xpukit.planning.for_training import Attempt, layout_for_training
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import ModelClassChoice, choose_model_class
 from xpukit.planning.model.facts import ModelFacts, model_facts
-from xpukit.planning.model.source import read_config
 from xpukit.planning.request import LoadRequest, ModelArg, keywords
 from xpukit.planning.training.adapter_base import AdapterBase, adapter_base
 from xpukit.planning.training.adapter_fit import check_saved_adapter
@@ -57,6 +56,7 @@ from xpukit.planning.training.packing import decide_packing, packing_wanted
 from xpukit.planning.training.training_plan import TrainingPlan
 from xpukit.planning.vocabulary import Decision
 from xpukit.sources.hub_access import HubFacts
+from xpukit.sources.model_config import ConfigRead
 
 __all__ = [
     "Adapters",
@@ -160,10 +160,11 @@ def _trust_remote_code(req: LoadRequest) -> bool:
     return bool(req.from_pretrained_kwargs.get("trust_remote_code", False))
 
 
-def config_stage(model: ModelArg, req: LoadRequest) -> Config:
-    """Read the config (never the weights) and check the leftover keywords against it."""
+def config_stage(model: ModelArg, req: LoadRequest, read: ConfigRead) -> Config:
+    """The config as read (:func:`~xpukit.planning.request.read_model_config`), the leftover keywords
+    checked against it, and the quantization asked or recorded in it."""
     kwargs = req.from_pretrained_kwargs
-    config, source, name, consumed = read_config(model, kwargs)
+    config, source, name, consumed = read
     check_keywords(kwargs, config, consumed, ours=keywords())
     quant = req.quant
     if req.quantize is None and req.lora is None and (recorded := recorded_request(config)) is not None:

@@ -21,11 +21,11 @@ import ast
 import functools
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 __all__ = ["MISSING", "ModuleSource", "from_pretrained_keywords", "module_source", "pretrained_defaults"]
 
-MISSING: Any = object()
+MISSING: Final[object] = object()  # an attribute the source does not state as a literal
 
 
 def _transformers_dir() -> Path | None:
@@ -47,7 +47,7 @@ class ModuleSource:
             if target is not None and value is not None:
                 self.assigns[target] = value
 
-    def attribute(self, class_name: str, attr: str) -> Any:
+    def attribute(self, class_name: str, attr: str) -> object:
         """A class attribute's literal value, looked up through the bases defined in this file.
 
         Returns :data:`MISSING` when neither the class nor its bases here assign it (the value then

@@ -19,6 +19,10 @@ from xpukit.planning.device.choice import DEVICE_PATTERN
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from xpukit.planning.model.facts import ModelFacts
+    from xpukit.planning.training.lora_request import LoraRequest
     from xpukit.sources.hub_access import HubFacts
 
 __all__ = [
@@ -36,7 +40,7 @@ __all__ = [
 ]
 
 
-def reconcile(kwargs: dict[str, Any], **ours: Any) -> tuple[Any, Any, Any, Any]:
+def reconcile(kwargs: dict[str, Any], **ours: object) -> tuple[object, object, object, object]:
     """Accept transformers' own keyword for each choice, but never both spellings at once."""
     dtype, attn, quantize, kernels = ours["dtype"], ours["attn"], ours["quantize"], ours["kernels"]
     for legacy in ("load_in_4bit", "load_in_8bit"):
@@ -73,7 +77,7 @@ def reconcile(kwargs: dict[str, Any], **ours: Any) -> tuple[Any, Any, Any, Any]:
     return values["dtype"], values["attn"], values["quantize"], kernels
 
 
-def normalize_dtype_arg(value: Any) -> str:
+def normalize_dtype_arg(value: object) -> str:
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return "auto"
     name = normalize_dtype(value)
@@ -112,7 +116,7 @@ def normalize_max_memory(value: dict[Any, Any] | None) -> dict[int | str, int] |
     return out
 
 
-def parse_device(device: Any) -> str | None:
+def parse_device(device: object) -> str | None:
     if device is None:
         return None
     text = str(device).strip().lower()
@@ -124,7 +128,7 @@ def parse_device(device: Any) -> str | None:
     return text
 
 
-def check_model_class(model_class: Any) -> str | None:
+def check_model_class(model_class: object) -> str | None:
     """The class name; a string must name a transformers class (checked before anything is read)."""
     if model_class is None:
         return None
@@ -176,7 +180,7 @@ def device_of_map(device_map: dict[Any, Any], device_text: str | None, machine: 
 
 
 def host_modules_reason(
-    device_map: Any, max_memory: dict[int | str, int] | None, main: DeviceFacts
+    device_map: object, max_memory: dict[int | str, int] | None, main: DeviceFacts
 ) -> str | None:
     """Why some modules run on the CPU, disk or MPS while the main device is an accelerator, else None.
 
@@ -195,7 +199,7 @@ def host_modules_reason(
 
 
 def check_lora_targets(
-    request: Any, facts: Any, *, enforce: bool, hub: HubFacts, warnings: list[str]
+    request: LoraRequest | None, facts: ModelFacts, *, enforce: bool, hub: HubFacts, warnings: list[str]
 ) -> None:
     """Check the LoRA settings and targets against the model's facts, before any weight is read
     (peft imported under ``hub.import_offline``: its import can reach the Hub)."""
@@ -213,7 +217,7 @@ def check_lora_targets(
         check_lora_request(request, facts)
 
 
-def check_seed(seed: Any) -> int | None:
+def check_seed(seed: object) -> int | None:
     """``seed=`` as an int (``None`` stays ``None``); anything else is refused before anything is read."""
     if seed is None:
         return None
@@ -244,7 +248,7 @@ def seed_decision(seed: int | None, *, new_adapters: bool) -> Decision:
 
 
 def check_keywords(
-    kwargs: dict[str, Any], config: Any, consumed: Iterable[str], *, ours: Iterable[str]
+    kwargs: dict[str, Any], config: PreTrainedConfig, consumed: Iterable[str], *, ours: Iterable[str]
 ) -> None:
     """Refuse a keyword that is neither xpukit's, nor ``from_pretrained``'s, nor the config's, with the
     closest names; before any weight is read (docs/planning.md "Keywords").

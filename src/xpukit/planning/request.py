@@ -190,15 +190,15 @@ class LoadRequest:
     ) -> None:
         # Checked in this order, each before anything is read (a typo fails in a fraction of a second).
         kwargs = dict(from_pretrained_kwargs)
-        dtype, attn, folded, kernels = reconcile(
+        asked_dtype, asked_attn, folded, asked_kernels = reconcile(
             kwargs, dtype=dtype, attn=attn, quantize=quantize, kernels=kernels
         )
-        self.dtype: str = normalize_dtype_arg(dtype)
-        self.attn: str = normalize_attn(attn)
+        self.dtype: str = normalize_dtype_arg(asked_dtype)
+        self.attn: str = normalize_attn(asked_attn)
         self.quantize = quantize  # as given; transformers' quantization_config= is folded into quant
         self.quant: QuantRequest = parse_quantize(folded)
-        parse_kernels(kernels)
-        self.kernels = kernels
+        parse_kernels(asked_kernels)
+        self.kernels: KernelsArg = asked_kernels
         self.headroom: int | None = parse_size(headroom, "headroom") if headroom is not None else None
         self.max_memory = normalize_max_memory(max_memory)
         self.device, self.device_map = device, device_map

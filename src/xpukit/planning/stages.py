@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
@@ -58,6 +58,9 @@ from xpukit.planning.vocabulary import Decision
 from xpukit.sources.hub_access import HubFacts
 from xpukit.sources.model_config import ConfigRead
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
 __all__ = [
     "Adapters",
     "Attention",
@@ -82,8 +85,8 @@ __all__ = [
 class Config:
     """The model's config, where it came from, and the quantization asked (or recorded in it)."""
 
-    config: Any
-    source: Any
+    config: PreTrainedConfig
+    source: str | None  # where the weights come from (None: a built-in shape or a bare config)
     name: str
     consumed: frozenset[str]
     quant: QuantRequest

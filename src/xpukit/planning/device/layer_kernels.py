@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from xpukit._compat import version_at_least
 from xpukit.errors import InvalidRequestError
@@ -52,11 +52,14 @@ class KernelsChoice:
 
     decision: Decision
     use: bool
-    config: Any = None
+    config: object = None  # the user's mapping dict or transformers.KernelConfig, as given
     warning: str | None = None
 
 
-def parse_kernels(value: object) -> tuple[str, Any]:
+KernelsMode = Literal["auto", "on", "off"]
+
+
+def parse_kernels(value: object) -> tuple[KernelsMode, object]:
     """``kernels=`` → ``(mode, config)`` with mode ``auto``/``on``/``off``. Raises on nonsense."""
     text = value.strip().lower() if isinstance(value, str) else None
     if value is None or text == "auto":
@@ -223,7 +226,7 @@ def mapping_refs(layers: tuple[str, ...], device_type: str) -> list[KernelRef]:
     return list(refs.values())
 
 
-def _user_refs(config: Any, device_type: str) -> list[KernelRef]:
+def _user_refs(config: object, device_type: str) -> list[KernelRef]:
     """Repositories named in a user's KernelConfig / mapping dict (any cached version counts)."""
     mapping = config if isinstance(config, dict) else getattr(config, "kernel_mapping", {}) or {}
     if getattr(config, "use_local_kernel", False):

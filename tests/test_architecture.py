@@ -347,17 +347,9 @@ def test_the_length_rule_sees_a_long_body(tmp_path: Path) -> None:
 
 
 # Planning decides from facts; reading them is machine/'s and sources/'s (docs/index.md "Architecture:
-# facts → plan → act"). These modules still read for themselves, each to be moved into a facts object:
-# the config and the Hub (model/source.py), transformers' source (model/class_source.py, arguments.py's
-# from_pretrained keywords), the Hub kernels' cache and reachability (device/attention.py,
-# device/layer_kernels.py). The list may only shrink.
-STILL_READING = {
-    "xpukit.planning.arguments",
-    "xpukit.planning.device.attention",
-    "xpukit.planning.device.layer_kernels",
-    "xpukit.planning.model.class_source",
-    "xpukit.planning.model.source",
-}
+# facts → plan → act"): the config and adapter files (sources/model_config.py, adapter_files.py,
+# gathered by planning/request.py), the Hub kernels' cache and reachability (sources/hub_access.py,
+# a facts object the deciders are given), transformers' source (machine/library_source.py).
 _IO_MODULES = ("huggingface_hub", "requests", "urllib", "xpukit.hub")
 _IO_CALLS = {"open", "read_text", "read_bytes", "write_text", "write_bytes", "getenv", "getsource"}
 
@@ -388,9 +380,9 @@ def _reads(tree: ast.AST) -> list[str]:
 
 
 def test_planning_reads_nothing_itself() -> None:
-    """No open(), os.environ, huggingface_hub, requests or urllib under planning/ (but the modules
-    still to move, pinned above): the request (planning/request.py) is the one that gathers a trained
-    adapter's files, through xpukit/sources/."""
+    """No open(), os.environ, huggingface_hub, requests or urllib under planning/: the request
+    (planning/request.py) is the one that gathers the model's config and a trained adapter's files,
+    through xpukit/sources/."""
     reading = {}
     for path in MODULES:
         name = _module_name(path)
@@ -398,8 +390,7 @@ def test_planning_reads_nothing_itself() -> None:
             found = _reads(ast.parse(path.read_text(encoding="utf-8")))
             if found:
                 reading[name] = found
-    assert set(reading) - STILL_READING == set(), {k: reading[k] for k in set(reading) - STILL_READING}
-    assert STILL_READING - set(reading) == set(), "moved: take it off STILL_READING"
+    assert reading == {}
 
 
 def test_the_reading_rule_sees_a_read() -> None:

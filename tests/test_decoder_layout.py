@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
+from xpukit.machine.library_source import MISSING, module_source, pretrained_defaults
 from xpukit.planning.model import facts as facts_module
-from xpukit.planning.model.class_source import MISSING, module_source, pretrained_defaults
 from xpukit.planning.model.classes import build_meta_model
 from xpukit.planning.model.decoder_layout import FAMILIES, _should_convert, decoder_layout
 from xpukit.planning.model.facts import model_facts

@@ -7,7 +7,7 @@ import pytest
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.model.facts import SIZE_KEYS, model_facts, quantized_bits
 from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
-from xpukit.planning.model.source import local_model_dir
+from xpukit.sources.model_config import local_model_dir
 
 MiB = 2**20
 

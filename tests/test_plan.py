@@ -307,7 +307,7 @@ def test_flash_attn2_without_kernels_falls_back(shapes, monkeypatch):
         accepted=False,
         reason='the `kernels` package is not installed (pip install "xpukit[kernels]")',
     )
-    monkeypatch.setattr("xpukit.planning.device.attention.kernels_support", lambda: missing)
+    monkeypatch.setattr("xpukit.sources.hub_access.kernels_support", lambda: missing)
     plan = plan_load(shapes["qwen3-0.6b"], facts="h100", attn="flash_attention_2")
     assert plan.attn_implementation == "sdpa"
     assert "xpukit[kernels]" in plan.decision("attn_implementation").reason

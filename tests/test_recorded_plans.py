@@ -267,8 +267,9 @@ def _import_every_planner_module() -> None:
     import xpukit.machine
     import xpukit.planning
     import xpukit.select
+    import xpukit.sources
 
-    for package in (xpukit.planning, xpukit.machine, xpukit.select):
+    for package in (xpukit.planning, xpukit.machine, xpukit.select, xpukit.sources):
         for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
             importlib.import_module(info.name)
 

@@ -245,9 +245,10 @@ def _meta_model(source: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from xpukit.planning.model.source import read_config
+    from xpukit.planning.model.reference_models import BUILTIN_SHAPES
+    from xpukit.sources.model_config import read_config
 
-    config, _, _, _ = read_config(source, {})
+    config = read_config(source, {}, shapes=BUILTIN_SHAPES).config
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 

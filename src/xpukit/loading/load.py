@@ -345,7 +345,7 @@ def _needs_offline_guard(plan: LoadPlan) -> bool:
     # ask the Hub only when something in this load could use it.
     if hub_offline():
         return True
-    from xpukit.planning.model.source import local_model_dir
+    from xpukit.sources.model_config import local_model_dir
 
     uses_hub = (
         plan.attention_kernel is not None

@@ -96,9 +96,10 @@ class MergeResult:
 
 def checkpoint_dtype(base: Any) -> tuple[str, str]:
     """The dtype a base checkpoint declares, and where that was read (float32 when it declares none)."""
-    from xpukit.planning.model.source import read_config
+    from xpukit.planning.model.reference_models import BUILTIN_SHAPES
+    from xpukit.sources.model_config import read_config
 
-    config, _, name, _ = read_config(base, {})
+    config, _, name, _ = read_config(base, {}, shapes=BUILTIN_SHAPES)
     declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     dtype = normalize_dtype(declared) if declared is not None else None
     if dtype is None:

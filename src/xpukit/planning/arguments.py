@@ -8,12 +8,8 @@ validated so that a typo is refused with the valid choices.
 from __future__ import annotations
 
 import difflib
-import functools
-import inspect
-import re
-import sys
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
@@ -21,6 +17,13 @@ from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.budgets import parse_size
 from xpukit.planning.device.choice import DEVICE_PATTERN
 from xpukit.planning.vocabulary import Decision
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+    from xpukit.planning.model.facts import ModelFacts
+    from xpukit.planning.training.lora_request import LoraRequest
+    from xpukit.sources.hub_access import HubFacts
 
 __all__ = [
     "check_keywords",
@@ -37,7 +40,7 @@ __all__ = [
 ]
 
 
-def reconcile(kwargs: dict[str, Any], **ours: Any) -> tuple[Any, Any, Any, Any]:
+def reconcile(kwargs: dict[str, Any], **ours: object) -> tuple[object, object, object, object]:
     """Accept transformers' own keyword for each choice, but never both spellings at once."""
     dtype, attn, quantize, kernels = ours["dtype"], ours["attn"], ours["quantize"], ours["kernels"]
     for legacy in ("load_in_4bit", "load_in_8bit"):
@@ -74,7 +77,7 @@ def reconcile(kwargs: dict[str, Any], **ours: Any) -> tuple[Any, Any, Any, Any]:
     return values["dtype"], values["attn"], values["quantize"], kernels
 
 
-def normalize_dtype_arg(value: Any) -> str:
+def normalize_dtype_arg(value: object) -> str:
     if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return "auto"
     name = normalize_dtype(value)
@@ -113,7 +116,7 @@ def normalize_max_memory(value: dict[Any, Any] | None) -> dict[int | str, int] |
     return out
 
 
-def parse_device(device: Any) -> str | None:
+def parse_device(device: object) -> str | None:
     if device is None:
         return None
     text = str(device).strip().lower()
@@ -125,7 +128,7 @@ def parse_device(device: Any) -> str | None:
     return text
 
 
-def check_model_class(model_class: Any) -> str | None:
+def check_model_class(model_class: object) -> str | None:
     """The class name; a string must name a transformers class (checked before anything is read)."""
     if model_class is None:
         return None
@@ -177,7 +180,7 @@ def device_of_map(device_map: dict[Any, Any], device_text: str | None, machine: 
 
 
 def host_modules_reason(
-    device_map: Any, max_memory: dict[int | str, int] | None, main: DeviceFacts
+    device_map: object, max_memory: dict[int | str, int] | None, main: DeviceFacts
 ) -> str | None:
     """Why some modules run on the CPU, disk or MPS while the main device is an accelerator, else None.
 
@@ -195,12 +198,14 @@ def host_modules_reason(
     return None
 
 
-def check_lora_targets(request: Any, facts: Any, *, enforce: bool, warnings: list[str]) -> None:
-    """Check the LoRA settings and targets against the model's facts, before any weight is read."""
+def check_lora_targets(
+    request: LoraRequest | None, facts: ModelFacts, *, enforce: bool, hub: HubFacts, warnings: list[str]
+) -> None:
+    """Check the LoRA settings and targets against the model's facts, before any weight is read
+    (peft imported under ``hub.import_offline``: its import can reach the Hub)."""
     if request is None or request.kind != "new":
         return
     from xpukit._compat import is_installed, require
-    from xpukit.hub import hub_offline, hub_status, offline_guard
     from xpukit.planning.training.lora_config import check_lora_request
 
     if not is_installed("peft"):
@@ -208,13 +213,11 @@ def check_lora_targets(request: Any, facts: Any, *, enforce: bool, warnings: lis
             require("peft", "lora=True")  # MissingExtraError naming the extra
         warnings.append("peft is not installed here: the LoRA settings were not checked against the model")
         return
-    # peft imports bitsandbytes, whose import reaches the Hub with no timeout on avx512_bf16 CPUs.
-    guard = "peft" not in sys.modules and (hub_offline() or not hub_status().usable)
-    with offline_guard(guard):
+    with hub.import_offline("peft"):  # peft imports bitsandbytes, whose import can reach the Hub
         check_lora_request(request, facts)
 
 
-def check_seed(seed: Any) -> int | None:
+def check_seed(seed: object) -> int | None:
     """``seed=`` as an int (``None`` stays ``None``); anything else is refused before anything is read."""
     if seed is None:
         return None
@@ -245,7 +248,7 @@ def seed_decision(seed: int | None, *, new_adapters: bool) -> Decision:
 
 
 def check_keywords(
-    kwargs: dict[str, Any], config: Any, consumed: Iterable[str], *, ours: Iterable[str]
+    kwargs: dict[str, Any], config: PreTrainedConfig, consumed: Iterable[str], *, ours: Iterable[str]
 ) -> None:
     """Refuse a keyword that is neither xpukit's, nor ``from_pretrained``'s, nor the config's, with the
     closest names; before any weight is read (docs/planning.md "Keywords").
@@ -258,7 +261,9 @@ def check_keywords(
     left = [k for k in kwargs if k not in consumed and not hasattr(config, k)]
     if not left or kwargs.get("trust_remote_code"):
         return  # nothing to check: transformers' modeling code is not imported for it
-    keywords = _from_pretrained_keywords()
+    from xpukit.machine.library_source import from_pretrained_keywords
+
+    keywords = from_pretrained_keywords()  # the installed transformers' (read once per process)
     if keywords is None:
         return
     accepted, named = keywords
@@ -300,36 +305,3 @@ _LORA_FIELDS = {
 def _lora_field(key: str) -> str | None:
     """The ``LoraConfig`` field a stray keyword names (``lora_r`` → ``r``), else ``None``."""
     return _LORA_FIELDS.get(key)
-
-
-@functools.cache
-def _from_pretrained_keywords() -> tuple[frozenset[str], frozenset[str]] | None:
-    """What this transformers' ``from_pretrained`` (``PreTrainedModel``'s and the Auto classes') takes:
-    ``(accepted, named)``. ``named``: the signatures and the ``kwargs.pop("...")`` keys, offered as
-    "did you mean"; ``accepted`` adds every identifier-like string in their bodies (keys popped in a
-    loop, such as the ignored ``low_cpu_mem_usage``), so a keyword transformers takes is never refused.
-    ``None`` when the source cannot be read: then nothing is checked.
-    """
-    import ast
-    import textwrap
-
-    from transformers import PreTrainedModel
-    from transformers.models.auto.auto_factory import _BaseAutoModelClass
-
-    named: set[str] = set()
-    accepted: set[str] = set()
-    for method in (PreTrainedModel.from_pretrained, _BaseAutoModelClass.from_pretrained):
-        try:
-            source = textwrap.dedent(inspect.getsource(method))
-        except (OSError, TypeError):
-            return None
-        named |= set(inspect.signature(method).parameters) | set(
-            re.findall(r"kwargs\.pop\(\s*[\"'](\w+)", source)
-        )
-        accepted |= {
-            node.value
-            for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier()
-        }
-    named -= {"kwargs", "model_args", "pretrained_model_name_or_path"}
-    return frozenset(named | accepted), frozenset(k for k in named if not k.startswith("_"))

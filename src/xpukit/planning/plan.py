@@ -2,8 +2,9 @@
 
 Deciding is a pure function of the request, the machine's facts and the model's facts. The only
 reads are the model's config (never its weights), the machine (only when ``facts`` is not given:
-:func:`xpukit.machine.probe.detect`), installed package versions, the local kernel cache, and — only when
-a Hub-backed choice is on the table — one bounded reachability check (:mod:`xpukit.hub`).
+:func:`xpukit.machine.probe.detect`), installed package versions, and, through the
+:class:`~xpukit.sources.hub_access.HubFacts` the deciders are given, the local kernel cache and —
+only when a Hub-backed choice is on the table — one bounded reachability check (:mod:`xpukit.hub`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from xpukit._quiet import quiet_imports
 from xpukit.planning.loadplan import LoadPlan
-from xpukit.planning.request import LoadRequest, ModelArg, takes_request
+from xpukit.planning.request import LoadRequest, ModelArg, read_model_config, takes_request
 from xpukit.planning.stages import (
     adapters_stage,
     attention_stage,
@@ -26,6 +27,7 @@ from xpukit.planning.stages import (
     plan_stage,
 )
 from xpukit.planning.training.merge import replace_plan
+from xpukit.sources.hub_access import HubAccess, HubFacts
 
 __all__ = ["plan_load", "plan_request"]
 
@@ -69,11 +71,14 @@ def plan_load(model: ModelArg, **keywords: Any) -> LoadPlan:
         return plan_request(model, LoadRequest(**keywords))
 
 
-def plan_request(model: ModelArg, req: LoadRequest) -> LoadPlan:
-    """``plan_load`` for a request already built: the stages, in order (planning/stages.py)."""
+def plan_request(model: ModelArg, req: LoadRequest, *, hub: HubFacts | None = None) -> LoadPlan:
+    """``plan_load`` for a request already built: the stages, in order (planning/stages.py).
+
+    ``hub``: the Hub's facts (default: :class:`HubAccess`, this process's, each asked when needed).
+    """
     with quiet_imports():
-        cfg = config_stage(model, req)
-        mach = machine_stage(req)
+        cfg = config_stage(model, req, read_model_config(model, req))  # the config read first
+        mach = machine_stage(req, HubAccess() if hub is None else hub)
         described = model_stage(req, cfg)
         place = placement_stage(req, cfg, mach, described)
         attention = attention_stage(req, mach, described, place)

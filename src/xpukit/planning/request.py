@@ -32,10 +32,12 @@ from xpukit.planning.device.decode import check_fast_decode
 from xpukit.planning.device.distributed import parse_strategy
 from xpukit.planning.device.layer_kernels import parse_kernels
 from xpukit.planning.device.quantization import QuantRequest, parse_quantize
+from xpukit.planning.model.reference_models import BUILTIN_SHAPES
 from xpukit.planning.training.fit import check_step_size
 from xpukit.planning.training.lora_request import LoraRequest, resolve_lora
 from xpukit.planning.training.merge import MergeRequest, parse_merge
 from xpukit.sources.adapter_files import read_adapter_files
+from xpukit.sources.model_config import ConfigRead, read_config
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +57,7 @@ __all__ = [
     "ModelArg",
     "QuantizeArg",
     "SizeArg",
+    "read_model_config",
     "takes_request",
 ]
 
@@ -187,15 +190,15 @@ class LoadRequest:
     ) -> None:
         # Checked in this order, each before anything is read (a typo fails in a fraction of a second).
         kwargs = dict(from_pretrained_kwargs)
-        dtype, attn, folded, kernels = reconcile(
+        asked_dtype, asked_attn, folded, asked_kernels = reconcile(
             kwargs, dtype=dtype, attn=attn, quantize=quantize, kernels=kernels
         )
-        self.dtype: str = normalize_dtype_arg(dtype)
-        self.attn: str = normalize_attn(attn)
+        self.dtype: str = normalize_dtype_arg(asked_dtype)
+        self.attn: str = normalize_attn(asked_attn)
         self.quantize = quantize  # as given; transformers' quantization_config= is folded into quant
         self.quant: QuantRequest = parse_quantize(folded)
-        parse_kernels(kernels)
-        self.kernels = kernels
+        parse_kernels(asked_kernels)
+        self.kernels: KernelsArg = asked_kernels
         self.headroom: int | None = parse_size(headroom, "headroom") if headroom is not None else None
         self.max_memory = normalize_max_memory(max_memory)
         self.device, self.device_map = device, device_map
@@ -287,6 +290,12 @@ def _lora(lora: object, *, quantized: bool, trainable: bool) -> LoraRequest | No
     if isinstance(lora, str | os.PathLike) and isinstance(trainable, bool):
         files = read_adapter_files(Path(os.fspath(lora)))
     return resolve_lora(lora, quantized=quantized, trainable=trainable, files=files)
+
+
+def read_model_config(model: ModelArg, req: LoadRequest) -> ConfigRead:
+    """The model's config, read before any decision (never the weights; xpukit/sources/): from a
+    directory, the Hub (offline rules honoured), a built-in shape's name, or as given."""
+    return read_config(model, req.from_pretrained_kwargs, shapes=BUILTIN_SHAPES)
 
 
 def _device_text(device: object, device_map: object) -> str | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
@@ -41,7 +41,6 @@ from xpukit.planning.for_training import Attempt, layout_for_training
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import ModelClassChoice, choose_model_class
 from xpukit.planning.model.facts import ModelFacts, model_facts
-from xpukit.planning.model.source import read_config
 from xpukit.planning.request import LoadRequest, ModelArg, keywords
 from xpukit.planning.training.adapter_base import AdapterBase, adapter_base
 from xpukit.planning.training.adapter_fit import check_saved_adapter
@@ -56,6 +55,11 @@ from xpukit.planning.training.merge import MergePlan, plan_merge
 from xpukit.planning.training.packing import decide_packing, packing_wanted
 from xpukit.planning.training.training_plan import TrainingPlan
 from xpukit.planning.vocabulary import Decision
+from xpukit.sources.hub_access import HubFacts
+from xpukit.sources.model_config import ConfigRead
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 __all__ = [
     "Adapters",
@@ -81,8 +85,8 @@ __all__ = [
 class Config:
     """The model's config, where it came from, and the quantization asked (or recorded in it)."""
 
-    config: Any
-    source: Any
+    config: PreTrainedConfig
+    source: str | None  # where the weights come from (None: a built-in shape or a bare config)
     name: str
     consumed: frozenset[str]
     quant: QuantRequest
@@ -92,7 +96,7 @@ class Config:
 
 @dataclass(frozen=True, kw_only=True)
 class Machine:
-    """The machine, this process's rank in a launched job, and the main device."""
+    """The machine, this process's rank in a launched job, the main device, and the Hub as seen from it."""
 
     machine: MachineFacts
     facts_given: bool
@@ -101,6 +105,7 @@ class Machine:
     candidates: tuple[DeviceFacts, ...]
     device_decision: Decision
     world: int  # processes of a launched job
+    hub: HubFacts  # asked only when a Hub kernel is on the table (xpukit/sources/hub_access.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -158,10 +163,11 @@ def _trust_remote_code(req: LoadRequest) -> bool:
     return bool(req.from_pretrained_kwargs.get("trust_remote_code", False))
 
 
-def config_stage(model: ModelArg, req: LoadRequest) -> Config:
-    """Read the config (never the weights) and check the leftover keywords against it."""
+def config_stage(model: ModelArg, req: LoadRequest, read: ConfigRead) -> Config:
+    """The config as read (:func:`~xpukit.planning.request.read_model_config`), the leftover keywords
+    checked against it, and the quantization asked or recorded in it."""
     kwargs = req.from_pretrained_kwargs
-    config, source, name, consumed = read_config(model, kwargs)
+    config, source, name, consumed = read
     check_keywords(kwargs, config, consumed, ours=keywords())
     quant = req.quant
     if req.quantize is None and req.lora is None and (recorded := recorded_request(config)) is not None:
@@ -179,8 +185,9 @@ def config_stage(model: ModelArg, req: LoadRequest) -> Config:
     )
 
 
-def machine_stage(req: LoadRequest) -> Machine:
-    """The machine (a profile or this one), a launched job's rank, and the main device."""
+def machine_stage(req: LoadRequest, hub: HubFacts) -> Machine:
+    """The machine (a profile or this one), a launched job's rank, and the main device; ``hub``
+    (its answers gathered lazily) is kept with them."""
     strategy, device_text = req.strategy, req.device_text
     machine, facts_given = machine_for(req.facts)
     if isinstance(req.device_map, dict):
@@ -204,6 +211,7 @@ def machine_stage(req: LoadRequest) -> Machine:
         candidates=candidates,
         device_decision=device_decision,
         world=machine.launch.world_size if machine.launch is not None else 1,
+        hub=hub,
     )
 
 
@@ -267,7 +275,7 @@ def _attempt(
     # lora= as resolved with the request, its checkpointing default fitted to this layout
     request = req.lora_request.for_base(quantized=lay.quantization is not None) if req.lora_request else None
     request = fit_lora_to_class(request, model.class_choice, facts)  # task, head, VLM targets
-    check_lora_targets(request, facts, enforce=not mach.facts_given, warnings=said)
+    check_lora_targets(request, facts, enforce=not mach.facts_given, hub=mach.hub, warnings=said)
     fused = fused_will_run(request, facts, quantization=lay.quantization, backend=main.backend)
     graphs = graphs_possible(
         request,
@@ -356,9 +364,16 @@ def placement_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model) 
 def attention_stage(req: LoadRequest, mach: Machine, model: Model, place: Placement) -> Attention:
     """The attention implementation and the Hub layer kernels, knowing where every module runs."""
     host_modules = host_modules_reason(req.device_map, place.layout.max_memory, mach.main)
-    attention = choose_attention(req.attn, mach.main, place.dtype, model.facts, host_modules=host_modules)
+    attention = choose_attention(
+        req.attn, mach.main, place.dtype, model.facts, hub=mach.hub, host_modules=host_modules
+    )
     kernels = choose_kernels(
-        req.kernels, mach.main, model.facts, lora=place.lora is not None, host_modules=host_modules
+        req.kernels,
+        mach.main,
+        model.facts,
+        hub=mach.hub,
+        lora=place.lora is not None,
+        host_modules=host_modules,
     )
     warnings = tuple(w for w in (attention.warning, kernels.warning) if w)
     return Attention(attention=attention, kernels=kernels, warnings=warnings)

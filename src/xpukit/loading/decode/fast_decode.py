@@ -73,16 +73,14 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
         return [LoadEvent(kind="note", what="fast_decode", actual=f"generation config unchanged: {why}")]
     from transformers import CompileConfig
 
-    from xpukit.planning.device.decode import compile_settings
-
     config.cache_implementation = "static"
     config.max_cache_len = decode.max_cache_len
     settings: dict[str, Any] = {
         "cache_implementation": "static",
         "max_cache_len": decode.max_cache_len,
     }
-    if decode.compile and decode.compile_mode is not None:
-        kwargs = compile_settings(decode.compile_mode)
+    kwargs = decode.generation_compile_options()  # the plan's, as it says (no call back into planning)
+    if kwargs is not None:
         config.compile_config = CompileConfig(**kwargs)
         config.disable_compile = False
         settings["compile_config"] = kwargs

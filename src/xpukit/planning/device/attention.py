@@ -21,6 +21,8 @@ docs/known-issues.md "huggingface_hub 2.4: Hub requests without a timeout", docs
 
 :func:`obtainable` (a kernels release transformers accepts, and the kernel cached or the Hub
 reachable) is shared with :mod:`xpukit.planning.device.layer_kernels`, which decides ``use_kernels``.
+Both decide from a :class:`~xpukit.sources.hub_access.HubFacts` they are given and read nothing
+themselves: the Hub is asked only when a Hub kernel is on the table and not cached.
 """
 
 from __future__ import annotations
@@ -29,10 +31,10 @@ import re
 from dataclasses import dataclass
 
 from xpukit.errors import InvalidRequestError
-from xpukit.hub import RECHECK_HINT, hub_status, kernel_cached, kernels_support
 from xpukit.machine.facts import DeviceFacts
 from xpukit.planning.model.facts import ModelFacts
 from xpukit.planning.vocabulary import Decision
+from xpukit.sources.hub_access import RECHECK_HINT, HubFacts
 
 __all__ = [
     "AttentionChoice",
@@ -79,9 +81,9 @@ class KernelRef:
     version: int | None = None
     revision: str | None = None
 
-    def cached(self) -> bool:
-        """Whether it is in the local kernel cache."""
-        return kernel_cached(self.repo, version=self.version, revision=self.revision)
+    def cached(self, hub: HubFacts) -> bool:
+        """Whether it is in the local kernel cache, as ``hub`` says."""
+        return hub.cached(self.repo, version=self.version, revision=self.revision)
 
     def __str__(self) -> str:
         return f"{self.repo}@{self.revision}" if self.revision else f"{self.repo} (v{self.version})"
@@ -115,18 +117,18 @@ def device_type(device: DeviceFacts) -> str:
     return "rocm" if device.family == "amd" else device.backend
 
 
-def obtainable(refs: list[KernelRef]) -> tuple[bool, str]:
+def obtainable(refs: list[KernelRef], hub: HubFacts) -> tuple[bool, str]:
     """Whether Hub kernels can be had: accepted ``kernels`` release, and cached or Hub reachable.
 
-    The cache is looked at first (disk only); the Hub is checked (bounded, cached) only when needed.
+    The cache is asked first; the Hub's status (a bounded check) only when a kernel is not cached.
     """
-    support = kernels_support()
+    support = hub.kernels()
     if not support.accepted:
         return False, support.reason
-    missing = [r for r in refs if not r.cached()]
+    missing = [r for r in refs if not r.cached(hub)]
     if not missing:
         return True, "in the local kernel cache"
-    status = hub_status()
+    status = hub.status()
     names = ", ".join(str(r) for r in missing)
     if status.usable:
         return True, f"not cached yet; the Hub answers ({status.reason}), fetched at load under a time bound"
@@ -160,10 +162,17 @@ def _kernel_version(repo: str) -> int:
 
 
 def choose_attention(
-    attn: str, device: DeviceFacts, dtype: str, model: ModelFacts, *, host_modules: str | None = None
+    attn: str,
+    device: DeviceFacts,
+    dtype: str,
+    model: ModelFacts,
+    *,
+    hub: HubFacts,
+    host_modules: str | None = None,
 ) -> AttentionChoice:
     """Decide ``attn_implementation`` (see the module docstring for the rules).
 
+    ``hub`` answers whether a Hub kernel can be had (asked only when one is on the table);
     ``host_modules`` says why some modules run off the accelerator (CPU offload, a device_map with
     ``cpu``/``disk``/``mps``): a Hub or flash kernel has no build for them.
     """
@@ -177,7 +186,8 @@ def choose_attention(
     family_note = _intel_family_problem(device)
     if family_note is not None and not explicit:
         return default.choice(rejected=(("kernels-community/flash-attn2", family_note),))
-    problem, value, kernel, how = _flash_path(attn if explicit else "flash_attention_2", device, dtype, model)
+    asked = attn if explicit else "flash_attention_2"
+    problem, value, kernel, how = _flash_path(asked, device, dtype, model, hub)
     if problem is None:
         return _flash_taken(attn, explicit, device, value, kernel, how, family_note)
     return _flash_not_had(attn, explicit, problem, default)
@@ -307,7 +317,7 @@ def _intel_family_problem(device: DeviceFacts) -> str | None:
 
 
 def _flash_path(
-    attn: str, device: DeviceFacts, dtype: str, model: ModelFacts
+    attn: str, device: DeviceFacts, dtype: str, model: ModelFacts, hub: HubFacts
 ) -> tuple[str | None, str, KernelRef | None, str]:
     """``(problem, value, kernel, reason)``; a problem starting with ``!`` refuses an explicit request."""
     spec = FLASH.get(attn)
@@ -373,7 +383,7 @@ def _flash_path(
     if spec is not None and device_type(device) == "rocm":
         text = "kernels-community/aiter-flash-attn"
     kernel = _kernel_ref(text)
-    ok, why = obtainable([kernel])
+    ok, why = obtainable([kernel], hub)
     if not ok:
         return why, "", None, ""
     return None, text, kernel, f"Hub kernel {kernel} for {device.backend}: {why}"

@@ -119,6 +119,13 @@ class DecodePlan:
     weight_kernel: str = ""
     tiered: bool = False
 
+    def generation_compile_options(self) -> dict[str, Any] | None:
+        """The ``CompileConfig`` keyword arguments for the generation config (``None``: nothing
+        compiles, ``disable_compile=True``)."""
+        if not self.compile or self.compile_mode is None:
+            return None
+        return compile_settings(self.compile_mode)
+
     def loop_compile_options(self) -> dict[str, Any] | None:
         """The ``torch.compile`` keyword arguments of xpukit's loop (``None``: eager). Its own step
         graph needs inductor's graphs off (mode ``default``), and so do regional layers (one set of

@@ -6,7 +6,8 @@
   and an explicit request there is refused.
 * ``"auto"`` turns it on when the model registers kernel layers and every kernel transformers'
   default mapping names for them on this device (inference mode) can be had — cached, or the Hub
-  reachable (:func:`xpukit.planning.device.attention.obtainable`). Never with LoRA: ``model.train()`` makes
+  reachable (:func:`xpukit.planning.device.attention.obtainable`, from the
+  :class:`~xpukit.sources.hub_access.HubFacts` given). Never with LoRA: ``model.train()`` makes
   transformers re-kernelize for training mode, fetching kernels outside xpukit's time bound.
 * An explicit request that cannot be had falls back to off, with the reason recorded.
 * Never when some modules run on the CPU, disk or MPS (offload or a given device_map): auto leaves
@@ -16,15 +17,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from xpukit._compat import version_at_least
 from xpukit.errors import InvalidRequestError
-from xpukit.hub import kernels_support
 from xpukit.machine.facts import DeviceFacts
 from xpukit.planning.device.attention import KernelRef, device_type, obtainable
 from xpukit.planning.model.facts import ModelFacts
 from xpukit.planning.vocabulary import Decision
+from xpukit.sources.hub_access import HubFacts
 
 __all__ = [
     "DEFAULT_ON_FROM",
@@ -51,11 +52,14 @@ class KernelsChoice:
 
     decision: Decision
     use: bool
-    config: Any = None
+    config: object = None  # the user's mapping dict or transformers.KernelConfig, as given
     warning: str | None = None
 
 
-def parse_kernels(value: object) -> tuple[str, Any]:
+KernelsMode = Literal["auto", "on", "off"]
+
+
+def parse_kernels(value: object) -> tuple[KernelsMode, object]:
     """``kernels=`` → ``(mode, config)`` with mode ``auto``/``on``/``off``. Raises on nonsense."""
     text = value.strip().lower() if isinstance(value, str) else None
     if value is None or text == "auto":
@@ -74,7 +78,13 @@ def parse_kernels(value: object) -> tuple[str, Any]:
 
 
 def choose_kernels(
-    value: object, device: DeviceFacts, model: ModelFacts, *, lora: bool, host_modules: str | None = None
+    value: object,
+    device: DeviceFacts,
+    model: ModelFacts,
+    *,
+    hub: HubFacts,
+    lora: bool,
+    host_modules: str | None = None,
 ) -> KernelsChoice:
     """Decide ``use_kernels`` (see the module docstring for the rules).
 
@@ -82,24 +92,30 @@ def choose_kernels(
     Off is always passed as ``use_kernels=False``: from transformers 5.25 leaving it out kernelizes the
     model (docs/known-issues.md "transformers 5.25: use_kernels on by default"); the reason says so there.
     """
-    choice = _choose(value, device, model, lora=lora, host_modules=host_modules)
-    note = default_on_note()
+    choice = _choose(value, device, model, hub, lora=lora, host_modules=host_modules)
+    note = default_on_note(hub.kernels().transformers)
     if choice.use or note is None:
         return choice
     decision = replace(choice.decision, reason=f"{choice.decision.reason} ({note})")
     return replace(choice, decision=decision)
 
 
-def default_on_note(transformers_version: str | None = None) -> str | None:
+def default_on_note(transformers_version: str | None) -> str | None:
     """Why ``use_kernels=False`` is passed explicitly, for a transformers that kernelizes by default."""
-    found = transformers_version or kernels_support().transformers
+    found = transformers_version
     if not version_at_least(found, DEFAULT_ON_FROM):
         return None
     return f"passed as use_kernels=False: transformers {found} kernelizes every model when it is left out"
 
 
 def _choose(
-    value: object, device: DeviceFacts, model: ModelFacts, *, lora: bool, host_modules: str | None
+    value: object,
+    device: DeviceFacts,
+    model: ModelFacts,
+    hub: HubFacts,
+    *,
+    lora: bool,
+    host_modules: str | None,
 ) -> KernelsChoice:
     mode, config = parse_kernels(value)
     where = device_type(device)
@@ -140,8 +156,12 @@ def _choose(
         return KernelsChoice(
             decision=Decision(name="use_kernels", value=False, reason=f"off: {why}"), use=False
         )
-    refs = mapping_refs(model.kernel_layers, where) if config is None else _user_refs(config, where)
-    ok, why = obtainable(refs) if refs else (kernels_support().accepted, kernels_support().reason)
+    support = hub.kernels()
+    if config is not None:
+        refs = _user_refs(config, where)
+    else:  # transformers' mapping names kernels only with a kernels release it accepts
+        refs = mapping_refs(model.kernel_layers, where) if support.accepted else []
+    ok, why = obtainable(refs, hub) if refs else (support.accepted, support.reason)
     if ok:
         what = ", ".join(sorted({r.repo for r in refs})) or "the mapped layers"
         return KernelsChoice(
@@ -179,8 +199,9 @@ def _not_had(mode: str, why: str) -> KernelsChoice:
 
 
 def mapping_refs(layers: tuple[str, ...], device_type: str) -> list[KernelRef]:
-    """The Hub kernels transformers' default mapping would load for these layers (inference mode)."""
-    if not layers or not kernels_support().accepted:
+    """The Hub kernels transformers' default mapping would load for these layers (inference mode);
+    imports ``kernels``: only for a release transformers accepts (``HubFacts.kernels()``)."""
+    if not layers:
         return []
     from kernels import Mode
     from transformers.integrations.hub_kernels import get_kernel_mapping_transformers
@@ -205,7 +226,7 @@ def mapping_refs(layers: tuple[str, ...], device_type: str) -> list[KernelRef]:
     return list(refs.values())
 
 
-def _user_refs(config: Any, device_type: str) -> list[KernelRef]:
+def _user_refs(config: object, device_type: str) -> list[KernelRef]:
     """Repositories named in a user's KernelConfig / mapping dict (any cached version counts)."""
     mapping = config if isinstance(config, dict) else getattr(config, "kernel_mapping", {}) or {}
     if getattr(config, "use_local_kernel", False):

@@ -10,11 +10,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
+from xpukit.sources.model_config import BuiltinShapes
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["REFERENCE_CONFIGS", "REFERENCE_HUB_IDS", "reference_config"]
+__all__ = ["BUILTIN_SHAPES", "REFERENCE_CONFIGS", "REFERENCE_HUB_IDS", "reference_config"]
 
 _QWEN3 = {
     "model_type": "qwen3",
@@ -125,3 +126,9 @@ def reference_config(name: str) -> PreTrainedConfig:
     config = AutoConfig.for_model(values.pop("model_type"), **values)
     config._name_or_path = name.lower()
     return config
+
+
+# The table as the config reader takes it (xpukit/sources/model_config.py): a name may mean a shape.
+BUILTIN_SHAPES = BuiltinShapes(
+    names=frozenset(REFERENCE_CONFIGS), hub_ids=REFERENCE_HUB_IDS, build=reference_config
+)

@@ -1,4 +1,5 @@
-"""Where a model comes from: a local directory, a Hub id, or a config — and reading its config.
+"""Where a model comes from: a local directory, a Hub id, a built-in shape, or a config — and reading
+its config, before any decision is taken.
 
 Only ``config.json`` is read, never weights. A Hub id is read from the local cache when the Hub is
 offline (``HF_HUB_OFFLINE``) or found unreachable by the bounded check of :mod:`xpukit.hub`, so a
@@ -9,17 +10,45 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from xpukit.errors import InvalidRequestError
 from xpukit.hub import RECHECK_HINT, hub_offline, hub_status
-from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, REFERENCE_HUB_IDS, reference_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedConfig
 
-__all__ = ["is_path_like", "local_model_dir", "read_config"]
+__all__ = ["BuiltinShapes", "ConfigRead", "is_path_like", "local_model_dir", "read_config"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BuiltinShapes:
+    """The built-in shapes a model name may mean (planning's table,
+    :data:`xpukit.planning.model.reference_models.BUILTIN_SHAPES`), handed to :func:`read_config`.
+
+    Attributes:
+        names: the shapes' names (lower case).
+        hub_ids: shape name → the Hub model whose config it copies.
+        build: a shape's config, built offline from its name.
+    """
+
+    names: frozenset[str] = frozenset()
+    hub_ids: Mapping[str, str] = field(default_factory=dict)
+    build: Callable[[str], PreTrainedConfig] | None = None
+
+
+class ConfigRead(NamedTuple):
+    """What :func:`read_config` read: the config, where the weights come from (``None``: nowhere, a
+    built-in shape or a bare config), a display name, and the keywords the config consumed."""
+
+    config: PreTrainedConfig
+    source: str | None
+    name: str
+    consumed: frozenset[str]
+
 
 # from_pretrained keywords that locate files; AutoConfig consumes them but the weights need them too.
 _HUB_KWARGS = frozenset(
@@ -95,10 +124,12 @@ def _adapter_problem(path: Path, text: str) -> str | None:
     )
 
 
-def read_config(
-    model: Any, kwargs: dict[str, Any]
-) -> tuple[PreTrainedConfig, str | None, str, frozenset[str]]:
-    """The config, where the weights come from, a display name, and the kwargs the config consumed."""
+def read_config(model: object, kwargs: dict[str, Any], *, shapes: BuiltinShapes | None = None) -> ConfigRead:
+    """The config, where the weights come from, a display name, and the kwargs the config consumed.
+
+    ``shapes``: the built-in shapes a name may mean (none when not given).
+    """
+    shapes = BuiltinShapes() if shapes is None else shapes
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, PreTrainedConfig
 
@@ -115,15 +146,16 @@ def read_config(
                 f"model={str(model)!r} is neither an existing directory nor a Hub model id."
             )
         # from_pretrained(model, config=config): the weights come from `model`, the config as given.
-        return given, str(model) if isinstance(model, (str, Path)) else None, str(model), frozenset()
+        weights = str(model) if isinstance(model, (str, Path)) else None
+        return ConfigRead(given, weights, str(model), frozenset())
     if isinstance(model, PreTrainedConfig):
         named = str(getattr(model, "_name_or_path", "") or "")
         source = None
         if (named and Path(named).is_dir()) or (
-            named and _HUB_ID.match(named) and named.lower() not in REFERENCE_CONFIGS
+            named and _HUB_ID.match(named) and named.lower() not in shapes.names
         ):
             source = named
-        return model, source, named or "<config>", frozenset()
+        return ConfigRead(model, source, named or "<config>", frozenset())
     if not isinstance(model, (str, Path)):
         raise InvalidRequestError(
             f"model={model!r} ({type(model).__name__}) is not a Hub id, a local directory or a "
@@ -132,9 +164,9 @@ def read_config(
     local = local_model_dir(model)
     text = str(model)
     config_kwargs = dict(kwargs)
-    if local is None and text.lower() in REFERENCE_CONFIGS:  # a built-in shape, as `xpukit plan` takes it
-        config = reference_config(text)
-        return config, None, text.lower(), frozenset()
+    if local is None and shapes.build is not None and text.lower() in shapes.names:
+        # a built-in shape, as `xpukit plan` takes it
+        return ConfigRead(shapes.build(text), None, text.lower(), frozenset())
     if local is not None:
         try:
             config, unused = AutoConfig.from_pretrained(
@@ -143,7 +175,7 @@ def read_config(
         except (OSError, ValueError, StrictDataclassError) as exc:
             problem = local_config_problem(local, exc)
         else:
-            return config, str(local), text, _consumed(kwargs, unused)
+            return ConfigRead(config, str(local), text, _consumed(kwargs, unused))
         raise InvalidRequestError(problem)  # outside `except`: no chained transformers traceback
     if not _HUB_ID.match(text):
         raise InvalidRequestError(
@@ -164,7 +196,7 @@ def read_config(
     except (OSError, ValueError) as exc:
         if local_only:
             recheck = "" if hub_offline() else f" ({RECHECK_HINT})"
-            dry_run = _shape_hint(text)
+            dry_run = _shape_hint(text, shapes)
             raise InvalidRequestError(
                 f"{text!r} is not a local directory, and its config is not in the local Hub cache "
                 "while the Hub "
@@ -173,20 +205,20 @@ def read_config(
             ) from exc
         raise InvalidRequestError(f"Could not read the config of {text!r} from the Hub: {exc}") from exc
     else:
-        return config, text, text, _consumed(kwargs, unused)
+        return ConfigRead(config, text, text, _consumed(kwargs, unused))
     raise InvalidRequestError(problem)  # outside `except`: no chained transformers traceback
 
 
-def _shape_hint(text: str) -> str:
+def _shape_hint(text: str, shapes: BuiltinShapes) -> str:
     """For a Hub id that cannot be read: the built-in shape of that very model, or the one a name
     without an organisation was probably meant as (``qwen3-9b``); nothing for any other id."""
-    same = next((k for k, hub_id in REFERENCE_HUB_IDS.items() if hub_id.lower() == text.lower()), None)
+    same = next((k for k, hub_id in shapes.hub_ids.items() if hub_id.lower() == text.lower()), None)
     if same is not None:
         return (
             f" To plan without the download: the built-in shape {same!r} has {text}'s config "
             f"(plan_load({same!r}), `xpukit plan {same}`)."
         )
-    close = difflib.get_close_matches(text.lower(), list(REFERENCE_CONFIGS), n=1) if "/" not in text else []
+    close = difflib.get_close_matches(text.lower(), list(shapes.names), n=1) if "/" not in text else []
     return f" Did you mean the built-in shape {close[0]!r}?" if close else ""
 
 

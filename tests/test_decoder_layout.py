@@ -19,11 +19,12 @@ from xpukit.planning.model.class_source import MISSING, module_source, pretraine
 from xpukit.planning.model.classes import build_meta_model
 from xpukit.planning.model.decoder_layout import FAMILIES, _should_convert, decoder_layout
 from xpukit.planning.model.facts import model_facts
+from xpukit.planning.model.families import FAMILIES as ALL_FAMILIES
 from xpukit.planning.model.layout import Layout, layout_of
 from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
 
-# Written from the config: these tiny architectures (model_type) and every built-in shape.
-WRITTEN_TINY = {"qwen3", "llama", "mistral", "gemma"}
+# Written from the config: the tiny architecture of every family with layout rules, every built-in shape.
+WRITTEN_TINY = {f.tiny.name for f in ALL_FAMILIES.values() if f.layout is not None and f.tiny is not None}
 
 
 def _built(config: Any) -> Layout:

@@ -100,6 +100,7 @@ def _small(model_type: str, **overrides: Any) -> Any:
         ("mistral", {"head_dim": None, "tie_word_embeddings": True}),
         ("gemma3_text", {"head_dim": 16, "tie_word_embeddings": False, "attention_bias": True}),
         ("gemma3_text", {"head_dim": 16, "layer_types": ["full_attention", "full_attention"]}),
+        ("granite", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False}),
     ],
 )
 def test_family_variants_from_config_equal_meta_build(

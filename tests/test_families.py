@@ -94,3 +94,86 @@ def test_families_without_block_projections_have_no_fused_rule() -> None:
         and blocks.mlp is None
         and "GPT2LMHeadModel has no" in str(blocks.attention_problem)
     )
+
+
+# Granite, the family added through the table alone: its tiny model, its plan from the config, and a
+# CPU load that trains.
+
+
+def test_granite_tiny_model_keeps_its_multipliers(tiny_models: Any) -> None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_models["granite"])
+    assert type(config).__name__ == "GraniteConfig" and config.architectures == ["GraniteForCausalLM"]
+    assert (config.embedding_multiplier, config.residual_multiplier) == (12.0, 0.22)
+    assert (config.attention_multiplier, config.logits_scaling) == (0.0625, 8.0)
+
+
+def test_granite_is_planned_from_its_config(tiny_models: Any) -> None:
+    """Written from the config (no meta build), and the fused 4-bit LoRA path expected on a GPU."""
+    from transformers import AutoConfig
+
+    from xpukit.planning.model.decoder_layout import decoder_layout
+    from xpukit.planning.plan import plan_load
+
+    layout = decoder_layout(AutoConfig.from_pretrained(tiny_models["granite"]))
+    assert layout is not None and layout.architecture == "GraniteForCausalLM"
+    assert "model.layers.1.mlp.gate_proj" in layout.linear_modules
+    plan = plan_load(tiny_models["granite"], facts="h200", quantize="4bit", lora=True)
+    fused = plan.decision("fused_lora")
+    assert fused.value is True and "q/k/v in one function" in fused.reason and "SiLU" in fused.reason
+    cpu = plan_load(tiny_models["granite"], facts="cpu", lora=True)
+    assert cpu.device.backend == "cpu" and str(cpu.decision("lora").value).startswith("new LoRA")
+
+
+def test_granite_loads_and_trains_lora_on_the_cpu(tiny_models: Any, tmp_path: Any, train_losses: Any) -> None:
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoTokenizer
+
+    from xpukit import load_for_xpu, training_args
+
+    path = tiny_models["granite"]
+    model = load_for_xpu(path, device="cpu", dtype="float32", quantize="4bit", lora=True)
+    assert model.xpukit_plan.carried_out and type(model).__name__ == "PeftModelForCausalLM"
+    tok = AutoTokenizer.from_pretrained(path)
+    data = [tok("the quick brown fox jumps over the lazy dog", max_length=32, truncation=True)] * 16
+    args = training_args(
+        model,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=8,
+        max_steps=6,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    losses = train_losses(model, args, tok, data)
+    assert len(losses) == 6 and losses[-1] < losses[0], losses
+
+
+@pytest.mark.gpu
+def test_granite_default_training_path_gives_the_plain_loss_on_cuda(tiny_model_factory: Any) -> None:
+    """On CUDA the default 4-bit LoRA load of Granite (fused path, liger where installed) computes
+    the loss of peft's modules without liger, same weights: its logits_scaling is kept."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    pytest.importorskip("bitsandbytes")
+    from xpukit import load_for_xpu
+
+    path = tiny_model_factory("granite", hidden_size=256, intermediate_size=768, head_dim=64)
+    ids = torch.randint(0, 1000, (4, 128), generator=torch.Generator().manual_seed(0)).cuda()
+
+    def loss(lora: Any) -> tuple[float, list[str]]:
+        model = load_for_xpu(path, device="cuda", quantize="4bit", lora=lora, seed=0)
+        model.train()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            value = float(model(input_ids=ids, labels=ids).loss)
+        return value, [str(e.actual) for e in model.xpukit_plan.events if e.what == "lora"]
+
+    default, notes = loss(True)
+    plain, _ = loss({"fused": False, "liger": False})
+    assert any(n.startswith("fused LoRA: ") for n in notes), notes
+    assert abs(default - plain) <= 2e-2 * abs(plain), (default, plain, notes)

@@ -160,7 +160,7 @@ def build_tiny_model(
 
     Args:
         arch: one of :data:`ARCHITECTURES` (``"qwen3"``, ``"llama"``, ``"mistral"``, ``"gemma"``,
-            ``"phi3"``, ``"gpt2"``).
+            ``"phi3"``, ``"gpt2"``, ``"granite"``).
         out_dir: directory to write (created if missing); gets ``config.json``,
             ``generation_config.json``, ``model.safetensors`` and the tokenizer files.
         seed: seed of the random weights; the same seed gives the same weights.

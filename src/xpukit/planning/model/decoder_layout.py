@@ -2,7 +2,7 @@
 reading transformers' source files).
 
 The causal LMs of the families with layout rules in :mod:`xpukit.planning.model.families` (Llama,
-Mistral, Qwen2, Qwen3, Gemma 3 text) share one structure: an embedding,
+Mistral, Qwen2, Qwen3, Gemma 3 text, Granite) share one structure: an embedding,
 ``num_hidden_layers`` decoder layers of q/k/v/o projections (Qwen3 and Gemma 3 add per-head q/k
 RMSNorms), a gated MLP and two RMSNorms (Gemma 3: four), a final norm, a rotary embedding with two
 float32 buffers (Gemma 3: two per layer type, and a scale buffer on its embedding), and an

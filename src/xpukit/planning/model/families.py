@@ -241,6 +241,28 @@ FAMILIES: Mapping[str, ModelFamily] = _rows(
     # Families whose only fact here is their block's norms (their models are built on the meta device).
     ModelFamily(model_type="gemma2", label="Gemma 2", shape=ShapeTraits("gemma2", norms=4)),
     ModelFamily(model_type="olmo2", label="OLMo 2", shape=ShapeTraits("olmo2", qk_norm=True)),
+    # IBM Granite (3.x dense): Llama's block, scaled by four config multipliers (embedding, residual,
+    # attention, logits) that change no weight's shape; the tiny one sets them as Granite 3 does
+    # (attention scaled by 1/head_dim, logits divided by 8).
+    ModelFamily(
+        model_type="granite",
+        label="Granite",
+        layout=LayoutRules("Granite", False, "config", "config", "config"),
+        attention=SEPARATE_QKV,
+        mlp=SEPARATE_GATE_UP,
+        tiny=TinyShape(
+            name="granite",
+            config_class="GraniteConfig",
+            model_class="GraniteForCausalLM",
+            config={
+                **_TIED,
+                "embedding_multiplier": 12.0,
+                "residual_multiplier": 0.22,
+                "attention_multiplier": 0.0625,
+                "logits_scaling": 8.0,
+            },
+        ),
+    ),
 )
 
 _PLAIN = ShapeTraits("")

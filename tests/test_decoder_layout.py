@@ -19,11 +19,12 @@ from xpukit.planning.model import facts as facts_module
 from xpukit.planning.model.classes import build_meta_model
 from xpukit.planning.model.decoder_layout import FAMILIES, _should_convert, decoder_layout
 from xpukit.planning.model.facts import model_facts
+from xpukit.planning.model.families import FAMILIES as ALL_FAMILIES
 from xpukit.planning.model.layout import Layout, layout_of
 from xpukit.planning.model.reference_models import REFERENCE_CONFIGS, reference_config
 
-# Written from the config: these tiny architectures (model_type) and every built-in shape.
-WRITTEN_TINY = {"qwen3", "llama", "mistral", "gemma"}
+# Written from the config: the tiny architecture of every family with layout rules, every built-in shape.
+WRITTEN_TINY = {f.tiny.name for f in ALL_FAMILIES.values() if f.layout is not None and f.tiny is not None}
 
 
 def _built(config: Any) -> Layout:
@@ -99,6 +100,7 @@ def _small(model_type: str, **overrides: Any) -> Any:
         ("mistral", {"head_dim": None, "tie_word_embeddings": True}),
         ("gemma3_text", {"head_dim": 16, "tie_word_embeddings": False, "attention_bias": True}),
         ("gemma3_text", {"head_dim": 16, "layer_types": ["full_attention", "full_attention"]}),
+        ("granite", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": False}),
     ],
 )
 def test_family_variants_from_config_equal_meta_build(

@@ -82,6 +82,7 @@ def test_an_unknown_fused_value_is_refused() -> None:
     [
         ("gemma", "fused LoRA: 2 decoder blocks (q/k/v, o, gate/up/down with GELU (tanh))"),
         ("phi3", "fused LoRA: 2 decoder blocks (qkv, o, gate_up/down)"),
+        ("granite", "fused LoRA: 2 decoder blocks (q/k/v, o, gate/up/down)"),
     ],
 )
 def test_load_for_xpu_fuses_other_families(tiny_models: Any, arch: str, head: str) -> None:

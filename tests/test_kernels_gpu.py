@@ -198,11 +198,13 @@ def _load_4bit_cuda(path: Path, compute: Any) -> Any:
     )
 
 
-# The families beside Qwen3: Gemma 3 (GeGLU, sliding-window layers), Phi-3 (qkv_proj, gate_up_proj).
+# The families beside Qwen3: Gemma 3 (GeGLU, sliding-window layers), Phi-3 (qkv_proj, gate_up_proj),
+# Granite (its four multipliers around Llama's block).
 _GPU_FAMILIES = {
     "qwen3": ("fused LoRA: 3 decoder blocks (q/k/v, o, gate/up/down)", 7),
     "gemma": ("fused LoRA: 3 decoder blocks (q/k/v, o, gate/up/down with GELU (tanh))", 7),
     "phi3": ("fused LoRA: 3 decoder blocks (qkv, o, gate_up/down)", 4),
+    "granite": ("fused LoRA: 3 decoder blocks (q/k/v, o, gate/up/down)", 7),
 }
 
 

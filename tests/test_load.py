@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from xpukit.demo.tiny import ARCHITECTURES
 from xpukit.errors import DeviceUnavailableError, InvalidRequestError, XpukitError
 from xpukit.loading.load import load_for_xpu
 from xpukit.planning.plan import plan_load
 
-ARCHS = ["qwen3", "llama", "mistral", "gemma", "phi3", "gpt2"]
+ARCHS = list(ARCHITECTURES)  # every family's tiny model
 
 
 @pytest.fixture(scope="module")

@@ -323,7 +323,7 @@ def test_generate_then_train_keeps_gradients(tiny_model: Path) -> None:
     assert all(g.abs().sum() > 0 for g in _lora_b_grads(model, batch).values())
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma", "phi3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma", "phi3", "gpt2", "granite"])
 def test_lean_qlora_on_each_architecture(tiny_models: Mapping[str, Path], arch: str) -> None:
     """all-linear finds every projection (fused qkv_proj on Phi-3, Conv1D on GPT-2) and trains."""
     model, notes = _apply(_load_4bit(tiny_models[arch]))

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from xpukit import _environ, _platform, _quiet
 from xpukit._partial import partial_path, writing
 from xpukit.errors import InvalidRequestError
+from xpukit.planning.model.families import FAMILIES, TinyShape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -88,63 +89,26 @@ _DECODER = {
     "max_position_embeddings": 512,
 }
 
+
+def _tiny_architecture(shape: TinyShape) -> TinyArchitecture:
+    base = _DECODER if shape.decoder else {"initializer_range": _INIT_RANGE}
+    return TinyArchitecture(
+        config_class=shape.config_class, model_class=shape.model_class, config={**base, **shape.config}
+    )
+
+
+# The family of the embedded demo model.
+DEMO_ARCHITECTURE = "qwen3"
+# One per family of xpukit.planning.model.families that has a tiny shape, the demo's family first.
+_TINY_SHAPES = sorted(
+    (f.tiny for f in FAMILIES.values() if f.tiny is not None), key=lambda t: t.name != DEMO_ARCHITECTURE
+)
 ARCHITECTURES: Mapping[str, TinyArchitecture] = MappingProxyType(
-    {
-        "qwen3": TinyArchitecture(
-            config_class="Qwen3Config",
-            model_class="Qwen3ForCausalLM",
-            config={**_DECODER, "head_dim": 16, "tie_word_embeddings": True},
-        ),
-        "llama": TinyArchitecture(
-            config_class="LlamaConfig",
-            model_class="LlamaForCausalLM",
-            config={**_DECODER, "head_dim": 16, "tie_word_embeddings": False},
-        ),
-        "mistral": TinyArchitecture(
-            config_class="MistralConfig",
-            model_class="MistralForCausalLM",
-            config={**_DECODER, "head_dim": 16, "tie_word_embeddings": False},
-        ),
-        # Gemma 3's text model (model_type "gemma3_text", the class behind Gemma 3 1B). Gemma 2 soft-caps
-        # attention logits, which SDPA cannot do; Gemma 3 dropped that. One sliding-window layer (window
-        # 16, shorter than a test prompt) and one global layer, so both mask paths run.
-        "gemma": TinyArchitecture(
-            config_class="Gemma3TextConfig",
-            model_class="Gemma3ForCausalLM",
-            config={
-                **_DECODER,
-                "head_dim": 16,
-                "query_pre_attn_scalar": 16,
-                "sliding_window": 16,
-                "layer_types": ["sliding_attention", "full_attention"],
-                "tie_word_embeddings": True,
-            },
-        ),
-        # Phi-3 fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; head_dim is derived.
-        "phi3": TinyArchitecture(
-            config_class="Phi3Config",
-            model_class="Phi3ForCausalLM",
-            config={**_DECODER, "original_max_position_embeddings": 512, "tie_word_embeddings": False},
-        ),
-        # GPT-2: no GQA, learned positions, Conv1D projections (peft treats them specially).
-        "gpt2": TinyArchitecture(
-            config_class="GPT2Config",
-            model_class="GPT2LMHeadModel",
-            config={
-                "initializer_range": _INIT_RANGE,
-                "vocab_size": 1024,
-                "n_embd": 64,
-                "n_layer": 2,
-                "n_head": 4,
-                "n_positions": 512,
-            },
-        ),
-    }
+    {t.name: _tiny_architecture(t) for t in _TINY_SHAPES}
 )
 
-# The embedded default for `xpukit demo`: Qwen3-style, larger than the test models so that a short
-# fine-tune visibly changes what it generates, still under a million parameters.
-DEMO_ARCHITECTURE = "qwen3"
+# The embedded default for `xpukit demo` (DEMO_ARCHITECTURE, above): Qwen3-style, larger than the test
+# models so that a short fine-tune visibly changes what it generates, still under a million parameters.
 DEMO_CONFIG: Mapping[str, Any] = MappingProxyType(
     {
         "hidden_size": 128,
@@ -196,7 +160,7 @@ def build_tiny_model(
 
     Args:
         arch: one of :data:`ARCHITECTURES` (``"qwen3"``, ``"llama"``, ``"mistral"``, ``"gemma"``,
-            ``"phi3"``, ``"gpt2"``).
+            ``"phi3"``, ``"gpt2"``, ``"granite"``).
         out_dir: directory to write (created if missing); gets ``config.json``,
             ``generation_config.json``, ``model.safetensors`` and the tokenizer files.
         seed: seed of the random weights; the same seed gives the same weights.

@@ -1,13 +1,14 @@
 """The layout of a common decoder family's causal LM, written from its config alone (pure but for
 reading transformers' source files).
 
-Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (text) causal LMs share one structure: an embedding,
+The causal LMs of the families with layout rules in :mod:`xpukit.planning.model.families` (Llama,
+Mistral, Qwen2, Qwen3, Gemma 3 text, Granite) share one structure: an embedding,
 ``num_hidden_layers`` decoder layers of q/k/v/o projections (Qwen3 and Gemma 3 add per-head q/k
 RMSNorms), a gated MLP and two RMSNorms (Gemma 3: four), a final norm, a rotary embedding with two
 float32 buffers (Gemma 3: two per layer type, and a scale buffer on its embedding), and an
 ``lm_head`` tied to the embedding or not. :func:`decoder_layout` writes the
 :class:`~xpukit.planning.model.layout.Layout` a meta-device build of such a model has, with its
-class attributes read from the installed modeling source (:mod:`xpukit.planning.model.class_source`),
+class attributes read from the installed modeling source (:mod:`xpukit.machine.library_source`),
 so planning it imports no modeling code (docs/planning.md "Model facts from the config alone").
 Anything else (another family or class, a pre-quantized or remote-code checkpoint, a RoPE type whose
 buffers are sized otherwise, a source that does not state an attribute as a literal) returns
@@ -18,50 +19,22 @@ every tiny architecture and built-in shape.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
-from xpukit.planning.model.class_source import MISSING, ModuleSource, module_source, pretrained_defaults
+from xpukit.machine.library_source import MISSING, ModuleSource, module_source, pretrained_defaults
+from xpukit.planning.model.families import FAMILIES as ALL_FAMILIES
+from xpukit.planning.model.families import LayoutRules, ModelFamily
 from xpukit.planning.model.layout import Layout, Tensor
 
 __all__ = ["FAMILIES", "decoder_layout"]
 
 
-@dataclass(frozen=True, slots=True)
-class _Family:
-    prefix: str  # class name prefix: Qwen3 -> Qwen3ForCausalLM, Qwen3RMSNorm…
-    qk_norm: bool  # per-head RMSNorm on q and k
-    qkv_bias: str  # "config": attention_bias; "always"; "never"
-    o_bias: str
-    mlp_bias: str  # "config": mlp_bias; "never"
-    source: str = ""  # the modeling file's package under transformers.models (default: model_type)
-    base: str = "Model"  # the base model's class name after the prefix
-    scaled_embedding: str = ""  # an embedding class with an `embed_scale` buffer (Gemma 3)
-    feedforward_norms: bool = False  # RMSNorms before and after the MLP too (Gemma 2/3)
-    rope_per_layer_type: bool = False  # one pair of rotary buffers per layer type (Gemma 3)
-    activation: str = "hidden_act"  # the config field the MLP's activation is read from
-
-
-FAMILIES: dict[str, _Family] = {
-    "llama": _Family("Llama", False, "config", "config", "config"),
-    "mistral": _Family("Mistral", False, "never", "never", "never"),
-    "qwen2": _Family("Qwen2", False, "always", "never", "never"),
-    "qwen3": _Family("Qwen3", True, "config", "config", "never"),
-    # Gemma 3's text model (Gemma 3 1B, and the tiny "gemma" test architecture).
-    "gemma3_text": _Family(
-        "Gemma3",
-        True,
-        "config",
-        "config",
-        "never",
-        source="gemma3",
-        base="TextModel",
-        scaled_embedding="TextScaledWordEmbedding",
-        feedforward_norms=True,
-        rope_per_layer_type=True,
-        activation="hidden_activation",
-    ),
-}
+# The families written here: those of xpukit.planning.model.families with layout rules.
+FAMILIES: Mapping[str, ModelFamily] = MappingProxyType(
+    {t: f for t, f in ALL_FAMILIES.items() if f.layout is not None}
+)
 # RoPE types whose inverse frequencies have ceil(int(head_dim * partial_rotary_factor) / 2) elements.
 _ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3"})
 _SUPPORTS = ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn")
@@ -76,7 +49,8 @@ def decoder_layout(config: Any, model_class: Any = None) -> Layout | None:
             ``<Prefix>ForCausalLM`` name are written; any other is left to the meta-device build).
     """
     model_type = getattr(config, "model_type", None)
-    family = FAMILIES.get(str(model_type))
+    entry = FAMILIES.get(str(model_type))
+    family = None if entry is None else entry.layout
     if family is None:
         return None
     package = family.source or str(model_type)
@@ -99,7 +73,7 @@ def decoder_layout(config: Any, model_class: Any = None) -> Layout | None:
     return _layout(config, family, sizes, attrs, kernels)
 
 
-def _sizes(config: Any, family: _Family) -> dict[str, Any] | None:
+def _sizes(config: Any, family: LayoutRules) -> dict[str, Any] | None:
     def value(name: str) -> Any:
         v = getattr(config, name, None)
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
@@ -137,7 +111,7 @@ def _sizes(config: Any, family: _Family) -> dict[str, Any] | None:
     return out
 
 
-def _class_attributes(source: ModuleSource, family: _Family) -> dict[str, Any] | None:
+def _class_attributes(source: ModuleSource, family: LayoutRules) -> dict[str, Any] | None:
     defaults = pretrained_defaults()
     if defaults is None:
         return None
@@ -161,7 +135,7 @@ def _class_attributes(source: ModuleSource, family: _Family) -> dict[str, Any] |
     return out
 
 
-def _kernel_layers(source: ModuleSource, family: _Family, hidden_act: str) -> tuple[str, ...] | None:
+def _kernel_layers(source: ModuleSource, family: LayoutRules, hidden_act: str) -> tuple[str, ...] | None:
     """The names of the Hub kernels the built model would register (none without `kernels`)."""
     from transformers.utils import is_kernels_available
 
@@ -184,7 +158,7 @@ def _kernel_layers(source: ModuleSource, family: _Family, hidden_act: str) -> tu
 
 
 def _layout(
-    config: Any, family: _Family, s: dict[str, Any], attrs: dict[str, Any], kernels: tuple[str, ...]
+    config: Any, family: LayoutRules, s: dict[str, Any], attrs: dict[str, Any], kernels: tuple[str, ...]
 ) -> Layout:
     def bias(rule: str, key: str) -> bool:
         return rule == "always" or (rule == "config" and bool(getattr(config, key, False)))

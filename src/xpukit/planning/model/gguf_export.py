@@ -6,8 +6,9 @@ file goes decide. Everything it relies on about llama.cpp's format is in docs/ex
 exporter relies on", with its public source:
 
 * the families and their llama.cpp architecture (``llama`` for Llama and Mistral, ``qwen2``,
-  ``qwen3``, ``gemma3``), and what each needs beyond renaming (the q/k row permutation of the
-  ``llama`` architecture, Gemma's ``norm + 1``);
+  ``qwen3``, ``gemma3``; each family's ``gguf`` in :mod:`xpukit.planning.model.families`), and what
+  each needs beyond renaming (the q/k row permutation of the ``llama`` architecture, Gemma's
+  ``norm + 1``);
 * the rope and attention settings llama.cpp can express for each (refused otherwise, with why);
 * each tensor's type: 1-D tensors in F32, the matrices in the asked type, Q8_0 / Q4_0 only for rows
   that are a whole number of 32-value blocks (else F16, as llama.cpp's converter does), and for
@@ -20,9 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from xpukit.errors import InvalidRequestError, PlanError
+from xpukit.planning.model.families import FAMILIES as ALL_FAMILIES
+from xpukit.planning.model.families import GgufFamily
 from xpukit.planning.vocabulary import Decision
 
 __all__ = [
@@ -48,28 +52,11 @@ _TYPE_OF = {"bf16": "BF16", "f16": "F16", "q8_0": "Q8_0", "q4_0": "Q4_0"}
 DISK_MARGIN = 64 * 1024 * 1024
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class GgufFamily:
-    """How one transformers family becomes one llama.cpp architecture."""
-
-    arch: str  # llama.cpp's general.architecture
-    label: str
-    permute_qk: bool = False  # the llama architecture's rope pairs rows differently: q/k rows permuted
-    norm_shift: float = 0.0  # Gemma stores norm weights as w - 1; llama.cpp wants w
-    rope_types: tuple[str, ...] = ("default",)
-
-
-FAMILIES: Mapping[str, GgufFamily] = {
-    "llama": GgufFamily(
-        arch="llama", label="Llama", permute_qk=True, rope_types=("default", "llama3", "linear")
-    ),
-    "mistral": GgufFamily(arch="llama", label="Mistral", permute_qk=True, rope_types=("default",)),
-    "qwen2": GgufFamily(arch="qwen2", label="Qwen2", rope_types=("default",)),
-    "qwen3": GgufFamily(arch="qwen3", label="Qwen3", rope_types=("default",)),
-    "gemma3_text": GgufFamily(
-        arch="gemma3", label="Gemma 3", norm_shift=1.0, rope_types=("default", "linear")
-    ),
-}
+# The families exported, by model_type: those of xpukit.planning.model.families with a GGUF
+# architecture, in that table's order.
+FAMILIES: Mapping[str, GgufFamily] = MappingProxyType(
+    {t: f.gguf for t, f in ALL_FAMILIES.items() if f.gguf is not None}
+)
 # llama.cpp's Gemma 3 (docs/export.md "Gemma 3"): every 6th layer global, the rest sliding windows
 # with rope base 10000, and queries scaled by 1/sqrt(head_dim).
 GEMMA3_PATTERN = 6

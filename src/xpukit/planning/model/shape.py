@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from xpukit.planning.model.families import shape_traits
+
 __all__ = ["ModelShape", "model_shape"]
 
 
@@ -24,7 +26,7 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3, Gemma 3; planning/model/families.py)
     norms: int = 2  # RMSNorms per decoder layer on the hidden states (Gemma 2/3: 4, pre and post)
 
     def to_dict(self) -> dict[str, Any]:
@@ -50,7 +52,7 @@ def model_shape(config: Any) -> ModelShape | None:
     if None in (hidden, layers, heads, vocab):
         return None
     intermediate = first("intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
-    model_type = str(getattr(text, "model_type", ""))
+    traits = shape_traits(getattr(text, "model_type", ""))
     return ModelShape(
         hidden=hidden,
         intermediate=intermediate,
@@ -59,6 +61,6 @@ def model_shape(config: Any) -> ModelShape | None:
         kv_heads=first("num_key_value_heads") or heads,
         head_dim=first("head_dim") or hidden // heads,
         vocab=vocab,
-        qk_norm=model_type.startswith(("qwen3", "gemma3", "olmo2")),
-        norms=4 if model_type.startswith(("gemma2", "gemma3")) else 2,
+        qk_norm=traits.qk_norm,
+        norms=traits.norms,
     )

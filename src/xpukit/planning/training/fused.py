@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
+from xpukit.planning.model.families import SEPARATE_GATE_UP, SEPARATE_QKV, STORED_GATE_UP, STORED_QKV
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
@@ -49,25 +50,26 @@ class BlockShape:
     computes: str
 
 
-# One rule per shape; the first whose projections the model has applies.
+# One rule per shape; the first whose projections the model has applies. Each family's entry in
+# planning/model/families.py names the shape its blocks have.
 ATTENTION_SHAPES = (
     BlockShape(
         "attention",
-        ("q_proj", "k_proj", "v_proj", "o_proj"),
+        SEPARATE_QKV,
         "q/k/v in one function over their shared input, o_proj in another",
     ),
     BlockShape(
         "attention",
-        ("qkv_proj", "o_proj"),
+        STORED_QKV,
         "the stored qkv_proj (one adapter on the fused weight, as peft puts it) and o_proj, one "
         "function each",
     ),
 )
 MLP_SHAPES = (
-    BlockShape("MLP", ("gate_proj", "up_proj", "down_proj"), "down(act(gate(x)) * up(x)) in one function"),
+    BlockShape("MLP", SEPARATE_GATE_UP, "down(act(gate(x)) * up(x)) in one function"),
     BlockShape(
         "MLP",
-        ("gate_up_proj", "down_proj"),
+        STORED_GATE_UP,
         "down(act(gate) * up) in one function, gate and up the halves of the stored gate_up_proj",
     ),
 )

@@ -124,6 +124,10 @@ def test_granite_is_planned_from_its_config(tiny_models: Any) -> None:
     assert fused.value is True and "q/k/v in one function" in fused.reason and "SiLU" in fused.reason
     cpu = plan_load(tiny_models["granite"], facts="cpu", lora=True)
     assert cpu.device.backend == "cpu" and str(cpu.decision("lora").value).startswith("new LoRA")
+    # liger-kernel's Granite patch refuses its fused loss (the logits are scaled after lm_head): the
+    # plan takes another loss and says why, instead of a load that fails over to no liger at all.
+    assert plan.decision("liger").value is False and plan.training is not None
+    assert plan.training.loss != "liger" and "no fused loss for Granite" in plan.decision("liger").reason
 
 
 def test_granite_loads_and_trains_lora_on_the_cpu(tiny_models: Any, tmp_path: Any, train_losses: Any) -> None:

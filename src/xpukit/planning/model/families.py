@@ -12,7 +12,9 @@ Each :class:`ModelFamily` says, for one transformers ``model_type``:
   names, so the entry records what the family's blocks are, and a test holds it true);
 - ``tiny``: the tiny random-weight model ``xpukit.demo.tiny`` builds of it (:class:`TinyShape`);
 - ``gguf``: the llama.cpp architecture a GGUF export writes it as (:class:`GgufFamily`, read by
-  :mod:`xpukit.planning.model.gguf_export`; ``None``: not exported).
+  :mod:`xpukit.planning.model.gguf_export`; ``None``: not exported);
+- ``no_liger_loss``: why liger-kernel's fused loss does not run for the family (read by the training
+  plan, ``planning/training/fit.py``; ``None``: it runs where liger runs).
 
 Pure data: nothing here imports torch or transformers. CONTRIBUTING.md "A new model family" says
 how to add one.
@@ -121,6 +123,8 @@ class ModelFamily:
     mlp: tuple[str, ...] | None = None  # of its MLP block (None: experts, or another shape)
     tiny: TinyShape | None = None
     gguf: GgufFamily | None = None
+    # Why liger-kernel's fused loss refuses the family (its model patch raises), or None where it runs.
+    no_liger_loss: str | None = None
 
 
 def _rows(*families: ModelFamily) -> Mapping[str, ModelFamily]:
@@ -250,6 +254,9 @@ FAMILIES: Mapping[str, ModelFamily] = _rows(
         layout=LayoutRules("Granite", False, "config", "config", "config"),
         attention=SEPARATE_QKV,
         mlp=SEPARATE_GATE_UP,
+        # liger-kernel 0.8.5's apply_liger_kernel_to_granite raises NotImplementedError for its fused
+        # linear cross-entropy (the logits are divided by logits_scaling after lm_head)
+        no_liger_loss="liger-kernel has no fused loss for Granite (it scales the logits after lm_head)",
         tiny=TinyShape(
             name="granite",
             config_class="GraniteConfig",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from xpukit._compat import installed_version, is_installed
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.budgets import HEADROOM_FIXED, format_bytes
+from xpukit.planning.model.families import family
 from xpukit.planning.model.shape import ModelShape, model_shape
 from xpukit.planning.training.activation_memory import (
     activation_bytes,
@@ -330,7 +331,7 @@ def training_plan_for(
         batch_size=batch_size,
         seq_len=seq_len,
         max_positions=max_positions,
-        liger_available=liger_availability(device.backend),
+        liger_available=liger_availability(device.backend, getattr(config, "model_type", None)),
         fused=fused,
         quantized=quantized,
         packed=packed,
@@ -355,9 +356,13 @@ def training_plan_for(
     return plan, updated
 
 
-def liger_availability(backend: str) -> tuple[bool, str]:
-    """Whether liger-kernel can run for this backend, from installed packages (docs/training.md
-    "liger-kernel (extra `liger`)")."""
+def liger_availability(backend: str, model_type: object = None) -> tuple[bool, str]:
+    """Whether liger-kernel can run for this backend and model family, from installed packages
+    (docs/training.md "liger-kernel (extra `liger`)") and the family's facts
+    (:mod:`xpukit.planning.model.families`)."""
+    known = family(model_type)
+    if known is not None and known.no_liger_loss is not None:
+        return False, known.no_liger_loss
     if backend not in _TRITON_BACKENDS:
         return False, f"liger-kernel's Triton kernels do not run on {backend}"
     if not is_installed("liger_kernel"):

@@ -331,7 +331,8 @@ def training_plan_for(
         batch_size=batch_size,
         seq_len=seq_len,
         max_positions=max_positions,
-        liger_available=liger_availability(device.backend, getattr(config, "model_type", None)),
+        liger_available=_family_liger(getattr(config, "model_type", None))
+        or liger_availability(device.backend),
         fused=fused,
         quantized=quantized,
         packed=packed,
@@ -356,13 +357,16 @@ def training_plan_for(
     return plan, updated
 
 
-def liger_availability(backend: str, model_type: object = None) -> tuple[bool, str]:
-    """Whether liger-kernel can run for this backend and model family, from installed packages
-    (docs/training.md "liger-kernel (extra `liger`)") and the family's facts
-    (:mod:`xpukit.planning.model.families`)."""
+def _family_liger(model_type: object) -> tuple[bool, str] | None:
+    """``(False, why)`` where liger-kernel refuses the model family's fused loss
+    (:mod:`xpukit.planning.model.families`), else ``None``."""
     known = family(model_type)
-    if known is not None and known.no_liger_loss is not None:
-        return False, known.no_liger_loss
+    return (False, known.no_liger_loss) if known is not None and known.no_liger_loss else None
+
+
+def liger_availability(backend: str) -> tuple[bool, str]:
+    """Whether liger-kernel can run for this backend, from installed packages (docs/training.md
+    "liger-kernel (extra `liger`)")."""
     if backend not in _TRITON_BACKENDS:
         return False, f"liger-kernel's Triton kernels do not run on {backend}"
     if not is_installed("liger_kernel"):

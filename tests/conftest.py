@@ -12,8 +12,6 @@ Fixtures (session-scoped, built on first use and shared by every test):
 - ``tiny_model``: ``tiny_models["qwen3"]``.
 - ``tiny_model_factory``: ``factory(arch, *, seed=0, **config_overrides) -> Path`` for variants.
 - ``demo_model``: the ``xpukit demo`` default model, built into the scratch cache.
-- ``trained_tiny``: ``trained_tiny(arch, steps=60, **overrides) -> Path``, a tiny model trained on
-  the bundled corpus (real margins between its top tokens), saved in bfloat16.
 - ``wide_model``: a tiny qwen3 wide enough for torchao's int4 groups (skipped without torchao).
 - ``sliding_gemma``: a tiny Gemma 3 with a 4-token sliding-window layer beside a full one.
 - ``once_per_run``: ``once_per_run(name, make)``, an expensive set-up run by one pytest worker and
@@ -22,11 +20,15 @@ Fixtures (session-scoped, built on first use and shared by every test):
   (``TRITON_INTERPRET=1``, a process of its own) and asserts it printed ``ok`` (skipped without triton).
 
 Treat the returned directories as read-only (other tests share them); copy one to change it.
+
+The tests mirror ``src/xpukit/`` (``tests/planning/``, ``tests/loading/decode/``, …; ``tests/project/``
+holds the checks of the repository itself); a fixture used by one sub-folder only lives in that
+folder's ``conftest.py`` (``tests/loading/conftest.py``: ``trained_tiny``, ``bf16_base``;
+``tests/loading/decode/conftest.py``: ``rerun_graphs``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -36,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import types
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -200,67 +201,10 @@ def sliding_gemma(tiny_model_factory: _TinyModelFactory) -> Path:
     )
 
 
-def _trained_tiny(built: Path, out: Path, steps: int) -> Path:
-    """``built`` trained on the bundled corpus (every weight, AdamW, ``steps`` batches of 8 x 128
-    tokens, seed 0) and saved in bfloat16 with its tokenizer: a model with real margins between its
-    top tokens, where random weights give near-flat logits."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from xpukit.demo.tiny import corpus_lines
-
-    tokenizer = AutoTokenizer.from_pretrained(built)
-    model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)
-    ids = tokenizer(" ".join(corpus_lines())).input_ids
-    data = torch.tensor(ids[: len(ids) // 128 * 128]).view(-1, 128)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    generator = torch.Generator().manual_seed(0)
-    model.train()
-    for _ in range(steps):
-        batch = data[torch.randint(len(data), (8,), generator=generator)]
-        model(batch, labels=batch).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    model.eval().to(torch.bfloat16).save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="session")
-def trained_tiny(
-    tiny_model_factory: _TinyModelFactory, tmp_path_factory: pytest.TempPathFactory
-) -> Callable[..., Path]:
-    """``trained_tiny(arch, steps=60, **config_overrides) -> Path``: the tiny model trained on the
-    bundled corpus and saved in bfloat16, built once per arguments (seconds each on one thread)."""
-    root = tmp_path_factory.mktemp("trained-tiny")
-    built: dict[str, Path] = {}
-
-    def get(arch: str, steps: int = 60, **config_overrides: Any) -> Path:
-        key = json.dumps([arch, steps, config_overrides], sort_keys=True, default=str)
-        if key not in built:
-            source = tiny_model_factory(arch, **config_overrides)
-            built[key] = _trained_tiny(source, root / f"{arch}-{len(built)}", steps)
-        return built[key]
-
-    return get
-
-
 @pytest.fixture(scope="session")
 def tiny_model(tiny_models: Mapping[str, Path]) -> Path:
     """The tiny Qwen3 model's directory (config, safetensors weights, tokenizer)."""
     return tiny_models["qwen3"]
-
-
-@pytest.fixture(scope="session")
-def bf16_base(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen3 saved in bfloat16 (its config says so), with its tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out = tmp_path_factory.mktemp("bf16-base")
-    AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="session")
@@ -428,33 +372,3 @@ def partial_folder() -> Callable[..., Path]:
     named as xpukit names it for process ``pid`` (default: one that has ended) of machine ``host``
     (default: this one's tag), with a file in it."""
     return _partial_folder
-
-
-class ReRunGraphs:
-    """A stand-in for a device's graph API: a capture keeps the step without running it, and a
-    replay runs it again, so the loop is right only if it replays each captured step exactly once."""
-
-    def __init__(self):
-        self.captured = 0
-
-    def new_graph(self):
-        return types.SimpleNamespace(replay=None)
-
-    def pool(self):
-        return object()
-
-    def capture(self, graph, body, pool):
-        self.captured += 1
-        graph.replay = body
-
-    def synchronize(self):
-        pass
-
-    def side_stream(self):
-        return contextlib.nullcontext()
-
-
-@pytest.fixture
-def rerun_graphs() -> type[ReRunGraphs]:
-    """The stand-in graph API for the decode loop's CPU tests (:class:`ReRunGraphs`)."""
-    return ReRunGraphs

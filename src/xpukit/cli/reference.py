@@ -1,6 +1,6 @@
 """The CLI reference page (docs/cli.md), written from the parser's own ``--help``.
 
-``python -m xpukit.cli.reference`` rewrites docs/cli.md; ``tests/test_cli_reference.py`` fails when
+``python -m xpukit.cli.reference`` rewrites docs/cli.md; ``tests/cli/test_cli_reference.py`` fails when
 the page and the parser disagree, so the reference cannot drift from the code.
 """
 
@@ -21,7 +21,7 @@ _HEADER = """\
 # Command-line reference
 
 Generated from the parser by `python -m xpukit.cli.reference` (do not edit by hand;
-`tests/test_cli_reference.py` fails when this page and `xpukit --help` disagree).
+`tests/cli/test_cli_reference.py` fails when this page and `xpukit --help` disagree).
 `python -m xpukit ...` is the same command line as `xpukit ...`.
 """
 

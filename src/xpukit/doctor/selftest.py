@@ -40,7 +40,8 @@ class CheckResult:
 # Largest relative error accepted for a 256x256 matmul against an fp32 CPU reference: a few
 # units of each format's precision after 256-term sums (measured: bf16 4e-3, fp16 5e-4).
 TOLERANCE = {"bfloat16": 5e-2, "float16": 1e-2, "float32": 1e-4}
-# Top-two logit gap under which bf16 rounding may swap a greedy token (as tests/test_serve_quant_gpu.py).
+# Top-two logit gap under which bf16 rounding may swap a greedy token
+# (as tests/loading/decode/test_serve_quant_gpu.py).
 NEAR_TIE = 0.125
 
 

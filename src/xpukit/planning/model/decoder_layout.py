@@ -12,8 +12,8 @@ class attributes read from the installed modeling source (:mod:`xpukit.machine.l
 so planning it imports no modeling code (docs/planning.md "Model facts from the config alone").
 Anything else (another family or class, a pre-quantized or remote-code checkpoint, a RoPE type whose
 buffers are sized otherwise, a source that does not state an attribute as a literal) returns
-``None`` and the caller builds the model. tests/test_decoder_layout.py holds the two ways equal for
-every tiny architecture and built-in shape.
+``None`` and the caller builds the model. tests/planning/model/test_decoder_layout.py holds the two
+ways equal for every tiny architecture and built-in shape.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The activation memory of one LoRA training step, from a decoder's shape (pure).
 
 :func:`activation_bytes` is the formula of docs/training-plan.md "The activation estimate", one line per
-term; tests/test_training_plan.py checks it against peaks measured on the CPU.
+term; tests/planning/training/test_training_plan.py checks it against peaks measured on the CPU.
 :mod:`xpukit.planning.training.fit` uses it to choose the memory savers.
 """
 

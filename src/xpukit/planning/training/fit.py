@@ -7,7 +7,7 @@ and the adapters' training state, trying them in the order of docs/training-plan
 fit": none → liger-kernel's fused linear cross-entropy → gradient checkpointing → checkpointing with
 the saved activations offloaded to host memory → a smaller micro-batch with gradient accumulation.
 The formula and its derivation are in docs/training-plan.md "The activation estimate"; the measured
-peaks it was checked against are in tests/test_training_plan.py.
+peaks it was checked against are in tests/planning/training/test_training_plan.py.
 
 An explicit choice wins: ``lora={"gradient_checkpointing": True | False | "offload"}`` and
 ``lora={"liger": True | False}`` are taken as given, and only the rest is decided around them.

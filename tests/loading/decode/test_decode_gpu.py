@@ -120,7 +120,12 @@ def test_compiled_step_gives_the_eager_tokens_without_recompiling(
     if step_graphs:
         keys, captures, replays = _expected_graphs(calls)
         assert set(loop.step_graphs._graphs) == keys
-        assert loop.step_graphs.stats == {"captures": captures, "replays": replays, "dropped": 0}
+        assert loop.step_graphs.stats == {
+            "captures": captures,
+            "replays": replays,
+            "dropped": 0,
+            "uncaptured_while_building": 0,
+        }
     assert loop.graphs == {(1, "greedy"), (4, "greedy")}
     # Sampling compiles its own step and stays seeded.
     inputs = _inputs(tokenizer, PROMPTS[:4], device)

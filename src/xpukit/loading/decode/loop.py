@@ -268,26 +268,7 @@ class DecodeLoop:
         batch, kind = int(state.tokens.shape[0]), _step_name(request)
         if (batch, kind) in self.tiers.jobs:
             return self.tiers.jobs[(batch, kind)]
-        consts = self._consts
-        args = (
-            self.model,
-            state.cache,
-            state.tokens,
-            state.positions,
-            state.mask,
-            self._window(state, needed),
-            state.unfinished,
-            state.out,
-            state.index,
-            consts["is_eos"],
-            consts["pad"],
-            consts["min_new"],
-            consts["temperature"],
-            self._top_p(request),
-            request.do_sample,
-            request.top_k,
-            self._keep_one,
-        )
+        args = self._step_args(request, state, self._window(state, needed))
         root = compile_cache.compile_cache_dir() if self.cache_dir is None else Path(self.cache_dir)
         path = root / f"{self._key(batch, kind)}.step"
         job = self.tiers.start((batch, kind), args, dict(self.compile_options or {}), path)
@@ -382,8 +363,13 @@ class DecodeLoop:
         self._step_once(step, request, state, window)
 
     def _step_once(self, step: Any, request: DecodeRequest, state: DecodeState, window: Any) -> None:
+        step(*self._step_args(request, state, window))
+
+    def _step_args(self, request: DecodeRequest, state: DecodeState, window: Any) -> tuple[Any, ...]:
+        """The decode step's arguments: the loop's buffers of ``state``, the attention ``window``, the
+        call's constants (the same for the step run, captured, or built ahead of time)."""
         consts = self._consts
-        step(
+        return (
             self.model,
             state.cache,
             state.tokens,

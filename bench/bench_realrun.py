@@ -80,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h  # bench/_harness.py, beside this script: devices, memory, rounds, rows
+from _data import DATA, as_dataset, dataset, summarize_files, summary, with_data
 from _peers import UNSLOTH_SETUPS, against_fastest_peer, budget_bytes, load_unsloth
 from _shapes import SHAPES, build_model
 
@@ -113,34 +114,6 @@ XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
     "xpukit-paged": {"optim": "paged_adamw_8bit"},
 }
-DATA = {  # median, sigma of log(length), low, high
-    "chat": (256, 0.6, 32, 1024),
-    "longtail": (384, 0.9, 32, 2048),
-    "uniform": (0, -1.0, 64, 512),  # sigma < 0: uniform in [low, high]
-    "fixed": (512, 0.0, 512, 512),
-}
-
-
-def lengths(kind: str, n: int, seed: int, scale: float = 1.0) -> list[int]:
-    import random
-
-    median, sigma, low, high = DATA[kind]
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        if sigma < 0:
-            out.append(int(rng.uniform(low * scale, high * scale)))
-            continue
-        value = median * scale * (rng.lognormvariate(0.0, sigma) if sigma else 1.0)
-        out.append(int(min(max(value, low * scale), high * scale)))
-    return out
-
-
-def dataset(kind: str, n: int, vocab: int, seed: int, scale: float) -> list[dict[str, list[int]]]:
-    import random
-
-    rng = random.Random(seed + 1)
-    return [{"input_ids": [rng.randrange(5, vocab) for _ in range(k)]} for k in lengths(kind, n, seed, scale)]
 
 
 def main() -> int:
@@ -198,7 +171,7 @@ def main() -> int:
     status = 0
     argv = list(sys.argv)
     for data in args.data.split(","):
-        args.data, sys.argv = data, _with_data(argv, data)  # the children read sys.argv
+        args.data, sys.argv = data, with_data(argv, data)  # the children read sys.argv
         status |= h.rounds_of_children(
             args,
             variants,
@@ -209,43 +182,6 @@ def main() -> int:
             compare=compare,
         )
     return status
-
-
-def summarize_files(paths: list[str]) -> int:
-    """The summary and versus lines of the rows in ``paths`` (runs split over processes or devices,
-    each with its ``--first-round``), grouped by data set and by variant at its budget."""
-    groups: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for path in paths:
-        for line in Path(path).read_text().splitlines():
-            row = json.loads(line) if line.startswith("{") else {}
-            if row.get("bench") != "realrun" or "variant" not in row or "error" in row or "skipped" in row:
-                continue
-            budget = row.get("max_memory")
-            name = (
-                f"{row['variant']}@{budget}"
-                if budget and not row["variant"].startswith("unsloth")
-                else row["variant"]
-            )
-            groups.setdefault(row.get("data", "?"), {}).setdefault(name, []).append(row)
-    for rows in groups.values():
-        for variant, done in rows.items():
-            print(json.dumps(summary(variant, done)), flush=True)
-        for line in against_fastest_peer(rows, "realrun"):
-            print(json.dumps(line), flush=True)
-    return 0
-
-
-def summary(variant: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    summed = (
-        "tokens_per_s",
-        "tokens_per_s_steady",
-        "tokens_per_s_first20",
-        "peak_mem_gb",
-        "step_ms_median",
-        "loss_last",
-    )
-    kept = ("data", "micro_batch", "graphs", "packing", "plan", "max_memory", "budget_kept")
-    return h.summary(variant, rows, bench="realrun", summed=summed, kept=kept)
 
 
 class Counting:
@@ -382,7 +318,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     if variant == "xpukit-sft" or UNSLOTH_SETUPS.get(variant, ("",))[0] == "sft":
         from trl import SFTTrainer
 
-        trainer = SFTTrainer(model=model, args=targs, train_dataset=_as_dataset(data), processing_class=tok)
+        trainer = SFTTrainer(model=model, args=targs, train_dataset=as_dataset(data), processing_class=tok)
     else:
         from transformers import Trainer
 
@@ -479,27 +415,6 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         row["graphs_rope"] = rope.note
     del trainer, model
     return row
-
-
-def _with_data(argv: list[str], data: str) -> list[str]:
-    """``argv`` with its ``--data`` value replaced by ``data``."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            out.append(data)
-            skip = False
-        elif arg == "--data":
-            out.append(arg)
-            skip = True
-        else:
-            out.append(f"--data={data}" if arg.startswith("--data=") else arg)
-    return out if any(a == "--data" or a.startswith("--data=") for a in argv) else [*out, f"--data={data}"]
-
-
-def _as_dataset(data: list[dict[str, list[int]]]) -> Any:
-    from datasets import Dataset
-
-    return Dataset.from_list(data)
 
 
 if __name__ == "__main__":

@@ -425,3 +425,11 @@ def test_the_tests_mirror_the_code() -> None:
             continue
         package = SRC / "xpukit" / folder
         assert (package / "__init__.py").is_file(), f"{path.relative_to(tests)}: no package xpukit/{folder}"
+
+
+def test_no_bench_file_is_over_450_lines() -> None:
+    """A bench reads as one measurement (CONTRIBUTING.md "A new bench variant"); shared parts live in
+    the ``bench/_*.py`` helpers."""
+    bench = SRC.parent / "bench"
+    long = {p.name: n for p in sorted(bench.glob("*.py")) if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}, f"bench files over 450 lines: {long}"

@@ -28,7 +28,7 @@ Per variant, before the timed calls (unless ``--no-speed-ramp``), a fresh load's
 in a row are served by the compiled step alone (``full_speed_s`` after the load), and the prefill of a
 ``--prefill-len``-token prompt (2 048). The timed calls of a tiered load wait for its compiled step.
 
-``--breakdown``: per row, where a token's time goes (docs/decode.md "Where a token's time goes"; a
+``--breakdown``: per row, where a token's time goes (docs/decode-internals.md "Where a token's time goes"; a
 profiled call, dynamo's counters, a one-token call, the step alone by ``loop.replay``, the same model
 without the window or the captured prefill, the device's copy bandwidth; ``_breakdown.py``).
 ``--second-process``: a fresh process (empty inductor and Triton caches, the same
@@ -107,7 +107,7 @@ VARIANTS = (
     "loop-tiered",
 )
 # Loads through load_for_xpu's own arguments: variant -> (quantize, fast_decode, warmup)
-# (docs/decode.md "Fast by default", "Fused projections", "Quantized models").
+# (docs/decode.md "Fast by default", "Quantized models"; docs/decode-kernels.md "Fused projections").
 LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
     "xpukit": (None, "auto", False),  # bf16: the default leaves it plain
     "fast": (None, True, True),
@@ -121,7 +121,7 @@ LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
     "int8-fast": ("8bit", True, True),
     "int4-fast-unfused": ("4bit", "unfused", True),
     "int8-fast-unfused": ("8bit", "unfused", True),
-    # one decoder layer compiled for all of them (docs/decode.md "Regional compilation")
+    # one decoder layer compiled for all of them (docs/decode-kernels.md "Regional compilation")
     "fast-regional": (None, "regional", True),
     "int4-fast-regional": ("4bit", "regional", True),
     "int4-regional": ("4bit", "regional", False),  # compiled inside the first generate
@@ -129,7 +129,7 @@ LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
 }
 # fast_decode's load with the loop compiled the way it was before, for a same-run comparison:
 # quantize=, then the compile settings: inductor's CUDA-graph trees instead of the loop's own step
-# graph (docs/decode.md "Own step graphs"), or inductor's pattern matcher on for torchao int8 (its
+# graph (docs/decode-internals.md "Own step graphs"), or inductor's pattern matcher on for torchao int8 (its
 # rewrite to aten._weight_int8pack_mm, docs/decode.md "Quantized models").
 # (quantize, mode, own step graph, warm-up); the *-untiered loads compile in the first generate.
 RECOMPILED = {
@@ -141,7 +141,7 @@ RECOMPILED = {
     "fast-untiered": (None, "default", True, False),
 }
 # fast_decode's load with torchao's own products in the decode step instead of xpukit's weight-only
-# kernels (docs/decode.md "Weight-only products"), for a same-run comparison: quantize=.
+# kernels (docs/decode-kernels.md "Weight-only products"), for a same-run comparison: quantize=.
 WITHOUT_KERNELS = {"int8-fast-torchao": "8bit", "int4-fast-torchao": "4bit"}
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 # Loads through load_for_xpu's own arguments: variant -> (quantize, fast_decode, warmup)
-# (docs/decode.md "Fast by default", "Fused projections", "Quantized models").
+# (docs/decode.md "Fast by default", "Quantized models"; docs/decode-kernels.md "Fused projections").
 LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
     "xpukit": (None, "auto", False),  # bf16: the default leaves it plain
     "fast": (None, True, True),
@@ -21,7 +21,7 @@ LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
     "int8-fast": ("8bit", True, True),
     "int4-fast-unfused": ("4bit", "unfused", True),
     "int8-fast-unfused": ("8bit", "unfused", True),
-    # one decoder layer compiled for all of them (docs/decode.md "Regional compilation")
+    # one decoder layer compiled for all of them (docs/decode-kernels.md "Regional compilation")
     "fast-regional": (None, "regional", True),
     "int4-fast-regional": ("4bit", "regional", True),
     "int4-regional": ("4bit", "regional", False),  # compiled inside the first generate
@@ -29,7 +29,8 @@ LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
 }
 # fast_decode's load with the loop compiled the way it was before, for a same-run comparison:
 # quantize=, then the compile settings: inductor's CUDA-graph trees instead of the loop's own step
-# graph (docs/decode.md "Own step graphs"), or inductor's pattern matcher on for torchao int8 (its
+# graph (docs/decode-internals.md "Own step graphs"), or inductor's pattern matcher on for torchao
+# int8 (its
 # rewrite to aten._weight_int8pack_mm, docs/decode.md "Quantized models").
 # (quantize, mode, own step graph, warm-up); the *-untiered loads compile in the first generate.
 RECOMPILED = {
@@ -41,7 +42,7 @@ RECOMPILED = {
     "fast-untiered": (None, "default", True, False),
 }
 # fast_decode's load with torchao's own products in the decode step instead of xpukit's weight-only
-# kernels (docs/decode.md "Weight-only products"), for a same-run comparison: quantize=.
+# kernels (docs/decode-kernels.md "Weight-only products"), for a same-run comparison: quantize=.
 WITHOUT_KERNELS = {"int8-fast-torchao": "8bit", "int4-fast-torchao": "4bit"}
 
 

@@ -1,6 +1,7 @@
 """``bench_decode.py``'s row parts beyond the harness: the bytes a model stores, the fast path a load
 took (or why it has none), the variant's summary line, and the second process that measures a fresh
-process's first call with the compile cache the first process filled (docs/decode.md "Compile cache").
+process's first call with the compile cache the first process filled (docs/decode-internals.md
+"Compile cache").
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ Per variant, before the timed calls (unless ``--no-speed-ramp``), a fresh load's
 in a row are served by the compiled step alone (``full_speed_s`` after the load), and the prefill of a
 ``--prefill-len``-token prompt (2 048). The timed calls of a tiered load wait for its compiled step.
 
-``--breakdown``: per row, where a token's time goes (docs/decode.md "Where a token's time goes"; a
+``--breakdown``: per row, where a token's time goes (docs/decode-internals.md "Where a token's time goes"; a
 profiled call, dynamo's counters, a one-token call, the step alone by ``loop.replay``, the same model
 without the window or the captured prefill, the device's copy bandwidth; ``_breakdown.py``).
 ``--second-process``: a fresh process (empty inductor and Triton caches, the same

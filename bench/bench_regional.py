@@ -3,7 +3,7 @@
 Each (mode, round) runs in its own process with empty inductor and Triton caches and an empty xpukit
 compile cache, so every first call is a cold compile. Modes: ``eager`` (the loop uncompiled),
 ``whole`` (the whole step compiled, as ``fast_decode=True`` compiles it) and ``regional`` (one decoder
-layer compiled for all of them, ``fast_decode="regional"``; docs/decode.md "Regional compilation").
+layer compiled for all of them, ``fast_decode="regional"``; docs/decode-kernels.md "Regional compilation").
 The loop is installed directly (the plan changes nothing on the CPU), compiled with the plan's
 settings (``fullgraph``, static shapes, mode ``default``), without step graphs. One JSON line per run,
 then one summary line per mode: the best first call and the best tokens/s over the rounds.

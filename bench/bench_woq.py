@@ -1,5 +1,5 @@
 """Weight-only products of a decode step, one projection at a time: xpukit's Triton kernels against
-torchao's own products and a bf16 cuBLAS product, in the same process (docs/decode.md
+torchao's own products and a bf16 cuBLAS product, in the same process (docs/decode-kernels.md
 "Weight-only products").
 
 For each Qwen3-8B projection shape (q/k/v fused, o, gate/up fused, down) and each row count (1: a

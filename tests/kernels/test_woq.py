@@ -1,4 +1,4 @@
-"""xpukit's weight-only products for decoding (docs/decode.md "Weight-only products").
+"""xpukit's weight-only products for decoding (docs/decode-kernels.md "Weight-only products").
 
 The Triton kernel runs under Triton's CPU interpreter in float32 (it mis-computes bf16) against the
 PyTorch reference; the dispatch, the install on a model and the plan's decision run on the CPU with

@@ -1,4 +1,4 @@
-"""xpukit's weight-only products on a GPU (docs/decode.md "Weight-only products").
+"""xpukit's weight-only products on a GPU (docs/decode-kernels.md "Weight-only products").
 
 Run with ``pytest -m gpu tests/kernels/test_woq_gpu.py`` on a CUDA (or XPU, int8 only) machine with triton
 and torchao. The kernels against their PyTorch references and against torchao's own products on the

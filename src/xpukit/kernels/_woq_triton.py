@@ -1,7 +1,7 @@
 """The Triton kernels behind :mod:`xpukit.kernels.woq`: weight-only products for a few input rows.
 
 A decode step multiplies one row per sequence by every weight, so its time is the time to read the
-weights (docs/decode.md "Weight-only products"). These kernels read a quantized weight once, in its
+weights (docs/decode-kernels.md "Weight-only products"). These kernels read a quantized weight once, in its
 stored form, and dequantize it in registers: no bf16 copy of the weight is written or read back.
 
 * **Many programs, each a slice of the output.** One program computes ``BLOCK_N`` outputs for
@@ -179,7 +179,7 @@ def pick_blocks(rows: int, n: int, k: int, programs: int = 0) -> dict[str, int]:
 
     One row: 8 outputs by 512 inputs a step with 4 warps, and for an output at least ``64 *
     programs`` wide (the 8B model's gate/up product: 24 576 against 16 896 on the H200) 32 by 128 with
-    8 warps: the fastest settings of the H200 sweep on the Qwen3-8B projections (docs/decode.md
+    8 warps: the fastest settings of the H200 sweep on the Qwen3-8B projections (docs/decode-kernels.md
     "Weight-only products"). More rows take the ``tl.dot`` path, 16 rows by 16 or 32 outputs
     (32 where that still gives ``programs`` programs: two per multiprocessor, or 264 when not given).
     """

@@ -2,7 +2,7 @@
 
 torchao's ``Int4TilePackedTo4dTensor`` (``Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")``,
 what ``quantize="4bit"`` loads on CUDA) holds the output of CUDA's ``aten._convert_weight_to_int4pack``
-with 8 inner k-tiles (docs/decode.md "Weight-only products" has the derivation and its sources:
+with 8 inner k-tiles (docs/decode-kernels.md "Weight-only products" has the derivation and its sources:
 PyTorch's ``aten/src/ATen/native/cuda/int4mm.cu``, ``matrix_to_m16n8k16_Bint4_layout`` and the
 consuming ``tinygemm_m16n8k16_chunk_kernel``; torchao's ``int4_tile_packed_to_4d_tensor.py``):
 

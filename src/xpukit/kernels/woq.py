@@ -4,8 +4,8 @@ On CUDA, torchao 0.18's int8 weight-only product is either ``aten._weight_int8pa
 weights at 0.15–0.24 TB/s on the H200) or, with inductor's pattern matcher off, a kernel that writes
 a bf16 copy of each weight and a cuBLAS product that reads it back: three times the bytes of reading
 int8 once. Its int4 product (tinygemm) read the weights at 1.4 TB/s at batch 1 (docs/decode.md
-"Quantized models", "Weight-only products"). No installed library gave a product that reads them at
-the bandwidth, so xpukit has one, in Triton so that it runs on CUDA and XPU:
+"Quantized models", docs/decode-kernels.md "Weight-only products"). No installed library gave a
+product that reads them at the bandwidth, so xpukit has one, in Triton so that it runs on CUDA and XPU:
 
 * :func:`weight_only_linear` is ``F.linear`` for every weight and input, except a supported
   quantized weight times at most :data:`MAX_ROWS` input rows on CUDA/XPU (a decode step, a short

@@ -1,4 +1,4 @@
-"""Regional compilation of xpukit's decode step on the CPU (docs/decode.md "Regional compilation").
+"""Regional compilation of xpukit's decode step on the CPU (docs/decode-kernels.md "Regional compilation").
 
 One decoder layer is traced by dynamo (a counting backend stands in for inductor: it records each
 graph and runs it as traced) and its code serves every layer: one graph for a 6-layer model, called
@@ -145,7 +145,7 @@ def test_models_without_repeated_layers_have_none(deep_model):
 def test_inside_the_step_graph_the_layer_runs_at_the_warm_up_and_capture_only(
     deep_model, tokenizer, rerun_graphs
 ):
-    """xpukit's step graph captures the regional step whole (docs/decode.md "Regional compilation"):
+    """xpukit's step graph captures the regional step whole (docs/decode-kernels.md "Regional compilation"):
     the compiled layer (and its guards) run at the warm run and the capture; a replay runs the
     capture (here: the stand-in runs the captured step again, so the tokens show a wrong replay)."""
     from xpukit.loading.decode.step_graph import StepGraphs

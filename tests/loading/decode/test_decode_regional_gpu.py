@@ -1,4 +1,4 @@
-"""Regional compilation of xpukit's decode step on a GPU (docs/decode.md "Regional compilation").
+"""Regional compilation of xpukit's decode step on a GPU (docs/decode-kernels.md "Regional compilation").
 
 Run with ``pytest -m gpu tests/loading/decode/test_decode_regional_gpu.py`` on a CUDA or XPU machine. A
 6-layer

@@ -75,7 +75,7 @@ def test_cuda_and_xpu_compile_with_a_cache_sized_from_the_headroom(facts, mode):
     assert "decodes at once with the uncompiled step" in decision.reason
     assert "4096 tokens" in decision.reason and "fast_decode" in plan.explain()
     assert plan.to_dict()["decode"] == decision.value
-    # grouped decode attention: measured on CUDA only (docs/decode.md "Grouped decode attention")
+    # grouped decode attention: measured on CUDA only (docs/decode-internals.md "Grouped decode attention")
     assert plan.decode.grouped_attention == (facts == "h200")
     assert ("repeat_kv" in decision.reason) == (facts == "h200")
     # On CUDA xpukit's loop compiles its step without inductor's graphs and captures it itself.

@@ -1,4 +1,4 @@
-"""Fused q/k/v and gate/up products (docs/decode.md "Fused projections"), on the CPU.
+"""Fused q/k/v and gate/up products (docs/decode-kernels.md "Fused projections"), on the CPU.
 
 float32 and torchao int8 weights fuse and give the unfused model's logits and greedy tokens (on a
 model whose top two logits are checked to be apart); a layout that does not slice by rows, a

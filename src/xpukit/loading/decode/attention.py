@@ -18,7 +18,7 @@ so 8 heads at batch 1 took 3.0 ms a token against 1.7 ms for transformers' copy 
 products spread the keys over the whole device.
 
 xpukit's loop also passes the step's attention window (:data:`WINDOW`, a tensor whose last dimension
-is the window's length; docs/decode.md "Attention window"): the keys, values and mask are cut to
+is the window's length; docs/decode-internals.md "Attention window"): the keys, values and mask are cut to
 that many cache slots first, whichever path then runs, so a short call does not attend over the
 whole static cache.
 

@@ -1,6 +1,6 @@
 """The lengths xpukit's decode loop rounds to: the attention window and the prompt's prefill.
 
-docs/decode.md "Attention window" and "Captured prefill". Both are powers of two from a smallest
+docs/decode-internals.md "Attention window" and "Captured prefill". Both are powers of two from a smallest
 size, so a call sees a handful of shapes, each captured once as a device graph and replayed after:
 
 * **window**: a decode step attends over the first ``window_length(n)`` slots of the static cache,

@@ -6,7 +6,7 @@ on by default), under a per-user temporary directory that a reboot or a fresh co
 "mega-cache" (``torch.compiler.save_cache_artifacts()`` / ``load_cache_artifacts()``) serialises
 every artifact compiled in this process into one blob; xpukit writes that blob to
 ``<xpukit cache>/compile/<key>.bin`` after a new graph compiled and loads it before the graph is
-first needed, so that a second process's first call hits the caches (docs/decode.md
+first needed, so that a second process's first call hits the caches (docs/decode-internals.md
 "Compile cache"). The blob holds every artifact torch registers with the mega-cache: inductor's FX
 graphs with their compiled Triton kernels bundled in (``bundle_triton_into_fx_graph_cache``, on by
 default), AOT-autograd's graphs, autotuning results and dynamo's profile-guided shapes; dynamo's own

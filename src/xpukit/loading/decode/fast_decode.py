@@ -3,7 +3,7 @@
 With a static cache planned, the model's ``generate`` is served by xpukit's decode loop
 (:mod:`xpukit.loading.decode.loop`) for the common cases; every other call goes to transformers'
 ``generate``, which gets what :func:`xpukit.planning.device.decode.plan_decode` decided through
-``model.generation_config`` (``pipeline()`` copies that config) (docs/decode.md "How it works"):
+``model.generation_config`` (``pipeline()`` copies that config) (docs/decode-internals.md "How it works"):
 
 * ``cache_implementation="static"`` and ``max_cache_len`` (the cache is allocated once at that
   length, so the compiled decoding step keeps its shapes whatever the prompt length);
@@ -151,7 +151,7 @@ def _regional(model: Any, asked: bool) -> tuple[bool, list[LoadEvent]]:
         return True, []
     cause = (
         f"{type(model).__name__} has no list of decoder layers of one class with a self_attn.layer_idx "
-        'under model.layers: the whole decode step compiles (docs/decode.md "Regional compilation")'
+        'under model.layers: the whole decode step compiles (docs/decode-kernels.md "Regional compilation")'
     )
     logger.warning("regional compilation not applied: %s", cause)
     event = LoadEvent(kind="fallback", what="regional_compile", planned=True, actual=False, cause=cause)
@@ -159,7 +159,7 @@ def _regional(model: Any, asked: bool) -> tuple[bool, list[LoadEvent]]:
 
 
 def _fused_projections(model: Any) -> LoadEvent:
-    """q/k/v and gate/up fused into one product each (docs/decode.md "Fused projections")."""
+    """q/k/v and gate/up fused into one product each (docs/decode-kernels.md "Fused projections")."""
     from xpukit.loading.decode.fused_proj import fuse_projections
 
     done = fuse_projections(model)
@@ -174,7 +174,7 @@ def _fused_projections(model: Any) -> LoadEvent:
 
 
 def _weight_only_products(model: Any, kernel: str) -> LoadEvent:
-    """xpukit's weight-only products for the decode step (docs/decode.md "Weight-only products")."""
+    """xpukit's weight-only products for the decode step (docs/decode-kernels.md "Weight-only products")."""
     from xpukit.loading.decode.woq_products import install_weight_only_products
 
     done = install_weight_only_products(model, kernel)
@@ -217,7 +217,7 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     """Run one short greedy generation twice, at batch 1, and record how long each took.
 
     The first call compiles the decoding step when the plan compiles; later calls of the same batch
-    size and a prompt that fits ``max_cache_len`` reuse it (docs/decode.md "Recompilation"). Tiered,
+    size and a prompt that fits ``max_cache_len`` reuse it (docs/decode-internals.md "Recompilation"). Tiered,
     the first call is the first tier's and the warm-up waits for the compiled step before the second
     (docs/decode.md "Tiered decoding").
 

@@ -4,7 +4,7 @@ A decode step at batch 1 reads every weight once; three products over one input 
 (gate, up) each launch their own kernel, and the narrow ones (k/v, 4 096 → 1 024 on the Qwen3-8B
 shape) run in split-K kernels with a reduction after them (docs/decode.md "Where a token's time
 goes"). Fused at load, as gpt-fast lays its weights out, each group is one product over one
-weight whose rows are the parts' rows (docs/decode.md "Fused projections"):
+weight whose rows are the parts' rows (docs/decode-kernels.md "Fused projections"):
 
 * the fused weight is a non-persistent buffer of the attention (``xpukit_qkv_weight``) or MLP
   (``xpukit_gate_up_weight``) module, so ``model.to()`` moves it and ``save_pretrained`` does not

@@ -1,4 +1,4 @@
-"""Installing xpukit's decode loop behind one model's ``generate`` (docs/decode.md "How it works"):
+"""Installing xpukit's decode loop behind one model's ``generate`` (docs/decode-internals.md "How it works"):
 the loop itself is :class:`xpukit.loading.decode.loop.DecodeLoop`."""
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ def install_decode_loop(
     ``model.generate(...)`` then asks :func:`~xpukit.loading.decode.request.triage` per call;
     ``model.xpukit_decode_loop`` is the loop, ``model.xpukit_last_decode`` says which loop ran last.
     ``step_graphs=True`` captures the compiled step as one device graph (``compile_options`` must then
-    make no graphs of their own: docs/decode.md "Own step graphs"). ``cache_fields`` go into the
+    make no graphs of their own: docs/decode-internals.md "Own step graphs"). ``cache_fields`` go into the
     compile cache's key (the weights' format, whether projections are fused). ``regional=True``
-    compiles one decoder layer for all of them instead of the whole step (docs/decode.md
+    compiles one decoder layer for all of them instead of the whole step (docs/decode-kernels.md
     "Regional compilation"). ``tiered=True`` serves the uncompiled step while a thread builds the
     compiled one (docs/decode.md "Tiered decoding").
     """

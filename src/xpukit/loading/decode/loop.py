@@ -3,7 +3,7 @@
 Reached through the model's own ``generate()`` (:func:`install_decode_loop` wraps it on the
 instance); :func:`xpukit.loading.decode.request.triage` decides per call whether this loop serves
 it, else transformers' ``generate`` runs unchanged. Which one ran is ``model.xpukit_last_decode``
-(docs/decode.md "How the loop works").
+(docs/decode-internals.md "How the loop works").
 
 Per batch size the loop keeps a ``StaticCache`` of ``max_cache_len`` tokens and fixed buffers
 (:mod:`xpukit.loading.decode.state`). A decode step reads and writes only those buffers, on the
@@ -64,13 +64,13 @@ class DecodeLoop:
         graphs: the ``(batch, step)`` pairs compiled so far in this process.
         step_graphs: xpukit's own capture of the compiled step and the prefill
             (:class:`~xpukit.loading.decode.step_graph.StepGraphs`), or ``None``.
-        window_smallest: cache slots of the smallest attention window (docs/decode.md
+        window_smallest: cache slots of the smallest attention window (docs/decode-internals.md
             "Attention window"; a value at least the cache's length attends over the whole cache, for
             comparison).
         capture_prefill: with step graphs, pad the prompt to its bucket and capture its prefill
             (``False``: the prefill runs uncaptured, for comparison).
         regional: compile one decoder layer and run its code for every layer, the rest of the step
-            eager, instead of compiling the whole step (docs/decode.md "Regional compilation").
+            eager, instead of compiling the whole step (docs/decode-kernels.md "Regional compilation").
         tiered: the uncompiled step serves until the compiled one is built (docs/decode.md
             "Tiered decoding"); ``tiers`` holds the builds (:class:`~xpukit.loading.decode.tiers.Tiers`).
     """
@@ -135,7 +135,8 @@ class DecodeLoop:
         if step_graphs and options and options.get("mode") == "reduce-overhead":
             raise InvalidRequestError(
                 "step_graphs=True captures the compiled step itself: compile it without inductor's "
-                'CUDA graphs (mode "default", not "reduce-overhead"; docs/decode.md "Own step graphs")'
+                'CUDA graphs (mode "default", not "reduce-overhead"; '
+                'docs/decode-internals.md "Own step graphs")'
             )
         self.compile_options = options
         self.regional = regional and bool(options)

@@ -4,7 +4,7 @@ The whole-step compile traces and compiles every decoder layer of the step: 36 c
 code for Qwen3-8B. torch's regional-compilation recipe compiles each repeated ``nn.Module`` instead:
 dynamo keys its cache by the code object and (with ``inline_inbuilt_nn_modules``, torch's default)
 treats the layer's parameters as inputs, so the second and later layers hit the first layer's
-compiled code (docs/decode.md "Regional compilation").
+compiled code (docs/decode-kernels.md "Regional compilation").
 
 What stands in the way in a decoder layer is the cache: the attention calls
 ``cache.update(key, value, self.layer_idx)``, and the static cache picks the layer's tensors from a

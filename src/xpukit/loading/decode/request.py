@@ -5,7 +5,7 @@ xpukit's loop (:mod:`xpukit.loading.decode.loop`) serves the common cases only: 
 ``temperature`` / ``top_k`` / ``top_p``, EOS (one id or several), ``max_new_tokens`` / ``max_length``
 and ``min_new_tokens`` / ``min_length``. Every other argument, and every generation-config field
 that differs from transformers' neutral default, sends the call to transformers' ``generate``
-unchanged, with the reason (docs/decode.md "Which loop runs").
+unchanged, with the reason (docs/decode-internals.md "Which loop runs").
 
 The generation config is resolved the way ``generate()`` resolves it (the model's
 ``generation_config``, then transformers' global defaults, then the call's arguments) through

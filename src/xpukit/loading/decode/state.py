@@ -1,4 +1,4 @@
-"""One batch size's buffers of xpukit's decode loop (docs/decode.md "How the loop works").
+"""One batch size's buffers of xpukit's decode loop (docs/decode-internals.md "How the loop works").
 
 Their addresses never change, so a device graph captured over them replays them: the static cache,
 the current token and its position, the 2-D mask over the whole cache, the finished flags, the

@@ -5,7 +5,7 @@ one device graph on CUDA); :func:`prefill_step` runs the prompt (captured per pr
 uncompiled). Both read and write only fixed buffers, so one call can be one graph replay, and
 nothing in them waits for the host. :func:`choose` applies transformers' processors in transformers' order
 (minimum-length EOS suppression, temperature, top-k, top-p) and draws on the device
-(docs/decode.md "How the loop works").
+(docs/decode-internals.md "How the loop works").
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@ xpukit, replayed once per token.
 
 With ``mode="reduce-overhead"`` inductor's CUDA-graph trees replay the step, but every token first
 goes through dynamo's guards and the trees' checks of every graph input's address (each weight is
-one): host work that the device waits for at batch 1 (docs/decode.md "Own step graphs"). The loop's
+one): host work that the device waits for at batch 1 (docs/decode-internals.md "Own step graphs"). The loop's
 step reads and writes only buffers whose addresses never change (:mod:`xpukit.loading.decode.loop`),
 so one capture of the step compiled without graphs (``mode="default"``) replays it with a single
 call per token.
 
 Per key (a kept batch state, the step kind, and the shape: the attention window of a step, the
-prompt bucket of a prefill, docs/decode.md "Attention window"): the first call runs the function
+prompt bucket of a prefill, docs/decode-internals.md "Attention window"): the first call runs the function
 on a side stream (it compiles, and its token is a real one), the second captures it and replays the
 capture, every later one replays. A capture that raises (an operation that cannot be captured)
 leaves that key uncaptured from then on, said once: a capture runs nothing, so the step then runs

@@ -18,7 +18,7 @@ keeps no dynamo guards (:func:`no_guards`): every input it may see is a buffer o
 changes the code is in the compile cache's key. It is written beside the compile cache
 (``<key>.step``, torch's
 ``save_compiled_function``) and a later process loads it instead of tracing and compiling
-(``torch.compiler.load_compiled_function``; docs/decode.md "Compile cache"). A torch without
+(``torch.compiler.load_compiled_function``; docs/decode-internals.md "Compile cache"). A torch without
 ``aot_compile`` compiles the step at its first call instead (the rule before tiers), and says so.
 
 An error in the thread (a failed compile, a load that torch refuses) leaves the first tier serving;

@@ -1,4 +1,4 @@
-"""xpukit's weight-only products installed on a loaded model for decoding (docs/decode.md
+"""xpukit's weight-only products installed on a loaded model for decoding (docs/decode-kernels.md
 "Weight-only products").
 
 Every plain ``Linear`` whose weight the planned kernel reads (:func:`xpukit.kernels.woq.kernel_of`)

@@ -8,9 +8,9 @@ mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`
 * ``fast_decode="auto"`` (the default): taken for quantized inference on a GPU, where plain
   ``generate`` over torchao weights measured slower than bf16 (docs/decode.md "Fast by default");
   every other load is left as ``fast_decode=False`` leaves it. ``True`` asks for it anywhere;
-  ``"unfused"`` is ``True`` without the fused projections (docs/decode.md "Fused projections");
+  ``"unfused"`` is ``True`` without the fused projections (docs/decode-kernels.md "Fused projections");
   ``"regional"`` is ``True`` with one decoder layer compiled for all of them instead of the whole
-  step, compiled in the first call that needs it (docs/decode.md "Regional compilation"; never
+  step, compiled in the first call that needs it (docs/decode-kernels.md "Regional compilation"; never
   the default).
 * Tiered (docs/decode.md "Tiered decoding"): the whole step's compile does not hold up the first
   ``generate()``: the uncompiled step serves (captured as one device graph on CUDA) while a thread
@@ -19,7 +19,7 @@ mechanism (``generation_config.cache_implementation="static"``, ``max_cache_len`
   (headroom minus its weight share and runtime reserve, docs/planning.md) divided by the KV bytes of
   one token, capped by the model's context length, rounded down to a multiple of 256.
 * Compiled decoding on CUDA and XPU (``mode="default"``), one device. On CUDA xpukit's loop captures
-  the compiled step as one CUDA graph itself (docs/decode.md "Own step graphs"); transformers' own
+  the compiled step as one CUDA graph itself (docs/decode-internals.md "Own step graphs"); transformers' own
   ``generate`` (calls the loop does not serve) compiles with ``mode="reduce-overhead"``. On XPU
   nothing is captured (inductor's graph trees are CUDA-only, docs/decode.md "XPU").
 * Quantized weights (docs/decode.md "Quantized models"): bitsandbytes — nothing changes (transformers
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 CACHE_LENGTH_STEP = 256  # max_cache_len is a multiple of this (docs/decode.md "Cache length")
-# Batch sizes the warm-up compiles: each costs one compile (docs/decode.md "Batch sizes").
+# Batch sizes the warm-up compiles: each costs one compile (docs/decode-internals.md "Batch sizes").
 GRAPH_BATCH_SIZES = (1,)
 FAST_DECODE_VALUES = (True, False, "auto", "unfused", "regional")
 # bitsandbytes' quantizers report is_compileable False in transformers 5.22 (docs/decode.md
@@ -83,22 +83,22 @@ class DecodePlan:
         compile_mode: the ``torch.compile`` mode (``reduce-overhead`` or ``default``), or ``None``.
         kv_bytes: KV-cache bytes of ``max_cache_len`` tokens at batch 1 (0 without a static cache).
         graph_batch_sizes: batch sizes whose decode step the warm-up compiles (CUDA: captures as
-            CUDA graphs); any other batch size compiles on its first call (docs/decode.md
+            CUDA graphs); any other batch size compiles on its first call (docs/decode-internals.md
             "Batch sizes").
         grouped_attention: a model that runs SDPA with fewer key/value heads than query heads gets
-            xpukit's grouped decode attention (docs/decode.md "Grouped decode attention").
+            xpukit's grouped decode attention (docs/decode-internals.md "Grouped decode attention").
         step_graph: xpukit's loop compiles its step without graphs and captures it as one device
-            graph itself (docs/decode.md "Own step graphs").
+            graph itself (docs/decode-internals.md "Own step graphs").
         inductor_patterns: ``False`` compiles the loop's step with inductor's pattern matcher off
             (torchao int8 on CUDA: docs/decode.md "Quantized models").
-        fused_projections: q/k/v and gate/up become one product each at load (docs/decode.md
+        fused_projections: q/k/v and gate/up become one product each at load (docs/decode-kernels.md
             "Fused projections").
         weights: the weights' format as the compile cache keys it (``bfloat16``, the torchao label).
         regional: xpukit's loop compiles one decoder layer and runs its code for every layer, the
-            rest of the step eager, all of it captured as one step graph on CUDA (docs/decode.md
+            rest of the step eager, all of it captured as one step graph on CUDA (docs/decode-kernels.md
             "Regional compilation").
         weight_kernel: xpukit's weight-only product serves the decode step's quantized products
-            (``int8``), or ``""`` (docs/decode.md "Weight-only products").
+            (``int8``), or ``""`` (docs/decode-kernels.md "Weight-only products").
         tiered: the first ``generate()`` decodes at once with the uncompiled step (captured as one
             device graph with ``step_graph``, else eager) while a thread compiles the step, which
             takes over between two tokens (docs/decode.md "Tiered decoding").
@@ -182,7 +182,7 @@ def check_fast_decode(value: Any) -> bool | str:
 
 
 def compile_settings(mode: str, *, patterns: bool = True) -> dict[str, Any]:
-    """The ``CompileConfig`` keyword arguments xpukit uses (docs/decode.md "Compile settings");
+    """The ``CompileConfig`` keyword arguments xpukit uses (docs/decode-internals.md "Compile settings");
     ``patterns=False`` (mode ``default`` only) turns inductor's pattern matcher off."""
     if patterns:
         return {"fullgraph": True, "dynamic": False, "mode": mode}

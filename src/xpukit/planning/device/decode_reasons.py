@@ -40,14 +40,14 @@ def tiers_reason(plan: Any) -> str:
     )
 
 
-# Why xpukit's own weight-only product serves the decode step (docs/decode.md "Weight-only products").
+# Why xpukit's own weight-only product serves the decode step (docs/decode-kernels.md "Weight-only products").
 _KERNEL_REASON = {
     "int8": (
         "the decode step's int8 products (up to 16 rows) run xpukit's Triton kernel, which reads each "
         "weight once as stored and dequantizes in registers (H200, Qwen3-8B shape: 190 tokens/s at "
         "batch 1 and 1 389 at batch 8, against 93 and 718 with torchao's product earlier that day, which "
         "writes a bf16 copy of each weight first), each weight checked against torchao's product at load "
-        '(docs/decode.md "Weight-only products")'
+        '(docs/decode-kernels.md "Weight-only products")'
     ),
 }
 
@@ -69,7 +69,8 @@ def compiled_reason(plan: Any, backend: str) -> str:
     graphs = (
         "xpukit's loop captures the step as one CUDA graph itself, one per attention window, and the "
         "prompt's prefill, one per prompt-length bucket (its compile mode default; "
-        'transformers\' generate, where it runs, mode reduce-overhead: docs/decode.md "Own step graphs")'
+        "transformers' generate, where it runs, mode reduce-overhead: "
+        'docs/decode-internals.md "Own step graphs")'
         if backend == "cuda"
         else 'mode default (inductor\'s graph capture is CUDA-only: docs/decode.md "XPU")'
     )
@@ -86,7 +87,7 @@ def compiled_reason(plan: Any, backend: str) -> str:
     if plan.grouped_attention:
         text += (
             "; a decode step's attention over grouped key/value heads without transformers' repeat_kv "
-            'copy (docs/decode.md "Grouped decode attention")'
+            'copy (docs/decode-internals.md "Grouped decode attention")'
         )
     if not plan.inductor_patterns:
         text += (
@@ -103,18 +104,18 @@ def compiled_reason(plan: Any, backend: str) -> str:
         text += (
             "; q/k/v and gate/up fused into one product each at load, one read of their weights per "
             "layer (H200, Qwen3-8B shape, bf16, batch 1: 193 tokens/s against 172 apart; "
-            'fast_decode="unfused" keeps them apart: docs/decode.md "Fused projections")'
+            'fast_decode="unfused" keeps them apart: docs/decode-kernels.md "Fused projections")'
         )
     elif "tile_packed_to_4d" in plan.weights:
         text += (
             f"; q/k/v and gate/up kept apart: {plan.weights}'s row slices leave its scales "
-            "non-contiguous, which torchao's int4 product refuses (H200, torchao 0.18; docs/decode.md "
-            '"Fused projections")'
+            "non-contiguous, which torchao's int4 product refuses (H200, torchao 0.18; "
+            'docs/decode-kernels.md "Fused projections")'
         )
     elif plan.weights.startswith("torchao"):
         text += (
             f"; q/k/v and gate/up kept apart: {plan.weights} does not slice by rows "
-            '(docs/decode.md "Fused projections")'
+            '(docs/decode-kernels.md "Fused projections")'
         )
     if plan.weight_kernel:
         text += "; " + _KERNEL_REASON.get(plan.weight_kernel, plan.weight_kernel)
@@ -137,5 +138,5 @@ def regional_reason(plan: Any) -> str:
         "Its compile is short (2-core CPU, 36-layer Qwen3 of hidden size 64: a fifth of the whole "
         "step's); without the step graph its steps were slow (H200, Qwen3-8B shape, int4: 52 tokens/s "
         "against 249 for the whole step captured as one graph); captured, not yet measured, so it is "
-        'not the default (docs/decode.md "Regional compilation")'
+        'not the default (docs/decode-kernels.md "Regional compilation")'
     )

@@ -1,10 +1,10 @@
 """What the weights' format changes in the ``fast_decode`` plan (pure; ``decode.py`` decides).
 
-* which torchao formats fuse q/k/v and gate/up (their inner tensors slice by rows: docs/decode.md
+* which torchao formats fuse q/k/v and gate/up (their inner tensors slice by rows: docs/decode-kernels.md
   "Fused projections");
 * the label the compile cache keys the weights by;
 * torchao int8 on CUDA: inductor's pattern matcher off for the step (docs/decode.md "Quantized models");
-* which formats xpukit's own weight-only product serves at a decode step (docs/decode.md
+* which formats xpukit's own weight-only product serves at a decode step (docs/decode-kernels.md
   "Weight-only products").
 """
 
@@ -16,14 +16,14 @@ __all__ = ["fusable", "int8_patterns_off", "weight_kernel", "weights_label"]
 
 _GPU = {"cuda", "xpu"}
 # torchao 0.18 formats whose inner tensors slice by rows (aten.slice), so that q/k/v and gate/up
-# concatenate (docs/decode.md "Fused projections"); plain_int32 (XPU int4) has no row slicing.
+# concatenate (docs/decode-kernels.md "Fused projections"); plain_int32 (XPU int4) has no row slicing.
 # tinygemm's int4 (tile_packed_to_4d) is kept apart: its row slices leave scale_and_zero non-contiguous,
 # which torchao's int4 matmul asserts against (H200, torchao 0.18, 2026-12-04).
 _FUSABLE_TORCHAO = {("Int8WeightOnlyConfig", None)}
 # The torchao configs whose weights xpukit's Triton product reads in their stored form
 # (xpukit/kernels/woq.py), with the kernel's name: int8, 2.05x torchao's on the H200 (Qwen3-8B shape,
 # batch 1, 2026-12-04). Its int4 kernel over tinygemm's layout read the weights at 0.53-0.69 TB/s there
-# against tinygemm's 1.26-1.74, so tinygemm keeps int4 (docs/decode.md "Weight-only products").
+# against tinygemm's 1.26-1.74, so tinygemm keeps int4 (docs/decode-kernels.md "Weight-only products").
 _KERNELS = {("Int8WeightOnlyConfig", None): "int8"}
 
 

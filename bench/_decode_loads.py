@@ -30,8 +30,7 @@ LOADS: dict[str, tuple[str | None, bool | str, bool]] = {
 # fast_decode's load with the loop compiled the way it was before, for a same-run comparison:
 # quantize=, then the compile settings: inductor's CUDA-graph trees instead of the loop's own step
 # graph (docs/decode-internals.md "Own step graphs"), or inductor's pattern matcher on for torchao
-# int8 (its
-# rewrite to aten._weight_int8pack_mm, docs/decode.md "Quantized models").
+# int8 (its rewrite to aten._weight_int8pack_mm, docs/decode.md "Quantized models").
 # (quantize, mode, own step graph, warm-up); the *-untiered loads compile in the first generate.
 RECOMPILED = {
     "fast-trees": (None, "reduce-overhead", False, True),

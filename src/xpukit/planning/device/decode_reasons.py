@@ -30,13 +30,15 @@ def tiers_reason(plan: Any) -> str:
         else "the uncompiled step, eagerly (no device graph here)"
     )
     return (
-        f"tiered: generate() decodes at once with {first} while a thread compiles the step ahead of time "
-        f"with no device work ({_COMPILE_COST}; a later process loads the saved step from the compile "
-        "cache instead); the compiled step takes over between two tokens of the same static cache, "
-        "so no call waits for the compile and none loses a token; model.xpukit_last_decode['tiers'] "
-        "counts each tier's tokens; a failed compile leaves the first tier serving, with a "
-        "decode_tiers fallback event; warmup=True waits for the compiled step at load. The first "
-        'tier\'s speed on the 8B shape is not yet measured (docs/decode.md "Tiered decoding")'
+        f"tiered: generate() decodes at once with {first}; when the first call at a batch size ends, a "
+        f"thread compiles the step ahead of time ({_COMPILE_COST}; on the H200 the 8B int4 step built in "
+        "55 s, first token 0.99 s after the load, then 252 tokens/s; a later process loads the saved step "
+        "from the compile cache instead, in about 2 s); while it builds no new graph is captured (the "
+        "compile runs kernels), so a step with no graph yet runs uncaptured and slowly beside it; the "
+        "compiled step takes over between two tokens of the same static cache, so no call waits for the "
+        "compile and none loses a token; model.xpukit_last_decode['tiers'] counts each tier's tokens; a "
+        "failed compile leaves the first tier serving, with a decode_tiers fallback event; warmup=True "
+        'waits for the compiled step at load (docs/decode.md "Tiered decoding")'
     )
 
 

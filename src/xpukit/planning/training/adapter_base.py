@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from xpukit.planning.device.quantization import QuantRequest
-from xpukit.planning.training.base_record import BaseRecord
+from xpukit.planning.training.base_record import BaseRecord, held_as
 
 __all__ = ["AdapterBase", "adapter_base"]
 
@@ -107,12 +107,7 @@ def _kind(quant: QuantRequest) -> str | None:
 
 def _held(quant: QuantRequest) -> str:
     kind = _kind(quant)
-    return {
-        None: "in full precision",
-        "4bit": "in 4-bit",
-        "8bit": "in 8-bit",
-        "auto": "as quantize='auto' decides",
-    }.get(kind, f"quantized by {kind}")
+    return "as quantize='auto' decides" if kind == "auto" else held_as(kind)
 
 
 def _adapter(record: BaseRecord) -> str:

@@ -23,7 +23,7 @@ from xpukit.errors import InvalidRequestError
 from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.sources.adapter_files import RECORD_FILE, record_problem
 
-__all__ = ["RECORD_FILE", "BaseRecord", "parse_record", "record_from"]
+__all__ = ["RECORD_FILE", "BaseRecord", "held_as", "parse_record", "record_from"]
 
 _FORMAT = 1
 # The BitsAndBytesConfig keywords that decide which 4-bit weights the base had (the compute dtype
@@ -82,8 +82,7 @@ class BaseRecord:
         """A warning when an adapter trained further is held otherwise than it trained (``None`` if not)."""
         if quantization == self.quantization:
             return None
-        now = {"4bit": "in 4-bit", "8bit": "in 8-bit", None: "in full precision"}.get(quantization)
-        now = now or f"quantized by {quantization}"
+        now = held_as(quantization)
         fix = f"quantize={self.quantization!r}" if self.quantization in {"4bit", "8bit"} else "quantize=False"
         return (
             f"trainable=True: {self.path} says the adapter trained with its base held {self.held()}, and "
@@ -107,6 +106,13 @@ class BaseRecord:
             kept = {k: config[k] for k in _8BIT_KEYS if config.get(k) is not None}
             return {"load_in_8bit": True, **kept}
         return None
+
+
+def held_as(quantization: str | None) -> str:
+    """How a base is held, in words, for a quantization kind (``"4bit"``, ``"8bit"``, ``None``, or a
+    method's name): ``in 4-bit``, ``in full precision``, ``quantized by gptq``."""
+    known = {"4bit": "in 4-bit", "8bit": "in 8-bit", None: "in full precision"}
+    return known.get(quantization) or f"quantized by {quantization}"
 
 
 def record_from(quantization_config: dict[str, Any] | None, *, dtype: str, base_model: str) -> dict[str, Any]:

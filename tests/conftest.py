@@ -323,6 +323,34 @@ def train_losses() -> Callable[[Any, Any, Any, list[Any]], list[float]]:
     return _train_losses
 
 
+def _six_steps(model: Any, path: Path, output_dir: Path) -> list[float]:
+    from transformers import AutoTokenizer
+
+    from xpukit import training_args
+
+    tok = AutoTokenizer.from_pretrained(path)
+    data = [tok("the quick brown fox jumps over the lazy dog", max_length=32, truncation=True)] * 16
+    args = training_args(
+        model,
+        output_dir=str(output_dir),
+        per_device_train_batch_size=8,
+        max_steps=6,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+    )
+    return _train_losses(model, args, tok, data)
+
+
+@pytest.fixture
+def six_steps() -> Callable[[Any, Path, Path], list[float]]:
+    """``six_steps(model, path, output_dir)``: six ``Trainer`` steps of batch 8 on one repeated line of
+    ``path``'s tokenizer, through ``training_args`` (lr 1e-2); returns the six losses."""
+    return _six_steps
+
+
 def _perturbed_adapter(base: Path, out: Path, *, quantize: str | None, seed: int = 0) -> Path:
     import torch
 

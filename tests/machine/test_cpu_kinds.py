@@ -34,25 +34,10 @@ def test_training_precision_on_the_cpu(tiny_model: Path, cpu_kind: str, tmp_path
     assert args.use_cpu
 
 
-def test_qlora_trains_on_the_cpu(tiny_model: Path, cpu_kind: str, tmp_path: Path, train_losses: Any) -> None:
+def test_qlora_trains_on_the_cpu(tiny_model: Path, cpu_kind: str, tmp_path: Path, six_steps: Any) -> None:
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    from transformers import AutoTokenizer
-
     model = load_for_xpu(tiny_model, device="cpu", quantize="4bit", lora=True)
     assert model.xpukit_plan.dtype == ("bfloat16" if NATIVE[cpu_kind] else "float32")
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    data = [tok("the quick brown fox jumps over the lazy dog", max_length=32, truncation=True)] * 16
-    args = training_args(
-        model,
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        max_steps=6,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    losses = train_losses(model, args, tok, data)
+    losses = six_steps(model, tiny_model, tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0]

@@ -130,30 +130,15 @@ def test_granite_is_planned_from_its_config(tiny_models: Any) -> None:
     assert plan.training.loss != "liger" and "no fused loss for Granite" in plan.decision("liger").reason
 
 
-def test_granite_loads_and_trains_lora_on_the_cpu(tiny_models: Any, tmp_path: Any, train_losses: Any) -> None:
+def test_granite_loads_and_trains_lora_on_the_cpu(tiny_models: Any, tmp_path: Any, six_steps: Any) -> None:
     pytest.importorskip("peft")
     pytest.importorskip("bitsandbytes")
-    from transformers import AutoTokenizer
-
-    from xpukit import load_for_xpu, training_args
+    from xpukit import load_for_xpu
 
     path = tiny_models["granite"]
     model = load_for_xpu(path, device="cpu", dtype="float32", quantize="4bit", lora=True)
     assert model.xpukit_plan.carried_out and type(model).__name__ == "PeftModelForCausalLM"
-    tok = AutoTokenizer.from_pretrained(path)
-    data = [tok("the quick brown fox jumps over the lazy dog", max_length=32, truncation=True)] * 16
-    args = training_args(
-        model,
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=8,
-        max_steps=6,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-    )
-    losses = train_losses(model, args, tok, data)
+    losses = six_steps(model, path, tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0], losses
 
 

@@ -135,6 +135,7 @@ PLANNING_LEVELS: dict[str, int] = {
     "xpukit.planning.for_training": 4,
     "xpukit.planning.arguments": 4,
     "xpukit.planning.request": 5,
+    "xpukit.planning.stage_values": 5,
     "xpukit.planning.stages": 6,
     "xpukit.planning.plan": 7,
 }

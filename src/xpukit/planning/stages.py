@@ -1,21 +1,19 @@
 """The stages of :func:`xpukit.planning.plan.plan_load`, in the order they run.
 
 request → config → machine → model → placement → attention → adapters and training → decode → plan.
-Each stage is a function of what the stages before it decided, and returns a small frozen value: a
-reader sees at a glance what is known when each decision is taken. A new decision goes into the stage
-that first knows everything it needs (CONTRIBUTING.md). Warnings are returned by each stage and
-joined in stage order, which is the order the plan lists them.
+Each stage is a function of what the stages before it decided, and returns a small frozen value
+(:mod:`xpukit.planning.stage_values`): a reader sees at a glance what is known when each decision is
+taken. A new decision goes into the stage that first knows everything it needs (CONTRIBUTING.md).
+Warnings are returned by each stage and joined in stage order, which is the order the plan lists them.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
-from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.planning.arguments import (
     check_keywords,
     check_lora_targets,
@@ -23,52 +21,41 @@ from xpukit.planning.arguments import (
     host_modules_reason,
     seed_decision,
 )
-from xpukit.planning.device.attention import AttentionChoice, choose_attention
+from xpukit.planning.device.attention import choose_attention
 from xpukit.planning.device.choice import decide_dtype, machine_for, resolve_device
-from xpukit.planning.device.decode import DecodePlan, decide_decode
+from xpukit.planning.device.decode import decide_decode
 from xpukit.planning.device.distributed import (
-    DistributedLoad,
-    RankPlacement,
     place_rank,
     plan_distributed,
     shard_candidates,
 )
-from xpukit.planning.device.layer_kernels import KernelsChoice, choose_kernels
-from xpukit.planning.device.layout import Layout, plan_layout
+from xpukit.planning.device.layer_kernels import choose_kernels
+from xpukit.planning.device.layout import plan_layout
 from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, recorded_request
-from xpukit.planning.device.saved_quant import SavedFormat, check_saved_family, read_saved, saved_dtype
+from xpukit.planning.device.saved_quant import check_saved_family, read_saved, saved_dtype
 from xpukit.planning.for_training import Attempt, layout_for_training
 from xpukit.planning.loadplan import LoadPlan
-from xpukit.planning.model.classes import ModelClassChoice, choose_model_class
-from xpukit.planning.model.facts import ModelFacts, model_facts
+from xpukit.planning.model.classes import choose_model_class
+from xpukit.planning.model.facts import model_facts
 from xpukit.planning.request import LoadRequest, ModelArg, keywords
+from xpukit.planning.stage_values import Adapters, Attention, Config, Decode, Machine, Model, Placement
 from xpukit.planning.training.adapter_base import AdapterBase, adapter_base
 from xpukit.planning.training.adapter_fit import check_saved_adapter
 from xpukit.planning.training.allocation import allocation_cap
-from xpukit.planning.training.base_record import BaseRecord
 from xpukit.planning.training.fit import training_plan_for
 from xpukit.planning.training.fused import decide_fused, fused_will_run
 from xpukit.planning.training.graphs import decide_layer_graphs, graphs_possible
 from xpukit.planning.training.lora_config import fit_lora_to_class
-from xpukit.planning.training.lora_request import LoraRequest
 from xpukit.planning.training.merge import MergePlan, plan_merge
 from xpukit.planning.training.packing import decide_packing, packing_wanted
-from xpukit.planning.training.training_plan import TrainingPlan
 from xpukit.planning.vocabulary import Decision
 from xpukit.sources.hub_access import HubFacts
 from xpukit.sources.model_config import ConfigRead
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
+    pass
 
 __all__ = [
-    "Adapters",
-    "Attention",
-    "Config",
-    "Decode",
-    "Machine",
-    "Model",
-    "Placement",
     "adapters_stage",
     "attention_stage",
     "config_stage",
@@ -79,84 +66,6 @@ __all__ = [
     "placement_stage",
     "plan_stage",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Config:
-    """The model's config, where it came from, and the quantization asked (or recorded in it)."""
-
-    config: PreTrainedConfig
-    source: str | None  # where the weights come from (None: a built-in shape or a bare config)
-    name: str
-    consumed: frozenset[str]
-    quant: QuantRequest
-    given: bool  # a config was given (``config=`` or a config object with a source), not read
-    saved: SavedFormat | None = None  # a quantized checkpoint xpukit merge wrote (its record)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Machine:
-    """The machine, this process's rank in a launched job, the main device, and the Hub as seen from it."""
-
-    machine: MachineFacts
-    facts_given: bool
-    rank: RankPlacement | None
-    main: DeviceFacts
-    candidates: tuple[DeviceFacts, ...]
-    device_decision: Decision
-    world: int  # processes of a launched job
-    hub: HubFacts  # asked only when a Hub kernel is on the table (xpukit/sources/hub_access.py)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Model:
-    """What the model is: its class, its facts, and a saved adapter checked against it."""
-
-    class_choice: ModelClassChoice
-    facts: ModelFacts
-    adapter_check: str | None
-    record: BaseRecord | None
-    warnings: tuple[str, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Placement:
-    """Where the weights go, in which dtype and format; the LoRA request and its training plan."""
-
-    layout: Layout
-    lora: LoraRequest | None
-    training: TrainingPlan | None
-    distributed: DistributedLoad
-    warnings: tuple[str, ...]
-
-    @property
-    def dtype(self) -> str:
-        return str(self.layout.dtype.value)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Attention:
-    """The attention implementation and the Hub layer kernels."""
-
-    attention: AttentionChoice
-    kernels: KernelsChoice
-    warnings: tuple[str, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Adapters:
-    """The decisions about the adapters and their training, in the plan's order."""
-
-    decisions: tuple[Decision, ...]
-    warnings: tuple[str, ...]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Decode:
-    """``fast_decode``'s plan and decision (both ``None`` when not asked)."""
-
-    plan: DecodePlan | None
-    decision: Decision | None
 
 
 def _trust_remote_code(req: LoadRequest) -> bool:

@@ -169,6 +169,69 @@ def test_the_background_build_never_blocks_a_call(
     assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "compiled": NEW - 1}
 
 
+def test_before_the_build_the_first_tier_is_captured_for_every_window(
+    tiny_model, tokenizer, want, tmp_path, monkeypatch, rerun_graphs
+):
+    """A 1-token first call runs only its prefill; before the build starts, the loop captures the
+    first tier's step for every attention window and the call's prompt bucket, so the next call,
+    made during the build, replays graphs only (a step run uncaptured beside a build waits for the
+    GIL at every operation) and gives transformers' tokens. Python's switch interval is short while
+    the build runs, and as it was after."""
+    import sys
+
+    from xpukit.loading.decode.attention import use_grouped_decode_attention
+
+    release, building = threading.Event(), threading.Event()
+    build = tiers.build_step
+
+    def slow(*args, **kwargs):
+        building.set()
+        assert release.wait(60)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(tiers, "build_step", slow)
+    found = sys.getswitchinterval()
+    model, loop = _tiered(tiny_model, tmp_path, rerun_graphs, background=True)
+    use_grouped_decode_attention(model)
+    loop.window_smallest = 32
+    model.generate(**_inputs(tokenizer), max_new_tokens=1, do_sample=False)
+    try:
+        assert building.wait(60)
+        graphs = loop.step_graphs
+        assert sorted(key[2] for key in graphs._graphs if key[1] == "graph-greedy") == [32, 64, 128, 256]
+        assert [key[2] for key in graphs._graphs if key[1] == "prefill-greedy"] == [16]
+        assert sys.getswitchinterval() == pytest.approx(min(found, tiers.HANDOFF_S), rel=0.05)
+        assert _generate(model, tokenizer) == want
+        assert model.xpukit_last_decode["tiers"] == {"prefill": 1, "graph": NEW - 1}
+        assert graphs.stats["uncaptured_while_building"] == 0
+    finally:
+        release.set()
+    assert loop.tiers.wait(60) is True
+    assert sys.getswitchinterval() == found
+
+
+def test_the_short_switch_interval_is_shared_and_never_undoes_a_change_made_meanwhile():
+    import sys
+
+    found = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        with tiers.quick_handoff():
+            with tiers.quick_handoff():  # a second build (another batch size) meanwhile
+                assert sys.getswitchinterval() == pytest.approx(tiers.HANDOFF_S, rel=0.05)
+            assert sys.getswitchinterval() == pytest.approx(tiers.HANDOFF_S, rel=0.05)  # the first still runs
+        assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
+        with tiers.quick_handoff():
+            sys.setswitchinterval(0.002)  # the user's own setting, made during the build
+        assert sys.getswitchinterval() == pytest.approx(0.002, rel=0.05)
+        sys.setswitchinterval(0.00005)
+        with tiers.quick_handoff():  # already shorter: left as it is
+            assert sys.getswitchinterval() == pytest.approx(0.00005, rel=0.05)
+        assert sys.getswitchinterval() == pytest.approx(0.00005, rel=0.05)
+    finally:
+        sys.setswitchinterval(found)
+
+
 def test_tiers_refuse_regional(tiny_model, tmp_path):
     from xpukit.errors import InvalidRequestError
 

@@ -21,6 +21,7 @@ __all__ = [
     "left_pad",
     "prompt_length",
     "window_length",
+    "window_lengths",
 ]
 
 WINDOW_SMALLEST = 256  # cache slots of the smallest attention window
@@ -38,6 +39,14 @@ def _power_of_two_from(smallest: int, n: int) -> int:
 def window_length(needed: int, cache_len: int, smallest: int = WINDOW_SMALLEST) -> int:
     """Cache slots a step attends over when ``needed`` of them hold tokens (at most the cache)."""
     return min(_power_of_two_from(smallest, needed), cache_len)
+
+
+def window_lengths(cache_len: int, smallest: int = WINDOW_SMALLEST) -> list[int]:
+    """Every window a step of a ``cache_len``-slot cache may attend over, smallest first."""
+    sizes = [min(smallest, cache_len)]
+    while sizes[-1] < cache_len:
+        sizes.append(min(sizes[-1] * 2, cache_len))
+    return sizes
 
 
 def prompt_length(tokens: int, room: int, smallest: int = PREFILL_SMALLEST) -> int | None:

@@ -29,7 +29,13 @@ from typing import Any
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode.attention import NAME as GROUPED_ATTENTION
-from xpukit.loading.decode.buckets import WINDOW_SMALLEST, left_pad, prompt_length, window_length
+from xpukit.loading.decode.buckets import (
+    WINDOW_SMALLEST,
+    left_pad,
+    prompt_length,
+    window_length,
+    window_lengths,
+)
 from xpukit.loading.decode.progress import compile_progress
 from xpukit.loading.decode.regional import compile_layers, regional_step
 from xpukit.loading.decode.request import DecodeRequest, triage
@@ -37,7 +43,7 @@ from xpukit.loading.decode.state import DecodeState, fill_constants, new_state
 from xpukit.loading.decode.step import decode_step, prefill_step
 from xpukit.loading.decode.step_graph import StepGraphs
 from xpukit.loading.decode.tiers import CompileJob, Tiers, aot_available
-from xpukit.loading.device_graph import GraphBackend
+from xpukit.loading.device_graph import GraphBackend, background_busy
 
 __all__ = ["CHECK_EVERY", "DecodeLoop"]
 
@@ -220,17 +226,16 @@ class DecodeLoop:
             hit = self._consts["is_eos"][new]
             first_eos = torch.where(hit.any(-1), hit.int().argmax(-1), done - 1)
             new = new[:, : int(first_eos.max()) + 1]
-        return torch.cat([given, new.clone()], dim=1)
+        result = torch.cat([given, new.clone()], dim=1)
+        if self.tiered:  # the build starts when the first call that needs it ends (loading/decode/tiers.py)
+            self._job(torch, request, state, ids.shape[1] + done, prefill=bucket)
+        return result
 
     def _decode(self, torch: Any, request: DecodeRequest, state: DecodeState, prompt: int) -> int:
         """The steps after the prefill; returns how many tokens of ``out`` are made."""
         batch = int(state.tokens.shape[0])
         job = self.tiers.jobs.get((batch, _step_name(request))) if self.tiered else None
-        try:
-            return self._decode_steps(torch, request, state, prompt, job)
-        finally:  # the build starts when the first call that needs it ends (xpukit/loading/decode/tiers.py)
-            if self.tiered and job is None:
-                self._job(torch, request, state, prompt + 1)
+        return self._decode_steps(torch, request, state, prompt, job)
 
     def _decode_steps(
         self, torch: Any, request: DecodeRequest, state: DecodeState, prompt: int, job: CompileJob | None
@@ -264,17 +269,45 @@ class DecodeLoop:
         captured as a device graph) or ``eager``."""
         return "graph" if self.step_graphs is not None else "eager"
 
-    def _job(self, torch: Any, request: DecodeRequest, state: DecodeState, needed: int) -> CompileJob:
-        """The build of the compiled step for this call's batch and step kind (started on first need)."""
+    def _job(
+        self, torch: Any, request: DecodeRequest, state: DecodeState, filled: int, prefill: int | None = None
+    ) -> CompileJob:
+        """The build of the compiled step for this call's batch and step kind (started on first need,
+        after the call's tokens are taken: ``filled`` cache slots hold them; ``prefill``: the call's
+        captured prompt bucket)."""
         batch, kind = int(state.tokens.shape[0]), _step_name(request)
         if (batch, kind) in self.tiers.jobs:
             return self.tiers.jobs[(batch, kind)]
-        args = self._step_args(request, state, self._window(state, needed))
+        self._capture_first_tier(request, state, filled, prefill)
+        args = self._step_args(request, state, self._window(state, filled))
         root = compile_cache.compile_cache_dir() if self.cache_dir is None else Path(self.cache_dir)
         path = root / f"{self._key(batch, kind)}.step"
         job = self.tiers.start((batch, kind), args, dict(self.compile_options or {}), path)
         self.cache_records.append(job.record)
         return job
+
+    def _capture_first_tier(
+        self, request: DecodeRequest, state: DecodeState, filled: int, prefill: int | None
+    ) -> None:
+        """Before the build starts, the first tier's step captured for every attention window of this
+        batch, and the call's prefill bucket: no capture starts while the build runs, and a step run
+        uncaptured beside it waits for Python's lock at each operation (docs/decode.md "Tiered
+        decoding"), while a replay needs it a few times a token. The warm-up runs and the replays that
+        follow each capture run for real: their tokens go to the cache's next free slots and the output
+        buffer from slot 1, after this call's tokens were taken (the next call resets both). Skipped
+        when the cache has too little room left."""
+        if self.step_graphs is None or background_busy():
+            return
+        length = int(state.mask.shape[1])
+        windows = window_lengths(length, self.window_smallest) if self._window(state, 1) is not None else [1]
+        if filled + 2 * len(windows) > length:
+            return
+        if prefill is not None:  # warmed by the call: this run captures it
+            self._prefill(request, state, prefill, captured=True)
+        state.index.fill_(1)
+        for window in windows:
+            for _ in range(2):  # StepGraphs.run: a warm-up run, then the capture and its replay
+                self._call(decode_step, request, state, window, tier=self.first_tier)
 
     def _compiles_now(self, request: DecodeRequest, batch: int) -> bool:
         return bool(self.compile_options) and (batch, _step_name(request)) not in self.graphs

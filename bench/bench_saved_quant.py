@@ -93,6 +93,8 @@ def main() -> None:
     device = pick_device(args.device)
     bits = args.bits or ("int8" if device == "cpu" else "int4")
     kind = {"int4": "4bit", "int8": "8bit"}[bits]
+    if args.root:
+        Path(args.root).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="xpukit-bench-saved-", dir=args.root) as root:
         full, out = Path(root) / "full", Path(root) / "saved"
         shape = build_model(full, args)

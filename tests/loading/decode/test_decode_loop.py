@@ -16,6 +16,7 @@ import pytest
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode import loop as decode_loop
+from xpukit.loading.decode import runner as decode_runner
 from xpukit.loading.decode import step as decode_step
 from xpukit.loading.decode.install import install_decode_loop
 
@@ -356,7 +357,7 @@ def test_a_window_too_short_is_caught(tiny_model, reference, tokenizer, monkeypa
     loop.window_smallest = 4
     inputs = _inputs(tokenizer, 3)
     want = _transformers(reference, inputs, max_new_tokens=NEW, do_sample=False)
-    monkeypatch.setattr(decode_loop, "window_length", lambda needed, cache_len, smallest: needed - 1)
+    monkeypatch.setattr(decode_runner, "window_length", lambda needed, cache_len, smallest: needed - 1)
     got = model.generate(**inputs, max_new_tokens=NEW, do_sample=False)
     assert got.shape == want.shape and got.tolist() != want.tolist()
 

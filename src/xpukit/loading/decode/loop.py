@@ -15,12 +15,12 @@ xpukit's grouped decode attention a step reads only the attention window of the 
 step graphs the prompt is left-padded to a bucket and its prefill is one replay too
 (:mod:`xpukit.loading.decode.buckets`). Tiered (docs/decode.md "Tiered decoding"), the step runs
 uncompiled until the compiled step, built on a thread (:mod:`xpukit.loading.decode.tiers`), takes
-over between two tokens.
+over between two tokens. Which step runs, with which arguments, and how one step is called is
+:class:`~xpukit.loading.decode.runner.StepRunner`'s.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import OrderedDict
 from pathlib import Path
@@ -28,22 +28,14 @@ from typing import Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
-from xpukit.loading.decode.attention import NAME as GROUPED_ATTENTION
-from xpukit.loading.decode.buckets import (
-    WINDOW_SMALLEST,
-    left_pad,
-    prompt_length,
-    window_length,
-    window_lengths,
-)
+from xpukit.loading.decode.buckets import left_pad, prompt_length, window_lengths
 from xpukit.loading.decode.progress import compile_progress
-from xpukit.loading.decode.regional import compile_layers, regional_step
 from xpukit.loading.decode.request import DecodeRequest, triage
+from xpukit.loading.decode.runner import StepRunner, step_name
 from xpukit.loading.decode.state import DecodeState, fill_constants, new_state
-from xpukit.loading.decode.step import decode_step, prefill_step
-from xpukit.loading.decode.step_graph import StepGraphs
+from xpukit.loading.decode.step import decode_step
 from xpukit.loading.decode.tiers import CompileJob, Tiers, aot_available
-from xpukit.loading.device_graph import GraphBackend, background_busy
+from xpukit.loading.device_graph import background_busy
 
 __all__ = ["CHECK_EVERY", "DecodeLoop"]
 
@@ -59,24 +51,14 @@ def _fill_mask(cache_mask: Any, mask: Any) -> None:
     cache_mask[:, mask.shape[1] :].fill_(1)
 
 
-class DecodeLoop:
-    """The decode loop of one model.
+class DecodeLoop(StepRunner):
+    """The decode loop of one model (its steps: :class:`~xpukit.loading.decode.runner.StepRunner`).
 
     Attributes:
         enabled: ``False`` sends every call to transformers' ``generate`` (a switch for comparison).
-        compile_options: ``torch.compile`` keyword arguments of the step, or ``None`` (eager).
         check_every: tokens between two reads of the finished flags.
-        cache_records: what the compile cache did, one dict per compiled graph.
-        graphs: the ``(batch, step)`` pairs compiled so far in this process.
-        step_graphs: xpukit's own capture of the compiled step and the prefill
-            (:class:`~xpukit.loading.decode.step_graph.StepGraphs`), or ``None``.
-        window_smallest: cache slots of the smallest attention window (docs/decode-internals.md
-            "Attention window"; a value at least the cache's length attends over the whole cache, for
-            comparison).
         capture_prefill: with step graphs, pad the prompt to its bucket and capture its prefill
             (``False``: the prefill runs uncaptured, for comparison).
-        regional: compile one decoder layer and run its code for every layer, the rest of the step
-            eager, instead of compiling the whole step (docs/decode-kernels.md "Regional compilation").
         tiered: the uncompiled step serves until the compiled one is built (docs/decode.md
             "Tiered decoding"); ``tiers`` holds the builds (:class:`~xpukit.loading.decode.tiers.Tiers`).
     """
@@ -91,33 +73,21 @@ class DecodeLoop:
         cache_dir: Any = None,
         cache_fields: dict[str, Any] | None = None,
     ) -> None:
-        self.model = model
-        self.step_graphs: StepGraphs | None = None  # set_compile(..., step_graphs=True)
-        self.regional = False  # set_compile(..., regional=True)
+        super().__init__(
+            model,
+            max_cache_len=max_cache_len,
+            compile_options=compile_options,
+            cache_dir=cache_dir,
+            cache_fields=cache_fields,
+        )
         self.tiered = False  # set_compile(..., tiered=True)
         self.tiers = Tiers()
         self._tokens: dict[str, int] = {}  # tokens per tier in the last call
         self.enabled = True
-        self.max_cache_len = max_cache_len
-        self.compile_options = compile_options
         self.check_every = check_every
-        self.cache_dir = cache_dir
-        self.cache_fields = dict(cache_fields or {})  # what the model's load changed (fused weights)
-        self.cache_records: list[dict[str, Any]] = []
-        self.graphs: set[tuple[int, str]] = set()
-        self.window_smallest = WINDOW_SMALLEST
         self.capture_prefill = True
         self._states: OrderedDict[tuple[int, int], DecodeState] = OrderedDict()
-        self._compiled: dict[bool, Any] = {}
-        self._consts: dict[str, Any] = {}
         self._last: tuple[DecodeRequest, DecodeState] | None = None
-        self._keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
-
-    @property
-    def cudagraphs(self) -> bool:
-        """Whether the step is captured as CUDA graphs (``mode="reduce-overhead"``)."""
-        options = self.compile_options or {}
-        return options.get("mode") == "reduce-overhead"
 
     def set_compile(
         self,
@@ -138,20 +108,9 @@ class DecodeLoop:
                 "compiles one decoder layer in the call that first needs it. Fix: one of the two "
                 '(docs/decode.md "Tiered decoding")'
             )
-        if step_graphs and options and options.get("mode") == "reduce-overhead":
-            raise InvalidRequestError(
-                "step_graphs=True captures the compiled step itself: compile it without inductor's "
-                'CUDA graphs (mode "default", not "reduce-overhead"; '
-                'docs/decode-internals.md "Own step graphs")'
-            )
-        self.compile_options = options
-        self.regional = regional and bool(options)
+        super().set_compile(options, step_graphs=step_graphs, regional=regional)
         self.tiered = tiered and bool(options)
-        self._compiled.clear()
         self.tiers.jobs.clear()
-        self.graphs.clear()
-        device = self.model.device.type
-        self.step_graphs = StepGraphs(GraphBackend(device)) if step_graphs and options else None
         if self.tiered:
             import torch
 
@@ -162,11 +121,8 @@ class DecodeLoop:
 
     def disable_compile(self) -> None:
         """Run the step eagerly from now on (a compile failure)."""
-        self.compile_options = None
-        self.step_graphs = None
-        self.regional = False
+        super().disable_compile()
         self.tiered = False
-        self._compiled.clear()
         self.tiers.jobs.clear()
 
     def dispatch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -234,7 +190,7 @@ class DecodeLoop:
     def _decode(self, torch: Any, request: DecodeRequest, state: DecodeState, prompt: int) -> int:
         """The steps after the prefill; returns how many tokens of ``out`` are made."""
         batch = int(state.tokens.shape[0])
-        job = self.tiers.jobs.get((batch, _step_name(request))) if self.tiered else None
+        job = self.tiers.jobs.get((batch, step_name(request))) if self.tiered else None
         return self._decode_steps(torch, request, state, prompt, job)
 
     def _decode_steps(
@@ -248,7 +204,7 @@ class DecodeLoop:
                 built = job.ready()
                 if built is not None:
                     if self.step_graphs is not None:  # the first tier's captures of this kind are done with
-                        self.step_graphs.forget(state.owner, f"{tier}-{_step_name(request)}")
+                        self.step_graphs.forget(state.owner, f"{tier}-{step_name(request)}")
                     step, tier = built, "compiled"
                 else:
                     self.tiers.report(job, self.first_tier)
@@ -275,7 +231,7 @@ class DecodeLoop:
         """The build of the compiled step for this call's batch and step kind (started on first need,
         after the call's tokens are taken: ``filled`` cache slots hold them; ``prefill``: the call's
         captured prompt bucket)."""
-        batch, kind = int(state.tokens.shape[0]), _step_name(request)
+        batch, kind = int(state.tokens.shape[0]), step_name(request)
         if (batch, kind) in self.tiers.jobs:
             return self.tiers.jobs[(batch, kind)]
         self._capture_first_tier(request, state, filled, prefill)
@@ -309,51 +265,6 @@ class DecodeLoop:
             for _ in range(2):  # StepGraphs.run: a warm-up run, then the capture and its replay
                 self._call(decode_step, request, state, window, tier=self.first_tier)
 
-    def _compiles_now(self, request: DecodeRequest, batch: int) -> bool:
-        return bool(self.compile_options) and (batch, _step_name(request)) not in self.graphs
-
-    def _compiling(self, request: DecodeRequest, batch: int) -> str:
-        record = self.cache_records[-1] if self.cache_records else {}
-        cached = "from the compile cache" if record.get("loaded") else "nothing in the compile cache"
-        return f"compiling the decode step for batch {batch} ({_step_name(request)}, {cached})"
-
-    def _window(self, state: DecodeState, needed: int) -> Any:
-        """The attention window of a step or prefill when ``needed`` cache slots hold tokens, or
-        ``None`` where the model's attention is not xpukit's (it would not read it)."""
-        if getattr(self.model.config, "_attn_implementation", None) != GROUPED_ATTENTION:
-            return None
-        return state.window(window_length(needed, state.mask.shape[1], self.window_smallest))
-
-    def _prefill(self, request: DecodeRequest, state: DecodeState, length: int, *, captured: bool) -> None:
-        consts = self._consts
-        window = self._window(state, length)
-
-        def prefill() -> None:
-            prefill_step(
-                self.model,
-                state.cache,
-                state.prompt(length),
-                state.mask,
-                window,
-                state.tokens,
-                state.positions,
-                state.unfinished,
-                state.out,
-                state.index,
-                consts["is_eos"],
-                consts["min_new"],
-                consts["temperature"],
-                self._top_p(request),
-                request.do_sample,
-                request.top_k,
-                self._keep_one,
-            )
-
-        if self.step_graphs is None or not captured:  # (captured only with step graphs)
-            prefill()
-        else:
-            self.step_graphs.run((state.owner, "prefill-" + _step_name(request), length), prefill)
-
     def replay(self, count: int) -> None:
         """Run ``count`` more decode steps of the last call's batch, with no host sync (measurement:
         ``bench/bench_decode.py --breakdown`` times the step alone). The output buffer is not touched
@@ -370,7 +281,7 @@ class DecodeLoop:
         batch = int(state.tokens.shape[0])
         step, tier = None, ""
         if self.tiered:  # the tier the next call would start with
-            step = self.tiers.jobs[(batch, _step_name(request))].ready()
+            step = self.tiers.jobs[(batch, step_name(request))].ready()
             tier = "compiled" if step is not None else self.first_tier
         step = step or (decode_step if tier else self._step(torch, request, batch))
         filled = int(state.cache.get_seq_length())
@@ -378,57 +289,6 @@ class DecodeLoop:
             state.index.fill_(1)
             for _ in range(count):
                 self._call(step, request, state, filled + count, tier=tier)
-
-    def _call(
-        self, step: Any, request: DecodeRequest, state: DecodeState, needed: int, tier: str = ""
-    ) -> None:
-        """One decode step whose token goes to cache slot ``needed - 1`` (``tier``: the first tier's
-        captures are kept apart from the compiled step's)."""
-        window = self._window(state, needed)
-        if self.step_graphs is not None:
-            kind = _step_name(request) if tier in ("", "compiled") else f"{tier}-{_step_name(request)}"
-            key = (state.owner, kind, None if window is None else window.shape[1])
-            self.step_graphs.run(key, lambda: self._step_once(step, request, state, window))
-            return
-        if self.cudagraphs:
-            import torch
-
-            torch.compiler.cudagraph_mark_step_begin()
-        self._step_once(step, request, state, window)
-
-    def _step_once(self, step: Any, request: DecodeRequest, state: DecodeState, window: Any) -> None:
-        step(*self._step_args(request, state, window))
-
-    def _step_args(self, request: DecodeRequest, state: DecodeState, window: Any) -> tuple[Any, ...]:
-        """The decode step's arguments: the loop's buffers of ``state``, the attention ``window``, the
-        call's constants (the same for the step run, captured, or built ahead of time)."""
-        consts = self._consts
-        return (
-            self.model,
-            state.cache,
-            state.tokens,
-            state.positions,
-            state.mask,
-            window,
-            state.unfinished,
-            state.out,
-            state.index,
-            consts["is_eos"],
-            consts["pad"],
-            consts["min_new"],
-            consts["temperature"],
-            self._top_p(request),
-            request.do_sample,
-            request.top_k,
-            self._keep_one,
-        )
-
-    def _top_p(self, request: DecodeRequest) -> Any:
-        return self._consts["top_p"] if request.top_p < 1.0 else None
-
-    def _cache_len(self) -> int:
-        configured = getattr(self.model.generation_config, "max_cache_len", None)
-        return int(configured or self.max_cache_len)
 
     def _state(self, batch: int, length: int) -> DecodeState:
         key = (batch, length)
@@ -441,47 +301,6 @@ class DecodeLoop:
             if self.step_graphs is not None:
                 self.step_graphs.forget(dropped)
         return self._states[key]
-
-    def _step(self, torch: Any, request: DecodeRequest, batch: int) -> Any:
-        if not self.compile_options:
-            return decode_step
-        kind = _step_name(request)
-        if (batch, kind) not in self.graphs:
-            self.cache_records.append(
-                {
-                    "batch": batch,
-                    "step": kind,
-                    **compile_cache.load_artifacts(self._key(batch, kind), self.cache_dir),
-                }
-            )
-        if self.regional:
-            if not self._compiled:
-                self._compiled[True] = self._compiled[False] = regional_step
-                compile_layers(self.model, self.compile_options)
-            return regional_step
-        if request.do_sample not in self._compiled:
-            self._compiled[request.do_sample] = torch.compile(decode_step, **self.compile_options)
-        return self._compiled[request.do_sample]
-
-    def _after_compile(self, request: DecodeRequest, batch: int) -> None:
-        kind = _step_name(request)
-        if (batch, kind) in self.graphs:
-            return
-        self.graphs.add((batch, kind))
-        record = self.cache_records[-1] if self.cache_records else {}
-        if not record.get("loaded"):
-            record.update(compile_cache.save_artifacts(self._key(batch, kind), self.cache_dir))
-
-    def _key(self, batch: int, kind: str) -> str:
-        options = {**(self.compile_options or {}), **({"regional": True} if self.regional else {})}
-        return compile_cache.model_key(
-            self.model,
-            batch=batch,
-            step=kind,
-            cache_len=self._cache_len(),
-            compile_options=options,
-            weights=self.cache_fields,
-        )
 
     def _record(self, loop: str, reason: str, request: DecodeRequest | None) -> None:
         record: dict[str, Any] = {"loop": loop, "reason": reason}
@@ -497,9 +316,3 @@ class DecodeLoop:
             )
         self.model.xpukit_last_decode = record
         logger.debug("generate(): %s loop (%s)", loop, reason)
-
-
-def _step_name(request: DecodeRequest) -> str:
-    if not request.do_sample:
-        return "greedy"
-    return f"sample-k{request.top_k}" + ("-p" if request.top_p < 1.0 else "")

@@ -30,7 +30,12 @@ mask is SDPA's), and :func:`use_grouped_decode_attention` sets it on one model's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import torch
+
+    from xpukit.loading.decode.interfaces import DecodeModel
 
 __all__ = ["NAME", "WINDOW", "grouped_decode_sdpa", "use_grouped_decode_attention"]
 
@@ -41,21 +46,21 @@ WINDOW = "xpukit_window"
 
 
 def grouped_decode_sdpa(
-    module: Any,
-    query: Any,
-    key: Any,
-    value: Any,
-    attention_mask: Any,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
-    **kwargs: Any,
-) -> tuple[Any, None]:
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; one query token of a grouped model is grouped."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    window = kwargs.pop(WINDOW, None)
+    window = cast("torch.Tensor | None", kwargs.pop(WINDOW, None))  # the loop's (step.py)
     if window is not None:  # the cache past the window is empty (or the future): not read at all
         length = window.shape[-1]
         key, value = key[:, :, :length], value[:, :, :length]
@@ -65,7 +70,7 @@ def grouped_decode_sdpa(
     batch, heads, q_len, dim = query.shape
     special = dropout or kwargs.get("softcap") is not None or kwargs.get("output_attentions")
     if q_len != 1 or groups == 1 or special or kwargs.get("cache") is not None:
-        result: tuple[Any, None] = sdpa_attention_forward(
+        result: tuple[torch.Tensor, None] = sdpa_attention_forward(
             module,
             query,
             key,
@@ -101,7 +106,7 @@ def register() -> None:
         ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
 
 
-def use_grouped_decode_attention(model: Any) -> str | None:
+def use_grouped_decode_attention(model: DecodeModel) -> str | None:
     """Set :data:`NAME` as ``model``'s attention when it runs transformers' SDPA; returns a note, or
     ``None`` when the model keeps its attention (another implementation, or no grouped heads)."""
     config = model.config

@@ -12,7 +12,10 @@ size, so a call sees a handful of shapes, each captured once as a device graph a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "PREFILL_LARGEST",
@@ -58,7 +61,7 @@ def prompt_length(tokens: int, room: int, smallest: int = PREFILL_SMALLEST) -> i
     return length if length <= room else None
 
 
-def left_pad(ids: Any, mask: Any, length: int) -> tuple[Any, Any]:
+def left_pad(ids: torch.Tensor, mask: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``ids`` and ``mask`` (b, n) left-padded to (b, ``length``) with tokens the mask hides: copies of
     each row's first token, which the embedding surely has (a configured pad id may not be one)."""
     extra = length - ids.shape[1]

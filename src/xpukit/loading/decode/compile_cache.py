@@ -26,14 +26,19 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 from xpukit import _environ, _platform
 from xpukit._partial import write_file
 
+if TYPE_CHECKING:
+    from xpukit.loading.decode.interfaces import DecodeModel
+
 __all__ = [
     "CACHE_FORMAT",
+    "CompileRecord",
     "cache_key",
     "compile_cache_dir",
     "key_fields",
@@ -49,6 +54,30 @@ CACHE_FORMAT = 2  # bump when the decode step's code changes what it compiles
 _IGNORED_CONFIG = {"_name_or_path", "transformers_version", "_commit_hash", "name_or_path"}
 
 
+class CompileRecord(TypedDict, total=False):
+    """What the compile cache did for one compiled decode step (an entry of ``loop.cache_records``).
+
+    :func:`load_artifacts` and :func:`save_artifacts` give the blob's ``path``, whether it was
+    ``loaded`` / ``saved``, its ``bytes``, how many ``artifacts`` torch took or gave, or the ``error``;
+    the loop adds the step's ``batch`` and ``step`` kind. A step built ahead of time (docs/decode.md
+    "Tiered decoding") says ``how`` (``loaded`` from ``<key>.step``, else ``compiled``), its
+    ``seconds``, and a ``load_error`` / ``save_error`` / ``error``.
+    """
+
+    batch: int
+    step: str
+    path: str
+    loaded: bool
+    saved: bool
+    bytes: int
+    artifacts: int | None
+    how: Literal["loaded", "compiled"]
+    seconds: float
+    error: str
+    load_error: str
+    save_error: str
+
+
 def compile_cache_dir() -> Path:
     """``$XPUKIT_CACHE_DIR/compile``, else ``<user cache dir>/xpukit/compile`` (docs/env.md)."""
     root = _environ.get("XPUKIT_CACHE_DIR")
@@ -56,17 +85,17 @@ def compile_cache_dir() -> Path:
 
 
 def key_fields(
-    model_config: dict[str, Any],
+    model_config: Mapping[str, object],
     *,
     dtype: str,
     device_name: str,
     batch_size: int,
     cache_len: int,
     step: str,
-    compile_options: dict[str, Any],
+    compile_options: Mapping[str, object],
     versions: dict[str, str] | None = None,
-    weights: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+    weights: Mapping[str, object] | None = None,
+) -> dict[str, object]:
     """Everything the compile-cache key depends on, as a JSON-able dict.
 
     Args:
@@ -98,13 +127,13 @@ def key_fields(
 
 
 def model_key(
-    model: Any,
+    model: DecodeModel,
     *,
     batch: int,
     step: str,
     cache_len: int,
-    compile_options: dict[str, Any],
-    weights: dict[str, Any],
+    compile_options: Mapping[str, object],
+    weights: Mapping[str, object],
 ) -> str:
     """:func:`cache_key` of a loaded model's decode step (its config, dtype and device read here)."""
     import torch
@@ -128,13 +157,13 @@ def model_key(
     return cache_key(fields)
 
 
-def cache_key(fields: dict[str, Any]) -> str:
+def cache_key(fields: Mapping[str, object]) -> str:
     """A short hex digest of :func:`key_fields`' dict (stable across processes and dict order)."""
     text = json.dumps(fields, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def load_artifacts(key: str, directory: Path | None = None) -> dict[str, Any]:
+def load_artifacts(key: str, directory: Path | None = None) -> CompileRecord:
     """Load the blob of ``key`` into torch's compile caches, if there is one.
 
     Returns:
@@ -142,7 +171,7 @@ def load_artifacts(key: str, directory: Path | None = None) -> dict[str, Any]:
         failed (the compile then runs cold), or ``"artifacts"`` (how many torch took).
     """
     path = (directory or compile_cache_dir()) / f"{key}.bin"
-    record: dict[str, Any] = {"loaded": False, "path": str(path)}
+    record: CompileRecord = {"loaded": False, "path": str(path)}
     try:
         blob = path.read_bytes()
     except FileNotFoundError:
@@ -163,7 +192,7 @@ def load_artifacts(key: str, directory: Path | None = None) -> dict[str, Any]:
     return record
 
 
-def save_artifacts(key: str, directory: Path | None = None) -> dict[str, Any]:
+def save_artifacts(key: str, directory: Path | None = None) -> CompileRecord:
     """Write what this process compiled so far to the blob of ``key`` (atomically).
 
     Returns:
@@ -171,7 +200,7 @@ def save_artifacts(key: str, directory: Path | None = None) -> dict[str, Any]:
         ``"error"`` when the directory cannot be written (read-only, full) or torch had nothing.
     """
     path = (directory or compile_cache_dir()) / f"{key}.bin"
-    record: dict[str, Any] = {"saved": False, "path": str(path)}
+    record: CompileRecord = {"saved": False, "path": str(path)}
     try:
         import torch
 
@@ -189,11 +218,11 @@ def save_artifacts(key: str, directory: Path | None = None) -> dict[str, Any]:
         record["error"] = f"{type(exc).__name__}: {exc}"
         logger.info("compile cache not written to %s: %s", path, record["error"])
         return record
-    record.update(saved=True, bytes=len(blob), artifacts=_count(info))
+    record.update({"saved": True, "bytes": len(blob), "artifacts": _count(info)})
     return record
 
 
-def _count(info: Any) -> int | None:
+def _count(info: object) -> int | None:
     artifacts = getattr(info, "artifacts", None)
     if not isinstance(artifacts, dict):
         return None

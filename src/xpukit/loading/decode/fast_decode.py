@@ -23,10 +23,17 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.vocabulary import LoadEvent
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    from xpukit.loading.decode.interfaces import LastDecode
+    from xpukit.loading.decode.loop import DecodeLoop
 
 __all__ = ["WARMUP_NEW_TOKENS", "WARMUP_PROMPT_TOKENS", "apply_fast_decode", "generation_model", "warm_up"]
 
@@ -36,13 +43,13 @@ WARMUP_PROMPT_TOKENS = 8
 WARMUP_NEW_TOKENS = 8
 
 
-def generation_model(model: Any) -> Any:
+def generation_model(model: torch.nn.Module) -> PreTrainedModel:
     """The model that owns ``generation_config`` (the base model under a ``PeftModel``)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
 
-def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
+def apply_fast_decode(model: torch.nn.Module, plan: LoadPlan) -> list[LoadEvent]:
     """Set the plan's static cache and compile settings on the model's generation config.
 
     Args:
@@ -75,7 +82,7 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
 
     config.cache_implementation = "static"
     config.max_cache_len = decode.max_cache_len
-    settings: dict[str, Any] = {
+    settings: dict[str, object] = {
         "cache_implementation": "static",
         "max_cache_len": decode.max_cache_len,
     }
@@ -132,14 +139,14 @@ def apply_fast_decode(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     return events
 
 
-def _add_event(model: Any, event: LoadEvent) -> None:
+def _add_event(model: torch.nn.Module, event: LoadEvent) -> None:
     """An event of the loop after the load (the compiled tier's failure) onto ``model``'s plan."""
     plan = getattr(model, "xpukit_plan", None)
     if plan is not None:
         model.xpukit_plan = plan.with_events((event,))
 
 
-def _regional(model: Any, asked: bool) -> tuple[bool, list[LoadEvent]]:
+def _regional(model: PreTrainedModel, asked: bool) -> tuple[bool, list[LoadEvent]]:
     """Whether the loop compiles per decoder layer, and a fallback event when asked but the model
     has no repeated decoder layers where xpukit looks (the whole step compiles instead)."""
     if not asked:
@@ -158,7 +165,7 @@ def _regional(model: Any, asked: bool) -> tuple[bool, list[LoadEvent]]:
     return False, [event]
 
 
-def _fused_projections(model: Any) -> LoadEvent:
+def _fused_projections(model: PreTrainedModel) -> LoadEvent:
     """q/k/v and gate/up fused into one product each (docs/decode-kernels.md "Fused projections")."""
     from xpukit.loading.decode.fused_proj import fuse_projections
 
@@ -173,7 +180,7 @@ def _fused_projections(model: Any) -> LoadEvent:
     return LoadEvent(kind="applied", what="fused_projections", actual=done, cause=cause)
 
 
-def _weight_only_products(model: Any, kernel: str) -> LoadEvent:
+def _weight_only_products(model: PreTrainedModel, kernel: str) -> LoadEvent:
     """xpukit's weight-only products for the decode step (docs/decode-kernels.md "Weight-only products")."""
     from xpukit.loading.decode.woq_products import install_weight_only_products
 
@@ -195,7 +202,7 @@ def _weight_only_products(model: Any, kernel: str) -> LoadEvent:
     )
 
 
-def _grouped_attention(model: Any) -> LoadEvent:
+def _grouped_attention(model: PreTrainedModel) -> LoadEvent:
     """xpukit's grouped decode attention on ``model``, or the reason it keeps its own."""
     from xpukit.loading.decode.attention import NAME, use_grouped_decode_attention
 
@@ -213,7 +220,7 @@ def _grouped_attention(model: Any) -> LoadEvent:
     )
 
 
-def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
+def warm_up(model: torch.nn.Module, plan: LoadPlan) -> list[LoadEvent]:
     """Run one short greedy generation twice, at batch 1, and record how long each took.
 
     The first call compiles the decoding step when the plan compiles; later calls of the same batch
@@ -233,7 +240,7 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     config = getattr(target, "generation_config", None)
     if config is None:
         return []
-    loop = getattr(target, "xpukit_decode_loop", None)
+    loop: DecodeLoop | None = getattr(target, "xpukit_decode_loop", None)
     sizes = tuple(plan.decode.graph_batch_sizes) if plan.decode is not None else ()
     durations: dict[int, list[float]] = {}
     waited: dict[int, float] = {}  # tiered: seconds the warm-up waited for the compiled step
@@ -264,15 +271,16 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
     else:
         compiled = not config.disable_compile and hasattr(target, "_compiled_call")  # get_compiled_call
     first = next(iter(durations.values()))
-    actual: dict[str, Any] = {"first_call_s": first[0], "second_call_s": first[1], "compiled": compiled}
+    actual: dict[str, object] = {"first_call_s": first[0], "second_call_s": first[1], "compiled": compiled}
     if len(durations) > 1:
         actual["per_batch"] = {str(b): d for b, d in durations.items()}
     if loop is not None:
-        last = getattr(target, "xpukit_last_decode", None) or {}
-        actual["loop"] = last.get("loop")
+        last: LastDecode | None = getattr(target, "xpukit_last_decode", None)
+        actual["loop"] = last.get("loop") if last else None
         actual["compile_cache"] = list(loop.cache_records)
         if waited:
-            actual.update(waited_for_compiled_s=next(iter(waited.values())), tiers=last.get("tiers"))
+            tiers = last.get("tiers") if last else None
+            actual.update(waited_for_compiled_s=next(iter(waited.values())), tiers=tiers)
     batches = ", ".join(str(b) for b in durations)
     done = LoadEvent(
         kind="applied",
@@ -284,20 +292,24 @@ def warm_up(model: Any, plan: LoadPlan) -> list[LoadEvent]:
 
 
 def _warm_calls(
-    model: Any, target: Any, batch: int, durations: list[float], waited: dict[int, float]
+    model: torch.nn.Module,
+    target: PreTrainedModel,
+    batch: int,
+    durations: list[float],
+    waited: dict[int, float],
 ) -> None:
     """The warm-up's two greedy calls at ``batch``, timed into ``durations``; tiered, the wait for the
     compiled step between them into ``waited``."""
     import torch
 
     config = target.generation_config
-    loop = getattr(target, "xpukit_decode_loop", None)
+    loop: DecodeLoop | None = getattr(target, "xpukit_decode_loop", None)
     vocab = int(getattr(target.config.get_text_config(), "vocab_size", 0) or 2)
     token = config.bos_token_id if isinstance(config.bos_token_id, int) else 0
     shape = (batch, WARMUP_PROMPT_TOKENS)
     ids = torch.full(shape, min(token, vocab - 1), dtype=torch.long, device=target.device)
     pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-    kwargs: dict[str, Any] = {
+    kwargs: dict[str, object] = {
         "max_new_tokens": WARMUP_NEW_TOKENS,
         "min_new_tokens": WARMUP_NEW_TOKENS,
         "do_sample": False,
@@ -316,7 +328,7 @@ def _warm_calls(
         durations.append(round(time.perf_counter() - start, 3))
 
 
-def _synchronize(device: Any) -> None:
+def _synchronize(device: torch.device) -> None:
     import torch
 
     kind = getattr(device, "type", str(device))

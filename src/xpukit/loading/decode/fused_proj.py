@@ -23,9 +23,23 @@ weight whose rows are the parts' rows (docs/decode-kernels.md "Fused projections
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias, TypedDict
 
-__all__ = ["FUSED_GROUP", "GATE_UP_BUFFER", "QKV_BUFFER", "concat_rows", "fuse_projections"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "FUSED_GROUP",
+    "GATE_UP_BUFFER",
+    "QKV_BUFFER",
+    "FusedGroup",
+    "FusedProjections",
+    "Product",
+    "concat_rows",
+    "fuse_projections",
+]
 
 QKV_BUFFER = "xpukit_qkv_weight"
 FUSED_GROUP = "xpukit_fused"  # the attention's/MLP's attribute holding its fused group (its ``linear``)
@@ -36,8 +50,24 @@ _READBACK_ROWS = 1024  # identity rows per product when a fused torchao weight i
 _PROBE_ROWS = 8  # rows of the slice that shows which inner dimension of a torchao weight is its rows
 _MLP_TOLERANCE = 5e-2  # relative error of the fused MLP against its own forward: rounding, not a wrong layout
 
+# A product ``linear(x, weight, bias)`` over a fused weight: ``F.linear`` or xpukit's weight-only one.
+Product: TypeAlias = "Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]"
 
-def concat_rows(weights: list[Any]) -> tuple[Any, str | None]:
+
+class _Fused(TypedDict):
+    attention: int
+    mlp: int
+    blocks: int
+
+
+class FusedProjections(_Fused, total=False):
+    """What :func:`fuse_projections` did: groups fused in the ``attention`` and the ``mlp`` of how many
+    ``blocks``, and why groups were ``kept`` apart (each reason with how many)."""
+
+    kept: dict[str, int]
+
+
+def concat_rows(weights: list[torch.Tensor]) -> tuple[torch.Tensor | None, str | None]:
     """One weight whose rows are ``weights``' rows, in order, or ``(None, why not)``."""
     import torch
 
@@ -51,7 +81,9 @@ def concat_rows(weights: list[Any]) -> tuple[Any, str | None]:
     return _concat_subclass(torch, weights)
 
 
-def _concat_subclass(torch: Any, weights: list[Any]) -> tuple[Any, str | None]:
+def _concat_subclass(
+    torch: ModuleType, weights: list[torch.Tensor]
+) -> tuple[torch.Tensor | None, str | None]:
     cls = type(weights[0])
     if not hasattr(cls, "__tensor_flatten__") or not hasattr(cls, "tensor_data_names"):
         return None, f"{cls.__name__} is not a torchao tensor"
@@ -79,7 +111,7 @@ def _concat_subclass(torch: Any, weights: list[Any]) -> tuple[Any, str | None]:
     return fused, None
 
 
-def _same_products(torch: Any, fused: Any, weights: list[Any]) -> bool:
+def _same_products(torch: ModuleType, fused: torch.Tensor, weights: list[torch.Tensor]) -> bool:
     """The fused weight's product with the identity (its values, read back through its own kernel;
     packed int4 formats have no ``dequantize``) equals the parts' side by side, exactly."""
     width = int(fused.shape[1])
@@ -93,7 +125,7 @@ def _same_products(torch: Any, fused: Any, weights: list[Any]) -> bool:
     return True
 
 
-def _row_dims(weight: Any, names: list[str]) -> dict[str, int]:
+def _row_dims(weight: torch.Tensor, names: list[str]) -> dict[str, int]:
     """For each inner tensor, the dimension that a slice of the weight's first rows shortens."""
     if weight.shape[0] <= _PROBE_ROWS:
         raise ValueError(f"{weight.shape[0]} rows: too few to find the row dimensions")
@@ -108,7 +140,7 @@ def _row_dims(weight: Any, names: list[str]) -> dict[str, int]:
     return dims
 
 
-def fuse_projections(model: Any) -> dict[str, Any]:
+def fuse_projections(model: torch.nn.Module) -> FusedProjections:
     """Fuse q/k/v and gate/up in every decoder block of ``model`` where the weights allow it.
 
     Returns:
@@ -130,10 +162,15 @@ def fuse_projections(model: Any) -> dict[str, Any]:
                 done[kind] += 1
             else:
                 kept[f"{kind}: {why}"] = kept.get(f"{kind}: {why}", 0) + 1
-    return done | ({"kept": kept} if kept else {})
+    report: FusedProjections = {"attention": done["attention"], "mlp": done["mlp"], "blocks": done["blocks"]}
+    if kept:
+        report["kept"] = kept
+    return report
 
 
-def _linears(parent: Any, names: tuple[str, ...]) -> tuple[list[Any] | None, str | None]:
+def _linears(
+    parent: torch.nn.Module, names: tuple[str, ...]
+) -> tuple[list[torch.nn.Linear] | None, str | None]:
     import torch
 
     layers = [getattr(parent, n, None) for n in names]
@@ -148,7 +185,9 @@ def _linears(parent: Any, names: tuple[str, ...]) -> tuple[list[Any] | None, str
     return found, None
 
 
-def _install_fused(parent: Any, layers: list[Any], buffer: str) -> tuple[list[int], str | None]:
+def _install_fused(
+    parent: torch.nn.Module, layers: list[torch.nn.Linear], buffer: str
+) -> tuple[list[int], str | None]:
     """Register the fused weight (and bias) on ``parent``; the parts' parameters become its slices."""
     import torch
 
@@ -171,7 +210,7 @@ def _install_fused(parent: Any, layers: list[Any], buffer: str) -> tuple[list[in
     return sizes, None
 
 
-def _fuse_attention(attn: Any) -> str | None:
+def _fuse_attention(attn: torch.nn.Module) -> str | None:
     layers, why = _linears(attn, _QKV)
     if layers is None:
         return why
@@ -185,7 +224,7 @@ def _fuse_attention(attn: Any) -> str | None:
     return None
 
 
-def _fuse_mlp(mlp: Any, checked: dict[type, str | None]) -> str | None:
+def _fuse_mlp(mlp: torch.nn.Module, checked: dict[type, str | None]) -> str | None:
     layers, why = _linears(mlp, _GATE_UP)
     if layers is None:
         return why
@@ -205,7 +244,11 @@ def _fuse_mlp(mlp: Any, checked: dict[type, str | None]) -> str | None:
     return None
 
 
-def _probe(original: Any, fused: Any, weight: Any) -> str | None:
+def _probe(
+    original: Callable[[torch.Tensor], torch.Tensor],
+    fused: Callable[[torch.Tensor], torch.Tensor],
+    weight: torch.Tensor,
+) -> str | None:
     """``None`` when the fused MLP computes what the module's own forward does on a random input."""
     import torch
 
@@ -223,12 +266,12 @@ def _probe(original: Any, fused: Any, weight: Any) -> str | None:
 class _FusedQKV:
     """q_proj computes q, k and v; k_proj and v_proj take theirs when called with the same input."""
 
-    def __init__(self, attn: Any, layers: list[Any], sizes: list[int]) -> None:
+    def __init__(self, attn: torch.nn.Module, layers: list[torch.nn.Linear], sizes: list[int]) -> None:
         self.attn, self.layers, self.sizes = attn, layers, sizes
-        self.pending: list[Any] | None = None  # [input, k, v] from the last q_proj call
-        self.linear: Any = None  # the product over the fused weight; None: F.linear
+        self.pending: list[torch.Tensor | None] | None = None  # [input, k, v] from the last q_proj call
+        self.linear: Product | None = None  # the product over the fused weight; None: F.linear
 
-    def q_forward(self, x: Any) -> Any:
+    def q_forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch
 
         bias = getattr(self.attn, QKV_BUFFER.replace("weight", "bias"), None)
@@ -237,13 +280,13 @@ class _FusedQKV:
         self.pending = [x, k, v]
         return q
 
-    def k_forward(self, x: Any) -> Any:
+    def k_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._take(1, x)
 
-    def v_forward(self, x: Any) -> Any:
+    def v_forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._take(2, x)
 
-    def _take(self, i: int, x: Any) -> Any:
+    def _take(self, i: int, x: torch.Tensor) -> torch.Tensor:
         pending = self.pending
         if pending is not None and pending[0] is x and pending[i] is not None:
             out = pending[i]
@@ -260,11 +303,11 @@ class _FusedQKV:
 class _FusedMLP:
     """``down_proj(act_fn(gate) * up)`` with gate and up from one product."""
 
-    def __init__(self, mlp: Any, layers: list[Any], sizes: list[int]) -> None:
+    def __init__(self, mlp: torch.nn.Module, layers: list[torch.nn.Linear], sizes: list[int]) -> None:
         self.mlp, self.layers, self.sizes = mlp, layers, sizes  # layers: gate_proj, up_proj
-        self.linear: Any = None  # the product over the fused weight; None: F.linear
+        self.linear: Product | None = None  # the product over the fused weight; None: F.linear
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torch
 
         mlp = self.mlp
@@ -272,3 +315,7 @@ class _FusedMLP:
         linear = self.linear or torch.nn.functional.linear
         gate, up = linear(x, getattr(mlp, GATE_UP_BUFFER), bias).split(self.sizes, -1)
         return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+# A fused group, as ``FUSED_GROUP`` holds it on its attention or MLP module.
+FusedGroup: TypeAlias = _FusedQKV | _FusedMLP

@@ -3,21 +3,26 @@ the loop itself is :class:`xpukit.loading.decode.loop.DecodeLoop`."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xpukit.loading.decode.loop import DecodeLoop
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["install_decode_loop"]
 
 
 def install_decode_loop(
-    model: Any,
+    model: PreTrainedModel,
     *,
     max_cache_len: int,
-    compile_options: dict[str, Any] | None,
-    cache_dir: Any = None,
+    compile_options: dict[str, object] | None,
+    cache_dir: Path | None = None,
     step_graphs: bool = False,
-    cache_fields: dict[str, Any] | None = None,
+    cache_fields: Mapping[str, object] | None = None,
     regional: bool = False,
     tiered: bool = False,
 ) -> DecodeLoop:
@@ -39,7 +44,7 @@ def install_decode_loop(
     original = model.generate
 
     @functools.wraps(original)
-    def generate(*args: Any, **kwargs: Any) -> Any:
+    def generate(*args: object, **kwargs: object) -> object:
         return loop.dispatch(original, args, kwargs)
 
     model.generate = generate

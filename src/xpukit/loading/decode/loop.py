@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
@@ -37,6 +38,13 @@ from xpukit.loading.decode.step import decode_step
 from xpukit.loading.decode.tiers import CompileJob, Tiers, aot_available
 from xpukit.loading.device_graph import background_busy
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+
+    from xpukit.loading.decode.interfaces import DecodeModel, LastDecode, StepFn
+
 __all__ = ["CHECK_EVERY", "DecodeLoop"]
 
 logger = logging.getLogger(__name__)
@@ -45,7 +53,7 @@ CHECK_EVERY = 16  # tokens between two reads of the "all sequences finished" fla
 _KEEP_BATCH_SIZES = 4  # caches kept per model (each is batch × the plan's KV bytes)
 
 
-def _fill_mask(cache_mask: Any, mask: Any) -> None:
+def _fill_mask(cache_mask: torch.Tensor, mask: torch.Tensor) -> None:
     """The mask over the whole cache: the prompt's, then ones (causality hides the future)."""
     cache_mask[:, : mask.shape[1]].copy_(mask)
     cache_mask[:, mask.shape[1] :].fill_(1)
@@ -65,13 +73,13 @@ class DecodeLoop(StepRunner):
 
     def __init__(
         self,
-        model: Any,
+        model: DecodeModel,
         *,
         max_cache_len: int,
-        compile_options: dict[str, Any] | None = None,
+        compile_options: dict[str, object] | None = None,
         check_every: int = CHECK_EVERY,
-        cache_dir: Any = None,
-        cache_fields: dict[str, Any] | None = None,
+        cache_dir: Path | None = None,
+        cache_fields: Mapping[str, object] | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -91,7 +99,7 @@ class DecodeLoop(StepRunner):
 
     def set_compile(
         self,
-        options: dict[str, Any] | None,
+        options: dict[str, object] | None,
         *,
         step_graphs: bool = False,
         regional: bool = False,
@@ -125,7 +133,9 @@ class DecodeLoop(StepRunner):
         self.tiered = False
         self.tiers.jobs.clear()
 
-    def dispatch(self, original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def dispatch(
+        self, original: Callable[..., object], args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> object:
         """Serve a ``generate()`` call with this loop or with transformers' (``original``)."""
         request: DecodeRequest | str
         if not self.enabled:
@@ -144,7 +154,7 @@ class DecodeLoop(StepRunner):
         self._record("xpukit", "greedy" if not request.do_sample else "sampling", request)
         return out
 
-    def run(self, request: DecodeRequest) -> Any:
+    def run(self, request: DecodeRequest) -> torch.Tensor:
         """Generate for ``request``; returns prompts + new tokens, as transformers' ``generate``."""
         import torch
 
@@ -154,7 +164,7 @@ class DecodeLoop(StepRunner):
         with torch.inference_mode(False), torch.no_grad():
             return self._run(torch, request)
 
-    def _run(self, torch: Any, request: DecodeRequest) -> Any:
+    def _run(self, torch: ModuleType, request: DecodeRequest) -> torch.Tensor:
         model = self.model
         given = request.input_ids.to(model.device)
         batch = given.shape[0]
@@ -187,16 +197,22 @@ class DecodeLoop(StepRunner):
             self._job(torch, request, state, ids.shape[1] + done, prefill=bucket)
         return result
 
-    def _decode(self, torch: Any, request: DecodeRequest, state: DecodeState, prompt: int) -> int:
+    def _decode(self, torch: ModuleType, request: DecodeRequest, state: DecodeState, prompt: int) -> int:
         """The steps after the prefill; returns how many tokens of ``out`` are made."""
         batch = int(state.tokens.shape[0])
         job = self.tiers.jobs.get((batch, step_name(request))) if self.tiered else None
         return self._decode_steps(torch, request, state, prompt, job)
 
     def _decode_steps(
-        self, torch: Any, request: DecodeRequest, state: DecodeState, prompt: int, job: CompileJob | None
+        self,
+        torch: ModuleType,
+        request: DecodeRequest,
+        state: DecodeState,
+        prompt: int,
+        job: CompileJob | None,
     ) -> int:
         batch = int(state.tokens.shape[0])
+        step: StepFn | None
         step, tier = (decode_step, self.first_tier) if self.tiered else (None, "")
         step = step or self._step(torch, request, batch)
         for i in range(1, request.new_tokens):
@@ -226,7 +242,12 @@ class DecodeLoop(StepRunner):
         return "graph" if self.step_graphs is not None else "eager"
 
     def _job(
-        self, torch: Any, request: DecodeRequest, state: DecodeState, filled: int, prefill: int | None = None
+        self,
+        torch: ModuleType,
+        request: DecodeRequest,
+        state: DecodeState,
+        filled: int,
+        prefill: int | None = None,
     ) -> CompileJob:
         """The build of the compiled step for this call's batch and step kind (started on first need,
         after the call's tokens are taken: ``filled`` cache slots hold them; ``prefill``: the call's
@@ -279,6 +300,7 @@ class DecodeLoop(StepRunner):
                 f"replay({count}): the static cache has no room for {count} more tokens"
             )
         batch = int(state.tokens.shape[0])
+        step: StepFn | None
         step, tier = None, ""
         if self.tiered:  # the tier the next call would start with
             step = self.tiers.jobs[(batch, step_name(request))].ready()
@@ -302,17 +324,23 @@ class DecodeLoop(StepRunner):
                 self.step_graphs.forget(dropped)
         return self._states[key]
 
-    def _record(self, loop: str, reason: str, request: DecodeRequest | None) -> None:
-        record: dict[str, Any] = {"loop": loop, "reason": reason}
+    def _record(
+        self, loop: Literal["xpukit", "transformers"], reason: str, request: DecodeRequest | None
+    ) -> None:
+        record: LastDecode = {"loop": loop, "reason": reason}
         if request is not None:
             record.update(
-                batch=int(request.input_ids.shape[0]),
-                new_tokens=request.new_tokens,
-                compiled=bool(self.compile_options),
-                cudagraphs=self.cudagraphs,
-                step_graphs=self.step_graphs is not None,
-                **({"regional": True} if self.regional else {}),
-                **({"tiers": dict(self._tokens)} if self.tiered or self.tiers.jobs else {}),
+                {
+                    "batch": int(request.input_ids.shape[0]),
+                    "new_tokens": request.new_tokens,
+                    "compiled": bool(self.compile_options),
+                    "cudagraphs": self.cudagraphs,
+                    "step_graphs": self.step_graphs is not None,
+                }
             )
+            if self.regional:
+                record["regional"] = True
+            if self.tiered or self.tiers.jobs:
+                record["tiers"] = dict(self._tokens)
         self.model.xpukit_last_decode = record
         logger.debug("generate(): %s loop (%s)", loop, reason)

@@ -25,10 +25,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from xpukit.loading.decode.step import decode_step
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    from xpukit.loading.decode.interfaces import DecodeModel
 
 __all__ = ["LayerCache", "compile_layers", "decoder_layers", "regional_layers", "regional_step"]
 
@@ -44,15 +51,18 @@ class LayerCache:
     not read (the part is already this layer's).
     """
 
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: StaticLayer) -> None:
         self.layer = layer
 
-    def update(self, key_states: Any, value_states: Any, *args: Any, **kwargs: Any) -> Any:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's keys and values into this layer's part; returns the whole part."""
-        return self.layer.update(key_states, value_states)
+        keys_values: tuple[torch.Tensor, torch.Tensor] = self.layer.update(key_states, value_states)
+        return keys_values
 
 
-def decoder_layers(model: Any) -> list[Any]:
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated decoder layers of ``model`` (a ``ModuleList`` of one class, each with a
     ``self_attn.layer_idx``), or an empty list where the model has none in a known place."""
     base = getattr(model, "model", model)
@@ -67,12 +77,18 @@ def decoder_layers(model: Any) -> list[Any]:
     return list(layers)
 
 
-def _layer_call(layer: Any, part: Any, keyword: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _layer_call(
+    layer: torch.nn.Module,
+    part: StaticLayer,
+    keyword: str,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+) -> object:
     """A decoder layer's forward with ``part`` as its cache (what dynamo traces once)."""
     return layer.forward(*args, **{**kwargs, keyword: LayerCache(part)})
 
 
-def compile_layers(model: Any, options: dict[str, Any]) -> int:
+def compile_layers(model: torch.nn.Module, options: Mapping[str, object]) -> int:
     """Give every decoder layer of ``model`` a regional compiled call; returns how many layers.
 
     Args:
@@ -92,11 +108,11 @@ class _Routed:
     """A layer's ``_compiled_call_impl``: the compiled layer inside :func:`regional_layers`, else
     the layer's own call."""
 
-    def __init__(self, layer: Any, compiled: Any) -> None:
+    def __init__(self, layer: torch.nn.Module, compiled: Callable[..., object]) -> None:
         self.layer = layer
         self.compiled = compiled
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> object:
         cache = getattr(_ACTIVE, "cache", None)
         keyword = next((k for k in _CACHE_KEYWORDS if kwargs.get(k) is cache), None)
         if cache is None or keyword is None:
@@ -106,7 +122,7 @@ class _Routed:
 
 
 @contextlib.contextmanager
-def regional_layers(cache: Any) -> Iterator[None]:
+def regional_layers(cache: StaticCache) -> Iterator[None]:
     """While inside, decoder layers called with ``cache`` run their compiled code."""
     previous = getattr(_ACTIVE, "cache", None)
     _ACTIVE.cache = cache
@@ -116,7 +132,44 @@ def regional_layers(cache: Any) -> Iterator[None]:
         _ACTIVE.cache = previous
 
 
-def regional_step(model: Any, cache: Any, *args: Any) -> None:
-    """The decode step with the decoder layers' compiled code (the rest eager)."""
+def regional_step(
+    model: DecodeModel,
+    cache: StaticCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    window: torch.Tensor | None,
+    unfinished: torch.Tensor,
+    out: torch.Tensor,
+    index: torch.Tensor,
+    is_eos: torch.Tensor,
+    pad: torch.Tensor,
+    min_new: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor | None,
+    do_sample: bool,
+    top_k: int,
+    keep_one: bool,
+) -> None:
+    """:func:`~xpukit.loading.decode.step.decode_step` with the decoder layers' compiled code (the
+    rest eager)."""
     with regional_layers(cache):
-        decode_step(model, cache, *args)
+        decode_step(
+            model,
+            cache,
+            tokens,
+            positions,
+            mask,
+            window,
+            unfinished,
+            out,
+            index,
+            is_eos,
+            pad,
+            min_new,
+            temperature,
+            top_p,
+            do_sample,
+            top_k,
+            keep_one,
+        )

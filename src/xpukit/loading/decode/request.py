@@ -15,7 +15,13 @@ The generation config is resolved the way ``generate()`` resolves it (the model'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import GenerationConfig
+
+    from xpukit.loading.decode.interfaces import DecodeModel
 
 __all__ = ["DecodeRequest", "triage"]
 
@@ -89,8 +95,8 @@ class DecodeRequest:
             first EOS id).
     """
 
-    input_ids: Any
-    attention_mask: Any
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
     new_tokens: int
     min_new_tokens: int
     do_sample: bool
@@ -101,7 +107,7 @@ class DecodeRequest:
     pad_id: int
 
 
-def triage(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DecodeRequest | str:
+def triage(model: DecodeModel, args: tuple[object, ...], kwargs: dict[str, object]) -> DecodeRequest | str:
     """A :class:`DecodeRequest` when xpukit's loop serves this call, else the reason it does not.
 
     Args:
@@ -127,7 +133,7 @@ def triage(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DecodeR
         call.pop("input_ids", None)
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] == 0:
         return "no 2-D input_ids (inputs_embeds, other modalities or an empty prompt)"
-    attention_mask = call.pop("attention_mask", None)
+    attention_mask = cast("torch.Tensor | None", call.pop("attention_mask", None))  # as generate() takes it
     prepare = getattr(model, "_prepare_generation_config", None)
     if not callable(prepare):
         return "this transformers has no _prepare_generation_config"
@@ -144,7 +150,7 @@ def triage(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> DecodeR
     return _resolve(config, input_ids, attention_mask)
 
 
-def _unsupported_fields(config: Any) -> str | None:
+def _unsupported_fields(config: GenerationConfig) -> str | None:
     defaults = config._get_default_generation_params()
     odd = []
     for name, value in config.to_dict().items():
@@ -162,7 +168,9 @@ def _unsupported_fields(config: Any) -> str | None:
     return f"generation settings {', '.join(sorted(odd))}" if odd else None
 
 
-def _resolve(config: Any, input_ids: Any, attention_mask: Any) -> DecodeRequest | str:
+def _resolve(
+    config: GenerationConfig, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+) -> DecodeRequest | str:
     prompt_len = int(input_ids.shape[1])
     if config.max_new_tokens is not None:
         new_tokens = int(config.max_new_tokens)

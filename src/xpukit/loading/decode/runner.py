@@ -13,18 +13,28 @@ The loop's tiers (:mod:`xpukit.loading.decode.tiers`) hand their steps to the sa
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.decode import compile_cache
 from xpukit.loading.decode.attention import NAME as GROUPED_ATTENTION
 from xpukit.loading.decode.buckets import WINDOW_SMALLEST, window_length
 from xpukit.loading.decode.regional import compile_layers, regional_step
-from xpukit.loading.decode.request import DecodeRequest
-from xpukit.loading.decode.state import DecodeState
 from xpukit.loading.decode.step import decode_step, prefill_step
 from xpukit.loading.decode.step_graph import StepGraphs
 from xpukit.loading.device_graph import GraphBackend
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+
+    from xpukit.loading.decode.compile_cache import CompileRecord
+    from xpukit.loading.decode.interfaces import DecodeModel, StepFn
+    from xpukit.loading.decode.request import DecodeRequest
+    from xpukit.loading.decode.state import DecodeState
 
 __all__ = ["StepRunner", "step_name"]
 
@@ -41,7 +51,7 @@ class StepRunner:
 
     Attributes:
         compile_options: ``torch.compile`` keyword arguments of the step, or ``None`` (eager).
-        cache_records: what the compile cache did, one dict per compiled graph.
+        cache_records: what the compile cache did, one record per compiled graph.
         graphs: the ``(batch, step)`` pairs compiled so far in this process.
         step_graphs: xpukit's own capture of the compiled step and the prefill
             (:class:`~xpukit.loading.decode.step_graph.StepGraphs`), or ``None``.
@@ -54,12 +64,12 @@ class StepRunner:
 
     def __init__(
         self,
-        model: Any,
+        model: DecodeModel,
         *,
         max_cache_len: int,
-        compile_options: dict[str, Any] | None = None,
-        cache_dir: Any = None,
-        cache_fields: dict[str, Any] | None = None,
+        compile_options: dict[str, object] | None = None,
+        cache_dir: Path | None = None,
+        cache_fields: Mapping[str, object] | None = None,
     ) -> None:
         self.model = model
         self.step_graphs: StepGraphs | None = None  # set_compile(..., step_graphs=True)
@@ -68,11 +78,11 @@ class StepRunner:
         self.compile_options = compile_options
         self.cache_dir = cache_dir
         self.cache_fields = dict(cache_fields or {})  # what the model's load changed (fused weights)
-        self.cache_records: list[dict[str, Any]] = []
+        self.cache_records: list[CompileRecord] = []
         self.graphs: set[tuple[int, str]] = set()
         self.window_smallest = WINDOW_SMALLEST
-        self._compiled: dict[bool, Any] = {}
-        self._consts: dict[str, Any] = {}
+        self._compiled: dict[bool, StepFn] = {}
+        self._consts: dict[str, torch.Tensor] = {}
         self._keep_one = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @property
@@ -82,7 +92,7 @@ class StepRunner:
         return options.get("mode") == "reduce-overhead"
 
     def set_compile(
-        self, options: dict[str, Any] | None, *, step_graphs: bool = False, regional: bool = False
+        self, options: dict[str, object] | None, *, step_graphs: bool = False, regional: bool = False
     ) -> None:
         """Compile the step with ``options`` from the next call on (``None``: eager); ``step_graphs``
         captures the step as one device graph (``options`` must then make no graphs); ``regional``
@@ -115,7 +125,7 @@ class StepRunner:
         cached = "from the compile cache" if record.get("loaded") else "nothing in the compile cache"
         return f"compiling the decode step for batch {batch} ({step_name(request)}, {cached})"
 
-    def _window(self, state: DecodeState, needed: int) -> Any:
+    def _window(self, state: DecodeState, needed: int) -> torch.Tensor | None:
         """The attention window of a step or prefill when ``needed`` cache slots hold tokens, or
         ``None`` where the model's attention is not xpukit's (it would not read it)."""
         if getattr(self.model.config, "_attn_implementation", None) != GROUPED_ATTENTION:
@@ -153,7 +163,7 @@ class StepRunner:
             self.step_graphs.run((state.owner, "prefill-" + step_name(request), length), prefill)
 
     def _call(
-        self, step: Any, request: DecodeRequest, state: DecodeState, needed: int, tier: str = ""
+        self, step: StepFn, request: DecodeRequest, state: DecodeState, needed: int, tier: str = ""
     ) -> None:
         """One decode step whose token goes to cache slot ``needed - 1`` (``tier``: the first tier's
         captures are kept apart from the compiled step's)."""
@@ -169,10 +179,14 @@ class StepRunner:
             torch.compiler.cudagraph_mark_step_begin()
         self._step_once(step, request, state, window)
 
-    def _step_once(self, step: Any, request: DecodeRequest, state: DecodeState, window: Any) -> None:
+    def _step_once(
+        self, step: StepFn, request: DecodeRequest, state: DecodeState, window: torch.Tensor | None
+    ) -> None:
         step(*self._step_args(request, state, window))
 
-    def _step_args(self, request: DecodeRequest, state: DecodeState, window: Any) -> tuple[Any, ...]:
+    def _step_args(
+        self, request: DecodeRequest, state: DecodeState, window: torch.Tensor | None
+    ) -> tuple[object, ...]:
         """The decode step's arguments: the loop's buffers of ``state``, the attention ``window``, the
         call's constants (the same for the step run, captured, or built ahead of time)."""
         consts = self._consts
@@ -196,14 +210,14 @@ class StepRunner:
             self._keep_one,
         )
 
-    def _top_p(self, request: DecodeRequest) -> Any:
+    def _top_p(self, request: DecodeRequest) -> torch.Tensor | None:
         return self._consts["top_p"] if request.top_p < 1.0 else None
 
     def _cache_len(self) -> int:
         configured = getattr(self.model.generation_config, "max_cache_len", None)
         return int(configured or self.max_cache_len)
 
-    def _step(self, torch: Any, request: DecodeRequest, batch: int) -> Any:
+    def _step(self, torch: ModuleType, request: DecodeRequest, batch: int) -> StepFn:
         if not self.compile_options:
             return decode_step
         kind = step_name(request)

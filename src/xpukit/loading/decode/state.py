@@ -9,7 +9,14 @@ the mask, one object per length.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import StaticCache
+
+    from xpukit.loading.decode.interfaces import DecodeModel
+    from xpukit.loading.decode.request import DecodeRequest
 
 __all__ = ["DecodeState", "fill_constants", "new_state"]
 
@@ -18,24 +25,26 @@ __all__ = ["DecodeState", "fill_constants", "new_state"]
 class DecodeState:
     """One batch size's buffers, at fixed addresses."""
 
-    cache: Any
-    tokens: Any  # (b, 1) long: the last token, the next step's input
-    positions: Any  # (b, 1) long: its position id (left padding shifts it)
-    mask: Any  # (b, cache_len) bool: False on left padding, True elsewhere (causality masks the future)
-    unfinished: Any  # (b,) bool
-    out: Any  # (b, cache_len) long: the new tokens, at [0, new_tokens)
-    index: Any  # (1,) long: the step's column in ``out``
+    cache: StaticCache
+    tokens: torch.Tensor  # (b, 1) long: the last token, the next step's input
+    positions: torch.Tensor  # (b, 1) long: its position id (left padding shifts it)
+    mask: (
+        torch.Tensor
+    )  # (b, cache_len) bool: False on left padding, True elsewhere (causality masks the future)
+    unfinished: torch.Tensor  # (b,) bool
+    out: torch.Tensor  # (b, cache_len) long: the new tokens, at [0, new_tokens)
+    index: torch.Tensor  # (1,) long: the step's column in ``out``
     owner: tuple[int, int]  # (batch, cache length): its key among the kept states
-    prompts: dict[int, Any] = field(default_factory=dict)  # prompt length → (b, length) long ids
-    windows: dict[int, Any] = field(default_factory=dict)  # window length → mask[:, :length]
+    prompts: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt length → (b, length) long ids
+    windows: dict[int, torch.Tensor] = field(default_factory=dict)  # window length → mask[:, :length]
 
-    def prompt(self, length: int) -> Any:
+    def prompt(self, length: int) -> torch.Tensor:
         """The fixed ids buffer of prompts ``length`` tokens long."""
         if length not in self.prompts:
             self.prompts[length] = self.tokens.new_zeros((self.tokens.shape[0], length))
         return self.prompts[length]
 
-    def window(self, length: int) -> Any:
+    def window(self, length: int) -> torch.Tensor:
         """The first ``length`` columns of the mask, one view per length (its size is the window; a
         compiled step sees the length as a symbol, so one graph serves every window)."""
         if length not in self.windows:
@@ -47,7 +56,7 @@ class DecodeState:
         return self.windows[length]
 
 
-def new_state(model: Any, batch: int, length: int) -> DecodeState:
+def new_state(model: DecodeModel, batch: int, length: int) -> DecodeState:
     """Buffers for ``batch`` rows and a static cache of ``length`` tokens on ``model``'s device."""
     import torch
     from transformers import StaticCache
@@ -70,7 +79,9 @@ def new_state(model: Any, batch: int, length: int) -> DecodeState:
     return state
 
 
-def fill_constants(model: Any, consts: dict[str, Any], request: Any) -> dict[str, Any]:
+def fill_constants(
+    model: DecodeModel, consts: dict[str, torch.Tensor], request: DecodeRequest
+) -> dict[str, torch.Tensor]:
     """The step's constants for ``request`` (EOS ids, pad, minimum length, temperature, top-p), in
     tensors made once per model at fixed addresses (``consts`` is filled on the first call)."""
     import torch

@@ -10,30 +10,42 @@ nothing in them waits for the host. :func:`choose` applies transformers' process
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.loading.decode.attention import WINDOW
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import StaticCache
+
+    from xpukit.loading.decode.interfaces import DecodeModel
 
 __all__ = ["choose", "decode_step", "first_new_position", "prefill_step", "prompt_positions"]
 
 
-def prompt_positions(mask: Any) -> Any:
+def prompt_positions(mask: torch.Tensor) -> torch.Tensor:
     """Position ids of a left-padded prompt (transformers' rule: count the real tokens; 1 on padding)."""
     mask = mask.long()
     positions = mask.cumsum(-1) - 1
     return positions.masked_fill_(mask == 0, 1)
 
 
-def first_new_position(positions: Any) -> Any:
+def first_new_position(positions: torch.Tensor) -> torch.Tensor:
     """The position id of the first new token: one past each row's last prompt token."""
     return positions[:, -1:] + 1
 
 
 def _last_logits(
-    model: Any, cache: Any, ids: Any, mask: Any, positions: Any, window: Any, keep_one: bool
-) -> Any:
+    model: DecodeModel,
+    cache: StaticCache,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    window: torch.Tensor | None,
+    keep_one: bool,
+) -> torch.Tensor:
     """The model's logits at the last position of ``ids``, the cache updated in place."""
-    kwargs: dict[str, Any] = {"logits_to_keep": 1} if keep_one else {}
+    kwargs: dict[str, object] = {"logits_to_keep": 1} if keep_one else {}
     if window is not None:
         kwargs[WINDOW] = window
     output = model(
@@ -48,8 +60,14 @@ def _last_logits(
 
 
 def choose(
-    logits: Any, is_eos: Any, suppress: Any, temperature: Any, top_p: Any, do_sample: bool, top_k: int
-) -> Any:
+    logits: torch.Tensor,
+    is_eos: torch.Tensor,
+    suppress: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor | None,
+    do_sample: bool,
+    top_k: int,
+) -> torch.Tensor:
     """The next token of each row, on the device (transformers' processors, in their order)."""
     import torch
 
@@ -75,7 +93,7 @@ def choose(
     return _draw(scores.softmax(-1))
 
 
-def _draw(probs: Any) -> Any:
+def _draw(probs: torch.Tensor) -> torch.Tensor:
     """One index per row with probability ``probs``: the exponential race (no multinomial, no sync)."""
     import torch
 
@@ -84,20 +102,20 @@ def _draw(probs: Any) -> Any:
 
 
 def prefill_step(
-    model: Any,
-    cache: Any,
-    ids: Any,
-    mask: Any,
-    window: Any,
-    tokens: Any,
-    positions: Any,
-    unfinished: Any,
-    out: Any,
-    index: Any,
-    is_eos: Any,
-    min_new: Any,
-    temperature: Any,
-    top_p: Any,
+    model: DecodeModel,
+    cache: StaticCache,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    window: torch.Tensor | None,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    unfinished: torch.Tensor,
+    out: torch.Tensor,
+    index: torch.Tensor,
+    is_eos: torch.Tensor,
+    min_new: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor | None,
     do_sample: bool,
     top_k: int,
     keep_one: bool,
@@ -115,20 +133,20 @@ def prefill_step(
 
 
 def decode_step(
-    model: Any,
-    cache: Any,
-    tokens: Any,
-    positions: Any,
-    mask: Any,
-    window: Any,
-    unfinished: Any,
-    out: Any,
-    index: Any,
-    is_eos: Any,
-    pad: Any,
-    min_new: Any,
-    temperature: Any,
-    top_p: Any,
+    model: DecodeModel,
+    cache: StaticCache,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor,
+    window: torch.Tensor | None,
+    unfinished: torch.Tensor,
+    out: torch.Tensor,
+    index: torch.Tensor,
+    is_eos: torch.Tensor,
+    pad: torch.Tensor,
+    min_new: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor | None,
     do_sample: bool,
     top_k: int,
     keep_one: bool,

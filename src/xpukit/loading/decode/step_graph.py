@@ -22,11 +22,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from xpukit.loading.device_graph import background_busy
 
-__all__ = ["GraphKey", "StepGraphs", "weights_key"]
+if TYPE_CHECKING:
+    import torch
+
+    from xpukit.loading.decode.interfaces import DecodeModel
+    from xpukit.loading.device_graph import GraphBackend, GraphPool
+
+__all__ = ["DeviceGraph", "GraphKey", "StepGraphs", "weights_key"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +40,13 @@ logger = logging.getLogger(__name__)
 GraphKey = tuple[Hashable, str, int | None]
 
 
-def weights_key(model: Any) -> tuple[tuple[int, int], ...]:
+class DeviceGraph(Protocol):
+    """A captured device graph (``torch.cuda.CUDAGraph``, ``torch.xpu.XPUGraph``): replayed only."""
+
+    def replay(self) -> None: ...
+
+
+def weights_key(model: DecodeModel) -> tuple[tuple[int, int], ...]:
     """Identity and address of every parameter and buffer of ``model`` (a quantized weight that is a
     tensor subclass counts by the addresses of the tensors it holds)."""
     key: list[tuple[int, int]] = []
@@ -43,7 +55,7 @@ def weights_key(model: Any) -> tuple[tuple[int, int], ...]:
     return tuple(key)
 
 
-def _addresses(tensor: Any) -> list[tuple[int, int]]:
+def _addresses(tensor: torch.Tensor) -> list[tuple[int, int]]:
     flatten = getattr(type(tensor), "__tensor_flatten__", None)
     if flatten is None:
         return [(id(tensor), tensor.data_ptr())]
@@ -67,16 +79,16 @@ class StepGraphs:
             (a capture runs nothing, so the step's token is computed by that uncaptured run).
     """
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: GraphBackend) -> None:
         self.backend = backend
         self.stats = {"captures": 0, "replays": 0, "dropped": 0, "uncaptured_while_building": 0}
-        self._pool: Any = None
-        self._graphs: dict[GraphKey, Any] = {}
+        self._pool: GraphPool | None = None
+        self._graphs: dict[GraphKey, DeviceGraph] = {}
         self.uncaptured: dict[GraphKey, str] = {}
         self._warm: set[GraphKey] = set()
         self._weights: tuple[tuple[int, int], ...] | None = None
 
-    def check_weights(self, model: Any) -> None:
+    def check_weights(self, model: DecodeModel) -> None:
         """Drop every capture when ``model``'s weights are not the ones they read (once per call)."""
         key = weights_key(model)
         if key != self._weights:

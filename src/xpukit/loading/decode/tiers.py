@@ -36,12 +36,20 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 from xpukit._partial import write_file
 from xpukit.loading.device_graph import background_device_work
+
+if TYPE_CHECKING:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    from xpukit.loading.decode.compile_cache import CompileRecord
+    from xpukit.loading.decode.interfaces import StepFn
+    from xpukit.planning.vocabulary import LoadEvent
 
 __all__ = [
     "HANDOFF_S",
@@ -85,22 +93,23 @@ def quick_handoff() -> Iterator[None]:
                 sys.setswitchinterval(found)
 
 
-def no_guards(entries: Sequence[Any]) -> list[bool]:
+def no_guards(entries: Sequence[object]) -> list[bool]:
     """A dynamo guard filter that keeps no guard: the loop calls the step with its own buffers only,
     and the compile cache's key holds everything that changes the traced code."""
     return [False] * len(entries)
 
 
-def _aot_enabled(torch: Any) -> Any:
+def _aot_enabled(torch: ModuleType) -> contextlib.AbstractContextManager[None]:
     """torch hands ``torch.compile``'s result an ``aot_compile`` only with
     ``torch._dynamo.config.enable_aot_compile`` (off by default in some releases, on in 2.13): set
     for the one call that makes it, never left changed."""
     if hasattr(torch._dynamo.config, "enable_aot_compile"):
-        return torch._dynamo.config.patch(enable_aot_compile=True)
+        patch: contextlib.AbstractContextManager[None] = torch._dynamo.config.patch(enable_aot_compile=True)
+        return patch
     return contextlib.nullcontext()
 
 
-def aot_available(torch: Any) -> str | None:
+def aot_available(torch: ModuleType) -> str | None:
     """``None`` where this torch compiles ahead of time and loads a saved compiled function, else why
     not (the compiled tier then compiles at its first call)."""
     with _aot_enabled(torch):
@@ -112,38 +121,41 @@ def aot_available(torch: Any) -> str | None:
     return None
 
 
-def _compile_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+def _compile_kwargs(options: Mapping[str, object]) -> dict[str, object]:
     """``torch.compile`` keyword arguments with the guard filter (torch takes it in ``options``,
     which excludes ``mode``: mode ``default`` is the same as none)."""
     kwargs = dict(options)
     mode = kwargs.pop("mode", None)
     if mode not in (None, "default"):
         raise ValueError(f"an ahead-of-time step is built without inductor's graphs, not mode {mode!r}")
-    kwargs["options"] = {**(kwargs.get("options") or {}), "guard_filter_fn": no_guards}
+    inductor = cast("Mapping[str, object]", kwargs.get("options") or {})  # torch.compile's options dict
+    kwargs["options"] = {**inductor, "guard_filter_fn": no_guards}
     return kwargs
 
 
-def build_step(torch: Any, step: Callable[..., Any], options: dict[str, Any], args: tuple[Any, ...]) -> Any:
+def build_step(
+    torch: ModuleType, step: StepFn, options: Mapping[str, object], args: tuple[object, ...]
+) -> AOTCompiledFunction:
     """``step`` compiled ahead of time for ``args`` (traced with fake tensors: nothing runs)."""
     with _aot_enabled(torch):
         compiled = torch.compile(step, **_compile_kwargs(options))
     with torch.inference_mode(False), torch.no_grad():
-        built = compiled.aot_compile((args, {}))
+        built: AOTCompiledFunction = compiled.aot_compile((args, {}))
     _no_guard_check(built)
     return built
 
 
-def _no_guard_check(built: Any) -> None:
+def _no_guard_check(built: AOTCompiledFunction) -> None:
     """Skip the (empty) guard check per call, where this torch's compiled function offers it."""
     skip = getattr(built, "disable_guard_check", None)
     if callable(skip):
         skip()
 
 
-def load_step(torch: Any, path: Path, step: Callable[..., Any]) -> Any:
+def load_step(torch: ModuleType, path: Path, step: StepFn) -> AOTCompiledFunction:
     """The compiled step saved at ``path`` (``FileNotFoundError`` when there is none)."""
     with path.open("rb") as file:
-        built = torch.compiler.load_compiled_function(file, f_globals=step.__globals__)
+        built: AOTCompiledFunction = torch.compiler.load_compiled_function(file, f_globals=step.__globals__)
     _no_guard_check(built)
     return built
 
@@ -159,15 +171,15 @@ class CompileJob:
 
     def __init__(
         self,
-        build: Callable[[], tuple[Any, dict[str, Any]]],
+        build: Callable[[], tuple[StepFn, CompileRecord]],
         *,
-        record: dict[str, Any],
+        record: CompileRecord,
         background: bool,
     ) -> None:
-        self.record: dict[str, Any] = dict(record)
+        self.record: CompileRecord = record.copy()
         self.error: str | None = None
         self.reported = False
-        self._step: Any = None
+        self._step: StepFn | None = None
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
         if background:
@@ -177,7 +189,7 @@ class CompileJob:
         else:
             self._run(build)
 
-    def _run(self, build: Callable[[], tuple[Any, dict[str, Any]]]) -> None:
+    def _run(self, build: Callable[[], tuple[StepFn, CompileRecord]]) -> None:
         """Build (the example inputs live in ``build``: nothing here keeps them once it returns)."""
         start = time.perf_counter()
         try:
@@ -192,11 +204,11 @@ class CompileJob:
         self.record["seconds"] = round(time.perf_counter() - start, 2)
         self._done.set()
 
-    def ready(self) -> Any:
+    def ready(self) -> StepFn | None:
         """The compiled step when built, else ``None`` (never waits)."""
         return self._step if self._done.is_set() else None
 
-    def wait(self, timeout: float | None = None) -> Any:
+    def wait(self, timeout: float | None = None) -> StepFn | None:
         """Wait for the build (warm-up at load); the compiled step, or ``None`` after an error."""
         self._done.wait(timeout)
         return self._step
@@ -207,12 +219,12 @@ class CompileJob:
 
 
 def step_job(
-    torch: Any,
-    args: tuple[Any, ...],
-    options: dict[str, Any],
+    torch: ModuleType,
+    args: tuple[object, ...],
+    options: Mapping[str, object],
     path: Path,
     *,
-    record: dict[str, Any],
+    record: CompileRecord,
     background: bool,
 ) -> CompileJob:
     """Build xpukit's decode step for ``args`` (the loop's buffers of one batch size and step kind):
@@ -220,8 +232,8 @@ def step_job(
     (atomically; a directory that cannot be written is recorded, never raised)."""
     from xpukit.loading.decode.step import decode_step
 
-    def build() -> tuple[Any, dict[str, Any]]:
-        done: dict[str, Any] = {**record, "path": str(path)}
+    def build() -> tuple[StepFn, CompileRecord]:
+        done: CompileRecord = {**record, "path": str(path)}
         try:
             return load_step(torch, path, decode_step), done | {"how": "loaded"}
         except FileNotFoundError:
@@ -235,7 +247,7 @@ def step_job(
         try:
             blob = type(built).serialize(built).serialized_data
             write_file(path, blob)
-            done.update(saved=True, bytes=len(blob))
+            done.update({"saved": True, "bytes": len(blob)})
         except Exception as exc:  # a cache dir that cannot be written, a step torch cannot save
             done["save_error"] = f"{type(exc).__name__}: {exc}"
         return built, done
@@ -256,21 +268,21 @@ class Tiers:
     def __init__(self) -> None:
         self.jobs: dict[tuple[int, str], CompileJob] = {}
         self.background = True
-        self.events: list[Any] = []
-        self.on_event: Callable[[Any], None] | None = None
+        self.events: list[LoadEvent] = []
+        self.on_event: Callable[[LoadEvent], None] | None = None
 
     def start(
-        self, key: tuple[int, str], args: tuple[Any, ...], options: dict[str, Any], path: Path
+        self, key: tuple[int, str], args: tuple[object, ...], options: Mapping[str, object], path: Path
     ) -> CompileJob:
         """The job of ``key`` (batch size, step kind), started on first need."""
         import torch
 
         if key not in self.jobs:
-            record = {"batch": key[0], "step": key[1]}
+            record: CompileRecord = {"batch": key[0], "step": key[1]}
             self.jobs[key] = step_job(torch, args, options, path, record=record, background=self.background)
         return self.jobs[key]
 
-    def event(self, *, planned: Any, actual: Any, cause: str) -> None:
+    def event(self, *, planned: object, actual: object, cause: str) -> None:
         """A ``decode_tiers`` fallback: recorded, and handed to ``on_event``."""
         from xpukit.planning.vocabulary import LoadEvent
 

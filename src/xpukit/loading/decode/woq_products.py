@@ -12,34 +12,52 @@ installed: the load records a fallback with the reason (all layers or none, neve
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from xpukit.kernels.woq import kernel_of, register, weight_only_linear
 from xpukit.loading.decode.fused_proj import FUSED_GROUP, GATE_UP_BUFFER, QKV_BUFFER
 
-__all__ = ["install_weight_only_products", "remove_weight_only_products"]
+if TYPE_CHECKING:
+    import torch
+
+    from xpukit.loading.decode.fused_proj import FusedGroup, Product
+
+__all__ = ["WeightOnlyProducts", "install_weight_only_products", "remove_weight_only_products"]
 
 _TOLERANCE = 2e-2  # relative error against torchao's product: bf16 rounding of the sum, not a wrong layout
 _MARK = "xpukit_weight_only"  # a layer whose forward xpukit replaced
 
 
+class WeightOnlyProducts(TypedDict, total=False):
+    """What :func:`install_weight_only_products` did: how many plain ``layers`` and fused ``groups``
+    it serves, or why it ``kept`` torchao's product everywhere."""
+
+    layers: int
+    groups: int
+    kept: str
+
+
 class _Product:
     """A ``Linear``'s forward through xpukit's weight-only product (its weight read at each call)."""
 
-    def __init__(self, layer: Any, product: Any) -> None:
+    def __init__(self, layer: torch.nn.Linear, product: Product) -> None:
         self.layer, self.product = layer, product
 
-    def __call__(self, x: Any) -> Any:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.product(x, self.layer.weight, self.layer.bias)
 
 
-def _targets(model: Any, kernel: str) -> tuple[list[tuple[str, Any]], list[tuple[str, Any, Any]]]:
+def _targets(
+    model: torch.nn.Module, kernel: str
+) -> tuple[list[tuple[str, torch.nn.Linear]], list[tuple[str, FusedGroup, torch.Tensor]]]:
     """The plain layers and the fused groups whose weights ``kernel`` reads."""
     import torch
 
-    layers, groups, parts = [], [], set()
+    layers: list[tuple[str, torch.nn.Linear]] = []
+    groups: list[tuple[str, FusedGroup, torch.Tensor]] = []
+    parts: set[int] = set()
     for name, module in model.named_modules():
-        group = module.__dict__.get(FUSED_GROUP)
+        group: FusedGroup | None = module.__dict__.get(FUSED_GROUP)
         if group is not None:
             parts |= {id(layer) for layer in group.layers}  # computed by the group's one product
             weight = getattr(module, QKV_BUFFER, None)
@@ -51,7 +69,7 @@ def _targets(model: Any, kernel: str) -> tuple[list[tuple[str, Any]], list[tuple
     return [(n, m) for n, m in layers if id(m) not in parts], groups
 
 
-def _check(name: str, weight: Any, devices: tuple[str, ...]) -> str | None:
+def _check(name: str, weight: torch.Tensor, devices: tuple[str, ...]) -> str | None:
     """``None`` when xpukit's product of ``weight`` with a random row matches torchao's."""
     import torch
 
@@ -68,8 +86,8 @@ def _check(name: str, weight: Any, devices: tuple[str, ...]) -> str | None:
 
 
 def install_weight_only_products(
-    model: Any, kernel: str = "int8", *, devices: tuple[str, ...] = ("cuda", "xpu")
-) -> dict[str, Any]:
+    model: torch.nn.Module, kernel: str = "int8", *, devices: tuple[str, ...] = ("cuda", "xpu")
+) -> WeightOnlyProducts:
     """Route ``model``'s quantized products that ``kernel`` reads through it.
 
     Args:
@@ -105,21 +123,21 @@ def install_weight_only_products(
     return {"layers": len(layers), "groups": len(groups)}
 
 
-def _with_devices(devices: tuple[str, ...]) -> Any:
-    def product(x: Any, weight: Any, bias: Any = None) -> Any:
+def _with_devices(devices: tuple[str, ...]) -> Product:
+    def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return weight_only_linear(x, weight, bias, devices=devices)
 
     return product
 
 
-def remove_weight_only_products(model: Any) -> int:
+def remove_weight_only_products(model: torch.nn.Module) -> int:
     """Undo :func:`install_weight_only_products` (the benchmark's comparison); returns how many."""
     undone = 0
     for module in model.modules():
         if module.__dict__.pop(_MARK, False):
             module.__dict__.pop("forward", None)
             undone += 1
-        group = module.__dict__.get(FUSED_GROUP)
+        group: FusedGroup | None = module.__dict__.get(FUSED_GROUP)
         if group is not None and group.linear is not None:
             group.linear = None
             undone += 1

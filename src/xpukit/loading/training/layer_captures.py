@@ -223,8 +223,6 @@ class LayerCaptures:
             self.host.pin = kind in GRAPH_BACKENDS
             slots = self.host.slots(len(forwards), hidden)
             self.stats["host_slot_bytes"] = self.host.bytes
-        buffer = self.host.buffer
-        keep = (buffer,) if slots[0] is not None and buffer is not None else ()
 
         def stack(h: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
             for index, (forward, template, slot) in enumerate(zip(forwards, templates, slots, strict=True)):
@@ -237,6 +235,8 @@ class LayerCaptures:
         self.rope.decide(calls)
 
         def captured() -> Captured:
+            buffer = self.host.buffer  # the host slots' buffer: the graphs copy to it
+            keep = (buffer,) if slots[0] is not None and buffer is not None else ()
             with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
                 warmup = self.warmups if self._graphs else 1  # the first capture always warms up
                 return capture(

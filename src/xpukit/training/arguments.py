@@ -44,7 +44,8 @@ import functools
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, TypeAlias
 
 from xpukit import _environ
 from xpukit._compat import installed_version, is_installed
@@ -55,9 +56,13 @@ from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.training.keywords import TrainingContext, training_kwargs
 
 if TYPE_CHECKING:
-    from transformers import TrainingArguments
+    from peft import PeftModel
+    from transformers import PreTrainedModel, TrainingArguments
 
 __all__ = ["training_args"]
+
+# The model to train, where there is one (its attributes are read with getattr: any model will do).
+_Model: TypeAlias = "PreTrainedModel | PeftModel | None"
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +90,12 @@ def _import_deepspeed_quietly() -> None:
 
 
 def training_args(
-    model: Any = None,
+    model: PreTrainedModel | PeftModel | str | os.PathLike[str] | None = None,
     *,
     facts: MachineFacts | DeviceFacts | None = None,
-    strategy: Any = None,
-    config_class: Any = None,
-    **kwargs: Any,
+    strategy: str | None = None,
+    config_class: type[TrainingArguments] | None = None,
+    **kwargs: object,
 ) -> TrainingArguments:
     """``transformers.TrainingArguments`` for the model's device, with the user's keywords on top.
 
@@ -134,7 +139,8 @@ def training_args(
         from xpukit.training.config_class import build_config, check_config_class
 
         if isinstance(model, (str, os.PathLike)):  # training_args("out"), as TrainingArguments("out")
-            model, kwargs = None, _output_dir_given_first(model, kwargs)
+            kwargs = _output_dir_given_first(model, kwargs)
+            model = None
         cls = check_config_class(config_class)
         _import_deepspeed_quietly()
         _refuse_batch_size(kwargs)
@@ -155,7 +161,9 @@ def training_args(
         return build_config(cls, keywords, kwargs)
 
 
-def _output_dir_given_first(output_dir: str | os.PathLike[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _output_dir_given_first(
+    output_dir: str | os.PathLike[str], kwargs: dict[str, object]
+) -> dict[str, object]:
     """``training_args("out")``: the string is the output directory, never dropped (as documented in
     docs/training.md, the ``training_args`` section)."""
     if "output_dir" in kwargs:
@@ -204,7 +212,7 @@ def _destroy_process_group() -> None:
     gc.collect()
 
 
-def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingContext:
+def _context(model: _Model, facts: MachineFacts | DeviceFacts | None) -> TrainingContext:
     plan_dtype = getattr(getattr(model, "xpukit_plan", None), "dtype", None)
     in_graphs = bool(getattr(getattr(model, "xpukit_layer_graphs", None), "checkpoint", False))
     return TrainingContext(
@@ -221,7 +229,7 @@ def _context(model: Any, facts: MachineFacts | DeviceFacts | None) -> TrainingCo
     )
 
 
-def _refuse_nothing_to_train(model: Any) -> None:
+def _refuse_nothing_to_train(model: _Model) -> None:
     """Refuse a model whose every parameter is frozen: ``Trainer.train()`` would fail at its first step
     with ``element 0 of tensors does not require grad``
     (docs/training.md "Training a saved adapter further")."""
@@ -254,7 +262,7 @@ def _refuse_nothing_to_train(model: Any) -> None:
 _BATCH_KEYWORDS = ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps")
 
 
-def _refuse_batch_size(kwargs: dict[str, Any]) -> None:
+def _refuse_batch_size(kwargs: Mapping[str, object]) -> None:
     """A batch size or accumulation that is not a positive int, refused before anything is built:
     ``Trainer`` would fail later, after making ``output_dir``."""
     for name in _BATCH_KEYWORDS:
@@ -269,7 +277,7 @@ def _refuse_batch_size(kwargs: dict[str, Any]) -> None:
             )
 
 
-def _refuse_quantized_without_adapters(model: Any) -> None:
+def _refuse_quantized_without_adapters(model: _Model) -> None:
     """A quantized model loaded to run (no adapters) cannot be fine-tuned: ``Trainer`` refuses purely
     quantized models at ``train()``, after making ``output_dir`` (docs/training.md "The one-call
     flow")."""
@@ -287,7 +295,7 @@ def _refuse_quantized_without_adapters(model: Any) -> None:
     )
 
 
-def _restore_repacked_4bit(model: Any) -> None:
+def _restore_repacked_4bit(model: _Model) -> None:
     """Give a trainable model's CPU-repacked 4-bit weights their trainable layout back (docs/known-issues.md
     "bitsandbytes: CPU repacking of 4-bit weights").
 
@@ -298,7 +306,7 @@ def _restore_repacked_4bit(model: Any) -> None:
     alone: it keeps bitsandbytes' faster repacked kernel.
     """
     bnb = sys.modules.get("bitsandbytes")
-    if bnb is None or not hasattr(model, "named_modules"):
+    if bnb is None or model is None or not hasattr(model, "named_modules"):
         return  # no 4-bit layer exists without bitsandbytes imported
     if not any(p.requires_grad for p in model.parameters()):
         return
@@ -324,7 +332,9 @@ def _restore_repacked_4bit(model: Any) -> None:
         logger.info("training_args: %s", note)
 
 
-def _training_device(model: Any, facts: MachineFacts | DeviceFacts | None, *, use_cpu: bool) -> DeviceFacts:
+def _training_device(
+    model: _Model, facts: MachineFacts | DeviceFacts | None, *, use_cpu: bool
+) -> DeviceFacts:
     if isinstance(facts, DeviceFacts) and not use_cpu:
         return facts
     plan_device = getattr(getattr(model, "xpukit_plan", None), "device", None)
@@ -357,7 +367,7 @@ def _detect(*, devices: bool) -> MachineFacts:
     return detect(devices=devices)
 
 
-def _parameter_device(model: Any) -> tuple[str | None, int | None]:
+def _parameter_device(model: _Model) -> tuple[str | None, int | None]:
     if model is None or not hasattr(model, "parameters"):
         return None, None
     for param in model.parameters():
@@ -366,7 +376,7 @@ def _parameter_device(model: Any) -> tuple[str | None, int | None]:
     return None, None
 
 
-def _is_quantized(model: Any) -> bool:
+def _is_quantized(model: _Model) -> bool:
     if model is None:
         return False
     return bool(
@@ -376,7 +386,7 @@ def _is_quantized(model: Any) -> bool:
     )
 
 
-def _has_gradient_checkpointing(model: Any) -> bool:
+def _has_gradient_checkpointing(model: _Model) -> bool:
     if model is None or not hasattr(model, "modules"):
         return False
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError, name_hints
 from xpukit.training.keywords import TrainingContext, training_kwargs
@@ -34,7 +35,7 @@ __all__ = ["build_config", "check_config_class", "config_kwargs", "fit_to_class"
 logger = logging.getLogger(__name__)
 
 
-def check_config_class(config_class: Any) -> type[TrainingArguments]:
+def check_config_class(config_class: object) -> type[TrainingArguments]:
     """The class to build: ``TrainingArguments`` when ``None``, else a subclass of it.
 
     Raises:
@@ -56,11 +57,11 @@ def check_config_class(config_class: Any) -> type[TrainingArguments]:
     )
 
 
-def _fields(cls: type[TrainingArguments]) -> dict[str, dataclasses.Field[Any]]:
+def _fields(cls: type[TrainingArguments]) -> dict[str, dataclasses.Field[object]]:
     return {f.name: f for f in dataclasses.fields(cls) if f.init}
 
 
-def _default(field: dataclasses.Field[Any]) -> Any:
+def _default(field: dataclasses.Field[object]) -> object:
     if field.default is not dataclasses.MISSING:
         return field.default
     if field.default_factory is not dataclasses.MISSING:
@@ -69,8 +70,8 @@ def _default(field: dataclasses.Field[Any]) -> Any:
 
 
 def fit_to_class(
-    cls: type[TrainingArguments], keywords: dict[str, Any], user: dict[str, Any]
-) -> dict[str, Any]:
+    cls: type[TrainingArguments], keywords: dict[str, object], user: Mapping[str, object]
+) -> dict[str, object]:
     """xpukit's keywords made exact for ``cls``: no class default decides what xpukit decides.
 
     Args:
@@ -114,7 +115,9 @@ _RENAMED = (
 )
 
 
-def _current_names(out: dict[str, Any], user: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+def _current_names(
+    out: dict[str, object], user: Mapping[str, object], fields: Mapping[str, dataclasses.Field[object]]
+) -> dict[str, object]:
     """``out`` with xpukit's checkpointing keywords under the class's current names; a name the user
     passed stays as given (its warning, if any, is theirs)."""
     for old, new in _RENAMED:
@@ -124,8 +127,13 @@ def _current_names(out: dict[str, Any], user: dict[str, Any], fields: dict[str, 
 
 
 def config_kwargs(
-    config_class: Any, device: DeviceFacts, /, *, context: TrainingContext | None = None, **user: Any
-) -> dict[str, Any]:
+    config_class: type[TrainingArguments] | None,
+    device: DeviceFacts,
+    /,
+    *,
+    context: TrainingContext | None = None,
+    **user: object,
+) -> dict[str, object]:
     """The keywords :func:`xpukit.training_args` passes to ``config_class`` on ``device`` (pure).
 
     For checking a config class against recorded device profiles without the hardware: building
@@ -156,7 +164,7 @@ def config_kwargs(
 
 
 def build_config(
-    cls: type[TrainingArguments], keywords: dict[str, Any], user: dict[str, Any]
+    cls: type[TrainingArguments], keywords: dict[str, object], user: Mapping[str, object]
 ) -> TrainingArguments:
     """``cls(**keywords)`` after :func:`fit_to_class`; building it initialises the device's runtime."""
     return cls(**fit_to_class(cls, keywords, user))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit._compat import version_at_least
 from xpukit.errors import InvalidRequestError
@@ -22,6 +22,9 @@ from xpukit.machine.precision import (
     training_precision_for_dtype,
 )
 from xpukit.planning.training.fit import step_keywords
+
+if TYPE_CHECKING:
+    from xpukit.planning.training.training_plan import TrainingPlan
 
 __all__ = ["TrainingContext", "training_kwargs"]
 
@@ -57,13 +60,13 @@ class TrainingContext:
     gradient_checkpointing: bool = False
     bitsandbytes_version: str | None = None
     compute_dtype: str | None = None
-    training: Any = None
+    training: TrainingPlan | None = None
     checkpoint_in_graphs: bool = False
 
 
 def training_kwargs(
-    device: DeviceFacts, /, *, context: TrainingContext | None = None, **user: Any
-) -> dict[str, Any]:
+    device: DeviceFacts, /, *, context: TrainingContext | None = None, **user: object
+) -> dict[str, object]:
     """The ``TrainingArguments`` keywords for a device: xpukit's choices, then the user's on top.
 
     Args:
@@ -135,9 +138,9 @@ def _precision(device: DeviceFacts, compute_dtype: str | None) -> TrainingPrecis
     return training_precision_for_dtype(device, dtype)
 
 
-def _decide(device: DeviceFacts, ctx: TrainingContext) -> tuple[dict[str, Any], list[str]]:
+def _decide(device: DeviceFacts, ctx: TrainingContext) -> tuple[dict[str, object], list[str]]:
     precision = _precision(device, ctx.compute_dtype)
-    out: dict[str, Any] = {"bf16": precision.bf16, "fp16": precision.fp16, "report_to": "none"}
+    out: dict[str, object] = {"bf16": precision.bf16, "fp16": precision.fp16, "report_to": "none"}
     reasons = [f"{precision.name}: {precision.reason}"]
     if device.backend == "cpu":
         out["use_cpu"] = True
@@ -188,7 +191,7 @@ def _optimizer(device: DeviceFacts, ctx: TrainingContext) -> tuple[str, str]:
     return "adamw_torch", f"optim=adamw_torch: {why}"
 
 
-def _refuse_impossible(device: DeviceFacts, user: dict[str, Any], pick: str) -> None:
+def _refuse_impossible(device: DeviceFacts, user: dict[str, object], pick: str) -> None:
     if user.get("bf16") and user.get("fp16"):
         raise InvalidRequestError(
             "training_args(bf16=True, fp16=True): at most one mixed precision can be on. "

@@ -21,8 +21,9 @@ docs/distributed.md "What xpukit decides".
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit import _environ
 from xpukit._compat import is_installed, require
@@ -30,6 +31,10 @@ from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts
 from xpukit.machine.precision import TrainingPrecision
 from xpukit.planning.device.distributed import parse_strategy
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 __all__ = ["StrategyFacts", "apply_strategy", "deepspeed_config", "strategy_facts", "strategy_kwargs"]
 
@@ -63,12 +68,12 @@ class StrategyFacts:
 
 
 def strategy_kwargs(
-    strategy: Any,
+    strategy: str | None,
     device: DeviceFacts,
     precision: TrainingPrecision,
     facts: StrategyFacts,
-    user: dict[str, Any],
-) -> tuple[dict[str, Any], list[str]]:
+    user: Mapping[str, object],
+) -> tuple[dict[str, object], list[str]]:
     """The keywords a strategy adds, and why; the user's keywords are not in them (they win later).
 
     Args:
@@ -110,7 +115,7 @@ def strategy_kwargs(
     return _deepspeed(device, precision, facts, user)
 
 
-def _ddp(facts: StrategyFacts) -> tuple[dict[str, Any], list[str]]:
+def _ddp(facts: StrategyFacts) -> tuple[dict[str, object], list[str]]:
     if not facts.lora:
         return {}, ["strategy ddp: transformers' DDP defaults (find_unused_parameters as it decides)"]
     return {"ddp_find_unused_parameters": False}, [
@@ -119,8 +124,8 @@ def _ddp(facts: StrategyFacts) -> tuple[dict[str, Any], list[str]]:
 
 
 def _fsdp(
-    device: DeviceFacts, facts: StrategyFacts, user: dict[str, Any]
-) -> tuple[dict[str, Any], list[str]]:
+    device: DeviceFacts, facts: StrategyFacts, user: Mapping[str, object]
+) -> tuple[dict[str, object], list[str]]:
     if device.backend in {"cpu", "mps"}:
         raise InvalidRequestError(
             f"training_args(strategy='fsdp') on {device.torch_device}: accelerate applies FSDP only on "
@@ -134,7 +139,7 @@ def _fsdp(
             "model. Fix: drop one."
         )
     checkpointing = bool(user.get("gradient_checkpointing"))
-    config: dict[str, Any] = {
+    config: dict[str, object] = {
         "version": 2,
         "reshard_after_forward": True,
         "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -156,15 +161,15 @@ def _fsdp(
     given = user.get("fsdp_config")
     if isinstance(given, dict):
         config.update(given)  # the user's fsdp_config keys win, one by one
-    out: dict[str, Any] = {"fsdp": user.get("fsdp") or True, "fsdp_config": config}
+    out: dict[str, object] = {"fsdp": user.get("fsdp") or True, "fsdp_config": config}
     if checkpointing:
         out["gradient_checkpointing"] = False
     return out, reasons
 
 
 def _deepspeed(
-    device: DeviceFacts, precision: TrainingPrecision, facts: StrategyFacts, user: dict[str, Any]
-) -> tuple[dict[str, Any], list[str]]:
+    device: DeviceFacts, precision: TrainingPrecision, facts: StrategyFacts, user: Mapping[str, object]
+) -> tuple[dict[str, object], list[str]]:
     require("deepspeed", "training_args(strategy='deepspeed')")
     if facts.deepspeed_env_missing:
         raise InvalidRequestError(
@@ -183,7 +188,7 @@ def _deepspeed(
     return {"deepspeed": config}, [f"strategy deepspeed: ZeRO-{stage} ({why}), {precision.name}"]
 
 
-def deepspeed_config(stage: int, precision: TrainingPrecision) -> dict[str, Any]:
+def deepspeed_config(stage: int, precision: TrainingPrecision) -> dict[str, object]:
     """A DeepSpeed ZeRO-2 or ZeRO-3 config dict for ``TrainingArguments(deepspeed=...)``.
 
     Sizes left ``"auto"`` are filled by transformers from the ``TrainingArguments``
@@ -203,7 +208,7 @@ def deepspeed_config(stage: int, precision: TrainingPrecision) -> dict[str, Any]
         raise InvalidRequestError(
             f"deepspeed_config(stage={stage!r}): xpukit writes ZeRO-2 or ZeRO-3 configs."
         )
-    zero: dict[str, Any] = {
+    zero: dict[str, object] = {
         "stage": stage,
         "overlap_comm": True,
         "contiguous_gradients": True,
@@ -233,10 +238,10 @@ def deepspeed_config(stage: int, precision: TrainingPrecision) -> dict[str, Any]
 # ---------------------------------------------------------------------------------------------
 
 
-def strategy_facts(model: Any, world_size: int) -> StrategyFacts:
+def strategy_facts(model: PreTrainedModel | PeftModel | None, world_size: int) -> StrategyFacts:
     """What :func:`strategy_kwargs` needs, read from the model and ``model.xpukit_plan``."""
     plan = getattr(model, "xpukit_plan", None)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = model.get_base_model() if model is not None and hasattr(model, "get_base_model") else model
     wrap = tuple(getattr(base, "_no_split_modules", None) or ())
     fits: bool | None = None
     decision = next((d for d in getattr(plan, "decisions", ()) if d.name == "strategy"), None)
@@ -269,13 +274,13 @@ def deepspeed_env_missing() -> tuple[str, ...]:
 
 
 def apply_strategy(
-    strategy: Any,
-    model: Any,
+    strategy: str | None,
+    model: PreTrainedModel | PeftModel | None,
     device: DeviceFacts,
-    keywords: dict[str, Any],
-    user: dict[str, Any],
+    keywords: dict[str, object],
+    user: Mapping[str, object],
     world_size: int,
-) -> tuple[dict[str, Any], list[str]]:
+) -> tuple[dict[str, object], list[str]]:
     """``keywords`` (xpukit's choices with the user's on top) with the strategy's keywords added.
 
     The strategy's keywords never replace one the user gave, except ``gradient_checkpointing``,

@@ -15,7 +15,12 @@ size (xpukit sets liger's ``chunk_mem_const`` per call; docs/training-plan.md "l
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+    from transformers.utils import ModelOutput
 
 __all__ = ["KERNELS", "apply_chunked_loss", "chunked_loss_problem"]
 
@@ -26,7 +31,7 @@ _LOGIT_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "ou
 KERNELS = ("xpukit", "liger")
 
 
-def chunked_loss_problem(model: Any) -> str | None:
+def chunked_loss_problem(model: PreTrainedModel) -> str | None:
     """Why ``model`` cannot take the chunked loss, or ``None`` when it can."""
     import torch
 
@@ -43,7 +48,7 @@ def chunked_loss_problem(model: Any) -> str | None:
     return None
 
 
-def apply_chunked_loss(model: Any, *, kernel: str = "xpukit", chunk: int | None = None) -> str:
+def apply_chunked_loss(model: PreTrainedModel, *, kernel: str = "xpukit", chunk: int | None = None) -> str:
     """Wrap ``model.forward`` (a transformers causal LM) with the chunked loss; returns a note.
 
     Args:
@@ -75,7 +80,7 @@ def apply_chunked_loss(model: Any, *, kernel: str = "xpukit", chunk: int | None 
     vocab = int(head.weight.shape[0])
     size = chunk or chunk_tokens(vocab)
 
-    def loss_of(hidden: Any, labels: Any, items: Any) -> Any:
+    def loss_of(hidden: torch.Tensor, labels: torch.Tensor, items: torch.Tensor | int | None) -> torch.Tensor:
         if kernel == "liger":
             c = liger_chunk_mem_const(hidden.numel() // hidden.shape[-1], vocab, hidden.shape[-1], size)
             return liger_linear_cross_entropy(
@@ -84,7 +89,7 @@ def apply_chunked_loss(model: Any, *, kernel: str = "xpukit", chunk: int | None 
         return chunked_linear_cross_entropy(hidden, head.weight, labels, chunk=size, num_items_in_batch=items)
 
     @functools.wraps(forward)
-    def chunked(*args: Any, **kwargs: Any) -> Any:
+    def chunked(*args: object, **kwargs: object) -> ModelOutput:
         labels = kwargs.get("labels")
         if labels is None or not torch.is_grad_enabled() or head.weight.requires_grad:
             return forward(*args, **kwargs)

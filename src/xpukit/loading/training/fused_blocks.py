@@ -24,11 +24,15 @@ the forwards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from xpukit.kernels.lora_ops import Projection, lora_gated_mlp, lora_linear, lora_shared_input
 from xpukit.planning.training.fused import ATTENTION_SHAPES, MLP_SHAPES, BlockShape
+
+if TYPE_CHECKING:
+    import torch
+    from peft.tuners.lora import LoraLayer
 
 __all__ = [
     "MARK",
@@ -48,7 +52,7 @@ _REPLACED = "_xpukit_replaced_forward"  # the instance forward it replaced (None
 _ACT_ATTRS = ("act_fn", "activation_fn")
 
 
-def is_block(module: Any) -> bool:
+def is_block(module: torch.nn.Module) -> bool:
     import torch
 
     return isinstance(getattr(module, "self_attn", None), torch.nn.Module) and isinstance(
@@ -56,18 +60,18 @@ def is_block(module: Any) -> bool:
     )
 
 
-def block_shape(parent: Any, shapes: tuple[BlockShape, ...]) -> BlockShape | None:
+def block_shape(parent: torch.nn.Module, shapes: tuple[BlockShape, ...]) -> BlockShape | None:
     """The first shape whose projections are all children of ``parent``."""
     return next((s for s in shapes if all(getattr(parent, n, None) is not None for n in s.projections)), None)
 
 
-def shape_problem(parent: Any, shapes: tuple[BlockShape, ...]) -> str:
+def shape_problem(parent: torch.nn.Module, shapes: tuple[BlockShape, ...]) -> str:
     wanted = " or ".join("/".join(s.projections) for s in shapes)
     present = sorted(n for n, _ in parent.named_children())
     return f"unknown block shape: no {wanted} (has {', '.join(present) or 'nothing'})"
 
 
-def group_problem(parent: Any, names: tuple[str, ...]) -> str | None:
+def group_problem(parent: torch.nn.Module, names: tuple[str, ...]) -> str | None:
     """Why these projections of ``parent`` cannot be fused (``None`` when all can)."""
     if any(getattr(getattr(parent, n), MARK, False) for n in names):
         return "a projection is already fused in another block"
@@ -79,7 +83,7 @@ def group_problem(parent: Any, names: tuple[str, ...]) -> str | None:
     return f"{'/'.join(bad)}: {first}"
 
 
-def _projection_problem(layer: Any) -> str | None:
+def _projection_problem(layer: torch.nn.Module) -> str | None:
     """Why one projection cannot take the fused path; ``None`` when it can."""
     import torch
     from peft.tuners.lora import LoraLayer
@@ -121,7 +125,7 @@ def _projection_problem(layer: Any) -> str | None:
     return None
 
 
-def identify_activation(mlp: Any) -> tuple[str | None, str]:
+def identify_activation(mlp: torch.nn.Module) -> tuple[str | None, str]:
     """The gating activation ``mlp``'s activation module computes (a name of
     :data:`xpukit.kernels.lora_ops.GATE_ACTIVATIONS`), told on a probe, and the words for a note."""
     import torch
@@ -143,7 +147,7 @@ def identify_activation(mlp: Any) -> tuple[str | None, str]:
     return None, f"activation module {type(act_fn).__name__} computes none of SiLU, GELU, GELU (tanh)"
 
 
-def _still_plain(layer: Any) -> bool:
+def _still_plain(layer: LoraLayer) -> bool:
     """The runtime half of :func:`_projection_problem`: what can change after patching."""
     return (
         not layer.disable_adapters
@@ -154,7 +158,7 @@ def _still_plain(layer: Any) -> bool:
     )
 
 
-def _projection(layer: Any) -> Any:
+def _projection(layer: LoraLayer) -> Projection:
     adapter = layer._xpukit_adapter
     base = layer.get_base_layer()
     return Projection(
@@ -167,28 +171,30 @@ def _projection(layer: Any) -> Any:
     )
 
 
-def _compute_dtype(layer: Any, x: Any) -> Any:
+def _compute_dtype(layer: LoraLayer, x: torch.Tensor) -> torch.dtype:
     base = layer.get_base_layer()
-    return getattr(base, "compute_dtype", None) or x.dtype
+    dtype: torch.dtype = getattr(base, "compute_dtype", None) or x.dtype
+    return dtype
 
 
 class _Patch:
     """Replaces the ``forward`` of some modules; ``bypass`` makes them call what they replaced."""
 
-    def __init__(self, modules: tuple[Any, ...]) -> None:
+    def __init__(self, modules: tuple[torch.nn.Module, ...]) -> None:
         self.bypass = False
-        self.original = tuple(m.forward for m in modules)
+        self.original: tuple[Callable[..., torch.Tensor], ...] = tuple(m.forward for m in modules)
 
 
 class _FusedQKV(_Patch):
     """q_proj computes q, k and v; k_proj and v_proj take theirs when called with the same input."""
 
-    def __init__(self, attn: Any) -> None:
-        self.layers = tuple(getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj"))
+    def __init__(self, attn: torch.nn.Module) -> None:
+        self.layers: tuple[LoraLayer, ...] = tuple(getattr(attn, n) for n in ("q_proj", "k_proj", "v_proj"))
         super().__init__(self.layers)
-        self.pending: list[Any] | None = None  # [input, k, v] from the last q_proj call
+        # [input, k, v] from the last q_proj call (k and v: None once taken)
+        self.pending: list[torch.Tensor | None] | None = None
 
-    def q_forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def q_forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         self.pending = None
         if self.bypass or args or kwargs or not all(_still_plain(layer) for layer in self.layers):
             return self.original[0](x, *args, **kwargs)
@@ -198,16 +204,18 @@ class _FusedQKV(_Patch):
         self.pending = [x, k, v]
         return q
 
-    def k_forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def k_forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return self._take(1, x, args, kwargs)
 
-    def v_forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def v_forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return self._take(2, x, args, kwargs)
 
-    def _take(self, i: int, x: Any, args: Any, kwargs: Any) -> Any:
+    def _take(
+        self, i: int, x: torch.Tensor, args: tuple[object, ...], kwargs: dict[str, object]
+    ) -> torch.Tensor:
         pending = self.pending
-        if pending is not None and pending[0] is x and pending[i] is not None and not args and not kwargs:
-            out = pending[i]
+        out = pending[i] if pending is not None else None
+        if pending is not None and pending[0] is x and out is not None and not args and not kwargs:
             pending[i] = None
             if pending[1] is None and pending[2] is None:
                 self.pending = None
@@ -216,23 +224,23 @@ class _FusedQKV(_Patch):
 
 
 class _FusedLinear(_Patch):
-    def __init__(self, layer: Any) -> None:
+    def __init__(self, layer: LoraLayer) -> None:
         super().__init__((layer,))
         self.layer = layer
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         if self.bypass or args or kwargs or not _still_plain(self.layer):
             return self.original[0](x, *args, **kwargs)
         return lora_linear(x, _projection(self.layer), _compute_dtype(self.layer, x))
 
 
 class _FusedMLP(_Patch):
-    def __init__(self, mlp: Any, shape: BlockShape, act: str, liger: bool) -> None:
+    def __init__(self, mlp: torch.nn.Module, shape: BlockShape, act: str, liger: bool) -> None:
         super().__init__((mlp,))  # the class's forward, or liger's SwiGLU forward on this instance
         self.mlp, self.names, self.act, self.liger = mlp, shape.projections, act, liger
-        self.layers = tuple(getattr(mlp, n) for n in self.names)
+        self.layers: tuple[LoraLayer, ...] = tuple(getattr(mlp, n) for n in self.names)
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         same = all(getattr(self.mlp, n) is layer for n, layer in zip(self.names, self.layers, strict=True))
         if self.bypass or args or kwargs or not same or not all(_still_plain(m) for m in self.layers):
             return self.original[0](x, *args, **kwargs)
@@ -241,19 +249,21 @@ class _FusedMLP(_Patch):
         return lora_gated_mlp(x, tuple(gate_up), down, dtype, act=self.act, liger=self.liger)
 
 
-def _install(patch: _Patch, modules: tuple[Any, ...], forwards: tuple[Any, ...]) -> None:
+def _install(
+    patch: _Patch, modules: tuple[torch.nn.Module, ...], forwards: tuple[Callable[..., torch.Tensor], ...]
+) -> None:
     for module, forward in zip(modules, forwards, strict=True):
         object.__setattr__(module, _REPLACED, module.__dict__.get("forward"))  # None: the class's
         module.forward = forward
         object.__setattr__(module, _PATCH, patch)
 
 
-def _prepare(layer: Any) -> None:
+def _prepare(layer: LoraLayer) -> None:
     layer._xpukit_adapter = next(iter(layer.active_adapters))
     object.__setattr__(layer, MARK, True)
 
 
-def patch_attention(attn: Any, shape: BlockShape) -> None:
+def patch_attention(attn: torch.nn.Module, shape: BlockShape) -> None:
     for name in shape.projections:
         _prepare(getattr(attn, name))
     if shape is ATTENTION_SHAPES[0]:
@@ -267,7 +277,7 @@ def patch_attention(attn: Any, shape: BlockShape) -> None:
     object.__setattr__(attn, MARK, True)
 
 
-def patch_mlp(mlp: Any, shape: BlockShape, *, act: str, liger: bool) -> None:
+def patch_mlp(mlp: torch.nn.Module, shape: BlockShape, *, act: str, liger: bool) -> None:
     assert shape in MLP_SHAPES
     for name in shape.projections:
         _prepare(getattr(mlp, name))
@@ -276,7 +286,7 @@ def patch_mlp(mlp: Any, shape: BlockShape, *, act: str, liger: bool) -> None:
     object.__setattr__(mlp, MARK, True)
 
 
-def _patched(block: Any) -> Iterator[tuple[Any, _Patch]]:
+def _patched(block: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, _Patch]]:
     for module in block.modules():
         patch = module.__dict__.get(_PATCH)
         if patch is not None:
@@ -284,7 +294,7 @@ def _patched(block: Any) -> Iterator[tuple[Any, _Patch]]:
 
 
 @contextlib.contextmanager
-def peft_path(block: Any) -> Iterator[None]:
+def peft_path(block: torch.nn.Module) -> Iterator[None]:
     """Within: ``block``'s patched modules call the forwards they replaced (peft's path)."""
     patches = {id(p): p for _, p in _patched(block)}.values()
     for patch in patches:
@@ -296,7 +306,7 @@ def peft_path(block: Any) -> Iterator[None]:
             patch.bypass = False
 
 
-def unpatch(block: Any) -> None:
+def unpatch(block: torch.nn.Module) -> None:
     """Restore the forwards of ``block``'s patched modules (the fused path off for this block)."""
     for module in block.modules():
         if module.__dict__.pop(_PATCH, None) is not None:

@@ -24,12 +24,16 @@ untouched, and changes nothing it does not restore.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 from xpukit.loading.training.fused_blocks import peft_path
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BATCH", "TOKENS", "TOLERANCES", "BlockCheck", "block_key", "check_blocks", "describe"]
 
@@ -45,6 +49,11 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 # bf16/fp16 beyond TOLERANCES: agree when ‖fused − exact‖ ≤ RATIO × ‖peft − exact‖ + FLOOR (relative).
 REFERENCE_RATIO, REFERENCE_FLOOR = 2.0, 1e-3
 _ATTENTION_SETTINGS = ("is_sliding", "sliding_window", "use_rope", "layer_type", "attention_type")
+
+# A block's call as the model made it: (positional arguments, keyword arguments).
+_BlockCall: TypeAlias = tuple[tuple[object, ...], dict[str, object]]
+# One path's run of a block: its output, and the gradients of its input and of each trained parameter.
+_Run: TypeAlias = tuple["torch.Tensor", list["torch.Tensor | None"]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +111,7 @@ class BlockCheck:
         )
 
 
-def block_key(block: Any) -> str:
+def block_key(block: torch.nn.Module) -> str:
     """What makes two blocks the same type for the check, in words."""
     attn, mlp = block.self_attn, block.mlp
     settings = [f"{a}={getattr(o, a)}" for o in (block, attn) for a in _ATTENTION_SETTINGS if hasattr(o, a)]
@@ -114,9 +123,12 @@ class _Captured(Exception):
     pass
 
 
-def check_blocks(model: Any, groups: dict[str, list[tuple[str, Any]]], dtype: Any) -> list[BlockCheck]:
+def check_blocks(
+    model: torch.nn.Module, groups: dict[str, list[tuple[str, torch.nn.Module]]], dtype: torch.dtype | None
+) -> list[BlockCheck]:
     """Check the first block of each group (``{key: [(name, block), ...]}``) of ``model`` (the
-    transformers model under peft, patched); ``dtype``: the compute dtype."""
+    transformers model under peft, patched); ``dtype``: the compute dtype (``None``: bitsandbytes
+    computes in the input's)."""
     import torch
 
     started = time.perf_counter()
@@ -154,17 +166,19 @@ def check_blocks(model: Any, groups: dict[str, list[tuple[str, Any]]], dtype: An
     return checks
 
 
-def _failed(key: str, members: list[tuple[str, Any]], dtype: Any, reason: str) -> BlockCheck:
+def _failed(
+    key: str, members: list[tuple[str, torch.nn.Module]], dtype: torch.dtype | None, reason: str
+) -> BlockCheck:
     nan = float("nan")
     tol = _tolerance(dtype)
     return BlockCheck(key, members[0][0], len(members), _dtype_name(dtype), nan, nan, "", tol, 0.0, reason)
 
 
-def _dtype_name(dtype: Any) -> str:
+def _dtype_name(dtype: torch.dtype | None) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tolerance(dtype: Any) -> tuple[float, float]:
+def _tolerance(dtype: torch.dtype | None) -> tuple[float, float]:
     """:data:`TOLERANCES` for the compute dtype (bf16's for one it does not list)."""
     return TOLERANCES.get(_dtype_name(dtype), TOLERANCES["bfloat16"])
 
@@ -173,7 +187,7 @@ def _within(tolerance: tuple[float, float], output_error: float, gradient_error:
     return output_error <= tolerance[0] and gradient_error <= tolerance[1]
 
 
-def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+def _capture(model: torch.nn.Module, wanted: dict[int, str]) -> dict[str, _BlockCall]:
     """Run ``model`` on random ids until every wanted block has been reached; their inputs."""
     import torch
 
@@ -182,10 +196,10 @@ def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[tuple[Any, .
     ids = torch.randint(
         0, embeddings.num_embeddings, (BATCH, TOKENS), generator=torch.Generator().manual_seed(0)
     ).to(device)
-    inputs: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+    inputs: dict[str, _BlockCall] = {}
     blocks = {id(m): m for m in model.modules() if id(m) in wanted}
 
-    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def hook(module: torch.nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
         key = wanted[id(module)]
         if key not in inputs:
             inputs[key] = (args, dict(kwargs))
@@ -215,25 +229,34 @@ def _capture(model: Any, wanted: dict[int, str]) -> dict[str, tuple[tuple[Any, .
 
 
 def _compare(
-    block: Any, args: tuple[Any, ...], kwargs: dict[str, Any], generator: Any, dtype: Any
+    block: torch.nn.Module,
+    args: tuple[object, ...],
+    kwargs: dict[str, object],
+    generator: torch.Generator,
+    dtype: torch.dtype | None,
 ) -> tuple[float, float, str, tuple[float, float, float, float] | None]:
     """(output/input-gradient error, worst LoRA-gradient error, its name, the float32 reference's
     errors or ``None``) of fused against peft; ``dtype``: the compute dtype (the 4-bit layers' and
     the fused path's; the hidden states may be float32 under autocast)."""
     import torch
 
+    # the block's hidden states: its first argument (a tensor), positional or by name
     if args:
-        hidden, rest = args[0], args[1:]
+        hidden, rest = cast("torch.Tensor", args[0]), args[1:]
     else:
-        hidden, rest = kwargs.pop("hidden_states"), ()
+        hidden, rest = cast("torch.Tensor", kwargs.pop("hidden_states")), ()
     params = [(n, p) for n, p in block.named_parameters() if p.requires_grad]
     saved = {n: p.detach().clone() for n, p in params if "lora_B" in n}
     was_training = block.training
-    seed: list[Any] = []
+    seed: list[torch.Tensor] = []
 
-    def run(fused: bool, exact: bool = False) -> tuple[Any, list[Any]]:
+    def run(fused: bool, exact: bool = False) -> _Run:
         x = hidden.detach().clone().requires_grad_()
-        call_args, call_kwargs = (_float32(rest), _float32(kwargs)) if exact else (rest, kwargs)
+        call_args, call_kwargs = (
+            (tuple(_float32(v) for v in rest), {k: _float32(v) for k, v in kwargs.items()})
+            if exact
+            else (rest, kwargs)
+        )
         with _maybe_peft(block, not fused), _exact(block, exact):
             out = block(x.float() if exact else x, *call_args, **call_kwargs)
             out = out[0] if isinstance(out, tuple) else out
@@ -268,9 +291,7 @@ def _compare(
     return out_err, worst, worst_name, reference
 
 
-def _errors(
-    got: tuple[Any, list[Any]], ref: tuple[Any, list[Any]], params: list[tuple[str, Any]]
-) -> tuple[float, float, str]:
+def _errors(got: _Run, ref: _Run, params: list[tuple[str, torch.nn.Parameter]]) -> tuple[float, float, str]:
     """(output/input-gradient error, worst parameter-gradient error, its name) of ``got``."""
     (out, grads), (ref_out, ref_grads) = got, ref
     out_err = max(_rel(out, ref_out), _rel(grads[0], ref_grads[0]))
@@ -282,7 +303,7 @@ def _errors(
     return out_err, worst, worst_name
 
 
-def _float32(value: Any) -> Any:
+def _float32(value: object) -> object:
     """``value`` with every floating tensor in it (tuples, lists, dicts) as float32."""
     import torch
 
@@ -295,18 +316,16 @@ def _float32(value: Any) -> Any:
     return value
 
 
-def _exact(block: Any, on: bool) -> Any:
+def _exact(block: torch.nn.Module, on: bool) -> contextlib.AbstractContextManager[None]:
     """For the float32 reference: autocast off, and bitsandbytes' 4-bit layers computing in float32
     (``compute_dtype``; their dequantised weights are then exact in float32), restored after."""
-    import contextlib
-
     import torch
 
     if not on:
         return contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def switched() -> Any:
+    def switched() -> Iterator[None]:
         layers = [(m, m.compute_dtype) for m in block.modules() if hasattr(m, "compute_dtype")]
         for m, _ in layers:
             m.compute_dtype = torch.float32
@@ -320,17 +339,15 @@ def _exact(block: Any, on: bool) -> Any:
     return switched()
 
 
-def _block_device(block: Any) -> str:
+def _block_device(block: torch.nn.Module) -> str:
     return str(next(block.parameters()).device.type)
 
 
-def _maybe_peft(block: Any, on: bool) -> Any:
-    import contextlib
-
+def _maybe_peft(block: torch.nn.Module, on: bool) -> contextlib.AbstractContextManager[None]:
     return peft_path(block) if on else contextlib.nullcontext()
 
 
-def _rel(got: Any, ref: Any) -> float:
+def _rel(got: torch.Tensor | None, ref: torch.Tensor | None) -> float:
     if got is None or ref is None:
         return 0.0 if got is None and ref is None else float("inf")
     denom = float(ref.norm())

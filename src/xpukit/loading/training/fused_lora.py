@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
 from xpukit.kernels.lora_ops import liger_gate_available
@@ -44,6 +44,11 @@ from xpukit.loading.training.fused_blocks import (
 from xpukit.loading.training.fused_check import block_key, check_blocks, describe
 from xpukit.planning.training.fused import ATTENTION_SHAPES, MLP_SHAPES, BlockShape
 
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 __all__ = ["apply_fused_lora", "fused_everywhere"]
 
 logger = logging.getLogger(__name__)
@@ -54,14 +59,16 @@ _ACT_WORDS = {"silu": "", "gelu_tanh": " with GELU (tanh)", "gelu": " with GELU"
 @dataclass(slots=True)
 class _Block:
     name: str
-    module: Any
+    module: torch.nn.Module  # a decoder block: self_attn and mlp
     attention: BlockShape | None = None
     mlp: BlockShape | None = None
     act: str = "silu"
     experts: bool = False
 
 
-def apply_fused_lora(model: Any, *, insist: bool, liger: bool | None = None, check: bool = True) -> list[str]:
+def apply_fused_lora(
+    model: PeftModel | PreTrainedModel, *, insist: bool, liger: bool | None = None, check: bool = True
+) -> list[str]:
     """Route the 4-bit LoRA projections of ``model``'s decoder blocks through the fused functions.
 
     Args:
@@ -130,7 +137,7 @@ def _gate_device(new: list[_Block]) -> str | None:
     return None
 
 
-def fused_everywhere(model: Any) -> bool:
+def fused_everywhere(model: PeftModel | PreTrainedModel) -> bool:
     """Whether every decoder block of ``model`` runs its attention and MLP on the fused path."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     blocks = [m for _, m in base.named_modules() if is_block(m)]
@@ -172,11 +179,11 @@ def _classify(block: _Block, kept: dict[str, list[str]]) -> None:
 
 
 def _prove(
-    base: Any, new: list[_Block], blocks: list[_Block], insist: bool, kept: dict[str, list[str]]
+    base: PreTrainedModel, new: list[_Block], blocks: list[_Block], insist: bool, kept: dict[str, list[str]]
 ) -> str:
     """Check each newly fused block type; unfuse the types that disagree (recorded in ``kept``), or
     refuse them (``insist``)."""
-    groups: dict[str, list[tuple[str, Any]]] = defaultdict(list)
+    groups: dict[str, list[tuple[str, torch.nn.Module]]] = defaultdict(list)
     for block in new:
         groups[block_key(block.module)].append((block.name, block.module))
     checks = check_blocks(base, dict(groups), _compute_dtype(new[0]))
@@ -198,16 +205,18 @@ def _prove(
     return "fused LoRA check: " + describe(checks) + back
 
 
-def _compute_dtype(block: _Block) -> Any:
+def _compute_dtype(block: _Block) -> torch.dtype | None:
     attn = block.module.self_attn
     part, shape = (attn, block.attention) if block.attention is not None else (block.module.mlp, block.mlp)
     assert shape is not None
     base = getattr(part, shape.projections[0]).get_base_layer()
-    return base.compute_dtype or base.weight.quant_state.dtype  # None: bitsandbytes takes the input's
+    dtype: torch.dtype | None = base.compute_dtype or base.weight.quant_state.dtype
+    return dtype  # None: bitsandbytes takes the input's
 
 
-def _model_type(base: Any) -> Any:
-    return getattr(getattr(base, "config", None), "model_type", None)
+def _model_type(base: object) -> str | None:
+    model_type: str | None = getattr(getattr(base, "config", None), "model_type", None)
+    return model_type
 
 
 def _words(shape: BlockShape) -> str:

@@ -30,10 +30,37 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from types import SimpleNamespace
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
-__all__ = ["NothingToTrain", "SharedGrads", "StandIns", "capture"]
+if TYPE_CHECKING:
+    import torch
+    from torch.autograd.function import FunctionCtx
+
+__all__ = ["CaptureBackend", "DeviceGraph", "NothingToTrain", "SharedGrads", "StandIns", "capture"]
+
+
+class DeviceGraph(Protocol):
+    """One captured graph (``torch.cuda.CUDAGraph``, ``torch.xpu.XPUGraph``, a CPU test's stand-in)."""
+
+    def replay(self) -> None: ...
+
+
+class CaptureBackend(Protocol):
+    """The device's graph API a capture uses (:class:`xpukit.loading.device_graph.GraphBackend`, or a
+    CPU test's stand-in). A pool is the backend's own handle, only passed back to it."""
+
+    def new_graph(self) -> DeviceGraph: ...
+
+    def pool(self) -> object: ...
+
+    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def release_cached(self) -> None: ...
+
+    def warm_up(self, pool: object) -> contextlib.AbstractContextManager[object]: ...
 
 
 class NothingToTrain(Exception):
@@ -51,11 +78,12 @@ class StandIns:
     storage in place, so the graphs read the current values.
     """
 
-    def __init__(self, modules: Sequence[Any]) -> None:
+    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
         import torch
 
-        self.swaps: list[tuple[Any, str, Any, Any]] = []  # (module, name, real, stand-in)
-        by_id: dict[int, Any] = {}  # a parameter two modules share gets one stand-in
+        # (module, name, real, stand-in)
+        self.swaps: list[tuple[torch.nn.Module, str, torch.nn.Parameter, torch.nn.Parameter]] = []
+        by_id: dict[int, torch.nn.Parameter] = {}  # a parameter two modules share gets one stand-in
         for top in modules:
             for module in top.modules():
                 for name, param in list(module._parameters.items()):
@@ -65,12 +93,12 @@ class StandIns:
                         self.swaps.append((module, name, param, by_id[id(param)]))
 
     @property
-    def real(self) -> list[Any]:
+    def real(self) -> list[torch.nn.Parameter]:
         """The trainable parameters, each once."""
         return list({id(real): real for _, _, real, _ in self.swaps}.values())
 
     @property
-    def leaves(self) -> list[Any]:
+    def leaves(self) -> list[torch.nn.Parameter]:
         """Their stand-ins, in the same order."""
         return list({id(real): leaf for _, _, real, leaf in self.swaps}.values())
 
@@ -88,23 +116,24 @@ class StandIns:
 class SharedGrads:
     """One flat gradient buffer per dtype for ``params``; each parameter's gradient is a view of it."""
 
-    def __init__(self, params: Sequence[Any]) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter]) -> None:
         import torch
 
         self.params = list(params)
-        groups: dict[tuple[Any, Any], list[int]] = {}
+        groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for index, param in enumerate(self.params):
             groups.setdefault((param.dtype, param.device), []).append(index)
-        self.flats: list[Any] = []
-        self.views: list[Any] = [None] * len(self.params)
+        self.flats: list[torch.Tensor] = []
+        views: dict[int, torch.Tensor] = {}
         for (dtype, device), members in groups.items():
             flat = torch.zeros(sum(self.params[i].numel() for i in members), dtype=dtype, device=device)
             offset = 0
             for i in members:
                 n = self.params[i].numel()
-                self.views[i] = flat[offset : offset + n].view(self.params[i].shape)
+                views[i] = flat[offset : offset + n].view(self.params[i].shape)
                 offset += n
             self.flats.append(flat)
+        self.views = [views[i] for i in range(len(self.params))]
 
     def before_replay(self) -> list[int]:
         """Zero what the replay must not add to; returns the parameters whose ``.grad`` is another
@@ -135,23 +164,35 @@ class SharedGrads:
 
 
 @functools.cache
-def _replay_function() -> Any:
+def _replay_function() -> type[torch.autograd.Function]:
     import torch
 
     class Replay(torch.autograd.Function):  # type: ignore[misc]
         """Forward: copy the inputs in and replay the forward graph; backward: the backward graph."""
 
         @staticmethod
-        def forward(ctx: Any, captured: Captured, anchor: Any, *inputs: Any) -> Any:
+        def forward(
+            ctx: FunctionCtx, captured: Captured, anchor: torch.Tensor, *inputs: torch.Tensor
+        ) -> torch.Tensor:
             ctx.captured = captured
             return captured.run_forward(inputs)
 
         @staticmethod
         @torch.autograd.function.once_differentiable  # type: ignore[untyped-decorator]
-        def backward(ctx: Any, grad: Any) -> Any:
+        def backward(ctx: FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
             return (None, None, *ctx.captured.run_backward(grad))
 
     return Replay
+
+
+@dataclass
+class _Bodies:
+    """What the captured bodies leave: the forward's output, the backward's upstream gradient and
+    the inputs' gradients (``None`` for an input that needs none), all static buffers of the graphs."""
+
+    out: torch.Tensor | None = None
+    grad_out: torch.Tensor | None = None
+    grad_in: tuple[torch.Tensor | None, ...] = ()
 
 
 class Captured:
@@ -165,11 +206,11 @@ class Captured:
 
     def __init__(
         self,
-        backend: Any,
-        inputs: tuple[Any, ...],
+        backend: CaptureBackend,
+        inputs: tuple[torch.Tensor, ...],
         shared: SharedGrads,
-        pool: Any = None,
-        keep: tuple[Any, ...] = (),
+        pool: object = None,
+        keep: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self.forward_graph = backend.new_graph()
         self.backward_graph = backend.new_graph()
@@ -177,25 +218,28 @@ class Captured:
         self.shared = shared
         self.pool = pool
         self.keep = keep
-        self.state = SimpleNamespace(out=None, grad_out=None, grad_in=None)
+        self.state = _Bodies()
         self.used: list[bool] = [True] * len(shared.params)  # which parameters the code uses
         # The parameters' gradients do not go through autograd (they land in ``shared``), so the
         # output needs this empty leaf to require grad when no input does (frozen embeddings).
         self.anchor = inputs[0].new_empty(0).requires_grad_(True)
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         return _replay_function().apply(self, self.anchor, *inputs)
 
-    def run_forward(self, inputs: tuple[Any, ...]) -> Any:
+    def run_forward(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         for static, given in zip(self.inputs, inputs, strict=True):
             if static.data_ptr() != given.data_ptr():
                 static.copy_(given)
         self.forward_graph.replay()
+        assert self.state.out is not None  # captured (capture() returns no Captured before)
         return self.state.out.detach()
 
-    def run_backward(self, grad: Any) -> tuple[Any, ...]:
-        if self.state.grad_out.data_ptr() != grad.data_ptr():
-            self.state.grad_out.copy_(grad)
+    def run_backward(self, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grad_out = self.state.grad_out
+        assert grad_out is not None  # captured (capture() returns no Captured before)
+        if grad_out.data_ptr() != grad.data_ptr():
+            grad_out.copy_(grad)
         others = self.shared.before_replay()
         self.backward_graph.replay()
         self.shared.after_replay(others, self.used)
@@ -203,15 +247,15 @@ class Captured:
 
 
 def capture(
-    fn: Callable[..., Any],
-    samples: tuple[Any, ...],
+    fn: Callable[..., torch.Tensor],
+    samples: tuple[torch.Tensor, ...],
     stand_ins: StandIns,
     shared: SharedGrads,
     *,
-    backend: Any,
-    pool: Any,
+    backend: CaptureBackend,
+    pool: object,
     warmup: int = 1,
-    keep: tuple[Any, ...] = (),
+    keep: tuple[torch.Tensor, ...] = (),
 ) -> Captured:
     """Capture ``fn(*samples)`` (one tensor out) and its backward into ``pool``.
 
@@ -248,7 +292,9 @@ def capture(
             state.out = fn(*samples)
 
     backend.capture(captured.forward_graph, forward_body, pool)
-    state.grad_out = torch.empty_like(state.out)
+    out = state.out
+    assert out is not None  # the forward body ran
+    state.grad_out = torch.empty_like(out)
 
     def backward_body() -> None:
         with stand_ins.installed():  # a checkpointed layer recomputes its forward here
@@ -261,5 +307,5 @@ def capture(
         state.grad_in = tuple(next(it) if s.requires_grad else None for s in samples)
 
     backend.capture(captured.backward_graph, backward_body, pool)
-    state.out = state.out.detach()  # the capture's autograd graph is spent; its output buffer stays
+    state.out = out.detach()  # the capture's autograd graph is spent; its output buffer stays
     return captured

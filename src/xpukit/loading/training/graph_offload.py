@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["HostSlots", "offload_input"]
 
@@ -36,23 +39,25 @@ class HostSlots:
 
     def __init__(self, *, pin: bool) -> None:
         self.pin = pin
-        self.buffer: Any = None  # flat, of the compute dtype: the one new captures use
-        self.kept: list[Any] = []  # every buffer a captured graph copies to
+        self.buffer: torch.Tensor | None = None  # flat, of the compute dtype: the one new captures use
+        self.kept: list[torch.Tensor] = []  # every buffer a captured graph copies to
         self.bytes = 0  # all of them
 
-    def slots(self, layers: int, like: Any) -> list[Any]:
+    def slots(self, layers: int, like: torch.Tensor) -> list[torch.Tensor]:
         """``layers`` host tensors of ``like``'s shape and dtype, views of the current buffer."""
         import torch
 
         n = like.numel()
         need = layers * n
-        if self.buffer is None or self.buffer.dtype != like.dtype or self.buffer.numel() < need:
+        buffer = self.buffer
+        if buffer is None or buffer.dtype != like.dtype or buffer.numel() < need:
             rows = like.shape[-2] if like.dim() >= 2 else 1
             grown = need * (1 << max(rows - 1, 0).bit_length()) // max(rows, 1)  # the next power of two
-            self.buffer = torch.empty(max(grown, need), dtype=like.dtype, device="cpu", pin_memory=self.pin)
-            self.kept.append(self.buffer)
+            buffer = torch.empty(max(grown, need), dtype=like.dtype, device="cpu", pin_memory=self.pin)
+            self.buffer = buffer
+            self.kept.append(buffer)
             self.bytes = sum(b.numel() * b.element_size() for b in self.kept)
-        return [self.buffer[i * n : (i + 1) * n].view(like.shape) for i in range(layers)]
+        return [buffer[i * n : (i + 1) * n].view(like.shape) for i in range(layers)]
 
     def clear(self) -> None:
         """The graphs were dropped: their buffers may go."""
@@ -62,13 +67,13 @@ class HostSlots:
 
 
 @contextlib.contextmanager
-def offload_input(hidden: Any, slot: Any) -> Iterator[None]:
+def offload_input(hidden: torch.Tensor, slot: torch.Tensor) -> Iterator[None]:
     """Inside: a tensor saved for backward that is ``hidden`` (the layer's input, which a
     non-reentrant checkpoint saves) goes to ``slot`` on the host and comes back as a new device
     tensor when backward needs it; everything else is saved as usual."""
     import torch
 
-    def same(tensor: Any) -> bool:
+    def same(tensor: torch.Tensor) -> bool:
         return bool(
             tensor.data_ptr() == hidden.data_ptr()
             and tensor.shape == hidden.shape
@@ -76,13 +81,13 @@ def offload_input(hidden: Any, slot: Any) -> Iterator[None]:
             and tensor.device == hidden.device
         )
 
-    def pack(tensor: Any) -> Any:
+    def pack(tensor: torch.Tensor) -> torch.Tensor | _Offloaded:
         if not same(tensor):
             return tensor
         slot.copy_(tensor.detach(), non_blocking=True)
         return _Offloaded(slot, tensor.device)
 
-    def unpack(packed: Any) -> Any:
+    def unpack(packed: torch.Tensor | _Offloaded) -> torch.Tensor:
         if not isinstance(packed, _Offloaded):
             return packed
         out = torch.empty(packed.slot.shape, dtype=packed.slot.dtype, device=packed.device)
@@ -98,6 +103,6 @@ class _Offloaded:
 
     __slots__ = ("device", "slot")
 
-    def __init__(self, slot: Any, device: Any) -> None:
+    def __init__(self, slot: torch.Tensor, device: torch.device) -> None:
         self.slot = slot
         self.device = device

@@ -27,11 +27,20 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias, TypeVar
 
+from xpukit.loading.training.layer_calls import Call
 from xpukit.planning.model.shape import model_shape
 
-__all__ = ["ROPE_GLOBAL", "TOLERANCE", "GraphRope", "rope_difference"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ROPE_GLOBAL", "TOLERANCE", "GraphRope", "RopeFunction", "rope_difference"]
+
+# ``apply_rotary_pos_emb(q, k, cos, sin, ...)`` -> the rotated ``(q, k)``: transformers' or liger's.
+RopeFunction: TypeAlias = Callable[..., tuple["torch.Tensor", "torch.Tensor"]]
+_T = TypeVar("_T")
 
 ROPE_GLOBAL = "apply_rotary_pos_emb"
 # Largest |liger - own| over the largest |own|, float32 (rounding differences are ~1e-7).
@@ -39,23 +48,28 @@ TOLERANCE = 1e-4
 _Q_HEADS, _KV_HEADS = 3, 1  # enough to tell the layout; a small check
 
 
-def _liger_rope() -> Any:
+def _liger_rope() -> RopeFunction | None:
     try:
         from liger_kernel.transformers import liger_rotary_pos_emb
     except Exception:  # not installed, or a layout without it
         return None
-    return liger_rotary_pos_emb
+    rope: RopeFunction = liger_rotary_pos_emb  # liger-kernel ships no type information
+    return rope
 
 
-def _head_dim(attn: Any) -> int | None:
+def _head_dim(attn: object) -> int | None:
     """The attention's head size: its own attribute, else its config's (:func:`model_shape`)."""
-    if getattr(attn, "head_dim", None):
-        return int(attn.head_dim)
-    shape = model_shape(attn.config) if getattr(attn, "config", None) is not None else None
+    head_dim = getattr(attn, "head_dim", None)
+    if head_dim:
+        return int(head_dim)
+    config = getattr(attn, "config", None)
+    shape = model_shape(config) if config is not None else None
     return shape.head_dim if shape is not None else None
 
 
-def rope_difference(own: Any, other: Any, cos: Any, sin: Any, head_dim: int) -> float:
+def rope_difference(
+    own: RopeFunction, other: RopeFunction, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
+) -> float:
     """The largest difference between ``other`` and ``own`` RoPE (outputs, and gradients of ``q`` and
     ``k`` for one random upstream gradient) over the largest |value|, in float32. ``q``/``k`` come
     as transformers' attention hands them over: ``[batch, seq, heads, dim]`` transposed to
@@ -66,7 +80,7 @@ def rope_difference(own: Any, other: Any, cos: Any, sin: Any, head_dim: int) -> 
     batch, seq = cos.shape[0], cos.shape[-2]
     generator = torch.Generator().manual_seed(0)
 
-    def randn(heads: int) -> Any:
+    def randn(heads: int) -> torch.Tensor:
         return torch.randn(batch, seq, heads, head_dim, generator=generator).to(cos.device)
 
     q0, k0 = randn(_Q_HEADS), randn(_KV_HEADS)
@@ -92,16 +106,16 @@ class GraphRope:
         note: what runs, and why (the check's measured difference, or why not).
     """
 
-    def __init__(self, layers: Sequence[Any], *, wanted: bool) -> None:
+    def __init__(self, layers: Sequence[torch.nn.Module], *, wanted: bool) -> None:
         self.layers = list(layers)
         self.active = False
         self._decided = not wanted
         off = "transformers' RoPE (liger-kernel's turned off)"
         self.note = off if not wanted else "not decided (nothing captured)"
-        self._modules: list[Any] = []
-        self._fn: Any = None
+        self._modules: list[ModuleType] = []
+        self._fn: RopeFunction | None = None
 
-    def decide(self, calls: Sequence[tuple[Any, dict[str, Any]]]) -> None:
+    def decide(self, calls: Sequence[Call]) -> None:
         """Check liger's RoPE against each modeling module's own on ``calls`` (the layers'
         ``(args, kwargs)`` of the call about to be captured); only the first call decides."""
         if self._decided:
@@ -111,7 +125,8 @@ class GraphRope:
         if fn is None:
             self.note = "transformers' RoPE (liger-kernel's liger_rotary_pos_emb cannot be imported)"
             return
-        checks: dict[str, tuple[Any, Any, Any, int]] = {}
+        # each modeling module: (the module, its own RoPE, one layer's (cos, sin), the head size)
+        checks: dict[str, tuple[ModuleType, RopeFunction, tuple[torch.Tensor, torch.Tensor], int]] = {}
         for layer, (_, kwargs) in zip(self.layers, calls, strict=True):
             attn = getattr(layer, "self_attn", None)
             module = sys.modules.get(type(attn).__module__)
@@ -146,7 +161,7 @@ class GraphRope:
             f"{worst:.1e}); eager passes keep transformers'"
         )
 
-    def run(self, capture: Callable[[], Any], *, keep: type[BaseException]) -> Any:
+    def run(self, capture: Callable[[], _T], *, keep: type[BaseException]) -> _T:
         """``capture()`` with liger's RoPE in place; if that raises (other than ``keep``), once more
         with transformers' (liger's kernel runs only here), and liger's stays off."""
         if not self.active:

@@ -26,8 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 __all__ = ["install_host_embedding", "weights_apart"]
 
@@ -53,7 +58,7 @@ def weights_apart(wanted: bool) -> Iterator[None]:
         modeling_utils.caching_allocator_warmup = warmup
 
 
-def install_host_embedding(model: Any) -> str:
+def install_host_embedding(model: PreTrainedModel | PeftModel) -> str:
     """Move the frozen, untied input embedding of ``model`` (a PeftModel or a transformers model) to
     host memory, gathering there and copying each call's rows to the model's device; returns a note,
     which says why where it stays (tied to the head, trained, already on the host)."""
@@ -89,23 +94,27 @@ def install_host_embedding(model: Any) -> str:
     )
 
 
-def _wrap(embed: Any, device: Any) -> None:
+def _wrap(embed: torch.nn.Module, device: torch.device) -> None:
     """``embed`` gathers on the host (its own forward over the ids there) and returns its rows on the
     ids' device (``device`` for ids on the host); moves of the model leave it where it is."""
     own_forward = embed.forward
 
-    def forward(self: Any, input_ids: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(
+        self: torch.nn.Module, input_ids: torch.Tensor, *args: object, **kwargs: object
+    ) -> torch.Tensor:
         out = own_forward(input_ids.to("cpu"), *args, **kwargs)
         return out.to(input_ids.device if input_ids.device.type != "cpu" else device)
 
-    def keep_on_host(self: Any, fn: Any, recurse: bool = True) -> Any:
+    def keep_on_host(
+        self: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> torch.nn.Module:
         return self  # .to()/.cuda() of the model leave the table in host memory
 
     embed.forward = types.MethodType(forward, embed)
     embed._apply = types.MethodType(keep_on_host, embed)
 
 
-def _move_last(root: Any, module: Any) -> None:
+def _move_last(root: torch.nn.Module, module: torch.nn.Module) -> None:
     """Re-register ``module`` last among its parent's children, so that the first parameter of the
     model (what ``model.device`` reads) is one on the device."""
     for parent in root.modules():

@@ -17,12 +17,41 @@ docs/layer-graphs.md "CUDA graphs of the decoder layers".
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
-__all__ = ["NO_CACHE", "Call", "Unsupported", "Watch", "fill", "flatten", "given_cache", "outputs_recorded"]
+if TYPE_CHECKING:
+    import torch
+    from transformers import Cache
 
-# One layer call's (positional arguments after the hidden states, keyword arguments).
-Call = tuple[tuple[Any, ...], dict[str, Any]]
+__all__ = [
+    "NO_CACHE",
+    "Call",
+    "LayerForward",
+    "Signature",
+    "Unsupported",
+    "Watch",
+    "fill",
+    "fill_call",
+    "flatten",
+    "given_cache",
+    "outputs_recorded",
+]
+
+# One layer call's (positional arguments after the hidden states, keyword arguments): tensors, the
+# KV cache, plain values, whatever the decoder hands its layers; passed on, read only by name.
+Call: TypeAlias = tuple[tuple[object, ...], dict[str, object]]
+# What a replay must match, as nested tuples of shapes, dtypes and plain values (hashable).
+Signature: TypeAlias = tuple[object, ...]
+# A decoder layer's forward over the hidden states and the decoder's arguments: the next hidden
+# states (a tuple that starts with them in transformers before 4.54, which the graphs refuse).
+LayerForward: TypeAlias = Callable[..., "torch.Tensor"]
+
+
+class _Collector(Protocol):
+    """transformers' context variable of the outputs being recorded."""
+
+    def get(self) -> object: ...
 
 
 def outputs_recorded() -> bool:
@@ -34,14 +63,20 @@ def outputs_recorded() -> bool:
 
 
 @functools.cache
-def _collector() -> Any:
+def _collector() -> _Collector | None:
     """transformers' context variable of the outputs being recorded (looked up once), or ``None`` for a
     transformers without it (it records by return values)."""
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:
         return None
-    return _active_collector
+    return cast("_Collector", _active_collector)
+
+
+# Each tensor's (address, requires_grad); each LoRA module's (merged, disabled, active) adapters.
+_WatchState: TypeAlias = tuple[
+    tuple[tuple[int, bool], ...], tuple[tuple[tuple[str, ...], bool, tuple[str, ...]], ...]
+]
 
 
 class Watch:
@@ -51,12 +86,17 @@ class Watch:
     once, at capture; each training call only reads them (36 layers of a tiny LoRA Qwen3 on the
     CPU: 0.28 ms a call, against 11 ms for walking the module tree each time)."""
 
-    def __init__(self, layers: list[Any]) -> None:
-        self.tensors = [t for layer in layers for t in (*layer.parameters(), *layer.buffers())]
-        self.adapters = [m for layer in layers for m in layer.modules() if hasattr(m, "merged_adapters")]
+    def __init__(self, layers: Sequence[torch.nn.Module]) -> None:
+        self.tensors: list[torch.Tensor] = [
+            t for layer in layers for t in (*layer.parameters(), *layer.buffers())
+        ]
+        # peft's LoRA layers (their merged / disabled / active-adapter flags)
+        self.adapters: list[torch.nn.Module] = [
+            m for layer in layers for m in layer.modules() if hasattr(m, "merged_adapters")
+        ]
         self.state = self.read()
 
-    def read(self) -> tuple[Any, ...]:
+    def read(self) -> _WatchState:
         storage = tuple((t.data_ptr(), t.requires_grad) for t in self.tensors)
         flags = tuple(
             (tuple(m.merged_adapters), m.disable_adapters, tuple(m.active_adapters)) for m in self.adapters
@@ -76,25 +116,23 @@ class Unsupported(Exception):
 NO_CACHE = {"cache": None, "past_key_values": None, "past_key_value": None, "use_cache": False}
 
 
-def given_cache(kwargs: dict[str, Any]) -> Any:
+def given_cache(kwargs: Mapping[str, object]) -> Cache | None:
     """The KV cache a model or layer call was given, under either of transformers' names."""
     cache = kwargs.get("cache")
-    return cache if cache is not None else kwargs.get("past_key_values")
+    return cast("Cache | None", cache if cache is not None else kwargs.get("past_key_values"))
 
 
-def flatten(
-    calls: list[Call],
-) -> tuple[list[Any], list[Any], tuple[Any, ...]]:
+def flatten(calls: list[Call]) -> tuple[list[torch.Tensor], list[Call], Signature]:
     """The layers' arguments as graph inputs: (the distinct tensors, one template per layer with
     each tensor replaced by its input's index, the signature of shapes, dtypes and plain values
     that a replay must match). A tensor several layers share (the mask and position embeddings of
     one layer type) is one input."""
     import torch
 
-    inputs: list[Any] = []
+    inputs: list[torch.Tensor] = []
     index: dict[int, int] = {}
 
-    def visit(value: Any) -> tuple[Any, Any]:
+    def visit(value: object) -> tuple[object, object]:
         if isinstance(value, torch.Tensor):
             if value.requires_grad:  # the graphs return a gradient for the stack's input only
                 raise Unsupported("a layer argument besides the hidden states that requires grad")
@@ -110,7 +148,8 @@ def flatten(
             return value, (type(value).__name__, value)  # True, 1 and 1.0 are different calls
         raise Unsupported(f"a layer argument of type {type(value).__name__}")
 
-    templates, signature = [], []
+    templates: list[Call] = []
+    signature: list[Signature] = []
     for args, kwargs in calls:
         kept = {k: v for k, v in kwargs.items() if k not in NO_CACHE}
         arg_parts = [visit(a) for a in args]
@@ -127,7 +166,7 @@ class _Input(int):
     """A graph input's index inside a layer's argument template."""
 
 
-def fill(template: Any, values: tuple[Any, ...]) -> Any:
+def fill(template: object, values: Sequence[torch.Tensor]) -> object:
     """``template`` with every :class:`_Input` replaced by its value."""
     if isinstance(template, _Input):
         return values[template]
@@ -136,3 +175,9 @@ def fill(template: Any, values: tuple[Any, ...]) -> Any:
     if isinstance(template, (tuple, list)):
         return type(template)(fill(v, values) for v in template)
     return template
+
+
+def fill_call(template: Call, values: Sequence[torch.Tensor]) -> Call:
+    """A layer call's template (:func:`flatten`) with its graph inputs filled in."""
+    args, kwargs = template
+    return tuple(fill(v, values) for v in args), {k: fill(v, values) for k, v in kwargs.items()}

@@ -15,8 +15,8 @@ graphs of the decoder layers"):
   type); any other call (evaluation, ``generate``, other attention kernels) runs eagerly, counted in
   :attr:`LayerGraphs.stats`;
 * up to ``max_shapes`` shapes share one memory pool and one set of adapter gradients
-  (:class:`.graph_capture.SharedGrads`); passes never overlap: a second forward before the first
-  one's backward runs eagerly;
+  (:class:`.graph_capture.SharedGrads`; the per-shape bookkeeping is :mod:`.layer_captures`); passes
+  never overlap: a second forward before the first one's backward runs eagerly;
 * the first training call runs eagerly, each layer checkpointed; a new shape after it is captured on
   first sight (the first one after a warm-up pass), on stand-in parameters
   (:class:`.graph_capture.StandIns`), with liger-kernel's RoPE where it agrees with the model's own
@@ -32,44 +32,30 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
-import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
-from xpukit.loading.device_graph import GraphBackend
-from xpukit.loading.training.graph_capture import NothingToTrain, SharedGrads, StandIns, capture
-from xpukit.loading.training.graph_offload import HostSlots, offload_input
-from xpukit.loading.training.graph_rope import GraphRope
-from xpukit.loading.training.layer_calls import (
-    NO_CACHE,
-    Call,
-    Unsupported,
-    Watch,
-    fill,
-    flatten,
-    given_cache,
-    outputs_recorded,
-)
-from xpukit.planning.training.activation_memory import GRAPH_SHAPES
+from xpukit.loading.training.graph_capture import CaptureBackend
+from xpukit.loading.training.layer_calls import Call, Unsupported, flatten, given_cache, outputs_recorded
+from xpukit.loading.training.layer_captures import GRAPH_BACKENDS, MAX_SHAPES, LayerCaptures
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import Cache, PreTrainedModel
 
 __all__ = ["GRAPH_BACKENDS", "MAX_SHAPES", "LayerGraphs", "install_layer_graphs"]
 
-logger = logging.getLogger(__name__)
-
-# Device types whose torch module has a graph class, graph() and graph_pool_handle().
-GRAPH_BACKENDS = ("cuda", "xpu")
-# Shapes captured per model at most; a further shape runs eagerly (counted in the plan's estimate).
-MAX_SHAPES = GRAPH_SHAPES
 # Attention implementations that take everything they need from the mask and the rotary tensors.
 _MASK_ATTENTION = ("sdpa", "eager")
 _FIRST_CALL = "first training call (warms lazily built state; shapes are captured from the next)"
 
 
-class LayerGraphs:
-    """The decoder layers of one model and their graphs (one per captured shape).
+class LayerGraphs(LayerCaptures):
+    """The decoder layers of one model and their graphs (one per captured shape, kept by
+    :class:`.layer_captures.LayerCaptures`): which calls replay, which run eagerly.
 
     Attributes:
         stats: passes run as graphs (``graphed``), eagerly (``eager``), and ``captures``.
@@ -83,70 +69,34 @@ class LayerGraphs:
 
     def __init__(
         self,
-        layers: list[Any],
+        layers: list[torch.nn.Module],
         *,
         attention: str = "sdpa",
-        backend: Any = None,
+        backend: CaptureBackend | None = None,
         checkpoint: bool | str = False,
         rope: bool = False,
         checkpoint_layers: int | None = None,
     ) -> None:
-        self.layers = layers
-        self.forwards = [layer.forward for layer in layers]
+        super().__init__(
+            layers, backend=backend, checkpoint=checkpoint, rope=rope, checkpoint_layers=checkpoint_layers
+        )
         self.attention = attention
-        # Each layer checkpointed here, replayed or not (transformers' own checkpointing is off then);
-        # "offload": the captured layers' inputs wait in host slots (graph_offload).
-        self.checkpoint = checkpoint
-        # With ``checkpoint`` True: only the first this many layers are (None: all; the plan's fit).
-        self.checkpoint_layers = checkpoint_layers
-        self.host = HostSlots(pin=False)
         self._forced: str | None = None  # every call runs eagerly, for this reason (eager_inside)
-        self.rope = GraphRope(layers, wanted=rope)
-        self.max_shapes = MAX_SHAPES
-        # Warm-up passes before each capture after the first: none, the first capture's warm-up built
-        # and autotuned the kernels (checkpointed, H200, 8 GB: 3 447 against 3 264 tokens/s over 20
-        # steps); the same kernels run without checkpointing (docs/layer-graphs.md "What a capture costs").
-        self.warmups = 0
-        self.stats: Counter[str] = Counter()
         self.eager_reasons: Counter[str] = Counter()
-        self.failed: str | None = None
         self.unsupported: str | None = None  # why these layers never replay (seen on an eager pass)
-        self._graphs: dict[tuple[Any, ...], Any] = {}
-        self._pool: Any = None
-        self.captured: list[dict[str, Any]] = []  # each capture: row tokens, ms, pool bytes (record())
-        # The capture's leaves and the adapters' gradients every shape shares (graph_capture).
-        self._trained: tuple[StandIns, SharedGrads] | None = None
-        # The device's graph API (device_graph.GraphBackend); the CPU tests pass a stand-in.
-        self.backend = backend
         self._warm = False
-        self._light = False  # this call runs eagerly with each layer checkpointed (the first call)
-        self._watch: Watch | None = None  # what the captured graphs read
-        self._input: Any = None  # a pass to run as a stack: its input, and each layer's arguments
+        # A pass to run as a stack: its input, and each layer's arguments.
+        self._input: torch.Tensor | None = None
         self._calls: list[Call] = []
         self._active = False
         self._pending = False
-        self._last_out: Any = None
-
-    @property
-    def keys(self) -> list[tuple[Any, ...]]:
-        return list(self._graphs)
-
-    def captured_tokens(self) -> list[int]:
-        """The lengths of the single rows captured so far (packed rows: ``[1, tokens, hidden]``):
-        packing pads a row to one of them once :meth:`full` (``loading/training/packing.py``)."""
-        return [int(key[0][1]) for key in self._graphs if len(key[0]) == 3 and key[0][0] == 1]
-
-    def full(self) -> bool:
-        """Whether a new shape would no longer be captured: all ``max_shapes`` are taken."""
-        return len(self._graphs) >= self.max_shapes
-
-    @property
-    def key(self) -> tuple[Any, ...] | None:
-        """The first captured shape (``None`` before any capture)."""
-        return next(iter(self._graphs), None)
+        # The last replayed pass's autograd node (or output), while that pass's graph lives.
+        self._last_out: weakref.ref[object] | None = None
 
     # ---- one model call: decided at layer 0, run at the last layer
-    def _why_eager(self, hidden: Any, cache: Any, kwargs: dict[str, Any]) -> str | None:
+    def _why_eager(
+        self, hidden: torch.Tensor, cache: Cache | None, kwargs: Mapping[str, object]
+    ) -> str | None:
         """Why this call cannot replay, from what layer 0 sees (``None``: it may)."""
         import torch
 
@@ -190,37 +140,17 @@ class LayerGraphs:
         finally:
             self._forced = before
 
-    def _drop(self) -> None:
-        """Forget every graph (their addresses are stale) and what they shared."""
-        self._graphs.clear()
-        self._pool = self._trained = None
-        self._watch = None
-        self.host.clear()
-
     def _alive(self) -> bool:
         """Whether the last replayed pass's autograd graph is still referenced."""
         return self._last_out is not None and self._last_out() is not None
-
-    def _call_key(self, hidden: Any, signature: tuple[Any, ...]) -> tuple[Any, ...]:
-        import torch
-
-        kind = hidden.device.type
-        autocast = torch.is_autocast_enabled(kind)
-        return (
-            tuple(hidden.shape),
-            hidden.dtype,
-            hidden.device,
-            hidden.requires_grad,
-            autocast,
-            torch.get_autocast_dtype(kind) if autocast else None,
-            signature,
-        )
 
     def _eager(self, why: str) -> None:
         self.stats["eager"] += 1
         self.eager_reasons[why] += 1
 
-    def forward(self, index: int, hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
+    def forward(
+        self, index: int, hidden_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> torch.Tensor:
         """Layer ``index``'s forward. A call that may replay is decided at layer 0; every layer then
         hands over its arguments (its mask and position embeddings, which differ by layer type in
         models with sliding-window layers) and passes the stack's input on, and the last layer runs
@@ -249,9 +179,10 @@ class LayerGraphs:
         self._active = False
         hidden, calls = self._input, self._calls
         self._input, self._calls = None, []
+        assert hidden is not None  # set at layer 0 of this active call
         return self._run_stack(hidden, calls)
 
-    def _run_stack(self, hidden: Any, calls: list[Call]) -> Any:
+    def _run_stack(self, hidden: torch.Tensor, calls: list[Call]) -> torch.Tensor:
         try:
             inputs, templates, signature = flatten(calls)
         except Unsupported as exc:
@@ -271,7 +202,7 @@ class LayerGraphs:
         self._remember(out)
         return out
 
-    def _stack_eagerly(self, hidden: Any, calls: list[Call], why: str) -> Any:
+    def _stack_eagerly(self, hidden: torch.Tensor, calls: list[Call], why: str) -> torch.Tensor:
         """The layers' own forwards over the arguments they handed over (what the decoder's loop
         would have run)."""
         self._eager(why)
@@ -279,157 +210,7 @@ class LayerGraphs:
             hidden = self._layer(forward, hidden, args, kwargs, capturing=False, index=index)
         return hidden
 
-    def _layer(
-        self,
-        forward: Any,
-        hidden: Any,
-        args: Any,
-        kwargs: dict[str, Any],
-        *,
-        capturing: bool,
-        slot: Any = None,
-        index: int = 0,
-    ) -> Any:
-        """One layer's forward; checkpointed (non-reentrant) in checkpoint mode while training with
-        grad, its saved input in ``slot`` on the host when captured with offloading. Inside a capture
-        the RNG state is not saved (the device's generator state cannot be read there; the fused path
-        the graphs run on has no dropout)."""
-        import torch
-
-        own = getattr(self.layers[0], "gradient_checkpointing", False)  # turned on again: transformers'
-        wanted = (self.checkpoint and self._checkpointed(index)) or (self._light and not capturing)
-        if own or not (wanted and torch.is_grad_enabled() and self.layers[0].training):
-            return forward(hidden, *args, **kwargs)
-        from torch.utils.checkpoint import checkpoint
-
-        # As transformers' checkpointed layers do: a recomputation would fill a KV cache a second time.
-        kwargs = {**kwargs, **{k: v for k, v in NO_CACHE.items() if k in kwargs}}
-        if slot is None:
-            return checkpoint(
-                forward, hidden, *args, use_reentrant=False, preserve_rng_state=not capturing, **kwargs
-            )
-        with offload_input(hidden, slot):  # the input the checkpoint saves waits in host memory
-            return checkpoint(forward, hidden, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
-
-    def _checkpointed(self, index: int) -> bool:
-        """Whether layer ``index`` is checkpointed (plain checkpointing: the first ``checkpoint_layers``;
-        offloaded: all)."""
-        if self.checkpoint is not True or self.checkpoint_layers is None:
-            return True
-        return index < self.checkpoint_layers
-
-    def _capture(
-        self, hidden: Any, inputs: list[Any], templates: list[Any], key: tuple[Any, ...], calls: list[Call]
-    ) -> str | None:
-        """Capture this shape; ``None`` when it was, else why the call runs eagerly."""
-        import torch
-
-        started = time.perf_counter()
-        kind = hidden.device.type
-        backend = self._backend(kind)
-        autocast = torch.is_autocast_enabled(kind)
-        dtype = torch.get_autocast_dtype(kind) if autocast else hidden.dtype
-        forwards = self.forwards
-        stand_ins, grads = self._trained_now(backend)  # first: it may drop the graphs and their slots
-
-        slots: list[Any] = [None] * len(forwards)
-        if self.checkpoint == "offload" and torch.is_grad_enabled():
-            self.host.pin = kind in GRAPH_BACKENDS
-            slots = self.host.slots(len(forwards), hidden)
-            self.stats["host_slot_bytes"] = self.host.bytes
-
-        def stack(h: Any, *values: Any) -> Any:
-            for index, (forward, (args, kwargs), slot) in enumerate(
-                zip(forwards, templates, slots, strict=True)
-            ):
-                args, kwargs = fill(args, values), fill(kwargs, values)
-                h = self._layer(forward, h, args, kwargs, capturing=True, slot=slot, index=index)
-            return h
-
-        sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
-        samples = (sample.requires_grad_(hidden.requires_grad), *(t.detach().clone() for t in inputs))
-        self.rope.decide(calls)
-
-        def captured() -> Any:
-            with torch.autocast(kind, dtype=dtype, enabled=autocast, cache_enabled=False):
-                warmup = self.warmups if self._graphs else 1  # the first capture always warms up
-                return capture(
-                    stack,
-                    samples,
-                    stand_ins,
-                    grads,
-                    backend=backend,
-                    pool=self._pool,
-                    warmup=warmup,
-                    keep=(self.host.buffer,) if slots[0] is not None else (),
-                )
-
-        try:
-            run = self.rope.run(captured, keep=NothingToTrain)
-        except NothingToTrain:  # adapters switched off: nothing to capture a backward of
-            return "nothing in the layers requires grad (adapters off)"
-        except Exception as exc:
-            self.failed = f"{type(exc).__name__}: {exc}"
-            logger.warning(
-                "%s graphs of the decoder layers failed (%s); the layers run eagerly. After a failed "
-                "capture torch may leave the device's random generator in capture mode: if random ops "
-                "then fail ('Offset increment outside graph capture'), restart with "
-                "lora={'graphs': False}",
-                kind.upper(),
-                self.failed,
-            )
-            return "capture failed"
-        self._graphs[key] = run
-        self._watch = Watch(self.layers)
-        self.stats["captures"] += 1
-        self.stats["capture_ms"] += round(1000 * (time.perf_counter() - started))
-        pool = backend.pool_bytes(self._pool) if hasattr(backend, "pool_bytes") else None
-        if pool is not None:
-            self.stats["pool_bytes"] = pool
-        self.captured.append(
-            {
-                "tokens": int(hidden.shape[-2]) if hidden.dim() >= 2 else 1,
-                "ms": round(1000 * (time.perf_counter() - started)),
-                "pool_bytes": pool,
-            }
-        )
-        return None
-
-    def record(self) -> dict[str, Any]:
-        """What the graphs cost this run, for a trainer-side record (bench/bench_realrun.py reads it):
-        ``captures`` and their total ``capture_ms``; the pool's bytes at the end and per captured
-        shape; each capture's row length, milliseconds and the pool's bytes after it."""
-        shapes = len(self._graphs)
-        pool = self.stats.get("pool_bytes")
-        return {
-            "captures": self.stats["captures"],
-            "capture_ms": self.stats["capture_ms"],
-            "shapes": shapes,
-            "pool_bytes": pool,
-            "pool_bytes_per_shape": pool // shapes if pool and shapes else None,
-            "host_slot_bytes": self.stats.get("host_slot_bytes", 0),
-            "each": list(self.captured),
-        }
-
-    def _trained_now(self, backend: Any) -> tuple[StandIns, SharedGrads]:
-        """The stand-ins and shared gradients of what is trained now, and the pool; when what is
-        trained changed, the graphs go with the gradient buffers they add into (and a new pool)."""
-        if self._pool is None:
-            self._pool = backend.pool()
-        current = StandIns(self.layers)
-        if self._trained is None or [id(p) for p in self._trained[1].params] != [id(p) for p in current.real]:
-            if self._graphs:
-                self._drop()
-                self._pool = backend.pool()
-            self._trained = (current, SharedGrads(current.real))
-        return self._trained
-
-    def _backend(self, kind: str) -> Any:
-        if self.backend is None:
-            self.backend = GraphBackend(kind)
-        return self.backend
-
-    def _remember(self, out: Any) -> None:
+    def _remember(self, out: torch.Tensor) -> None:
         """Keep a weak reference to a replayed pass's autograd node (the replay's own function),
         alive while that pass's graph is; only replayed passes share buffers, so only they are
         remembered. Not the output tensor: a final norm that casts it to float32 keeps only its
@@ -440,12 +221,16 @@ class LayerGraphs:
         except TypeError:  # a built-in op's node (not the replay's function) takes no weak reference
             self._last_out = weakref.ref(out)
 
-    def _backward_reached_the_stack(self, grad: Any) -> None:
+    def _backward_reached_the_stack(self, grad: torch.Tensor) -> None:
         self._pending = False
 
 
 def install_layer_graphs(
-    model: Any, *, checkpoint: bool | str = False, rope: bool = True, checkpoint_layers: int | None = None
+    model: PreTrainedModel | PeftModel,
+    *,
+    checkpoint: bool | str = False,
+    rope: bool = True,
+    checkpoint_layers: int | None = None,
 ) -> str:
     """Wrap the decoder layers' ``forward`` of ``model`` (a PeftModel or transformers model) so that
     matching training calls replay device graphs; returns a note. ``model.xpukit_layer_graphs`` is

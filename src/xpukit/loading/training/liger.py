@@ -34,11 +34,16 @@ import contextlib
 import logging
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit._compat import installed_version, is_installed
 from xpukit.machine.facts import DeviceFacts
 from xpukit.planning.training.liger import TRITON_BACKENDS, LigerDecision, decide_liger
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 __all__ = ["apply_liger"]
 
@@ -46,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 
 def apply_liger(
-    model: Any,
+    model: PreTrainedModel | PeftModel,
     device: DeviceFacts,
     *,
     wanted: bool | None = None,
@@ -98,7 +103,7 @@ def apply_liger(
     return notes
 
 
-def _own_loss(base: Any, loss_chunk: int | None) -> tuple[bool, str | None]:
+def _own_loss(base: PreTrainedModel, loss_chunk: int | None) -> tuple[bool, str | None]:
     """Whether xpukit calls liger's loss kernel itself with ``loss_chunk``, and why not."""
     if not loss_chunk:
         return False, None
@@ -117,8 +122,8 @@ def _own_loss(base: Any, loss_chunk: int | None) -> tuple[bool, str | None]:
 
 
 def _decide(
-    model: Any, device: DeviceFacts, *, wanted: bool | None, given: bool
-) -> tuple[Any, str | None, str | None, LigerDecision]:
+    model: PreTrainedModel | PeftModel, device: DeviceFacts, *, wanted: bool | None, given: bool
+) -> tuple[PreTrainedModel, str | None, str | None, LigerDecision]:
     """The base model, its type, liger's version and :func:`decide_liger` on this machine's facts."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     model_type = getattr(getattr(base, "config", None), "model_type", None)
@@ -138,7 +143,7 @@ def _decide(
     return base, model_type, version, decision
 
 
-def _patch(base: Any, **kernels: bool) -> str | None:
+def _patch(base: PreTrainedModel, **kernels: bool) -> str | None:
     """liger's patches on this model instance only; the failure as text (``None`` when it worked)."""
     try:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
@@ -151,7 +156,7 @@ def _patch(base: Any, **kernels: bool) -> str | None:
 
 
 @contextlib.contextmanager
-def _module_globals_restored(model: Any) -> Iterator[None]:
+def _module_globals_restored(model: torch.nn.Module) -> Iterator[None]:
     """Put back every attribute liger changes in the transformers modules the model is built from."""
     names = {type(m).__module__ for m in model.modules()} | {
         "transformers.loss.loss_utils",

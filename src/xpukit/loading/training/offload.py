@@ -24,26 +24,37 @@ cost more than they save).
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
 
 from xpukit.machine.facts import DeviceFacts
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import PreTrainedModel
 
 __all__ = ["MIN_BYTES", "offload_saved_activations"]
 
 MIN_BYTES = 1 << 20  # smaller saved tensors stay where they are
 
+# A saved tensor as the hooks keep it: itself, or (its device, its copy in host memory).
+_Packed: TypeAlias = "torch.Tensor | tuple[torch.device, torch.Tensor]"
 
-def _hooks(pin: bool) -> tuple[Any, Any]:
+
+def _hooks(
+    pin: bool,
+) -> tuple[Callable[[torch.Tensor], _Packed], Callable[[_Packed], torch.Tensor]]:
     import torch
 
-    def pack(tensor: Any) -> Any:
+    def pack(tensor: torch.Tensor) -> _Packed:
         if tensor.device.type == "cpu" or tensor.numel() * tensor.element_size() < MIN_BYTES:
             return tensor
         host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=pin)
         host.copy_(tensor, non_blocking=pin)
         return (tensor.device, host)
 
-    def unpack(packed: Any) -> Any:
+    def unpack(packed: _Packed) -> torch.Tensor:
         if isinstance(packed, tuple):
             device, host = packed
             return host.to(device, non_blocking=pin)
@@ -52,7 +63,7 @@ def _hooks(pin: bool) -> tuple[Any, Any]:
     return pack, unpack
 
 
-def offload_saved_activations(model: Any, device: DeviceFacts) -> str:
+def offload_saved_activations(model: PreTrainedModel | PeftModel, device: DeviceFacts) -> str:
     """Run ``model.forward`` inside the offloading hooks (pinned, asynchronous on CUDA/XPU); returns
     a note."""
     import torch
@@ -64,7 +75,7 @@ def offload_saved_activations(model: Any, device: DeviceFacts) -> str:
         return "saved activations already offloaded to host memory"
 
     @functools.wraps(forward)
-    def offloaded(*args: Any, **kwargs: Any) -> Any:
+    def offloaded(*args: object, **kwargs: object) -> object:  # the model's output, passed on
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):

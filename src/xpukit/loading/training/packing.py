@@ -35,14 +35,36 @@ batch, per-layer outputs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
 from xpukit.loading.training.layer_calls import given_cache
 
-__all__ = ["Packing", "install_packing", "padded_length", "token_groups"]
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+    from transformers.utils import ModelOutput
+
+__all__ = ["CapturedShapes", "Packing", "install_packing", "padded_length", "token_groups"]
+
+# The decoder's forward (``model.model``): keyword arguments in, a ``ModelOutput`` with
+# ``last_hidden_state`` out (``BaseModelOutputWithPast``, or its mixture-of-experts sibling).
+DecoderForward: TypeAlias = Callable[..., "ModelOutput"]
+
+
+class CapturedShapes(Protocol):
+    """What packing reads of the layers' graphs (:class:`.layer_graphs.LayerGraphs`)."""
+
+    def captured_tokens(self) -> list[int]: ...
+
+    def full(self) -> bool: ...
+
+    def eager_inside(self, why: str) -> contextlib.AbstractContextManager[None]: ...
+
 
 _MARK = "_xpukit_packing"
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
@@ -83,11 +105,11 @@ class Packing:
 
     def __init__(
         self,
-        forward: Any,
+        forward: DecoderForward,
         *,
         bucket: int,
         pad_id: int,
-        graphs: Any = None,
+        graphs: CapturedShapes | None = None,
         max_tokens: int | None = None,
     ) -> None:
         self.forward = forward
@@ -102,7 +124,7 @@ class Packing:
         self.stats: Counter[str] = Counter()
         self.passed: Counter[str] = Counter()
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> ModelOutput:
         import torch
 
         why = self._why_not(args, kwargs) if torch.is_grad_enabled() else "no grad (evaluation, generate)"
@@ -113,10 +135,10 @@ class Packing:
             return self._bucketed(kwargs)
         return self._packed(kwargs)
 
-    def _why_not(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    def _why_not(self, args: tuple[object, ...], kwargs: Mapping[str, object]) -> str | None:
         if args:
             return "positional arguments"
-        mask, positions = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        mask, positions = _tensor(kwargs, "attention_mask"), _tensor(kwargs, "position_ids")
         cache = given_cache(kwargs)
         tokens = _tokens(kwargs)
         if tokens is None or tokens.dim() != (2 if kwargs.get("input_ids") is not None else 3):
@@ -131,10 +153,11 @@ class Packing:
             return "position_ids given with a padded batch"
         return None
 
-    def _packed(self, kwargs: dict[str, Any]) -> Any:
+    def _packed(self, kwargs: dict[str, object]) -> ModelOutput:
         import torch
 
-        mask, tokens = kwargs.get("attention_mask"), _tokens(kwargs)
+        mask, tokens = _tensor(kwargs, "attention_mask"), _tokens(kwargs)
+        assert tokens is not None  # _why_not let only a call with tokens through
         batch, length = tokens.shape[:2]
         keep = torch.ones(batch, length, dtype=torch.bool) if mask is None else mask.detach().to("cpu") != 0
         if batch > 1 and bool(keep.all()):
@@ -169,7 +192,9 @@ class Packing:
         out["last_hidden_state"] = full.view(batch, length, -1)
         return out
 
-    def _split(self, kwargs: dict[str, Any], flat: Any, positions: Any, groups: list[int]) -> tuple[Any, Any]:
+    def _split(
+        self, kwargs: dict[str, object], flat: torch.Tensor, positions: torch.Tensor, groups: list[int]
+    ) -> tuple[ModelOutput, torch.Tensor]:
         """A row over the token budget, run as passes of whole examples (``groups``: the tokens of
         each), each checkpointed: its activations are dropped after its forward and recomputed in
         backward one pass at a time, so no more than one pass's activations are held (docs/training-plan.md
@@ -180,7 +205,7 @@ class Packing:
         why = f"a step over the token budget of {self.max_tokens}, split by tokens"
         graphs = self.graphs
 
-        def one(part: Any, where: Any) -> Any:
+        def one(part: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
             if graphs is None:
                 return self._run(kwargs, part, where, pad=False).last_hidden_state
             with graphs.eager_inside(why):
@@ -198,16 +223,19 @@ class Packing:
         hidden = torch.cat(outs)
         return BaseModelOutputWithPast(last_hidden_state=hidden[None]), hidden
 
-    def _bucketed(self, kwargs: dict[str, Any]) -> Any:
+    def _bucketed(self, kwargs: dict[str, object]) -> ModelOutput:
         """A batch already flattened by the collator: only padded to the bucket."""
-        tokens = _tokens(kwargs)
+        tokens, positions = _tokens(kwargs), _tensor(kwargs, "position_ids")
+        assert tokens is not None and positions is not None  # as __call__ and _why_not found them
         total = int(tokens.shape[1])
         self.stats["flattened_input"] += 1
-        out = self._run(kwargs, tokens[0], kwargs["position_ids"].reshape(-1))
+        out = self._run(kwargs, tokens[0], positions.reshape(-1))
         out["last_hidden_state"] = out.last_hidden_state[:, :total]
         return out
 
-    def _run(self, kwargs: dict[str, Any], tokens: Any, positions: Any, *, pad: bool = True) -> Any:
+    def _run(
+        self, kwargs: dict[str, object], tokens: torch.Tensor, positions: torch.Tensor, *, pad: bool = True
+    ) -> ModelOutput:
         """The decoder over one packed row (``pad``: to its bucket, for the graphs)."""
         import torch
 
@@ -270,13 +298,18 @@ def token_groups(lengths: list[int], max_tokens: int | None) -> list[int]:
     return groups
 
 
-def _tokens(kwargs: dict[str, Any]) -> Any:
+def _tensor(kwargs: Mapping[str, object], name: str) -> torch.Tensor | None:
+    """The decoder call's tensor argument ``name`` (``input_ids``, ``attention_mask`` …), or ``None``."""
+    return cast("torch.Tensor | None", kwargs.get(name))
+
+
+def _tokens(kwargs: Mapping[str, object]) -> torch.Tensor | None:
     """The call's ``input_ids`` (``[B, L]``), else its ``inputs_embeds`` (``[B, L, H]``), else ``None``."""
-    ids = kwargs.get("input_ids")
-    return ids if ids is not None else kwargs.get("inputs_embeds")
+    ids = _tensor(kwargs, "input_ids")
+    return ids if ids is not None else _tensor(kwargs, "inputs_embeds")
 
 
-def _decoder(model: Any) -> Any:
+def _decoder(model: PreTrainedModel | PeftModel) -> torch.nn.Module | None:
     """The decoder whose forward is packed (``model.model`` of a causal LM), or ``None``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = getattr(base, "model", None)
@@ -284,10 +317,10 @@ def _decoder(model: Any) -> Any:
 
 
 def install_packing(
-    model: Any,
+    model: PreTrainedModel | PeftModel,
     *,
     bucket: int = 1,
-    graphs: Any = None,
+    graphs: CapturedShapes | None = None,
     max_tokens: int | None = None,
 ) -> str:
     """Wrap the decoder under ``model`` (a PeftModel or a transformers causal LM) with
@@ -316,7 +349,7 @@ def install_packing(
     packing = Packing(forward, bucket=bucket, pad_id=pad_id, graphs=graphs, max_tokens=max_tokens)
 
     @functools.wraps(forward)
-    def packed(*args: Any, **kwargs: Any) -> Any:
+    def packed(*args: object, **kwargs: object) -> ModelOutput:
         return packing(*args, **kwargs)
 
     setattr(packed, _MARK, packing)

@@ -25,7 +25,7 @@ import re
 import subprocess
 import warnings
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpukit import _environ, _platform
 from xpukit._compat import installed_version
@@ -196,7 +196,7 @@ def _captured_warnings(notes: list[str]) -> Iterator[None]:
     notes.extend(str(w.message) for w in caught)
 
 
-def xpu_device_facts(index: int, props: Any, free: int | None) -> DeviceFacts:
+def xpu_device_facts(index: int, props: object, free: int | None) -> DeviceFacts:
     """Facts of one XPU from its ``_XpuDeviceProperties`` (pure: tests feed recorded dumps).
 
     The family comes from the PCI device id or the name. The ``has_*`` capability flags come from an

@@ -26,7 +26,6 @@ from xpukit.planning.stages import (
     placement_stage,
     plan_stage,
 )
-from xpukit.planning.training.merge import replace_plan
 from xpukit.sources.hub_access import HubAccess, HubFacts
 
 __all__ = ["plan_load", "plan_request"]
@@ -34,6 +33,8 @@ __all__ = ["plan_load", "plan_request"]
 logger = logging.getLogger(__name__)
 
 
+# Its keywords' types are LoadRequest's: takes_request gives them to type checkers, and ``Any`` here is
+# only what is handed on to LoadRequest, which checks each.
 @takes_request(LoadRequest)
 def plan_load(model: ModelArg, **keywords: Any) -> LoadPlan:
     """Plan how to load ``model`` for inference: device, dtype, placement, attention, kernels, 4-bit, LoRA.
@@ -90,4 +91,4 @@ def plan_request(model: ModelArg, req: LoadRequest, *, hub: HubFacts | None = No
             logger.warning("%s", warning)
         plan = plan_stage(req, cfg, mach, described, place, attention, adapters, decode, tuple(warnings))
         # merge=: the plan as the merge carries it out (docs/merging.md "Merge (`merge=`)").
-        return plan if merge_plan is None else replace_plan(plan, merge_plan)
+        return plan if merge_plan is None else plan.with_merge(merge_plan)

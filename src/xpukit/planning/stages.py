@@ -351,6 +351,7 @@ def merge_stage(
     """``merge=``: which weights the adapter is merged into, and where (its warning joins ``warnings``)."""
     if req.merge is None:
         return None
+    assert place.lora is not None  # merge= takes lora= a trained adapter (parse_merge)
     return plan_merge(
         req.merge,
         lora_request=place.lora,

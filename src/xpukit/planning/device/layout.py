@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from xpukit.errors import MissingExtraError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
-from xpukit.planning.budgets import format_bytes
+from xpukit.planning.budgets import DeviceMap, format_bytes
 from xpukit.planning.device.given_layout import check_budget_keys
 from xpukit.planning.device.layout_rungs import Placed, QuantChoice, Sizing, place
 from xpukit.planning.device.quantization import QuantRequest, bnb_kwargs, check_bnb
@@ -39,7 +39,7 @@ class Layout:
     dtype: Decision
     quantization: str | None
     quantization_config: dict[str, Any] | None
-    device_map: str | dict[str, Any]
+    device_map: DeviceMap
     max_memory: dict[int | str, int] | None
     memory: MemoryEstimate
     decisions: list[Decision] = field(default_factory=list)
@@ -53,7 +53,7 @@ def plan_layout(
     candidates: tuple[DeviceFacts, ...],
     dtype_decision: Decision,
     quant: QuantRequest,
-    device_map: Any,
+    device_map: DeviceMap | None,
     max_memory: dict[int | str, int] | None,
     offload: bool,
     headroom: int | None,
@@ -209,7 +209,7 @@ class _Quantization:
     config: dict[str, Any] | None
     weights_key: str
     reason: str
-    rejected: tuple[tuple[Any, str], ...]
+    rejected: tuple[tuple[object, str], ...]
     source: Literal["auto", "user", "fallback"]
     label: str | None = None  # what the decision shows when it is not ``quantization``
 
@@ -338,7 +338,7 @@ def _memory(s: Sizing, placed: Placed, weights_key: str) -> MemoryEstimate:
 def _placement_decisions(
     placed: Placed,
     memory: MemoryEstimate,
-    device_map: Any,
+    device_map: DeviceMap | None,
     max_memory: dict[int | str, int] | None,
     headroom: int | None,
 ) -> list[Decision]:
@@ -379,7 +379,7 @@ def _with_format(reason: str, quant: QuantRequest, fmt: ServeFormat) -> str:
     return f"{reason}; {fmt.reason}"
 
 
-def _config_dict(config: Any) -> dict[str, Any]:
+def _config_dict(config: object) -> dict[str, Any]:
     to_dict = getattr(config, "to_dict", None)
     try:
         return dict(to_dict()) if callable(to_dict) else {"config": repr(config)}

@@ -17,11 +17,11 @@ With ``quantize="auto"`` each rung first tries the model as it is, then 4-bit (d
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from xpukit.errors import PlanError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.planning.budgets import (
+    DeviceMap,
     Headroom,
     Placement,
     explain_no_fit,
@@ -94,7 +94,7 @@ class QuantChoice:
     kind: str | None
     fixed: str | None
     reason: str
-    rejected: tuple[tuple[Any, str], ...] = ()
+    rejected: tuple[tuple[object, str], ...] = ()
 
     def because(self, reason: str) -> QuantChoice:
         """The same choice, with ``reason``."""
@@ -123,14 +123,14 @@ def place(
     *,
     machine: MachineFacts,
     candidates: tuple[DeviceFacts, ...],
-    device_map: Any,
+    device_map: DeviceMap | None,
     max_memory: dict[int | str, int] | None,
     quant: QuantRequest,
     allow_offload: bool,
     warnings: list[str],
 ) -> Placed:
     """The rung for what the user gave: a device_map, max_memory, or neither."""
-    if device_map not in (None, "auto") and device_map not in STRATEGIES:
+    if device_map is not None and device_map != "auto" and device_map not in STRATEGIES:
         return on_given_map(s, choice, device_map, machine, warnings)
     if max_memory is not None:
         return within_given_budgets(s, choice, device_map, max_memory)
@@ -138,7 +138,7 @@ def place(
 
 
 def on_given_map(
-    s: Sizing, choice: QuantChoice, device_map: Any, machine: MachineFacts, warnings: list[str]
+    s: Sizing, choice: QuantChoice, device_map: DeviceMap, machine: MachineFacts, warnings: list[str]
 ) -> Placed:
     """A device_map the user gave: used as is, with a warning when the weights may not fit it."""
     placement, fits = given_map(device_map, machine, s.weights(choice.fixed), s.head(choice.fixed))
@@ -159,7 +159,12 @@ def on_given_map(
 
 
 def _auto_on_given_map(
-    s: Sizing, choice: QuantChoice, placement: Placement, fits: bool, device_map: Any, machine: MachineFacts
+    s: Sizing,
+    choice: QuantChoice,
+    placement: Placement,
+    fits: bool,
+    device_map: DeviceMap,
+    machine: MachineFacts,
 ) -> tuple[Placement, bool, QuantChoice]:
     """``quantize="auto"`` with a given device_map: 4-bit when the model does not fit it and 4-bit does."""
     if fits:
@@ -181,7 +186,7 @@ def _auto_on_given_map(
 
 
 def within_given_budgets(
-    s: Sizing, choice: QuantChoice, device_map: Any, max_memory: dict[int | str, int]
+    s: Sizing, choice: QuantChoice, device_map: DeviceMap | None, max_memory: dict[int | str, int]
 ) -> Placed:
     """max_memory the user gave: the weights split within those budgets (4-bit first if auto needs it)."""
     if choice.kind == "auto":
@@ -212,7 +217,7 @@ def by_fit(
     choice: QuantChoice,
     candidates: tuple[DeviceFacts, ...],
     machine: MachineFacts,
-    device_map: Any,
+    device_map: DeviceMap | None,
     quant: QuantRequest,
     allow_offload: bool,
     warnings: list[str],

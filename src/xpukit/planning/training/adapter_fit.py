@@ -15,10 +15,16 @@ Every path that takes a trained adapter (``lora=DIR`` for inference, ``trainable
 from __future__ import annotations
 
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.training.base_record import BaseRecord, parse_record
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+    from xpukit.planning.training.lora_request import LoraRequest
 
 __all__ = ["check_adapter", "check_saved_adapter"]
 
@@ -35,8 +41,8 @@ def check_adapter(
     saved: dict[str, Any],
     tensors: dict[str, Any] | None,
     *,
-    config: Any,
-    model_class: Any,
+    config: PreTrainedConfig,
+    model_class: type[PreTrainedModel] | str | None,
     base: str,
     force: bool,
     warnings: list[str],
@@ -92,10 +98,10 @@ def check_adapter(
 
 
 def check_saved_adapter(
-    request: Any,
+    request: LoraRequest | None,
     *,
-    config: Any,
-    model_class: Any,
+    config: PreTrainedConfig,
+    model_class: type[PreTrainedModel] | str | None,
     base: str,
     force: bool,
     merging: bool,
@@ -131,7 +137,12 @@ def check_saved_adapter(
     return check, parse_record(files.record, files.record_path)
 
 
-def _problems(tensors: dict[str, Any], config: Any, model_class: Any, trust_remote_code: bool) -> list[str]:
+def _problems(
+    tensors: dict[str, Any],
+    config: PreTrainedConfig,
+    model_class: type[PreTrainedModel] | str | None,
+    trust_remote_code: bool,
+) -> list[str]:
     """What does not fit, one line per tensor; the meta-device model is gone when this returns (an
     error raised afterwards keeps no model alive in its traceback)."""
     from xpukit.planning.model.classes import build_meta_model
@@ -142,7 +153,7 @@ def _problems(tensors: dict[str, Any], config: Any, model_class: Any, trust_remo
     return [problem for problem in found if problem is not None]
 
 
-def _tensor_problem(key: str, info: Any, modules: dict[str, Any]) -> str | None:
+def _tensor_problem(key: str, info: object, modules: dict[str, torch.nn.Module]) -> str | None:
     """Why one saved adapter tensor does not fit the base's modules, else ``None``."""
     shape = list(info.get("shape", [])) if isinstance(info, dict) else []
     name = key.removeprefix("base_model.model.")
@@ -169,7 +180,7 @@ def _tensor_problem(key: str, info: Any, modules: dict[str, Any]) -> str | None:
     return None
 
 
-def _in_out(module: Any) -> tuple[int, int] | None:
+def _in_out(module: torch.nn.Module) -> tuple[int, int] | None:
     """(in, out) sizes of a linear-like or embedding module, from its meta-device attributes."""
     if hasattr(module, "in_features") and hasattr(module, "out_features"):
         return int(module.in_features), int(module.out_features)

@@ -85,10 +85,11 @@ def plan_request(model: ModelArg, req: LoadRequest, *, hub: HubFacts | None = No
         attention = attention_stage(req, mach, described, place)
         adapters = adapters_stage(req, mach, described, place)
         decode = decode_stage(req, cfg, mach, described, place)
-        warnings = [*described.warnings, *place.warnings, *attention.warnings, *adapters.warnings]
-        merge_plan = merge_stage(req, mach, described, place, warnings)
+        merge_plan = merge_stage(req, mach, described, place)
+        merged = (merge_plan.warning,) if merge_plan is not None and merge_plan.warning is not None else ()
+        warnings = (*described.warnings, *place.warnings, *attention.warnings, *adapters.warnings, *merged)
         for warning in warnings:
             logger.warning("%s", warning)
-        plan = plan_stage(req, cfg, mach, described, place, attention, adapters, decode, tuple(warnings))
+        plan = plan_stage(req, cfg, mach, described, place, attention, adapters, decode, warnings)
         # merge=: the plan as the merge carries it out (docs/merging.md "Merge (`merge=`)").
         return plan if merge_plan is None else plan.with_merge(merge_plan)

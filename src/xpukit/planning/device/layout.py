@@ -34,7 +34,8 @@ __all__ = ["Layout", "plan_layout"]
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """The dtype, quantization and placement decided together."""
+    """The dtype, quantization and placement decided together, and the warnings deciding them gave
+    (in the order of :func:`plan_layout`'s steps)."""
 
     dtype: Decision
     quantization: str | None
@@ -43,6 +44,7 @@ class Layout:
     max_memory: dict[int | str, int] | None
     memory: MemoryEstimate
     decisions: list[Decision] = field(default_factory=list)
+    warnings: tuple[str, ...] = ()
 
 
 def plan_layout(
@@ -58,7 +60,6 @@ def plan_layout(
     offload: bool,
     headroom: int | None,
     enforce_extras: bool,
-    warnings: list[str],
     serve: bool = False,
     saved: SavedFormat | None = None,
 ) -> Layout:
@@ -72,7 +73,7 @@ def plan_layout(
     if max_memory is not None:
         check_budget_keys(max_memory, machine)
     formats = _Formats.of(facts, main, quant, serve, saved)
-    dtype_decision = formats.checked_dtype(dtype_decision, enforce_extras, warnings)
+    dtype_decision, dtype_warnings = formats.checked_dtype(dtype_decision, enforce_extras)
     sizing = _sizing(facts, main, quant, formats, str(dtype_decision.value), headroom)
     placed = place(
         sizing,
@@ -83,9 +84,8 @@ def plan_layout(
         max_memory=max_memory,
         quant=quant,
         allow_offload=offload,
-        warnings=warnings,
     )
-    config = _quantization(sizing, placed.quant, quant, formats, warnings)
+    config = _quantization(sizing, placed.quant, quant, formats)
     memory = _memory(sizing, placed, config.weights_key)
     return Layout(
         dtype=dtype_decision,
@@ -98,6 +98,7 @@ def plan_layout(
             config.decision(),
             *_placement_decisions(placed, memory, device_map, max_memory, headroom),
         ],
+        warnings=(*dtype_warnings, *placed.warnings, *config.warnings),
     )
 
 
@@ -135,13 +136,16 @@ class _Formats:
             return None
         return serve_format(self.main, q, compute, self.torchao)
 
-    def checked_dtype(self, dtype_decision: Decision, enforce_extras: bool, warnings: list[str]) -> Decision:
-        """The dtype decision, checked against bitsandbytes unless the asked format is torchao's."""
+    def checked_dtype(
+        self, dtype_decision: Decision, enforce_extras: bool
+    ) -> tuple[Decision, tuple[str, ...]]:
+        """The dtype decision, checked against bitsandbytes unless the asked format is torchao's, and
+        the warnings the check gave."""
         asked = self.format(self.quant.kind, str(dtype_decision.value))
         if asked is not None and asked.library == "torchao":
-            return dtype_decision
+            return dtype_decision, ()
         try:
-            return check_bnb(self.quant.kind, self.quant, self.main, dtype_decision, enforce_extras, warnings)
+            return check_bnb(self.quant.kind, self.quant, self.main, dtype_decision, enforce_extras)
         except MissingExtraError as exc:
             if asked is None or not asked.torchao_missing:
                 raise
@@ -212,6 +216,7 @@ class _Quantization:
     rejected: tuple[tuple[object, str], ...]
     source: Literal["auto", "user", "fallback"]
     label: str | None = None  # what the decision shows when it is not ``quantization``
+    warnings: tuple[str, ...] = ()
 
     def decision(self) -> Decision:
         return Decision(
@@ -223,9 +228,7 @@ class _Quantization:
         )
 
 
-def _quantization(
-    s: Sizing, choice: QuantChoice, quant: QuantRequest, formats: _Formats, warnings: list[str]
-) -> _Quantization:
+def _quantization(s: Sizing, choice: QuantChoice, quant: QuantRequest, formats: _Formats) -> _Quantization:
     """The quantization config for the width the placement settled: torchao's format (a load to run),
     bitsandbytes, the user's own config, or none."""
     fixed = choice.fixed
@@ -259,7 +262,7 @@ def _quantization(
     if fixed:
         return _bitsandbytes(plain, fixed, s.dtype, quant, fmt)
     if choice.kind == "other":
-        return _other_config(plain, s, quant, warnings)
+        return _other_config(plain, s, quant)
     return plain
 
 
@@ -294,7 +297,7 @@ def _bitsandbytes(
     )
 
 
-def _other_config(plain: _Quantization, s: Sizing, quant: QuantRequest, warnings: list[str]) -> _Quantization:
+def _other_config(plain: _Quantization, s: Sizing, quant: QuantRequest) -> _Quantization:
     """A non-bitsandbytes config: passed to from_pretrained unchanged, sized by the bits it states."""
     method = quant.method or type(quant.user_config).__name__
     name = type(quant.user_config).__name__
@@ -308,14 +311,14 @@ def _other_config(plain: _Quantization, s: Sizing, quant: QuantRequest, warnings
                 f"linear weights at {s.other_bits} bits (scales not counted)"
             ),
         )
-    warnings.append(
-        f"{name} states no bit width xpukit can read: the memory plan counts the weights "
-        f"unquantized ({format_bytes(s.weights(None))}), an upper bound"
-    )
     return replace(
         q,
         weights_key=f"{s.dtype} (unquantized upper bound)",
         reason=f"quantize= given: your {name}, passed to from_pretrained unchanged",
+        warnings=(
+            f"{name} states no bit width xpukit can read: the memory plan counts the weights "
+            f"unquantized ({format_bytes(s.weights(None))}), an upper bound",
+        ),
     )
 
 

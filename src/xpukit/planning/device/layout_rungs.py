@@ -111,10 +111,12 @@ class QuantChoice:
 
 @dataclass(frozen=True, kw_only=True)
 class Placed:
-    """Where the weights go, with the quantization the placement settled."""
+    """Where the weights go, with the quantization the placement settled, and what the user should
+    know about it (CPU offload, a given device_map the weights may not fit)."""
 
     placement: Placement
     quant: QuantChoice
+    warnings: tuple[str, ...] = ()
 
 
 def place(
@@ -127,35 +129,31 @@ def place(
     max_memory: dict[int | str, int] | None,
     quant: QuantRequest,
     allow_offload: bool,
-    warnings: list[str],
 ) -> Placed:
     """The rung for what the user gave: a device_map, max_memory, or neither."""
     if device_map is not None and device_map != "auto" and device_map not in STRATEGIES:
-        return on_given_map(s, choice, device_map, machine, warnings)
+        return on_given_map(s, choice, device_map, machine)
     if max_memory is not None:
         return within_given_budgets(s, choice, device_map, max_memory)
-    return by_fit(s, choice, candidates, machine, device_map, quant, allow_offload, warnings)
+    return by_fit(s, choice, candidates, machine, device_map, quant, allow_offload)
 
 
-def on_given_map(
-    s: Sizing, choice: QuantChoice, device_map: DeviceMap, machine: MachineFacts, warnings: list[str]
-) -> Placed:
+def on_given_map(s: Sizing, choice: QuantChoice, device_map: DeviceMap, machine: MachineFacts) -> Placed:
     """A device_map the user gave: used as is, with a warning when the weights may not fit it."""
     placement, fits = given_map(device_map, machine, s.weights(choice.fixed), s.head(choice.fixed))
     if choice.kind == "auto":
         placement, fits, choice = _auto_on_given_map(s, choice, placement, fits, device_map, machine)
-    if not fits:
-        hint = ""
-        if (
-            choice.fixed is None
-            and s.can_suggest_4bit
-            and given_map(device_map, machine, s.weights("4bit"), s.head("4bit"))[1]
-        ):
-            hint = f"; quantize='4bit' ({format_bytes(s.weights('4bit'))} of weights) would fit"
-        warnings.append(
-            f"device_map={device_map!r}: {placement.reason}: the load may run out of memory{hint}"
-        )
-    return Placed(placement=placement, quant=choice)
+    if fits:
+        return Placed(placement=placement, quant=choice)
+    hint = ""
+    if (
+        choice.fixed is None
+        and s.can_suggest_4bit
+        and given_map(device_map, machine, s.weights("4bit"), s.head("4bit"))[1]
+    ):
+        hint = f"; quantize='4bit' ({format_bytes(s.weights('4bit'))} of weights) would fit"
+    warning = f"device_map={device_map!r}: {placement.reason}: the load may run out of memory{hint}"
+    return Placed(placement=placement, quant=choice, warnings=(warning,))
 
 
 def _auto_on_given_map(
@@ -220,16 +218,17 @@ def by_fit(
     device_map: DeviceMap | None,
     quant: QuantRequest,
     allow_offload: bool,
-    warnings: list[str],
 ) -> Placed:
     """Neither given: one device, a split over the candidates, 4-bit (auto), CPU offload, or PlanError."""
     fitted = fit(s.weights(choice.fixed), s.head(choice.fixed), candidates)
     if choice.kind == "auto":
         fitted, choice = _auto_by_fit(s, choice, fitted, candidates)
+    warnings: tuple[str, ...] = ()
     if fitted is not None:
         placement = fitted
     else:
-        placement = _no_fit(s, candidates, machine, choice.fixed, quant, allow_offload, warnings)
+        placement, offloaded = _no_fit(s, candidates, machine, choice.fixed, quant, allow_offload)
+        warnings = (offloaded,)
     if device_map in STRATEGIES and placement.kind != "single":
         placement = Placement(
             kind=placement.kind,
@@ -238,7 +237,7 @@ def by_fit(
             budgets=placement.budgets,
             reason=placement.reason + f"; accelerate strategy {device_map!r} as asked",
         )
-    return Placed(placement=placement, quant=choice)
+    return Placed(placement=placement, quant=choice, warnings=warnings)
 
 
 def _auto_by_fit(
@@ -267,10 +266,9 @@ def _no_fit(
     fixed: str | None,
     quant: QuantRequest,
     allow_offload: bool,
-    warnings: list[str],
-) -> Placement:
-    """Nothing fits the candidates: CPU offload with a warning where allowed, else PlanError with the
-    numbers and the options."""
+) -> tuple[Placement, str]:
+    """Nothing fits the candidates: CPU offload, with its warning, where allowed; else PlanError with
+    the numbers and the options."""
     w, h = s.weights(fixed), s.head(fixed)
     four_fits = (
         s.can_suggest_4bit
@@ -281,8 +279,7 @@ def _no_fit(
     if s.main.backend != "cpu":
         placement = _offload_or_fixes(s, candidates, machine, fixed, quant, allow_offload, fixes)
         if placement is not None:
-            warnings.append(f"CPU offload: {placement.reason}{_four_bit_hint(s, four_fits)}")
-            return placement
+            return placement, f"CPU offload: {placement.reason}{_four_bit_hint(s, four_fits)}"
     if four_fits:
         fixes.insert(0, f"quantize='4bit' ({format_bytes(s.weights('4bit'))} of weights) fits")
     budgets = tuple(usable_memory(d) for d in candidates)

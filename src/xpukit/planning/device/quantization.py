@@ -217,15 +217,14 @@ def check_bnb(
     main: DeviceFacts,
     dtype_decision: Decision,
     enforce: bool,
-    warnings: list[str],
-) -> Decision:
+) -> tuple[Decision, tuple[str, ...]]:
     """bitsandbytes usable for an explicit request; on Arc A with bnb < 0.50 switch to fp16 compute.
 
-    Returns the dtype decision (changed to fp16 when only that makes 4-bit work); a missing
-    bitsandbytes raises when ``enforce`` (this machine), else becomes a warning.
+    Returns the dtype decision (changed to fp16 when only that makes 4-bit work) and the warnings; a
+    missing bitsandbytes raises when ``enforce`` (this machine), else becomes a warning.
     """
     if kind not in {"4bit", "8bit"}:
-        return dtype_decision
+        return dtype_decision, ()
     dtype = str(dtype_decision.value)
     compute = dtype
     if quant.user_config is not None:
@@ -233,28 +232,29 @@ def check_bnb(
         compute = normalize_dtype(getattr(quant.user_config, "bnb_4bit_compute_dtype", None)) or "float32"
     problem, fix = bnb_problem(main, kind, compute)
     if fix and quant.user_config is not None:
-        warnings.append(
+        warning = (
             f"the given BitsAndBytesConfig computes 4-bit in bfloat16 on {main.name}: {problem}. Fix: "
             "pip install 'bitsandbytes>=0.50', or bnb_4bit_compute_dtype=torch.float16"
         )
-        return dtype_decision
+        return dtype_decision, (warning,)
     if fix:
         if dtype_decision.source == "user":
             raise InvalidRequestError(
                 f"dtype='bfloat16' with quantize='4bit' on {main.name}: {problem}. Fix: pip install "
                 "'bitsandbytes>=0.50', or dtype='float16'."
             )
-        return Decision(
+        fp16 = Decision(
             name="dtype",
             value=fix,
             reason=f"{problem}, so 4-bit computes in fp16 (pip install 'bitsandbytes>=0.50' for bf16)",
             rejected=(("bfloat16", str(problem)), *dtype_decision.rejected),
         )
+        return fp16, ()
     if problem and not fix:
         if enforce:
             require_bnb(kind)  # raises MissingExtraError with the fix
-        warnings.append(f"{problem} (planned anyway for the assumed machine)")
-    return dtype_decision
+        return dtype_decision, (f"{problem} (planned anyway for the assumed machine)",)
+    return dtype_decision, ()
 
 
 def auto_4bit_problem(main: DeviceFacts, dtype: str) -> str | None:

@@ -292,12 +292,12 @@ def plan_merge(
     dtype: str,
     adapter_check: str,
     record: BaseRecord | None,
-    warnings: list[str],
 ) -> MergePlan:
     """The ``merge`` decision: into which weights, on which device, in which dtype (module docstring).
 
     ``adapter_check`` is what :func:`xpukit.planning.training.adapter_fit.check_adapter` found;
-    ``record`` the adapter's base record, if it has one.
+    ``record`` the adapter's base record, if it has one. What to know about the choice of weights
+    is the plan's :attr:`MergePlan.warning` (the caller adds it to the plan's warnings).
 
     Raises:
         InvalidRequestError: the base is already quantized.
@@ -311,8 +311,6 @@ def plan_merge(
             "trained from."
         )
     base, base_from, asked, warning = _merge_base(request, record, adapter)
-    if warning is not None:
-        warnings.append(warning)
     need = memory.weights + memory.headroom
     sizes = f"{format_bytes(memory.weights)} of {dtype} weights + {format_bytes(memory.headroom)} headroom"
     moved = False

@@ -1,6 +1,7 @@
 """The stages of :func:`xpukit.planning.plan.plan_load`, in the order they run.
 
-request → config → machine → model → placement → attention → adapters and training → decode → plan.
+request → config → machine → model → placement → attention → adapters and training → decode → plan
+(the last, gathering every decision into the plan, is :func:`xpukit.planning.plan.plan_stage`).
 Each stage is a function of what the stages before it decided, and returns a small frozen value
 (:mod:`xpukit.planning.stage_values`): a reader sees at a glance what is known when each decision is
 taken. A new decision goes into the stage that first knows everything it needs (CONTRIBUTING.md).
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.arguments import (
@@ -31,10 +31,9 @@ from xpukit.planning.device.distributed import (
 )
 from xpukit.planning.device.layer_kernels import choose_kernels
 from xpukit.planning.device.layout import plan_layout
-from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, recorded_request
+from xpukit.planning.device.quantization import QuantRequest, recorded_request
 from xpukit.planning.device.saved_quant import check_saved_family, read_saved, saved_dtype
 from xpukit.planning.for_training import Attempt, layout_for_training
-from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import choose_model_class
 from xpukit.planning.model.facts import model_facts
 from xpukit.planning.request import LoadRequest, ModelArg, keywords
@@ -52,9 +51,6 @@ from xpukit.planning.vocabulary import Decision
 from xpukit.sources.hub_access import HubFacts
 from xpukit.sources.model_config import ConfigRead
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = [
     "adapters_stage",
     "attention_stage",
@@ -64,7 +60,6 @@ __all__ = [
     "merge_stage",
     "model_stage",
     "placement_stage",
-    "plan_stage",
 ]
 
 
@@ -352,54 +347,4 @@ def merge_stage(req: LoadRequest, mach: Machine, model: Model, place: Placement)
         dtype=place.dtype,
         adapter_check=model.adapter_check or "",
         record=model.record,
-    )
-
-
-def plan_stage(
-    req: LoadRequest,
-    cfg: Config,
-    mach: Machine,
-    model: Model,
-    place: Placement,
-    attn: Attention,
-    adapters: Adapters,
-    decode: Decode,
-    warnings: tuple[str, ...],
-) -> LoadPlan:
-    """Every decision in the plan's order, and the frozen :class:`LoadPlan`."""
-    layout, distributed = place.layout, place.distributed
-    decisions = [mach.device_decision, layout.dtype, *layout.decisions, attn.attention.decision]
-    decisions = distributed.merged([*decisions, attn.kernels.decision])
-    decisions.insert(0, model.class_choice.decision)
-    decisions += adapters.decisions
-    decisions += [decode.decision] if decode.decision is not None else []
-    user_config = cfg.quant.user_config
-    return LoadPlan(
-        model=cfg.source,
-        model_facts=model.facts,
-        machine=mach.machine,
-        device=mach.main,
-        dtype=place.dtype,
-        quantization=layout.quantization,
-        quantization_config=head_skip_modules(model.facts, distributed.quantization_config, user_config),
-        attn_implementation=attn.attention.value,
-        attention_kernel=attn.attention.kernel.repo if attn.attention.kernel else None,
-        use_kernels=attn.kernels.use,
-        device_map=distributed.device_map,
-        max_memory=distributed.max_memory,
-        memory=layout.memory,
-        lora=place.lora,
-        decisions=tuple(decisions),
-        warnings=warnings,
-        passthrough=req.from_pretrained_kwargs,
-        model_class=model.class_choice.name,
-        user_quantization_config=user_config,
-        config_kwargs=cfg.consumed,
-        config_given=cfg.given,
-        kernel_config=attn.kernels.config if attn.kernels.use else None,
-        config=cfg.config,
-        seed=req.seed,
-        strategy=distributed.strategy,
-        decode=decode.plan,
-        training=place.training,
     )

@@ -466,8 +466,7 @@ def test_a_slow_precision_warns_as_load_for_xpu_does(
     with caplog.at_level(logging.WARNING, logger="xpukit.training.keywords"):
         training_kwargs(device, **{flag: True})
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    load_said: list[str] = []
-    decide_dtype({"bf16": "bfloat16", "fp16": "float16"}[flag], device, load_said)
+    _, load_said = decide_dtype({"bf16": "bfloat16", "fp16": "float16"}[flag], device)
     assert bool(said) == slow == bool(load_said)
     if slow:
         assert said == [f"training_args({flag}=True): {load_said[0].removeprefix('dtype=')}"]

@@ -228,7 +228,8 @@ def decode_int4_check(torch: Any, device: DeviceFacts, *, compiled: bool = True)
     :data:`NEAR_TIE` apart (bf16 rounding may swap a near tie; docs/decode.md "Fast by default").
     """
     from xpukit._compat import is_installed
-    from xpukit.planning.device.serve_quant import serve_format, torchao_config, torchao_version
+    from xpukit.planning.device.quant_configs import torchao_config
+    from xpukit.planning.device.serve_quant import serve_format, torchao_version
 
     fmt = serve_format(device, "4bit", "bfloat16", torchao_version() if is_installed("torchao") else None)
     if fmt.library != "torchao" or fmt.config is None:

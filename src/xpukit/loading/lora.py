@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING, Any
 from xpukit._compat import require
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.bnb_cpu import keep_trained_4bit_numerics, restore_trainable_4bit_layout
+from xpukit.loading.library_configs import lora_config
 from xpukit.machine.facts import DeviceFacts
 from xpukit.machine.precision import normalize_dtype
-from xpukit.planning.training.lora_config import build_lora_config, lora_config_or_problem, targets_problem
+from xpukit.planning.training.lora_config import lora_config_problem
 from xpukit.planning.training.lora_request import LoraRequest, targets_text
 
 if TYPE_CHECKING:
@@ -152,12 +153,13 @@ def _new_adapters(
 ) -> tuple[Any, list[str]]:
     import torch
 
-    config = None if request.kind == "adapter" else build_lora_config(request)  # saved: plan_load checked it
-    problem = config and targets_problem(
-        config, [n for n, _ in model.named_modules() if n], linear_module_names(model), type(model).__name__
-    )
+    problem = None
+    if request.kind != "adapter":  # saved: plan_load checked it
+        names = [n for n, _ in model.named_modules() if n]
+        problem = lora_config_problem(request, names, linear_module_names(model), type(model).__name__)
     if problem:  # before any change to the model
         raise InvalidRequestError(problem)
+    config = None if request.kind == "adapter" else lora_config(request)
     notes = _prepare_base(model, request, dtype=dtype, quantized=quantized, device=device)
     try:
         peft_model = _attach(model, request, config)
@@ -307,11 +309,8 @@ def lora_problem(model: Any, request: LoraRequest) -> str | None:
     """
     if request.kind != "new":
         return None
-    config, problem = lora_config_or_problem(request)
-    if problem is not None:
-        return problem
     names = [n for n, _ in model.named_modules() if n]
-    return targets_problem(config, names, linear_module_names(model), type(model).__name__)
+    return lora_config_problem(request, names, linear_module_names(model), type(model).__name__)
 
 
 def linear_module_names(model: Any) -> list[str]:

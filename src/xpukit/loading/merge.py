@@ -18,7 +18,8 @@ from xpukit import _quiet
 from xpukit.errors import InvalidRequestError
 from xpukit.loading.bnb_cpu import restore_trainable_4bit_layout
 from xpukit.loading.lora import apply_lora
-from xpukit.planning.device.quantization import bnb_config, require_bnb
+from xpukit.planning.device.quant_configs import quantization_config
+from xpukit.planning.device.quantization import require_bnb
 
 if TYPE_CHECKING:
     from xpukit.planning.loadplan import LoadPlan
@@ -50,7 +51,7 @@ def merge_kwargs(plan: LoadPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
             detail="Or merge='original' for an adapter trained on the full-precision base.",
         ) from None
     require("peft", "merge=True")
-    return {**kwargs, "quantization_config": bnb_config(merge.quantization_config)}
+    return {**kwargs, "quantization_config": quantization_config(merge.quantization_config)}
 
 
 def merge_adapter(model: Any, plan: LoadPlan) -> tuple[Any, list[str]]:

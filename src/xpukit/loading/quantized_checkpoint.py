@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from xpukit.loading.quantized_layers import quantized_layers_event
+from xpukit.planning.device.quant_configs import torchao_config
 from xpukit.planning.device.saved_quant import SAVED_KEY, SavedFormat
-from xpukit.planning.device.serve_quant import torchao_config
 
 __all__ = ["free_bytes", "write_quantized"]
 

@@ -172,13 +172,14 @@ class MachineFacts:
 
         known = {f.name for f in fields(DeviceFacts)}
 
-        def backend(value: Any, what: str) -> Any:
-            if value not in BACKENDS:
-                raise InvalidRequestError(
-                    f"{what}={value!r} in these facts is not a backend xpukit knows; valid: "
-                    f"{', '.join(BACKENDS)}. Fix: pass a report written by `xpukit doctor --json`."
-                )
-            return value
+        def backend(value: object, what: str) -> Backend:
+            for known in BACKENDS:
+                if value == known:
+                    return known
+            raise InvalidRequestError(
+                f"{what}={value!r} in these facts is not a backend xpukit knows; valid: "
+                f"{', '.join(BACKENDS)}. Fix: pass a report written by `xpukit doctor --json`."
+            )
 
         def device(d: dict[str, Any]) -> DeviceFacts:
             # Reports may come from a newer xpukit (keys are added within a schema version):

@@ -199,22 +199,23 @@ def host_modules_reason(
 
 
 def check_lora_targets(
-    request: LoraRequest | None, facts: ModelFacts, *, enforce: bool, hub: HubFacts, warnings: list[str]
-) -> None:
+    request: LoraRequest | None, facts: ModelFacts, *, enforce: bool, hub: HubFacts
+) -> tuple[str, ...]:
     """Check the LoRA settings and targets against the model's facts, before any weight is read
-    (peft imported under ``hub.import_offline``: its import can reach the Hub)."""
+    (peft imported under ``hub.import_offline``: its import can reach the Hub); the warnings (peft
+    missing on an assumed machine: nothing checked)."""
     if request is None or request.kind != "new":
-        return
+        return ()
     from xpukit._compat import is_installed, require
     from xpukit.planning.training.lora_config import check_lora_request
 
     if not is_installed("peft"):
         if enforce:
             require("peft", "lora=True")  # MissingExtraError naming the extra
-        warnings.append("peft is not installed here: the LoRA settings were not checked against the model")
-        return
+        return ("peft is not installed here: the LoRA settings were not checked against the model",)
     with hub.import_offline("peft"):  # peft imports bitsandbytes, whose import can reach the Hub
         check_lora_request(request, facts)
+    return ()
 
 
 def check_seed(seed: object) -> int | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.facts import DeviceFacts
@@ -31,6 +31,7 @@ __all__ = [
     "USABLE_FRACTION_DISCRETE",
     "USABLE_FRACTION_INTEGRATED",
     "DeviceBudget",
+    "DeviceMap",
     "Headroom",
     "Placement",
     "fit",
@@ -190,12 +191,17 @@ def headroom_for(
     )
 
 
+# A device_map as from_pretrained takes it: "auto", an accelerate strategy, a device ("xpu:0"), or a
+# dict of module name → device (an index, a device's name or a torch.device, as the user gave it).
+DeviceMap: TypeAlias = str | dict[str, Any]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Placement:
     """A placement that works: the device_map, max_memory and the budgets behind them."""
 
     kind: str  # "single" | "split" | "offload" | "given"
-    device_map: str | dict[str, Any]
+    device_map: DeviceMap
     max_memory: dict[int | str, int] | None
     budgets: tuple[DeviceBudget, ...]
     reason: str

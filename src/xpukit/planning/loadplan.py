@@ -10,15 +10,19 @@ from __future__ import annotations
 import json
 import textwrap
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
-from xpukit.planning.budgets import format_bytes
-from xpukit.planning.vocabulary import Decision, LoadEvent, MemoryEstimate, jsonable
+from xpukit.planning.budgets import DeviceMap, format_bytes
+from xpukit.planning.vocabulary import Decision, Json, LoadEvent, MemoryEstimate, jsonable
 
 if TYPE_CHECKING:
+    from transformers import KernelConfig, PreTrainedConfig
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
     from xpukit.machine.facts import DeviceFacts, MachineFacts
-    from xpukit.planning.device.decode import DecodePlan
+    from xpukit.planning.device.decode_plan import DecodePlan
     from xpukit.planning.model.facts import ModelFacts
+    from xpukit.planning.training.lora_request import LoraRequest
     from xpukit.planning.training.merge import MergePlan
     from xpukit.planning.training.training_plan import TrainingPlan
 
@@ -56,7 +60,7 @@ class LoadPlan:
         strategy: the distributed strategy the load was planned for (``ddp``, ``fsdp``, ``deepspeed``),
             or ``None``; :func:`xpukit.training_args` follows it.
         decode: what ``fast_decode=True`` sets on the generation config
-            (:class:`xpukit.planning.device.decode.DecodePlan`), or ``None`` when not asked.
+            (:class:`xpukit.planning.device.decode_plan.DecodePlan`), or ``None`` when not asked.
         training: the memory savers for new LoRA adapters, chosen by fit
             (:class:`xpukit.planning.training.training_plan.TrainingPlan`); ``None`` without new adapters.
         merge: where and into which weights ``merge=True`` merges the adapter
@@ -73,10 +77,10 @@ class LoadPlan:
     attn_implementation: str
     attention_kernel: str | None
     use_kernels: bool
-    device_map: str | dict[str, Any] | None
+    device_map: DeviceMap | None
     max_memory: dict[int | str, int] | None
     memory: MemoryEstimate
-    lora: Any
+    lora: LoraRequest | None
     decisions: tuple[Decision, ...]
     warnings: tuple[str, ...] = ()
     passthrough: dict[str, Any] = field(default_factory=dict)
@@ -84,9 +88,9 @@ class LoadPlan:
     events: tuple[LoadEvent, ...] = ()
     carried_out: bool = False
     # Objects the user handed over, used as given (not compared, not serialised).
-    user_quantization_config: Any = field(default=None, compare=False, repr=False)
-    kernel_config: Any = field(default=None, compare=False, repr=False)
-    config: Any = field(default=None, compare=False, repr=False)
+    user_quantization_config: QuantizationConfigMixin | None = field(default=None, compare=False, repr=False)
+    kernel_config: object = field(default=None, compare=False, repr=False)  # a KernelConfig or its dict
+    config: PreTrainedConfig | None = field(default=None, compare=False, repr=False)
     config_kwargs: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     config_given: bool = field(default=False, compare=False, repr=False)  # the user handed over a config
     seed: int | None = None  # set_seed before new LoRA adapters are created; None: unseeded
@@ -107,8 +111,13 @@ class LoadPlan:
                 return d
         raise KeyError(name)
 
+    def with_merge(self, merge: MergePlan) -> LoadPlan:
+        """This plan carrying ``merge`` out (:meth:`MergePlan.plan_changes`)."""
+        return replace(self, **merge.plan_changes(self))
+
     def with_events(self, events: tuple[LoadEvent, ...], **changes: Any) -> LoadPlan:
-        """A copy recording what a load did (``carried_out=True``)."""
+        """A copy recording what a load did (``carried_out=True``); ``changes``: fields of the plan the
+        load changed (each of its own type, as ``dataclasses.replace`` takes them: hence ``Any``)."""
         return replace(self, events=self.events + events, carried_out=True, **changes)
 
     def from_pretrained_kwargs(self) -> dict[str, Any]:
@@ -135,19 +144,19 @@ class LoadPlan:
             kwargs["config"] = self.config
         return kwargs
 
-    def _bnb_config(self) -> Any:
+    def _bnb_config(self) -> QuantizationConfigMixin:
         if self.user_quantization_config is not None:
             return self.user_quantization_config
-        from xpukit.planning.device.quantization import bnb_config
+        from xpukit.planning.device.quant_configs import quantization_config
 
-        return bnb_config(self.quantization_config or {})
+        return quantization_config(self.quantization_config or {})
 
-    def _kernel_config(self) -> Any:
+    def _kernel_config(self) -> KernelConfig | None:
         if isinstance(self.kernel_config, dict):
             from transformers import KernelConfig
 
             return KernelConfig(self.kernel_config)
-        return self.kernel_config
+        return cast("KernelConfig | None", self.kernel_config)  # the user's KernelConfig, as given
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of the whole plan (the schema of ``xpukit plan --json``)."""
@@ -171,7 +180,7 @@ class LoadPlan:
             "device_map": jsonable(self.device_map),
             "max_memory": jsonable(self.max_memory),
             "memory": self.memory.to_dict(),
-            "lora": None if lora is None else {"describe": lora.describe(), **jsonable(_fields(lora))},
+            "lora": None if lora is None else {"describe": lora.describe(), **_jsonable_fields(lora)},
             "decisions": [d.to_dict() for d in self.decisions],
             "warnings": list(self.warnings),
             "from_pretrained_kwargs": self._kwargs_summary(),
@@ -344,14 +353,14 @@ def _launch_line(plan: LoadPlan) -> str:
     return f"Launch: {launch.describe()}; backend {backend or 'chosen by accelerate'}{strategy}"
 
 
-def _short(value: Any) -> str:
+def _short(value: object) -> str:
     if isinstance(value, dict):
         return json.dumps(jsonable(value))
     return str(value)
 
 
-def _fields(obj: Any) -> dict[str, Any]:
+def _jsonable_fields(obj: object) -> dict[str, Json]:
     names = getattr(obj, "__dataclass_fields__", None)
     if names:  # a field left out of repr (what was read to make it, such as an adapter's files) stays out
-        return {n: getattr(obj, n) for n, f in names.items() if f.repr}
+        return {str(n): jsonable(getattr(obj, n)) for n, f in names.items() if f.repr}
     return {}

@@ -1,5 +1,8 @@
 """``plan_load``: every loading choice decided from facts, with its reason, before any weight is read.
 
+:func:`plan_request` runs the stages of :mod:`xpukit.planning.stages` in order; :func:`plan_stage`
+gathers what they decided into the frozen :class:`LoadPlan`, every decision in the plan's order.
+
 Deciding is a pure function of the request, the machine's facts and the model's facts. The only
 reads are the model's config (never its weights), the machine (only when ``facts`` is not given:
 :func:`xpukit.machine.probe.detect`), installed package versions, and, through the
@@ -13,8 +16,10 @@ import logging
 from typing import Any
 
 from xpukit._quiet import quiet_imports
+from xpukit.planning.device.quantization import head_skip_modules
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.request import LoadRequest, ModelArg, read_model_config, takes_request
+from xpukit.planning.stage_values import Adapters, Attention, Config, Decode, Machine, Model, Placement
 from xpukit.planning.stages import (
     adapters_stage,
     attention_stage,
@@ -24,16 +29,16 @@ from xpukit.planning.stages import (
     merge_stage,
     model_stage,
     placement_stage,
-    plan_stage,
 )
-from xpukit.planning.training.merge import replace_plan
 from xpukit.sources.hub_access import HubAccess, HubFacts
 
-__all__ = ["plan_load", "plan_request"]
+__all__ = ["plan_load", "plan_request", "plan_stage"]
 
 logger = logging.getLogger(__name__)
 
 
+# Its keywords' types are LoadRequest's: takes_request gives them to type checkers, and ``Any`` here is
+# only what is handed on to LoadRequest, which checks each.
 @takes_request(LoadRequest)
 def plan_load(model: ModelArg, **keywords: Any) -> LoadPlan:
     """Plan how to load ``model`` for inference: device, dtype, placement, attention, kernels, 4-bit, LoRA.
@@ -84,10 +89,61 @@ def plan_request(model: ModelArg, req: LoadRequest, *, hub: HubFacts | None = No
         attention = attention_stage(req, mach, described, place)
         adapters = adapters_stage(req, mach, described, place)
         decode = decode_stage(req, cfg, mach, described, place)
-        warnings = [*described.warnings, *place.warnings, *attention.warnings, *adapters.warnings]
-        merge_plan = merge_stage(req, mach, described, place, warnings)
+        merge_plan = merge_stage(req, mach, described, place)
+        merged = (merge_plan.warning,) if merge_plan is not None and merge_plan.warning is not None else ()
+        warnings = (*described.warnings, *place.warnings, *attention.warnings, *adapters.warnings, *merged)
         for warning in warnings:
             logger.warning("%s", warning)
-        plan = plan_stage(req, cfg, mach, described, place, attention, adapters, decode, tuple(warnings))
+        plan = plan_stage(req, cfg, mach, described, place, attention, adapters, decode, warnings)
         # merge=: the plan as the merge carries it out (docs/merging.md "Merge (`merge=`)").
-        return plan if merge_plan is None else replace_plan(plan, merge_plan)
+        return plan if merge_plan is None else plan.with_merge(merge_plan)
+
+
+def plan_stage(
+    req: LoadRequest,
+    cfg: Config,
+    mach: Machine,
+    model: Model,
+    place: Placement,
+    attn: Attention,
+    adapters: Adapters,
+    decode: Decode,
+    warnings: tuple[str, ...],
+) -> LoadPlan:
+    """Every decision in the plan's order, and the frozen :class:`LoadPlan`."""
+    layout, distributed = place.layout, place.distributed
+    decisions = [mach.device_decision, layout.dtype, *layout.decisions, attn.attention.decision]
+    decisions = distributed.merged([*decisions, attn.kernels.decision])
+    decisions.insert(0, model.class_choice.decision)
+    decisions += adapters.decisions
+    decisions += [decode.decision] if decode.decision is not None else []
+    user_config = cfg.quant.user_config
+    return LoadPlan(
+        model=cfg.source,
+        model_facts=model.facts,
+        machine=mach.machine,
+        device=mach.main,
+        dtype=place.dtype,
+        quantization=layout.quantization,
+        quantization_config=head_skip_modules(model.facts, distributed.quantization_config, user_config),
+        attn_implementation=attn.attention.value,
+        attention_kernel=attn.attention.kernel.repo if attn.attention.kernel else None,
+        use_kernels=attn.kernels.use,
+        device_map=distributed.device_map,
+        max_memory=distributed.max_memory,
+        memory=layout.memory,
+        lora=place.lora,
+        decisions=tuple(decisions),
+        warnings=warnings,
+        passthrough=req.from_pretrained_kwargs,
+        model_class=model.class_choice.name,
+        user_quantization_config=user_config,
+        config_kwargs=cfg.consumed,
+        config_given=cfg.given,
+        kernel_config=attn.kernels.config if attn.kernels.use else None,
+        config=cfg.config,
+        seed=req.seed,
+        strategy=distributed.strategy,
+        decode=decode.plan,
+        training=place.training,
+    )

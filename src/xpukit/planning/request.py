@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import FrozenInstanceError
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Protocol, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Protocol, TypeAlias, TypeVar, cast
 
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.arguments import (
@@ -34,14 +34,16 @@ from xpukit.planning.device.layer_kernels import parse_kernels
 from xpukit.planning.device.quantization import QuantRequest, parse_quantize
 from xpukit.planning.model.reference_models import BUILTIN_SHAPES
 from xpukit.planning.training.fit import check_step_size
-from xpukit.planning.training.lora_request import LoraRequest, resolve_lora
+from xpukit.planning.training.lora_request import LoraRequest, LoraSettings, resolve_lora
 from xpukit.planning.training.merge import MergeRequest, parse_merge
 from xpukit.sources.adapter_files import read_adapter_files
 from xpukit.sources.model_config import ConfigRead, read_config
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PretrainedConfig
+    from peft import LoraConfig
+    from transformers import KernelConfig, PretrainedConfig
+    from transformers.utils.quantization_config import QuantizationConfigMixin
 
     from xpukit.machine.facts import MachineFacts
 
@@ -53,6 +55,7 @@ __all__ = [
     "KernelsArg",
     "LoadRequest",
     "LoraArg",
+    "LoraSettings",
     "MergeArg",
     "ModelArg",
     "QuantizeArg",
@@ -70,13 +73,16 @@ AttnArg: TypeAlias = (
     "Literal['auto', 'sdpa', 'eager', 'flex_attention', 'flash_attention_2', 'flash_attention_3', "
     "'flash_attention_4'] | str"
 )
-KernelsArg: TypeAlias = "Literal['auto'] | bool | Mapping[str, str] | object"
+KernelsArg: TypeAlias = "Literal['auto', 'on', 'off'] | bool | KernelConfig | Mapping[str, object]"
 DeviceMapArg: TypeAlias = (
     "Literal['auto', 'balanced', 'balanced_low_0', 'sequential'] | str | dict[str, Any] | None"
 )
 SizeArg: TypeAlias = "int | str"
-QuantizeArg: TypeAlias = "Literal['4bit', '8bit', 'auto', 'nf4'] | object | None"
-LoraArg: TypeAlias = "bool | dict[str, Any] | str | os.PathLike[str] | object | None"
+# a transformers quantization config: BitsAndBytesConfig, TorchAoConfig, QuantoConfig, GPTQConfig…
+QuantizeArg: TypeAlias = (
+    "Literal['4bit', '8bit', 'auto', 'nf4', 'int4', 'int8', 'none'] | QuantizationConfigMixin | None"
+)
+LoraArg: TypeAlias = "bool | LoraSettings | LoraConfig | str | os.PathLike[str] | None"
 MergeArg: TypeAlias = "bool | Literal['dequantized', 'original']"
 StrategyArg: TypeAlias = "Literal['auto', 'ddp', 'fsdp', 'deepspeed'] | None"
 FastDecodeArg: TypeAlias = "bool | Literal['auto', 'unfused', 'regional']"
@@ -186,7 +192,7 @@ class LoadRequest:
         merge: MergeArg = False,
         force: bool = False,
         trainable: bool = False,
-        **from_pretrained_kwargs: Any,
+        **from_pretrained_kwargs: object,
     ) -> None:
         # Checked in this order, each before anything is read (a typo fails in a fraction of a second).
         kwargs = dict(from_pretrained_kwargs)
@@ -198,7 +204,7 @@ class LoadRequest:
         self.quantize = quantize  # as given; transformers' quantization_config= is folded into quant
         self.quant: QuantRequest = parse_quantize(folded)
         parse_kernels(asked_kernels)
-        self.kernels: KernelsArg = asked_kernels
+        self.kernels = cast("KernelsArg", asked_kernels)  # one of those: parse_kernels checked it
         self.headroom: int | None = parse_size(headroom, "headroom") if headroom is not None else None
         self.max_memory = normalize_max_memory(max_memory)
         self.device, self.device_map = device, device_map

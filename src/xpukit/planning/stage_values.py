@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.planning.device.attention import AttentionChoice
-from xpukit.planning.device.decode import DecodePlan
+from xpukit.planning.device.decode_plan import DecodePlan
 from xpukit.planning.device.distributed import DistributedLoad, RankPlacement
 from xpukit.planning.device.layer_kernels import KernelsChoice
 from xpukit.planning.device.layout import Layout

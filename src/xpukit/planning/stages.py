@@ -1,6 +1,7 @@
 """The stages of :func:`xpukit.planning.plan.plan_load`, in the order they run.
 
-request → config → machine → model → placement → attention → adapters and training → decode → plan.
+request → config → machine → model → placement → attention → adapters and training → decode → plan
+(the last, gathering every decision into the plan, is :func:`xpukit.planning.plan.plan_stage`).
 Each stage is a function of what the stages before it decided, and returns a small frozen value
 (:mod:`xpukit.planning.stage_values`): a reader sees at a glance what is known when each decision is
 taken. A new decision goes into the stage that first knows everything it needs (CONTRIBUTING.md).
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.arguments import (
@@ -31,10 +31,9 @@ from xpukit.planning.device.distributed import (
 )
 from xpukit.planning.device.layer_kernels import choose_kernels
 from xpukit.planning.device.layout import plan_layout
-from xpukit.planning.device.quantization import QuantRequest, head_skip_modules, recorded_request
+from xpukit.planning.device.quantization import QuantRequest, recorded_request
 from xpukit.planning.device.saved_quant import check_saved_family, read_saved, saved_dtype
 from xpukit.planning.for_training import Attempt, layout_for_training
-from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.model.classes import choose_model_class
 from xpukit.planning.model.facts import model_facts
 from xpukit.planning.request import LoadRequest, ModelArg, keywords
@@ -52,9 +51,6 @@ from xpukit.planning.vocabulary import Decision
 from xpukit.sources.hub_access import HubFacts
 from xpukit.sources.model_config import ConfigRead
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = [
     "adapters_stage",
     "attention_stage",
@@ -64,7 +60,6 @@ __all__ = [
     "merge_stage",
     "model_stage",
     "placement_stage",
-    "plan_stage",
 ]
 
 
@@ -138,24 +133,22 @@ def model_stage(req: LoadRequest, cfg: Config) -> Model:
             f"quantize={req.quantize!r}: {cfg.name} is already quantized ({facts.pre_quantized}); it "
             "cannot be quantized again. Fix: quantize=None."
         )
-    warnings: list[str] = []
     # A trained adapter: its tensors against the base's modules, before any weight is read.
-    adapter_check, record = check_saved_adapter(
+    saved = check_saved_adapter(
         req.lora_request,
         config=cfg.config,
         model_class=class_choice.cls or class_choice.name,
         base=facts.name,
         force=req.force,
         merging=req.merge is not None,
-        warnings=warnings,
         trust_remote_code=_trust_remote_code(req),
     )
     return Model(
         class_choice=class_choice,
         facts=facts,
-        adapter_check=adapter_check,
-        record=record,
-        warnings=tuple(warnings),
+        adapter_check=saved.check,
+        record=saved.record,
+        warnings=saved.warnings,
     )
 
 
@@ -164,7 +157,6 @@ def _attempt(
 ) -> Attempt:
     """A layout with the training plan made for it (new adapters), and its warnings."""
     main, facts = mach.main, model.facts
-    said: list[str] = []
     lay = plan_layout(
         facts=facts,
         machine=mach.machine,
@@ -177,14 +169,13 @@ def _attempt(
         offload=req.offload is not False,
         headroom=req.headroom,
         enforce_extras=not mach.facts_given,
-        warnings=said,
         serve=req.lora is None and req.strategy is None,  # docs/planning.md "Quantization for inference"
         saved=cfg.saved,
     )
     # lora= as resolved with the request, its checkpointing default fitted to this layout
     request = req.lora_request.for_base(quantized=lay.quantization is not None) if req.lora_request else None
     request = fit_lora_to_class(request, model.class_choice, facts)  # task, head, VLM targets
-    check_lora_targets(request, facts, enforce=not mach.facts_given, hub=mach.hub, warnings=said)
+    unchecked = check_lora_targets(request, facts, enforce=not mach.facts_given, hub=mach.hub)
     fused = fused_will_run(request, facts, quantization=lay.quantization, backend=main.backend)
     graphs = graphs_possible(
         request,
@@ -209,7 +200,7 @@ def _attempt(
         graphs=graphs,
         single_process=mach.world == 1,
     )
-    return Attempt(layout=lay, lora=request, training=train, warnings=tuple(said))
+    return Attempt(layout=lay, lora=request, training=train, warnings=(*lay.warnings, *unchecked))
 
 
 def _adapter_base(req: LoadRequest, cfg: Config, model: Model) -> AdapterBase:
@@ -230,12 +221,10 @@ def _adapter_base(req: LoadRequest, cfg: Config, model: Model) -> AdapterBase:
 
 def placement_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model) -> Placement:
     """The dtype, the layout (with the training plan for new adapters), and a launched job's share."""
-    warnings: list[str] = []
     if cfg.saved is not None:  # written for one device family (docs/export.md "To another machine")
         check_saved_family(cfg.saved, mach.main, cfg.name)
     base = _adapter_base(req, cfg, model)
-    warnings += base.warnings
-    dtype_decision = decide_dtype(req.dtype, mach.main, warnings, trained=base.trained)
+    dtype_decision, dtype_warnings = decide_dtype(req.dtype, mach.main, trained=base.trained)
     if cfg.saved is not None and base.trained is None:
         dtype_decision = saved_dtype(cfg.saved, req.dtype, cfg.name) or dtype_decision
     attempt = functools.partial(_attempt, req, cfg, mach, model, dtype_decision)
@@ -246,10 +235,8 @@ def placement_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model) 
         offload=req.offload,
         device=mach.main.torch_device,
     )
-    warnings += chosen.warnings
     training = chosen.training
-    if training is not None and (too_big := training.warning(mach.main.torch_device)) is not None:
-        warnings.append(too_big)
+    too_big = training.warning(mach.main.torch_device) if training is not None else None
     distributed = plan_distributed(
         rank=mach.rank,
         strategy=req.strategy,
@@ -266,7 +253,7 @@ def placement_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model) 
         lora=chosen.lora,
         training=training,
         distributed=distributed,
-        warnings=tuple(warnings),
+        warnings=(*base.warnings, *dtype_warnings, *chosen.warnings, *([] if too_big is None else [too_big])),
     )
 
 
@@ -293,7 +280,7 @@ def adapters_stage(req: LoadRequest, mach: Machine, model: Model, place: Placeme
     lora, training, facts, main = place.lora, place.training, model.facts, mach.main
     quantization = place.layout.quantization
     decisions: list[Decision] = []
-    warnings: list[str] = []
+    mismatch = None
     if lora is not None:
         checked = f"; adapter check: {model.adapter_check}" if model.adapter_check else ""
         decisions.append(
@@ -301,7 +288,6 @@ def adapters_stage(req: LoadRequest, mach: Machine, model: Model, place: Placeme
         )
         if lora.trainable and model.record is not None:
             mismatch = model.record.training_mismatch(quantization)
-            warnings += [mismatch] if mismatch else []
     decisions += list(training.decisions) if training is not None else []
     fused = decide_fused(lora, facts, quantization=quantization, backend=main.backend)
     decisions += [fused] if fused is not None else []
@@ -323,7 +309,7 @@ def adapters_stage(req: LoadRequest, mach: Machine, model: Model, place: Placeme
     new_adapters = lora is not None and lora.kind == "new"
     if req.seed is not None or new_adapters:
         decisions.append(seed_decision(req.seed, new_adapters=new_adapters))
-    return Adapters(decisions=tuple(decisions), warnings=tuple(warnings))
+    return Adapters(decisions=tuple(decisions), warnings=(mismatch,) if mismatch else ())
 
 
 def decode_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model, place: Placement) -> Decode:
@@ -345,12 +331,12 @@ def decode_stage(req: LoadRequest, cfg: Config, mach: Machine, model: Model, pla
     return Decode(plan=decode, decision=decision)
 
 
-def merge_stage(
-    req: LoadRequest, mach: Machine, model: Model, place: Placement, warnings: list[str]
-) -> MergePlan | None:
-    """``merge=``: which weights the adapter is merged into, and where (its warning joins ``warnings``)."""
+def merge_stage(req: LoadRequest, mach: Machine, model: Model, place: Placement) -> MergePlan | None:
+    """``merge=``: which weights the adapter is merged into, and where (its warning is the plan's
+    ``warning``, which joins the plan's warnings last)."""
     if req.merge is None:
         return None
+    assert place.lora is not None  # merge= takes lora= a trained adapter (parse_merge)
     return plan_merge(
         req.merge,
         lora_request=place.lora,
@@ -361,55 +347,4 @@ def merge_stage(
         dtype=place.dtype,
         adapter_check=model.adapter_check or "",
         record=model.record,
-        warnings=warnings,
-    )
-
-
-def plan_stage(
-    req: LoadRequest,
-    cfg: Config,
-    mach: Machine,
-    model: Model,
-    place: Placement,
-    attn: Attention,
-    adapters: Adapters,
-    decode: Decode,
-    warnings: tuple[str, ...],
-) -> LoadPlan:
-    """Every decision in the plan's order, and the frozen :class:`LoadPlan`."""
-    layout, distributed = place.layout, place.distributed
-    decisions = [mach.device_decision, layout.dtype, *layout.decisions, attn.attention.decision]
-    decisions = distributed.merged([*decisions, attn.kernels.decision])
-    decisions.insert(0, model.class_choice.decision)
-    decisions += adapters.decisions
-    decisions += [decode.decision] if decode.decision is not None else []
-    user_config = cfg.quant.user_config
-    return LoadPlan(
-        model=cfg.source,
-        model_facts=model.facts,
-        machine=mach.machine,
-        device=mach.main,
-        dtype=place.dtype,
-        quantization=layout.quantization,
-        quantization_config=head_skip_modules(model.facts, distributed.quantization_config, user_config),
-        attn_implementation=attn.attention.value,
-        attention_kernel=attn.attention.kernel.repo if attn.attention.kernel else None,
-        use_kernels=attn.kernels.use,
-        device_map=distributed.device_map,
-        max_memory=distributed.max_memory,
-        memory=layout.memory,
-        lora=place.lora,
-        decisions=tuple(decisions),
-        warnings=warnings,
-        passthrough=req.from_pretrained_kwargs,
-        model_class=model.class_choice.name,
-        user_quantization_config=user_config,
-        config_kwargs=cfg.consumed,
-        config_given=cfg.given,
-        kernel_config=attn.kernels.config if attn.kernels.use else None,
-        config=cfg.config,
-        seed=req.seed,
-        strategy=distributed.strategy,
-        decode=decode.plan,
-        training=place.training,
     )

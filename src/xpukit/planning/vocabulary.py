@@ -8,11 +8,14 @@ gathers them; this module imports nothing of the wing but the sizes in ``plannin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 from xpukit.planning.budgets import DeviceBudget
 
-__all__ = ["Decision", "LoadEvent", "MemoryEstimate", "jsonable"]
+__all__ = ["Decision", "Json", "LoadEvent", "MemoryEstimate", "jsonable"]
+
+# JSON data, as json.dumps writes it.
+Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,9 +32,9 @@ class Decision:
     """
 
     name: str
-    value: Any
+    value: Any  # JSON-able; each decision's own type, which the loader reads back (packing: an int)
     reason: str
-    rejected: tuple[tuple[Any, str], ...] = ()
+    rejected: tuple[tuple[object, str], ...] = ()
     source: Literal["auto", "user", "fallback"] = "auto"
 
     def to_dict(self) -> dict[str, Any]:
@@ -60,8 +63,8 @@ class LoadEvent:
 
     kind: Literal["fallback", "applied", "note"]
     what: str
-    planned: Any = None
-    actual: Any = None
+    planned: object = None
+    actual: object = None
     cause: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -108,7 +111,7 @@ class MemoryEstimate:
         }
 
 
-def jsonable(value: Any) -> Any:
+def jsonable(value: object) -> Json:
     """``value`` as JSON-able data (dicts, lists, scalars; anything else by its ``to_dict`` or ``str``)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value

@@ -337,7 +337,7 @@ def select_devices(
     else:
         chosen, count, how = detect_backend(wanted_hierarchy, where)
     notes: list[str] = []
-    warnings: list[str] = []
+    warnings: tuple[str, ...] = ()
     integrated: tuple[int, ...] = ()
 
     if chosen == "cuda":
@@ -362,7 +362,7 @@ def select_devices(
             integrated = mix.integrated
             if named is None:  # counted on this machine: the count must be Level Zero's, not torch's
                 count, how = count_with_integrated(mix, count, how, effective)
-            warnings += integrated_warnings(mix, entries)
+            warnings = tuple(integrated_warnings(mix, entries))
     if count is not None:
         check_range(entries, count, chosen, how, where)
 
@@ -385,7 +385,7 @@ def select_devices(
         hierarchy=effective,
         device_count=count,
         notes=(how, *notes),
-        warnings=tuple(warnings),
+        warnings=warnings,
         integrated=integrated,
     )
 

@@ -112,22 +112,23 @@ def resolve_device(
 
 
 def decide_dtype(
-    requested: str, device: DeviceFacts, warnings: list[str], *, trained: tuple[str, str] | None = None
-) -> Decision:
+    requested: str, device: DeviceFacts, *, trained: tuple[str, str] | None = None
+) -> tuple[Decision, tuple[str, ...]]:
     """The ``dtype`` decision: the one asked, else the dtype a trained adapter trained in (``trained``:
-    that dtype and the record that says so; docs/training.md "Loading an adapter"), else the device's."""
+    that dtype and the record that says so; docs/training.md "Loading an adapter"), else the device's;
+    with its warnings (a dtype asked that this device only emulates)."""
     if requested == "auto" and trained is not None:
-        return _trained_dtype(*trained, device)
+        return _trained_dtype(*trained, device), ()
     if requested == "auto":
         choice = inference_dtype(device)
-        return Decision(name="dtype", value=choice.dtype, reason=choice.reason, rejected=choice.rejected)
+        return Decision(name="dtype", value=choice.dtype, reason=choice.reason, rejected=choice.rejected), ()
     reason = f"dtype={requested!r} given"
     slow = slow_precision(device, requested)
-    if slow is not None:
-        warning = f"dtype={slow}"
-        warnings.append(warning)
-        reason = f"dtype={requested!r} given; {warning}"
-    return Decision(name="dtype", value=requested, reason=reason, source="user")
+    if slow is None:
+        return Decision(name="dtype", value=requested, reason=reason, source="user"), ()
+    warning = f"dtype={slow}"
+    reason = f"dtype={requested!r} given; {warning}"
+    return Decision(name="dtype", value=requested, reason=reason, source="user"), (warning,)
 
 
 def _trained_dtype(dtype: str, record: str, device: DeviceFacts) -> Decision:

@@ -5,9 +5,12 @@ size, and how the decoding step is compiled, with the measurements behind each c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.planning.budgets import format_bytes
+
+if TYPE_CHECKING:
+    from xpukit.planning.device.decode_plan import DecodePlan
 
 __all__ = ["compiled_reason", "regional_reason", "sized_reason", "tiers_reason"]
 
@@ -22,8 +25,8 @@ _WARMUP_COST = (
 )
 
 
-def tiers_reason(plan: Any) -> str:
-    """How the tiers share the work (``plan``: a tiered :class:`.decode.DecodePlan`)."""
+def tiers_reason(plan: DecodePlan) -> str:
+    """How the tiers share the work (``plan``: a tiered :class:`.decode_plan.DecodePlan`)."""
     first = (
         "the uncompiled step captured as one CUDA graph (a capture, no compile)"
         if plan.step_graph
@@ -67,8 +70,8 @@ def sized_reason(length: int, kv_bytes: int, budget: str, weights: int) -> str:
     )
 
 
-def compiled_reason(plan: Any, backend: str) -> str:
-    """Why and how the decoding step is compiled (``plan``: the :class:`.decode.DecodePlan`)."""
+def compiled_reason(plan: DecodePlan, backend: str) -> str:
+    """Why and how the decoding step is compiled (``plan``: the :class:`.decode_plan.DecodePlan`)."""
     if plan.regional:
         return regional_reason(plan)
     graphs = (
@@ -127,7 +130,7 @@ def compiled_reason(plan: Any, backend: str) -> str:
     return text
 
 
-def regional_reason(plan: Any) -> str:
+def regional_reason(plan: DecodePlan) -> str:
     """The reason of regional compilation (``fast_decode="regional"``)."""
     sizes = ", ".join(str(b) for b in plan.graph_batch_sizes)
     captured = (

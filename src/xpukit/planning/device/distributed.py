@@ -18,14 +18,21 @@ Rules (docs/distributed.md "What xpukit decides"):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packaging.version import InvalidVersion, Version
 
 from xpukit.errors import DeviceSelectionError, InvalidRequestError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.machine.launch import LaunchFacts
+from xpukit.planning.budgets import DeviceMap
 from xpukit.planning.vocabulary import Decision
+
+if TYPE_CHECKING:
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
+    from xpukit.planning.device.layout import Layout
+    from xpukit.planning.model.facts import ModelFacts
 
 __all__ = [
     "STRATEGIES",
@@ -45,7 +52,7 @@ STRATEGIES = ("auto", "ddp", "fsdp", "deepspeed")
 _SPLITTING = ("auto", "balanced", "balanced_low_0", "sequential")
 
 
-def parse_strategy(value: Any) -> str | None:
+def parse_strategy(value: object) -> str | None:
     """``None`` or one of :data:`STRATEGIES` (any case).
 
     Raises:
@@ -69,11 +76,15 @@ class RankPlacement:
 
     device_text: str | None
     decision: Decision
-    device_map: Any  # what from_pretrained gets once the layout found the model fits this device
+    device_map: DeviceMap  # what from_pretrained gets once the layout found the model fits this device
 
 
 def place_rank(
-    device_text: str | None, device_map: Any, machine: MachineFacts, *, strategy: str | None = None
+    device_text: str | None,
+    device_map: DeviceMap | None,
+    machine: MachineFacts,
+    *,
+    strategy: str | None = None,
 ) -> RankPlacement | None:
     """This rank's own device, or ``None`` when the process is not one rank of a multi-process job.
 
@@ -235,7 +246,7 @@ def choose_strategy(
     return Decision(name="strategy", value=requested, reason=reason, source="user")
 
 
-def quant_storage_problem(user_config: Any, dtype: str) -> str | None:
+def quant_storage_problem(user_config: QuantizationConfigMixin | None, dtype: str) -> str | None:
     """Why a user's ``BitsAndBytesConfig`` cannot be sharded by FSDP, else ``None``.
 
     FSDP flattens each wrapped module's parameters into one dtype: 4-bit weights stored as uint8
@@ -288,7 +299,7 @@ def _at_least(version: str | None, minimum: str) -> bool:
 class DistributedLoad:
     """What a launched rank and a training strategy change in a load plan."""
 
-    device_map: Any
+    device_map: DeviceMap | None
     quantization_config: dict[str, Any] | None
     max_memory: dict[int | str, int] | None
     strategy: str | None
@@ -307,12 +318,12 @@ def plan_distributed(
     *,
     rank: RankPlacement | None,
     strategy: str | None,
-    layout: Any,
-    model_facts: Any,
+    layout: Layout,
+    model_facts: ModelFacts,
     main: DeviceFacts,
     machine: MachineFacts,
-    user_device_map: Any,
-    user_quant_config: Any,
+    user_device_map: DeviceMap | None,
+    user_quant_config: QuantizationConfigMixin | None,
     lora: bool,
 ) -> DistributedLoad:
     """Rank placement and strategy applied to a layout (``planning.layout.Layout``).
@@ -320,7 +331,8 @@ def plan_distributed(
     Raises:
         InvalidRequestError: FSDP with 8-bit weights, or with a 4-bit config FSDP cannot shard.
     """
-    device_map, max_memory = layout.device_map, layout.max_memory
+    device_map: DeviceMap | None = layout.device_map
+    max_memory = layout.max_memory
     qconfig = dict(layout.quantization_config) if layout.quantization_config is not None else None
     decisions: list[Decision] = []
     if rank is not None:

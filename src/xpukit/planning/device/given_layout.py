@@ -7,12 +7,12 @@ weights and headroom fit what was named.
 from __future__ import annotations
 
 import re
-from typing import Any
 
 from xpukit.errors import InvalidRequestError, PlanError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.planning.budgets import (
     DeviceBudget,
+    DeviceMap,
     Headroom,
     Placement,
     format_bytes,
@@ -37,7 +37,9 @@ STRATEGIES = ("balanced", "balanced_low_0", "sequential")
 MAP_DEVICE = re.compile(r"^(xpu|cuda|mps|cpu|disk)(:\d+)?$")
 
 
-def given_map(device_map: Any, machine: MachineFacts, weights: int, head: Headroom) -> tuple[Placement, bool]:
+def given_map(
+    device_map: DeviceMap, machine: MachineFacts, weights: int, head: Headroom
+) -> tuple[Placement, bool]:
     """A device_map the user gave (a device or a dict): validated against the facts, used as is.
 
     Returns the placement and whether weights + headroom fit the devices it names.
@@ -71,7 +73,7 @@ def given_map(device_map: Any, machine: MachineFacts, weights: int, head: Headro
     return Placement(kind="given", device_map=text, max_memory=None, budgets=(budget,), reason=reason), fits
 
 
-def bnb_map_problem(device_map: Any) -> str | None:
+def bnb_map_problem(device_map: DeviceMap | None) -> str | None:
     # transformers refuses a bitsandbytes model with modules mapped to the CPU or disk unless
     # llm_int8_enable_fp32_cpu_offload is set, and then keeps those modules in fp32.
     values = {str(v).strip().lower() for v in device_map.values()} if isinstance(device_map, dict) else set()
@@ -80,7 +82,7 @@ def bnb_map_problem(device_map: Any) -> str | None:
     return None
 
 
-def check_map_device(value: Any, machine: MachineFacts, what: str) -> DeviceFacts:
+def check_map_device(value: object, machine: MachineFacts, what: str) -> DeviceFacts:
     if isinstance(value, int) and not isinstance(value, bool):
         value = f"{machine.accelerator}:{value}"
     text = str(value).strip().lower()
@@ -122,7 +124,7 @@ def check_budget_keys(max_memory: dict[int | str, int], machine: MachineFacts) -
 
 def given_budgets(
     facts: ModelFacts,
-    device_map: Any,
+    device_map: DeviceMap | None,
     max_memory: dict[int | str, int],
     weights: int,
     head: Headroom,

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from xpukit.errors import MissingExtraError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
-from xpukit.planning.budgets import format_bytes
+from xpukit.planning.budgets import DeviceMap, format_bytes
 from xpukit.planning.device.given_layout import check_budget_keys
 from xpukit.planning.device.layout_rungs import Placed, QuantChoice, Sizing, place
 from xpukit.planning.device.quantization import QuantRequest, bnb_kwargs, check_bnb
@@ -34,15 +34,17 @@ __all__ = ["Layout", "plan_layout"]
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """The dtype, quantization and placement decided together."""
+    """The dtype, quantization and placement decided together, and the warnings deciding them gave
+    (in the order of :func:`plan_layout`'s steps)."""
 
     dtype: Decision
     quantization: str | None
     quantization_config: dict[str, Any] | None
-    device_map: str | dict[str, Any]
+    device_map: DeviceMap
     max_memory: dict[int | str, int] | None
     memory: MemoryEstimate
     decisions: list[Decision] = field(default_factory=list)
+    warnings: tuple[str, ...] = ()
 
 
 def plan_layout(
@@ -53,12 +55,11 @@ def plan_layout(
     candidates: tuple[DeviceFacts, ...],
     dtype_decision: Decision,
     quant: QuantRequest,
-    device_map: Any,
+    device_map: DeviceMap | None,
     max_memory: dict[int | str, int] | None,
     offload: bool,
     headroom: int | None,
     enforce_extras: bool,
-    warnings: list[str],
     serve: bool = False,
     saved: SavedFormat | None = None,
 ) -> Layout:
@@ -72,7 +73,7 @@ def plan_layout(
     if max_memory is not None:
         check_budget_keys(max_memory, machine)
     formats = _Formats.of(facts, main, quant, serve, saved)
-    dtype_decision = formats.checked_dtype(dtype_decision, enforce_extras, warnings)
+    dtype_decision, dtype_warnings = formats.checked_dtype(dtype_decision, enforce_extras)
     sizing = _sizing(facts, main, quant, formats, str(dtype_decision.value), headroom)
     placed = place(
         sizing,
@@ -83,9 +84,8 @@ def plan_layout(
         max_memory=max_memory,
         quant=quant,
         allow_offload=offload,
-        warnings=warnings,
     )
-    config = _quantization(sizing, placed.quant, quant, formats, warnings)
+    config = _quantization(sizing, placed.quant, quant, formats)
     memory = _memory(sizing, placed, config.weights_key)
     return Layout(
         dtype=dtype_decision,
@@ -98,6 +98,7 @@ def plan_layout(
             config.decision(),
             *_placement_decisions(placed, memory, device_map, max_memory, headroom),
         ],
+        warnings=(*dtype_warnings, *placed.warnings, *config.warnings),
     )
 
 
@@ -135,13 +136,16 @@ class _Formats:
             return None
         return serve_format(self.main, q, compute, self.torchao)
 
-    def checked_dtype(self, dtype_decision: Decision, enforce_extras: bool, warnings: list[str]) -> Decision:
-        """The dtype decision, checked against bitsandbytes unless the asked format is torchao's."""
+    def checked_dtype(
+        self, dtype_decision: Decision, enforce_extras: bool
+    ) -> tuple[Decision, tuple[str, ...]]:
+        """The dtype decision, checked against bitsandbytes unless the asked format is torchao's, and
+        the warnings the check gave."""
         asked = self.format(self.quant.kind, str(dtype_decision.value))
         if asked is not None and asked.library == "torchao":
-            return dtype_decision
+            return dtype_decision, ()
         try:
-            return check_bnb(self.quant.kind, self.quant, self.main, dtype_decision, enforce_extras, warnings)
+            return check_bnb(self.quant.kind, self.quant, self.main, dtype_decision, enforce_extras)
         except MissingExtraError as exc:
             if asked is None or not asked.torchao_missing:
                 raise
@@ -209,9 +213,10 @@ class _Quantization:
     config: dict[str, Any] | None
     weights_key: str
     reason: str
-    rejected: tuple[tuple[Any, str], ...]
+    rejected: tuple[tuple[object, str], ...]
     source: Literal["auto", "user", "fallback"]
     label: str | None = None  # what the decision shows when it is not ``quantization``
+    warnings: tuple[str, ...] = ()
 
     def decision(self) -> Decision:
         return Decision(
@@ -223,9 +228,7 @@ class _Quantization:
         )
 
 
-def _quantization(
-    s: Sizing, choice: QuantChoice, quant: QuantRequest, formats: _Formats, warnings: list[str]
-) -> _Quantization:
+def _quantization(s: Sizing, choice: QuantChoice, quant: QuantRequest, formats: _Formats) -> _Quantization:
     """The quantization config for the width the placement settled: torchao's format (a load to run),
     bitsandbytes, the user's own config, or none."""
     fixed = choice.fixed
@@ -259,7 +262,7 @@ def _quantization(
     if fixed:
         return _bitsandbytes(plain, fixed, s.dtype, quant, fmt)
     if choice.kind == "other":
-        return _other_config(plain, s, quant, warnings)
+        return _other_config(plain, s, quant)
     return plain
 
 
@@ -294,7 +297,7 @@ def _bitsandbytes(
     )
 
 
-def _other_config(plain: _Quantization, s: Sizing, quant: QuantRequest, warnings: list[str]) -> _Quantization:
+def _other_config(plain: _Quantization, s: Sizing, quant: QuantRequest) -> _Quantization:
     """A non-bitsandbytes config: passed to from_pretrained unchanged, sized by the bits it states."""
     method = quant.method or type(quant.user_config).__name__
     name = type(quant.user_config).__name__
@@ -308,14 +311,14 @@ def _other_config(plain: _Quantization, s: Sizing, quant: QuantRequest, warnings
                 f"linear weights at {s.other_bits} bits (scales not counted)"
             ),
         )
-    warnings.append(
-        f"{name} states no bit width xpukit can read: the memory plan counts the weights "
-        f"unquantized ({format_bytes(s.weights(None))}), an upper bound"
-    )
     return replace(
         q,
         weights_key=f"{s.dtype} (unquantized upper bound)",
         reason=f"quantize= given: your {name}, passed to from_pretrained unchanged",
+        warnings=(
+            f"{name} states no bit width xpukit can read: the memory plan counts the weights "
+            f"unquantized ({format_bytes(s.weights(None))}), an upper bound",
+        ),
     )
 
 
@@ -338,7 +341,7 @@ def _memory(s: Sizing, placed: Placed, weights_key: str) -> MemoryEstimate:
 def _placement_decisions(
     placed: Placed,
     memory: MemoryEstimate,
-    device_map: Any,
+    device_map: DeviceMap | None,
     max_memory: dict[int | str, int] | None,
     headroom: int | None,
 ) -> list[Decision]:
@@ -379,7 +382,7 @@ def _with_format(reason: str, quant: QuantRequest, fmt: ServeFormat) -> str:
     return f"{reason}; {fmt.reason}"
 
 
-def _config_dict(config: Any) -> dict[str, Any]:
+def _config_dict(config: object) -> dict[str, Any]:
     to_dict = getattr(config, "to_dict", None)
     try:
         return dict(to_dict()) if callable(to_dict) else {"config": repr(config)}

@@ -17,11 +17,11 @@ With ``quantize="auto"`` each rung first tries the model as it is, then 4-bit (d
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 from xpukit.errors import PlanError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.planning.budgets import (
+    DeviceMap,
     Headroom,
     Placement,
     explain_no_fit,
@@ -94,7 +94,7 @@ class QuantChoice:
     kind: str | None
     fixed: str | None
     reason: str
-    rejected: tuple[tuple[Any, str], ...] = ()
+    rejected: tuple[tuple[object, str], ...] = ()
 
     def because(self, reason: str) -> QuantChoice:
         """The same choice, with ``reason``."""
@@ -111,10 +111,12 @@ class QuantChoice:
 
 @dataclass(frozen=True, kw_only=True)
 class Placed:
-    """Where the weights go, with the quantization the placement settled."""
+    """Where the weights go, with the quantization the placement settled, and what the user should
+    know about it (CPU offload, a given device_map the weights may not fit)."""
 
     placement: Placement
     quant: QuantChoice
+    warnings: tuple[str, ...] = ()
 
 
 def place(
@@ -123,43 +125,44 @@ def place(
     *,
     machine: MachineFacts,
     candidates: tuple[DeviceFacts, ...],
-    device_map: Any,
+    device_map: DeviceMap | None,
     max_memory: dict[int | str, int] | None,
     quant: QuantRequest,
     allow_offload: bool,
-    warnings: list[str],
 ) -> Placed:
     """The rung for what the user gave: a device_map, max_memory, or neither."""
-    if device_map not in (None, "auto") and device_map not in STRATEGIES:
-        return on_given_map(s, choice, device_map, machine, warnings)
+    if device_map is not None and device_map != "auto" and device_map not in STRATEGIES:
+        return on_given_map(s, choice, device_map, machine)
     if max_memory is not None:
         return within_given_budgets(s, choice, device_map, max_memory)
-    return by_fit(s, choice, candidates, machine, device_map, quant, allow_offload, warnings)
+    return by_fit(s, choice, candidates, machine, device_map, quant, allow_offload)
 
 
-def on_given_map(
-    s: Sizing, choice: QuantChoice, device_map: Any, machine: MachineFacts, warnings: list[str]
-) -> Placed:
+def on_given_map(s: Sizing, choice: QuantChoice, device_map: DeviceMap, machine: MachineFacts) -> Placed:
     """A device_map the user gave: used as is, with a warning when the weights may not fit it."""
     placement, fits = given_map(device_map, machine, s.weights(choice.fixed), s.head(choice.fixed))
     if choice.kind == "auto":
         placement, fits, choice = _auto_on_given_map(s, choice, placement, fits, device_map, machine)
-    if not fits:
-        hint = ""
-        if (
-            choice.fixed is None
-            and s.can_suggest_4bit
-            and given_map(device_map, machine, s.weights("4bit"), s.head("4bit"))[1]
-        ):
-            hint = f"; quantize='4bit' ({format_bytes(s.weights('4bit'))} of weights) would fit"
-        warnings.append(
-            f"device_map={device_map!r}: {placement.reason}: the load may run out of memory{hint}"
-        )
-    return Placed(placement=placement, quant=choice)
+    if fits:
+        return Placed(placement=placement, quant=choice)
+    hint = ""
+    if (
+        choice.fixed is None
+        and s.can_suggest_4bit
+        and given_map(device_map, machine, s.weights("4bit"), s.head("4bit"))[1]
+    ):
+        hint = f"; quantize='4bit' ({format_bytes(s.weights('4bit'))} of weights) would fit"
+    warning = f"device_map={device_map!r}: {placement.reason}: the load may run out of memory{hint}"
+    return Placed(placement=placement, quant=choice, warnings=(warning,))
 
 
 def _auto_on_given_map(
-    s: Sizing, choice: QuantChoice, placement: Placement, fits: bool, device_map: Any, machine: MachineFacts
+    s: Sizing,
+    choice: QuantChoice,
+    placement: Placement,
+    fits: bool,
+    device_map: DeviceMap,
+    machine: MachineFacts,
 ) -> tuple[Placement, bool, QuantChoice]:
     """``quantize="auto"`` with a given device_map: 4-bit when the model does not fit it and 4-bit does."""
     if fits:
@@ -181,7 +184,7 @@ def _auto_on_given_map(
 
 
 def within_given_budgets(
-    s: Sizing, choice: QuantChoice, device_map: Any, max_memory: dict[int | str, int]
+    s: Sizing, choice: QuantChoice, device_map: DeviceMap | None, max_memory: dict[int | str, int]
 ) -> Placed:
     """max_memory the user gave: the weights split within those budgets (4-bit first if auto needs it)."""
     if choice.kind == "auto":
@@ -212,19 +215,20 @@ def by_fit(
     choice: QuantChoice,
     candidates: tuple[DeviceFacts, ...],
     machine: MachineFacts,
-    device_map: Any,
+    device_map: DeviceMap | None,
     quant: QuantRequest,
     allow_offload: bool,
-    warnings: list[str],
 ) -> Placed:
     """Neither given: one device, a split over the candidates, 4-bit (auto), CPU offload, or PlanError."""
     fitted = fit(s.weights(choice.fixed), s.head(choice.fixed), candidates)
     if choice.kind == "auto":
         fitted, choice = _auto_by_fit(s, choice, fitted, candidates)
+    warnings: tuple[str, ...] = ()
     if fitted is not None:
         placement = fitted
     else:
-        placement = _no_fit(s, candidates, machine, choice.fixed, quant, allow_offload, warnings)
+        placement, offloaded = _no_fit(s, candidates, machine, choice.fixed, quant, allow_offload)
+        warnings = (offloaded,)
     if device_map in STRATEGIES and placement.kind != "single":
         placement = Placement(
             kind=placement.kind,
@@ -233,7 +237,7 @@ def by_fit(
             budgets=placement.budgets,
             reason=placement.reason + f"; accelerate strategy {device_map!r} as asked",
         )
-    return Placed(placement=placement, quant=choice)
+    return Placed(placement=placement, quant=choice, warnings=warnings)
 
 
 def _auto_by_fit(
@@ -262,10 +266,9 @@ def _no_fit(
     fixed: str | None,
     quant: QuantRequest,
     allow_offload: bool,
-    warnings: list[str],
-) -> Placement:
-    """Nothing fits the candidates: CPU offload with a warning where allowed, else PlanError with the
-    numbers and the options."""
+) -> tuple[Placement, str]:
+    """Nothing fits the candidates: CPU offload, with its warning, where allowed; else PlanError with
+    the numbers and the options."""
     w, h = s.weights(fixed), s.head(fixed)
     four_fits = (
         s.can_suggest_4bit
@@ -276,8 +279,7 @@ def _no_fit(
     if s.main.backend != "cpu":
         placement = _offload_or_fixes(s, candidates, machine, fixed, quant, allow_offload, fixes)
         if placement is not None:
-            warnings.append(f"CPU offload: {placement.reason}{_four_bit_hint(s, four_fits)}")
-            return placement
+            return placement, f"CPU offload: {placement.reason}{_four_bit_hint(s, four_fits)}"
     if four_fits:
         fixes.insert(0, f"quantize='4bit' ({format_bytes(s.weights('4bit'))} of weights) fits")
     budgets = tuple(usable_memory(d) for d in candidates)

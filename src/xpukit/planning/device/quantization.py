@@ -30,6 +30,9 @@ from xpukit.machine.precision import normalize_dtype
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+    from transformers.utils.quantization_config import QuantizationConfigMixin
+
     from xpukit.planning.model.facts import ModelFacts
 
 __all__ = [
@@ -38,7 +41,6 @@ __all__ = [
     "RECORDED_QUANTIZE_KEY",
     "QuantRequest",
     "auto_4bit_problem",
-    "bnb_config",
     "bnb_kwargs",
     "bnb_problem",
     "check_bnb",
@@ -62,7 +64,7 @@ class QuantRequest:
     """A parsed ``quantize=`` argument."""
 
     kind: str | None  # None | "4bit" | "8bit" | "auto" | "other" (a non-bitsandbytes config)
-    user_config: Any = None  # a quantization config given by the user, used as is
+    user_config: QuantizationConfigMixin | None = None  # a quantization config given by the user, used as is
     bnb_asked: bool = False  # "nf4" or a BitsAndBytesConfig: bitsandbytes even without adapters
     origin: str = "given"  # where the request came from, as the plan's reason says it
     # bitsandbytes keywords recorded beside a trained adapter (its base as it trained), or None
@@ -122,7 +124,7 @@ def parse_quantize(value: object) -> QuantRequest:
     )
 
 
-def recorded_request(config: Any) -> QuantRequest | None:
+def recorded_request(config: PreTrainedConfig) -> QuantRequest | None:
     """The quantization a merged checkpoint records for loads without adapters, or ``None``.
 
     ``xpukit merge --quantize int4`` writes ``"xpukit_quantize": "4bit"`` into config.json; a load
@@ -133,27 +135,6 @@ def recorded_request(config: Any) -> QuantRequest | None:
         return None
     origin = f"recorded in the checkpoint (config.json {RECORDED_QUANTIZE_KEY})"
     return QuantRequest(kind=str(value), origin=origin)
-
-
-def bnb_config(values: dict[str, Any]) -> Any:
-    """The transformers quantization config a plan's ``quantization_config`` dict describes.
-
-    :func:`bnb_kwargs`-style keywords (dtypes by name) give a ``BitsAndBytesConfig``; a torchao
-    format (``quant_method: torchao``, :mod:`xpukit.planning.device.serve_quant`) a ``TorchAoConfig``.
-    Imports torch and transformers: for acting on a plan, never for deciding one.
-    """
-    if values.get("quant_method") == "torchao":
-        from xpukit.planning.device.serve_quant import torchao_config
-
-        return torchao_config(values)
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    values = dict(values)
-    for key in ("bnb_4bit_compute_dtype", "bnb_4bit_quant_storage"):
-        if isinstance(values.get(key), str):
-            values[key] = getattr(torch, values[key])
-    return BitsAndBytesConfig(**values)
 
 
 def bnb_kwargs(kind: str, compute_dtype: str) -> dict[str, Any]:
@@ -212,7 +193,9 @@ def require_bnb(kind: str) -> str:
 
 
 def head_skip_modules(
-    facts: ModelFacts, quantization_config: dict[str, Any] | None, user_config: Any = None
+    facts: ModelFacts,
+    quantization_config: dict[str, Any] | None,
+    user_config: QuantizationConfigMixin | None = None,
 ) -> dict[str, Any] | None:
     """xpukit's bitsandbytes settings with the task head kept unquantized (so it can be trained).
 
@@ -234,15 +217,14 @@ def check_bnb(
     main: DeviceFacts,
     dtype_decision: Decision,
     enforce: bool,
-    warnings: list[str],
-) -> Decision:
+) -> tuple[Decision, tuple[str, ...]]:
     """bitsandbytes usable for an explicit request; on Arc A with bnb < 0.50 switch to fp16 compute.
 
-    Returns the dtype decision (changed to fp16 when only that makes 4-bit work); a missing
-    bitsandbytes raises when ``enforce`` (this machine), else becomes a warning.
+    Returns the dtype decision (changed to fp16 when only that makes 4-bit work) and the warnings; a
+    missing bitsandbytes raises when ``enforce`` (this machine), else becomes a warning.
     """
     if kind not in {"4bit", "8bit"}:
-        return dtype_decision
+        return dtype_decision, ()
     dtype = str(dtype_decision.value)
     compute = dtype
     if quant.user_config is not None:
@@ -250,28 +232,29 @@ def check_bnb(
         compute = normalize_dtype(getattr(quant.user_config, "bnb_4bit_compute_dtype", None)) or "float32"
     problem, fix = bnb_problem(main, kind, compute)
     if fix and quant.user_config is not None:
-        warnings.append(
+        warning = (
             f"the given BitsAndBytesConfig computes 4-bit in bfloat16 on {main.name}: {problem}. Fix: "
             "pip install 'bitsandbytes>=0.50', or bnb_4bit_compute_dtype=torch.float16"
         )
-        return dtype_decision
+        return dtype_decision, (warning,)
     if fix:
         if dtype_decision.source == "user":
             raise InvalidRequestError(
                 f"dtype='bfloat16' with quantize='4bit' on {main.name}: {problem}. Fix: pip install "
                 "'bitsandbytes>=0.50', or dtype='float16'."
             )
-        return Decision(
+        fp16 = Decision(
             name="dtype",
             value=fix,
             reason=f"{problem}, so 4-bit computes in fp16 (pip install 'bitsandbytes>=0.50' for bf16)",
             rejected=(("bfloat16", str(problem)), *dtype_decision.rejected),
         )
+        return fp16, ()
     if problem and not fix:
         if enforce:
             require_bnb(kind)  # raises MissingExtraError with the fix
-        warnings.append(f"{problem} (planned anyway for the assumed machine)")
-    return dtype_decision
+        return dtype_decision, (f"{problem} (planned anyway for the assumed machine)",)
+    return dtype_decision, ()
 
 
 def auto_4bit_problem(main: DeviceFacts, dtype: str) -> str | None:

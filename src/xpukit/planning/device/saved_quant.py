@@ -17,13 +17,16 @@ int4 for the CPU, and any family where torchao's format does not run, keeps the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError, PlanError
 from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.planning.device.serve_quant import serve_format
 from xpukit.planning.model.weight_sizes import bytes_at_bits
 from xpukit.planning.vocabulary import Decision
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 __all__ = [
     "DISK_MARGIN",
@@ -164,7 +167,7 @@ def saved_format(kind: str, family: str, dtype: str, torchao: str | None) -> Sav
     )
 
 
-def read_saved(config: Any) -> SavedFormat | None:
+def read_saved(config: PreTrainedConfig) -> SavedFormat | None:
     """xpukit's record of a quantized checkpoint in ``config`` (a config or a dict), or ``None``."""
     value = config.get(SAVED_KEY) if isinstance(config, dict) else getattr(config, SAVED_KEY, None)
     if not isinstance(value, dict) or not isinstance(value.get("config"), dict):

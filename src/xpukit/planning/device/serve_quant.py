@@ -30,7 +30,6 @@ __all__ = [
     "TORCHAO_MIN",
     "ServeFormat",
     "serve_format",
-    "torchao_config",
     "torchao_version",
 ]
 
@@ -39,13 +38,6 @@ TORCHAO_MIN = EXTRAS["torchao"].minimum or "0"
 # torchao's default group; a layer whose input width it does not divide stays unquantized.
 INT4_GROUP_SIZE = 128
 _TORCHAO_FIX = f"pip install 'xpukit[{EXTRAS['torchao'].extra}]'"
-
-# The torchao config classes xpukit names, and the modules they live in (torchao 0.18).
-_CONFIG_MODULES = {
-    "Int4WeightOnlyConfig": "torchao.quantization",
-    "Int8WeightOnlyConfig": "torchao.quantization",
-    "PrototypeInt4WeightOnlyConfig": "torchao.prototype.quantization.int4",
-}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,19 +160,3 @@ def _int4(
     label = f"torchao int4 ({packing or 'cpu'})"
     why = f'{kernel}, groups of {INT4_GROUP_SIZE} (docs/planning.md "Quantization for inference")'
     return (label, quant_type, kwargs, why), None
-
-
-def torchao_config(values: dict[str, Any]) -> Any:
-    """A ``transformers.TorchAoConfig`` from :class:`ServeFormat`'s ``config`` (imports torchao).
-
-    Imports torch, transformers and torchao: for acting on a plan, never for deciding one.
-    """
-    import importlib
-
-    from transformers import TorchAoConfig
-
-    name = str(values["quant_type"])
-    # The CUDA-extension noise torchao logs on import is filtered by xpukit._compat.quiet_torchao_import.
-    module = importlib.import_module(_CONFIG_MODULES[name])
-    quant_type = getattr(module, name)(**dict(values.get("quant_type_kwargs") or {}))
-    return TorchAoConfig(quant_type=quant_type)

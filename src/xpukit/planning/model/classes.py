@@ -19,8 +19,9 @@ A peft ``CAUSAL_LM`` adapter on a model without ``generate`` fails inside peft
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.vocabulary import Decision
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AUTO_KINDS",
     "AutoKind",
+    "ClassFacts",
     "ModelClassChoice",
     "auto_class_for",
     "build_meta_model",
@@ -96,7 +98,7 @@ class ModelClassChoice:
     name: str
     kind: AutoKind | None
     decision: Decision
-    cls: Any = None
+    cls: type[PreTrainedModel] | None = None
 
     @property
     def task_type(self) -> str | None:
@@ -143,7 +145,9 @@ def auto_class_for(config: PreTrainedConfig) -> str:
     )
 
 
-def choose_model_class(config: PreTrainedConfig, model_class: Any = None) -> ModelClassChoice:
+def choose_model_class(
+    config: PreTrainedConfig, model_class: type[PreTrainedModel] | str | None = None
+) -> ModelClassChoice:
     """Decide the class: ``model_class=`` when given, else the config's ``architectures``.
 
     Args:
@@ -178,7 +182,7 @@ def choose_model_class(config: PreTrainedConfig, model_class: Any = None) -> Mod
         if saved_kind is not None:
             reason += f": {saved} builds it for model_type {model_type!r}"
         fallback = auto_class_for(config) if _fallback_knows(config) else None
-        rejected: tuple[tuple[Any, str], ...] = ()
+        rejected: tuple[tuple[object, str], ...] = ()
         if fallback is not None and fallback != saved:
             rejected = ((fallback, f"would not build {_arch(config)}: its weights would not all load"),)
         decision = Decision(name="model_class", value=saved, reason=reason, rejected=rejected)
@@ -226,7 +230,7 @@ def _fallback_knows(config: PreTrainedConfig) -> bool:
 
 
 def build_meta_model(
-    config: PreTrainedConfig, model_class: Any, *, trust_remote_code: bool
+    config: PreTrainedConfig, model_class: type[PreTrainedModel] | str | None, *, trust_remote_code: bool
 ) -> tuple[str, PreTrainedModel]:
     """Build the model ``model_class`` (a name or class) loads, on the meta device; return its Auto kind.
 
@@ -248,7 +252,16 @@ def build_meta_model(
     return (choice.kind.auto_class if choice.kind is not None else choice.name), model
 
 
-def class_facts(model: PreTrainedModel, auto_class: str) -> dict[str, Any]:
+class ClassFacts(TypedDict, total=False):
+    """What :func:`class_facts` finds (each key only where it applies; :class:`ModelFacts` fields)."""
+
+    head_modules: tuple[str, ...]
+    quantization_skip: tuple[str, ...]
+    language_model: str
+    language_linear_layers: tuple[str, ...]
+
+
+def class_facts(model: PreTrainedModel, auto_class: str) -> ClassFacts:
     """Facts that follow from the model's class: its task head and, for a VLM, its language model.
 
     Returns:
@@ -262,7 +275,7 @@ def class_facts(model: PreTrainedModel, auto_class: str) -> dict[str, Any]:
     from transformers import PreTrainedModel as Base
     from transformers.quantizers.base import get_keys_to_not_convert
 
-    out: dict[str, Any] = {}
+    out: ClassFacts = {}
     kind = _BY_AUTO.get(auto_class)
     base = getattr(model, str(getattr(model, "base_model_prefix", "") or "-"), None)
     if kind is not None and kind.head and isinstance(base, torch.nn.Module):
@@ -290,7 +303,13 @@ def class_facts(model: PreTrainedModel, auto_class: str) -> dict[str, Any]:
 
 
 def unexpected_weights_problem(
-    name: str, loaded_as: str, keys: Any, config: PreTrainedConfig, *, base_prefix: str, user_class: bool
+    name: str,
+    loaded_as: str,
+    keys: Iterable[object] | None,
+    config: PreTrainedConfig,
+    *,
+    base_prefix: str,
+    user_class: bool,
 ) -> tuple[str | None, str | None]:
     """Whether a load that left checkpoint weights unused is refused: ``(refusal, note)``.
 

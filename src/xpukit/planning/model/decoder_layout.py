@@ -19,14 +19,18 @@ ways equal for every tiny architecture and built-in shape.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from xpukit.machine.library_source import MISSING, ModuleSource, module_source, pretrained_defaults
 from xpukit.planning.model.families import FAMILIES as ALL_FAMILIES
 from xpukit.planning.model.families import LayoutRules, ModelFamily
 from xpukit.planning.model.layout import Layout, Tensor
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 __all__ = ["FAMILIES", "decoder_layout"]
 
@@ -40,7 +44,9 @@ _ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3"})
 _SUPPORTS = ("_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn")
 
 
-def decoder_layout(config: Any, model_class: Any = None) -> Layout | None:
+def decoder_layout(
+    config: PreTrainedConfig, model_class: type[PreTrainedModel] | str | None = None
+) -> Layout | None:
     """The layout of ``config``'s causal LM, or ``None`` when it is not one this module writes.
 
     Args:
@@ -73,23 +79,39 @@ def decoder_layout(config: Any, model_class: Any = None) -> Layout | None:
     return _layout(config, family, sizes, attrs, kernels)
 
 
-def _sizes(config: Any, family: LayoutRules) -> dict[str, Any] | None:
-    def value(name: str) -> Any:
+@dataclass(frozen=True, slots=True)
+class _Sizes:
+    """The config's sizes the layout is written from, and the rotary buffers: (name prefix, elements)
+    per pair of inv_freq / original_inv_freq."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    rope: tuple[tuple[str, int], ...]
+
+
+def _sizes(config: PreTrainedConfig, family: LayoutRules) -> _Sizes | None:
+    def value(name: str) -> int | None:
         v = getattr(config, name, None)
         return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
-    out: dict[str, Any] = {
-        "h": value("hidden_size"),
-        "i": value("intermediate_size"),
-        "L": value("num_hidden_layers"),
-        "H": value("num_attention_heads"),
-        "V": value("vocab_size"),
-    }
+    h, i, layers = value("hidden_size"), value("intermediate_size"), value("num_hidden_layers")
+    heads, vocab = value("num_attention_heads"), value("vocab_size")
     tie = getattr(config, "tie_word_embeddings", None)
-    if any(v is None for v in out.values()) or not isinstance(tie, bool):
+    if (
+        h is None
+        or i is None
+        or layers is None
+        or heads is None
+        or vocab is None
+        or not isinstance(tie, bool)
+    ):
         return None
-    out["K"] = value("num_key_value_heads") or out["H"]
-    out["d"] = value("head_dim") or out["h"] // out["H"]
+    d = value("head_dim") or h // heads
     rope = getattr(config, "rope_parameters", None) or {}
     if not isinstance(rope, dict):
         return None
@@ -101,38 +123,61 @@ def _sizes(config: Any, family: LayoutRules) -> dict[str, Any] | None:
         groups = [(f"{t}_", rope[t]) for t in sorted(set(types))]
     else:
         groups = [("", rope)]
-    out["rope"] = []
+    buffers: list[tuple[str, int]] = []
     for prefix, params in groups:
         if params.get("rope_type", "default") not in _ROPE_TYPES:
             return None
-        out["rope"].append(
-            (prefix, len(range(0, int(out["d"] * params.get("partial_rotary_factor", 1.0)), 2)))
-        )
-    return out
+        buffers.append((prefix, len(range(0, int(d * params.get("partial_rotary_factor", 1.0)), 2))))
+    kv = value("num_key_value_heads") or heads
+    return _Sizes(
+        hidden=h,
+        intermediate=i,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=d,
+        vocab=vocab,
+        rope=tuple(buffers),
+    )
 
 
-def _class_attributes(source: ModuleSource, family: LayoutRules) -> dict[str, Any] | None:
+@dataclass(frozen=True, slots=True)
+class _ClassAttributes:
+    """The class attributes the layout needs, as the installed modeling source states them."""
+
+    supports: dict[str, object]  # _supports_sdpa, _supports_flash_attn, _supports_flex_attn
+    no_split_modules: frozenset[str]
+    keep_in_fp32: frozenset[str]
+    keep_in_fp32_strict: frozenset[str]
+
+
+def _class_attributes(source: ModuleSource, family: LayoutRules) -> _ClassAttributes | None:
     defaults = pretrained_defaults()
     if defaults is None:
         return None
 
-    def lookup(class_name: str, attr: str) -> Any:
+    def lookup(class_name: str, attr: str) -> object:
         found = source.attribute(class_name, attr)
         return defaults.attribute("PreTrainedModel", attr) if found is MISSING else found
 
     top, base = f"{family.prefix}ForCausalLM", family.prefix + family.base
-    out: dict[str, Any] = {}
-    for attr in _SUPPORTS:
-        out[attr] = lookup(top, attr)
+    supports = {attr: lookup(top, attr) for attr in _SUPPORTS}
     # post_init gathers these lists from every PreTrainedModel in the tree (here the model and its base).
+    lists: dict[str, frozenset[str]] = {}
     for attr in ("_no_split_modules", "_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
         values = [lookup(top, attr), lookup(base, attr)]
         if any(v is MISSING for v in values):
             return None
-        out[attr] = frozenset(x for v in values for x in (v or ()))
-    if any(v is MISSING for v in out.values()):
+        # literals of the source: lists of module names, or None
+        lists[attr] = frozenset(x for v in values for x in cast("Iterable[str]", v or ()))
+    if any(v is MISSING for v in supports.values()):
         return None
-    return out
+    return _ClassAttributes(
+        supports=supports,
+        no_split_modules=lists["_no_split_modules"],
+        keep_in_fp32=lists["_keep_in_fp32_modules"],
+        keep_in_fp32_strict=lists["_keep_in_fp32_modules_strict"],
+    )
 
 
 def _kernel_layers(source: ModuleSource, family: LayoutRules, hidden_act: str) -> tuple[str, ...] | None:
@@ -158,17 +203,21 @@ def _kernel_layers(source: ModuleSource, family: LayoutRules, hidden_act: str) -
 
 
 def _layout(
-    config: Any, family: LayoutRules, s: dict[str, Any], attrs: dict[str, Any], kernels: tuple[str, ...]
+    config: PreTrainedConfig,
+    family: LayoutRules,
+    s: _Sizes,
+    attrs: _ClassAttributes,
+    kernels: tuple[str, ...],
 ) -> Layout:
     def bias(rule: str, key: str) -> bool:
         return rule == "always" or (rule == "config" and bool(getattr(config, key, False)))
 
     qkv, o_bias = bias(family.qkv_bias, "attention_bias"), bias(family.o_bias, "attention_bias")
     mlp = bias(family.mlp_bias, "mlp_bias")
-    h, i, d, heads, kv = s["h"], s["i"], s["d"], s["H"], s["K"]
+    h, i, d, heads, kv = s.hidden, s.intermediate, s.head_dim, s.heads, s.kv_heads
     modules: list[str] = ["model", "model.embed_tokens", "model.layers"]
     linear: list[str] = []
-    params: list[Tensor] = [("model.embed_tokens.weight", s["V"] * h, 2, True)]
+    params: list[Tensor] = [("model.embed_tokens.weight", s.vocab * h, 2, True)]
 
     def add_linear(name: str, n_in: int, n_out: int, with_bias: bool) -> None:
         modules.append(name)
@@ -181,7 +230,7 @@ def _layout(
         modules.append(name)
         params.append((f"{name}.weight", size, 2, True))
 
-    for layer in range(s["L"]):
+    for layer in range(s.layers):
         at = f"model.layers.{layer}"
         modules += [at, f"{at}.self_attn"]
         add_linear(f"{at}.self_attn.q_proj", h, heads * d, qkv)
@@ -206,12 +255,12 @@ def _layout(
     linear.append("lm_head")
     tied = bool(config.tie_word_embeddings)
     if not tied:
-        params.append(("lm_head.weight", s["V"] * h, 2, True))
+        params.append(("lm_head.weight", s.vocab * h, 2, True))
     # The scale is a 0-d tensor made in the build's default dtype (bf16); the rotary buffers float32.
     buffers: list[Tensor] = (
         [("model.embed_tokens.embed_scale", 1, 2, True)] if family.scaled_embedding else []
     )
-    for prefix, numel in s["rope"]:
+    for prefix, numel in s.rope:
         buffers += [
             (f"model.rotary_emb.{prefix}{b}", numel, 4, True) for b in ("inv_freq", "original_inv_freq")
         ]
@@ -220,7 +269,7 @@ def _layout(
     skip = {"lm_head", params[-1][0].removesuffix(".weight")}
     if tied:
         skip |= {"model.embed_tokens"}
-    skip |= attrs["_keep_in_fp32_modules"]
+    skip |= attrs.keep_in_fp32
     quantized = frozenset(f"{name}.weight" for name in linear if _should_convert(name, skip))
     return Layout(
         architecture=f"{family.prefix}ForCausalLM",
@@ -231,12 +280,12 @@ def _layout(
         num_parameters=sum(numel for _, numel, _, _ in params),
         # bitsandbytes stores 4-bit weights two to a byte and 8-bit weights one to a byte.
         quantized={"4bit": (quantized, 0.5), "8bit": (quantized, 1.0)},
-        keep_in_fp32=attrs["_keep_in_fp32_modules"],
-        keep_in_fp32_strict=attrs["_keep_in_fp32_modules_strict"],
-        supports_sdpa=bool(attrs["_supports_sdpa"]),
-        supports_flash_attn=bool(attrs["_supports_flash_attn"]),
-        supports_flex_attn=bool(attrs["_supports_flex_attn"]),
-        no_split_modules=tuple(sorted(attrs["_no_split_modules"])),
+        keep_in_fp32=attrs.keep_in_fp32,
+        keep_in_fp32_strict=attrs.keep_in_fp32_strict,
+        supports_sdpa=bool(attrs.supports["_supports_sdpa"]),
+        supports_flash_attn=bool(attrs.supports["_supports_flash_attn"]),
+        supports_flex_attn=bool(attrs.supports["_supports_flex_attn"]),
+        no_split_modules=tuple(sorted(attrs.no_split_modules)),
         kernel_layers=kernels,
     )
 

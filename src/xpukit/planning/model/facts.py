@@ -19,14 +19,20 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
-from xpukit.planning.model.classes import auto_class_for, build_meta_model, choose_model_class, class_facts
+from xpukit.planning.model.classes import (
+    ClassFacts,
+    auto_class_for,
+    build_meta_model,
+    choose_model_class,
+    class_facts,
+)
 from xpukit.planning.model.decoder_layout import decoder_layout
 from xpukit.planning.model.layout import Layout, layout_of
 from xpukit.planning.model.shape import model_shape
 from xpukit.planning.model.weight_sizes import bytes_at_bits, weight_sizes
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedConfig
+    from transformers import PreTrainedConfig, PreTrainedModel
 
 __all__ = ["SIZE_KEYS", "ModelFacts", "auto_class_for", "model_facts", "model_layout", "quantized_bits"]
 
@@ -176,7 +182,7 @@ def model_facts(
     name: str | None = None,
     trust_remote_code: bool = False,
     cache: bool = True,
-    model_class: Any = None,
+    model_class: type[PreTrainedModel] | str | None = None,
 ) -> ModelFacts:
     """Read a model's facts from its config by building it on the meta device.
 
@@ -207,8 +213,11 @@ def model_facts(
 
 
 def model_layout(
-    config: PreTrainedConfig, *, trust_remote_code: bool = False, model_class: Any = None
-) -> tuple[str, Layout, dict[str, Any]]:
+    config: PreTrainedConfig,
+    *,
+    trust_remote_code: bool = False,
+    model_class: type[PreTrainedModel] | str | None = None,
+) -> tuple[str, Layout, ClassFacts]:
     """The Auto class that loads the model, its layout, and the facts that follow from its class.
 
     Written from the config for the decoder families :mod:`xpukit.planning.model.decoder_layout`
@@ -226,7 +235,11 @@ def model_layout(
 
 
 def _read_facts(
-    config: PreTrainedConfig, *, name: str | None, trust_remote_code: bool, model_class: Any
+    config: PreTrainedConfig,
+    *,
+    name: str | None,
+    trust_remote_code: bool,
+    model_class: type[PreTrainedModel] | str | None,
 ) -> ModelFacts:
     auto_name, layout, by_class = model_layout(
         config, trust_remote_code=trust_remote_code, model_class=model_class
@@ -284,7 +297,7 @@ def _read_facts(
     )
 
 
-def quantized_bits(quant: Any) -> int | None:
+def quantized_bits(quant: object) -> int | None:
     """Bits per weight a quantization config states (dict or object), else ``None``.
 
     bitsandbytes: ``load_in_4bit`` / ``load_in_8bit``; GPTQ, AWQ, AutoRound, HQQ…: ``bits``;
@@ -292,7 +305,7 @@ def quantized_bits(quant: Any) -> int | None:
     (``Int4WeightOnlyConfig`` → 4, ``Int8WeightOnlyConfig`` → 8).
     """
 
-    def get(key: str) -> Any:
+    def get(key: str) -> object:
         return quant.get(key) if isinstance(quant, dict) else getattr(quant, key, None)
 
     if get("load_in_4bit"):
@@ -313,7 +326,7 @@ def quantized_bits(quant: Any) -> int | None:
     return None
 
 
-def _torchao_bits(quant_type: Any) -> int | None:
+def _torchao_bits(quant_type: object) -> int | None:
     """The bits of a torchao config's weights, from its class name (``Int4WeightOnlyConfig`` → 4),
     as transformers' torchao quantizer reads them; ``quant_type`` as config.json holds it
     (``{"default": {"_type": "Int4WeightOnlyConfig", ...}}``) or as an object."""
@@ -327,12 +340,12 @@ def _torchao_bits(quant_type: Any) -> int | None:
     return found.pop() if len(found) == 1 else None
 
 
-def _mlp_activation(text: Any) -> str | None:
+def _mlp_activation(text: PreTrainedConfig) -> str | None:
     act = getattr(text, "hidden_activation", None) or getattr(text, "hidden_act", None)
     return act if isinstance(act, str) else None
 
 
-def _kv_bytes_per_token(config: Any) -> int | None:
+def _kv_bytes_per_token(config: PreTrainedConfig) -> int | None:
     """K and V of every layer, 2 bytes each at 16-bit; from the one reading of the decoder's shape."""
     shape = model_shape(config)
     return None if shape is None else 2 * shape.layers * shape.kv_heads * shape.head_dim * 2

@@ -268,7 +268,7 @@ _QWEN2_SPLIT = (
 SPLIT_RULES = {_LLAMA3_SPLIT: "llama-bpe", _QWEN2_SPLIT: "qwen2"}
 
 
-def _split_rule(pre: Any) -> str | None:
+def _split_rule(pre: object) -> str | None:
     if not isinstance(pre, Mapping):
         return None
     if pre.get("type") == "ByteLevel":

@@ -11,9 +11,10 @@ on the model's structure is computed from a layout, whichever way it was made.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
 
 __all__ = ["Layout", "layout_of"]
@@ -73,7 +74,7 @@ class _TensorRecorder:
     def __init__(self) -> None:
         self.tensors: list[Tensor] = []
 
-    def param_element_size(self, model: Any, name: str, tensor: Any) -> float:
+    def param_element_size(self, model: torch.nn.Module, name: str, tensor: torch.Tensor) -> float:
         self.tensors.append(
             (name, int(tensor.numel()), int(tensor.element_size()), bool(tensor.is_floating_point()))
         )

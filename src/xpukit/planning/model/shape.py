@@ -8,9 +8,12 @@ One reading of the config fields that the memory estimates depend on: the KV cac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpukit.planning.model.families import shape_traits
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 __all__ = ["ModelShape", "model_shape"]
 
@@ -34,11 +37,11 @@ class ModelShape:
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
 
-def model_shape(config: Any) -> ModelShape | None:
+def model_shape(config: PreTrainedConfig) -> ModelShape | None:
     """The decoder shape from a transformers config (its text config), or ``None`` when it has none."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
 
-    def first(*names: str) -> Any:
+    def first(*names: str) -> int | None:
         for name in names:
             value = getattr(text, name, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
@@ -49,7 +52,7 @@ def model_shape(config: Any) -> ModelShape | None:
     layers = first("num_hidden_layers", "n_layer", "num_layers")
     heads = first("num_attention_heads", "n_head")
     vocab = first("vocab_size")
-    if None in (hidden, layers, heads, vocab):
+    if hidden is None or layers is None or heads is None or vocab is None:
         return None
     intermediate = first("intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
     traits = shape_traits(getattr(text, "model_type", ""))

@@ -7,7 +7,7 @@ term; tests/planning/training/test_training_plan.py checks it against peaks meas
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpukit.planning.model.shape import ModelShape
 from xpukit.planning.training.loss_chunk import LOSS_CHUNK_TOKENS
@@ -45,7 +45,7 @@ _GROUPS = {
 }
 
 
-def _targeted(targets: Any) -> dict[str, int]:
+def _targeted(targets: object) -> dict[str, int]:
     """LoRA layers per group; an unknown or ``all-linear`` target counts every group (an upper bound)."""
     full = {"attn_in": 3, "attn_out": 1, "mlp_in": 2, "mlp_out": 1}
     if not isinstance(targets, list | tuple | set | frozenset):
@@ -81,7 +81,7 @@ def activation_bytes(
     *,
     compute_bytes: int,
     lora_r: int,
-    targets: Any,
+    targets: object,
     dropout: bool,
     mask_bytes: int,
     checkpointing: bool | str,

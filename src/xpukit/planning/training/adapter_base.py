@@ -61,42 +61,62 @@ def adapter_base(
     """
     if record is None:
         return AdapterBase(quant=quant, trained=None, followed=False, warnings=())
-    warnings: list[str] = []
-    chosen, followed = quant, False
-    recorded = record.load_quantization(dtype)
-    if quantize is None:
-        followed = True
-        if recorded is not None:
-            chosen = QuantRequest(
-                kind=record.quantization,
-                bnb_asked=True,
-                recorded=recorded,
-                origin=f"as the adapter trained ({record.path}: its base was held {record.held()})",
-            )
-        elif record.quantization is not None and pre_quantized is None:
-            warnings.append(
-                f"{record.path} says the adapter trained with its base held {record.held()}; xpukit "
-                "rebuilds only a bitsandbytes 4-bit or 8-bit base, so the adapter goes on the "
-                f"full-precision weights: not exactly the trained model ({_SECTION})"
-            )
-    elif quant.kind == record.quantization and recorded is not None and quant.user_config is None:
-        chosen = QuantRequest(kind=quant.kind, bnb_asked=True, recorded=recorded, origin="given, as recorded")
-    elif not trainable and _kind(quant) != record.quantization:
-        warnings.append(
-            f"quantize={quantize!r} with lora={_adapter(record)!r}: the adapter trained with its base held "
-            f"{record.held()}, and this load holds it {_held(quant)}: not the trained model ({_SECTION}). "
-            "Fix: leave quantize= out to load it as it trained"
-        )
+    chosen, held_warning = _held_as_recorded(record, quant, quantize, trainable, pre_quantized, dtype)
+    dtype_warning = None
     if dtype != "auto" and dtype != record.dtype:
-        warnings.append(
+        dtype_warning = (
             f"dtype={dtype!r} with lora={_adapter(record)!r}: the adapter trained computing in "
             f"{record.dtype}; in {dtype} the model is close to, not equal to, the trained one ({_SECTION}). "
             "Fix: leave "
             "dtype= out to compute as it trained"
         )
     return AdapterBase(
-        quant=chosen, trained=(record.dtype, record.path), followed=followed, warnings=tuple(warnings)
+        quant=chosen,
+        trained=(record.dtype, record.path),
+        followed=quantize is None,
+        warnings=tuple(w for w in (held_warning, dtype_warning) if w is not None),
     )
+
+
+def _held_as_recorded(
+    record: BaseRecord,
+    quant: QuantRequest,
+    quantize: object,
+    trainable: bool,
+    pre_quantized: str | None,
+    dtype: str,
+) -> tuple[QuantRequest, str | None]:
+    """The quantization request to plan with (the record's where it applies), and the warning when
+    the base is not held as the adapter trained."""
+    recorded = record.load_quantization(dtype)
+    if quantize is None:
+        if recorded is not None:
+            followed = QuantRequest(
+                kind=record.quantization,
+                bnb_asked=True,
+                recorded=recorded,
+                origin=f"as the adapter trained ({record.path}: its base was held {record.held()})",
+            )
+            return followed, None
+        if record.quantization is not None and pre_quantized is None:
+            return quant, (
+                f"{record.path} says the adapter trained with its base held {record.held()}; xpukit "
+                "rebuilds only a bitsandbytes 4-bit or 8-bit base, so the adapter goes on the "
+                f"full-precision weights: not exactly the trained model ({_SECTION})"
+            )
+        return quant, None
+    if quant.kind == record.quantization and recorded is not None and quant.user_config is None:
+        as_given = QuantRequest(
+            kind=quant.kind, bnb_asked=True, recorded=recorded, origin="given, as recorded"
+        )
+        return as_given, None
+    if not trainable and _kind(quant) != record.quantization:
+        return quant, (
+            f"quantize={quantize!r} with lora={_adapter(record)!r}: the adapter trained with its base held "
+            f"{record.held()}, and this load holds it {_held(quant)}: not the trained model ({_SECTION}). "
+            "Fix: leave quantize= out to load it as it trained"
+        )
+    return quant, None
 
 
 def _kind(quant: QuantRequest) -> str | None:

@@ -14,13 +14,20 @@ Every path that takes a trained adapter (``lora=DIR`` for inference, ``trainable
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.training.base_record import BaseRecord, parse_record
 
-__all__ = ["check_adapter", "check_saved_adapter"]
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedConfig, PreTrainedModel
+
+    from xpukit.planning.training.lora_request import LoraRequest
+
+__all__ = ["AdapterCheck", "SavedAdapter", "check_adapter", "check_saved_adapter"]
 
 _LORA_SUFFIXES = {  # peft's saved tensor name → which side of the base module's weight it must match
     "lora_A.weight": "in",
@@ -30,20 +37,39 @@ _LORA_SUFFIXES = {  # peft's saved tensor name → which side of the base module
 }
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdapterCheck:
+    """What comparing an adapter with the base found: one line, and the warnings (a mismatch
+    ``force=True`` let through, a ``base_model_name_or_path`` naming another model)."""
+
+    summary: str
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SavedAdapter:
+    """A trained adapter checked against the base (:func:`check_saved_adapter`): the check's line
+    (``None`` for no LoRA or new adapters), its base record, and the check's warnings."""
+
+    check: str | None
+    record: BaseRecord | None
+    warnings: tuple[str, ...] = ()
+
+
 def check_adapter(
     adapter: str,
     saved: dict[str, Any],
     tensors: dict[str, Any] | None,
     *,
-    config: Any,
-    model_class: Any,
+    config: PreTrainedConfig,
+    model_class: type[PreTrainedModel] | str | None,
     base: str,
     force: bool,
-    warnings: list[str],
     merging: bool = True,
     trust_remote_code: bool = False,
-) -> str:
-    """Compare the adapter's tensors with the base's modules; what was found, in one line.
+) -> AdapterCheck:
+    """Compare the adapter's tensors with the base's modules; what was found, in one line, and the
+    warnings.
 
     The adapter's ``lora_A``/``lora_B`` shapes come from its safetensors header (``tensors``, read
     with the adapter's files, ``None`` without the file), the base's module shapes from the model built
@@ -57,7 +83,9 @@ def check_adapter(
             ``force``; then it is a warning on the plan).
     """
     if tensors is None:
-        return "adapter_model.safetensors not found: shapes not checked here (peft checks them at load)"
+        return AdapterCheck(
+            summary="adapter_model.safetensors not found: shapes not checked here (peft checks them at load)"
+        )
     problems = _problems(tensors, config, model_class, trust_remote_code)
     checked = len(tensors) - len(problems)
     named = str(saved.get("base_model_name_or_path") or "")
@@ -78,41 +106,43 @@ def check_adapter(
                 f"weights. Fix: pass the base it was trained on{f' ({named!r})' if named else ''}, or "
                 f"force=True{cli} to {how} what peft can."
             )
-        warnings.append(f"force=True: {message}")
-        return f"force=True: {len(problems)} tensors do not match the base (see warnings)"
+        return AdapterCheck(
+            summary=f"force=True: {len(problems)} tensors do not match the base (see warnings)",
+            warnings=(f"force=True: {message}",),
+        )
     summary = f"all {checked} tensors match the base's module shapes"
     if other_name:
-        warnings.append(
+        warning = (
             f"lora={adapter!r}: {name_note}; every tensor shape matches, so it is "
             f"{'merged' if merging else 'loaded'} (a local path and a Hub id of the same model differ "
             "legitimately)"
         )
-        return f"{summary}; {name_note} (a warning only)"
-    return summary
+        return AdapterCheck(summary=f"{summary}; {name_note} (a warning only)", warnings=(warning,))
+    return AdapterCheck(summary=summary)
 
 
 def check_saved_adapter(
-    request: Any,
+    request: LoraRequest | None,
     *,
-    config: Any,
-    model_class: Any,
+    config: PreTrainedConfig,
+    model_class: type[PreTrainedModel] | str | None,
     base: str,
     force: bool,
     merging: bool,
-    warnings: list[str],
     trust_remote_code: bool = False,
-) -> tuple[str | None, BaseRecord | None]:
-    """For ``lora=`` a trained adapter directory: :func:`check_adapter`'s line, and its base record.
+) -> SavedAdapter:
+    """For ``lora=`` a trained adapter directory: :func:`check_adapter`'s line and warnings, and its
+    base record.
 
-    ``(None, None)`` for no LoRA or new adapters. Reads the adapter's safetensors header and
-    base record, never a weight.
+    Nothing (``check`` and ``record`` ``None``) for no LoRA or new adapters. Uses the adapter's
+    safetensors header and base record as read, never a weight.
 
     Raises:
         InvalidRequestError: the adapter does not fit the base (unless ``force``), or its base
             record is malformed.
     """
     if request is None or request.kind != "adapter" or request.files is None:
-        return None, None
+        return SavedAdapter(check=None, record=None)
     files = request.files
     check = check_adapter(
         files.path,
@@ -122,16 +152,19 @@ def check_saved_adapter(
         model_class=model_class,
         base=base,
         force=force,
-        warnings=warnings,
         merging=merging,
         trust_remote_code=trust_remote_code,
     )
-    if files.record is None:
-        return check, None
-    return check, parse_record(files.record, files.record_path)
+    record = None if files.record is None else parse_record(files.record, files.record_path)
+    return SavedAdapter(check=check.summary, record=record, warnings=check.warnings)
 
 
-def _problems(tensors: dict[str, Any], config: Any, model_class: Any, trust_remote_code: bool) -> list[str]:
+def _problems(
+    tensors: dict[str, Any],
+    config: PreTrainedConfig,
+    model_class: type[PreTrainedModel] | str | None,
+    trust_remote_code: bool,
+) -> list[str]:
     """What does not fit, one line per tensor; the meta-device model is gone when this returns (an
     error raised afterwards keeps no model alive in its traceback)."""
     from xpukit.planning.model.classes import build_meta_model
@@ -142,7 +175,7 @@ def _problems(tensors: dict[str, Any], config: Any, model_class: Any, trust_remo
     return [problem for problem in found if problem is not None]
 
 
-def _tensor_problem(key: str, info: Any, modules: dict[str, Any]) -> str | None:
+def _tensor_problem(key: str, info: object, modules: dict[str, torch.nn.Module]) -> str | None:
     """Why one saved adapter tensor does not fit the base's modules, else ``None``."""
     shape = list(info.get("shape", [])) if isinstance(info, dict) else []
     name = key.removeprefix("base_model.model.")
@@ -169,7 +202,7 @@ def _tensor_problem(key: str, info: Any, modules: dict[str, Any]) -> str | None:
     return None
 
 
-def _in_out(module: Any) -> tuple[int, int] | None:
+def _in_out(module: torch.nn.Module) -> tuple[int, int] | None:
     """(in, out) sizes of a linear-like or embedding module, from its meta-device attributes."""
     if hasattr(module, "in_features") and hasattr(module, "out_features"):
         return int(module.in_features), int(module.out_features)

@@ -130,7 +130,7 @@ def record_from(quantization_config: dict[str, Any] | None, *, dtype: str, base_
     }
 
 
-def parse_record(data: Any, path: str) -> BaseRecord:
+def parse_record(data: object, path: str) -> BaseRecord:
     """A record's JSON object as a :class:`BaseRecord` (``path``: where it was read, for messages).
 
     Raises:

@@ -45,6 +45,8 @@ from xpukit.planning.training.training_plan import TrainingPlan
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from xpukit.machine.facts import DeviceFacts
     from xpukit.planning.training.lora_request import LoraRequest
     from xpukit.planning.vocabulary import MemoryEstimate
@@ -268,7 +270,7 @@ def _fixed_rule(weights: int, lora_params: int, moved: int) -> str:
 TRAINING_RESERVE = HEADROOM_FIXED
 
 
-def check_step_size(value: Any, name: str) -> int | None:
+def check_step_size(value: object, name: str) -> int | None:
     """``batch_size=`` / ``seq_len=`` as a positive int (``None`` stays ``None``), else refused."""
     if value is None:
         return None
@@ -284,7 +286,7 @@ def check_step_size(value: Any, name: str) -> int | None:
 def training_plan_for(
     request: LoraRequest | None,
     *,
-    config: Any,
+    config: PreTrainedConfig | None,
     max_positions: int | None,
     memory: MemoryEstimate,
     device: DeviceFacts,

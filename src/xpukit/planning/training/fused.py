@@ -17,8 +17,9 @@ was not measured faster (it is the same arithmetic in fewer, larger operations).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.model.families import SEPARATE_GATE_UP, SEPARATE_QKV, STORED_GATE_UP, STORED_QKV
@@ -174,7 +175,9 @@ def fused_blocks(facts: ModelFacts) -> FusedBlocks:
 _AUTO_BACKENDS = frozenset({"cuda", "xpu"})
 
 
-def _targets_all(targets: Any, wanted: tuple[str, ...], linear_layers: tuple[str, ...]) -> bool:
+def _targets_all(
+    targets: str | Iterable[str] | None, wanted: tuple[str, ...], linear_layers: tuple[str, ...]
+) -> bool:
     if targets == "all-linear":
         return True
     if isinstance(targets, str):  # a regex: cannot be told from the names alone

@@ -16,12 +16,14 @@ trains (a distributed wrapper expects every parameter on one device).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpukit.planning.budgets import format_bytes
 from xpukit.planning.vocabulary import Decision
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
     from xpukit.planning.model.shape import ModelShape
     from xpukit.planning.training.lora_request import LoraRequest
     from xpukit.planning.training.rungs import Choice, Rung
@@ -35,7 +37,7 @@ _DEVICES = ("cuda", "xpu")
 
 
 def host_embedding_bytes(
-    config: Any,
+    config: PreTrainedConfig | None,
     shape: ModelShape,
     request: LoraRequest,
     *,

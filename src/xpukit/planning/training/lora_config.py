@@ -2,11 +2,11 @@
 
 :func:`fit_lora_to_class` lays in what the model class needs (the task, the head trained in full, a
 VLM's language-model targets) where ``lora=`` left it open; :func:`check_lora_request` builds the
-``peft.LoraConfig`` (:func:`lora_config_or_problem`) and matches its targets against the module names
-in the model's facts (:func:`targets_problem`), so a request peft would refuse is refused before any
-weight is read. :func:`xpukit.loading.lora.apply_lora` builds the config and checks the targets
-again, with these functions, on the loaded model. What ``lora=`` asks for is
-:mod:`xpukit.planning.training.lora_request`.
+``peft.LoraConfig`` and matches its targets against the module names in the model's facts
+(:func:`lora_config_problem`), so a request peft would refuse is refused before any weight is read.
+:func:`xpukit.loading.lora.apply_lora` checks the targets again, with the same rule, on the loaded
+model, and builds the config the adapters are made with (:mod:`xpukit.loading.library_configs`).
+What ``lora=`` asks for is :mod:`xpukit.planning.training.lora_request`.
 """
 
 from __future__ import annotations
@@ -14,27 +14,30 @@ from __future__ import annotations
 import copy
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from xpukit.errors import InvalidRequestError
 from xpukit.planning.training.lora_request import LoraRequest, targets_text
 
 if TYPE_CHECKING:
+    from peft import LoraConfig
+
     from xpukit.planning.model.classes import ModelClassChoice
     from xpukit.planning.model.facts import ModelFacts
 
 __all__ = [
-    "build_lora_config",
     "check_lora_request",
     "fit_lora_to_class",
-    "lora_config_or_problem",
-    "targets_problem",
+    "lora_config_problem",
 ]
 
 _ALL_LINEAR = "all-linear"
 
 
-def fit_lora_to_class(request: LoraRequest | None, choice: ModelClassChoice, facts: ModelFacts) -> Any:
+def fit_lora_to_class(
+    request: LoraRequest | None, choice: ModelClassChoice, facts: ModelFacts
+) -> LoraRequest | None:
     """The LoRA request with the task, head and targets the model class needs.
 
     What the user set stays (``request.given``); a ``task_type`` that contradicts the class is
@@ -73,22 +76,26 @@ def fit_lora_to_class(request: LoraRequest | None, choice: ModelClassChoice, fac
     return dataclasses.replace(request, config=config, reason=f"{request.reason}; {'; '.join(notes)}")
 
 
-def build_lora_config(request: LoraRequest) -> Any:
-    config, problem = lora_config_or_problem(request)
-    if problem is not None:
-        raise InvalidRequestError(problem)
-    return config
+def lora_config_problem(
+    request: LoraRequest, module_names: Sequence[str] | None, linear_names: Sequence[str], architecture: str
+) -> str | None:
+    """Why peft refuses the settings of new adapters, or (``module_names`` given) why their targets
+    match no module of this ``architecture``; ``None`` when neither.
 
-
-def lora_config_or_problem(request: LoraRequest) -> tuple[Any, str | None]:
-    # A message rather than an exception: callers holding a loaded model drop it before raising.
+    A message rather than an exception: the loader, holding a loaded model, drops it before raising.
+    peft's ``LoraConfig`` is built here only for its own validation and its target matching, then
+    dropped: the config the adapters are made with is built where they are (:mod:`xpukit.loading`).
+    """
     from peft import LoraConfig
 
     try:
         # A copy: peft extends lists it is given (modules_to_save) in place, and the plan is frozen.
-        return LoraConfig(**copy.deepcopy(request.config)), None
+        config = LoraConfig(**copy.deepcopy(request.config))
     except (TypeError, ValueError) as exc:
-        return None, f"lora=: peft.LoraConfig rejected {request.config}: {exc}"
+        return f"lora=: peft.LoraConfig rejected {request.config}: {exc}"
+    if module_names is None:
+        return None
+    return _targets_problem(config, module_names, linear_names, architecture)
 
 
 def check_lora_request(request: LoraRequest | None, facts: ModelFacts) -> None:
@@ -104,14 +111,15 @@ def check_lora_request(request: LoraRequest | None, facts: ModelFacts) -> None:
     """
     if request is None or request.kind != "new":
         return
-    config, problem = lora_config_or_problem(request)
-    if problem is None and facts.module_names:
-        problem = targets_problem(config, facts.module_names, list(facts.linear_layers), facts.architecture)
+    names = facts.module_names or None  # none recorded: the targets are left to peft at load
+    problem = lora_config_problem(request, names, facts.linear_layers, facts.architecture)
     if problem is not None:
         raise InvalidRequestError(problem)
 
 
-def targets_problem(config: Any, module_names: Any, linear_names: list[str], architecture: str) -> str | None:
+def _targets_problem(
+    config: LoraConfig, module_names: Sequence[str], linear_names: Sequence[str], architecture: str
+) -> str | None:
     """Why the targets match no module, listing the model's linear layers (peft's own error names
     neither the model's layers nor the fix); ``None`` when they match."""
     from peft.tuners.tuners_utils import check_target_module_exists

@@ -12,12 +12,21 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from xpukit.errors import InvalidRequestError, name_hints
 from xpukit.sources.adapter_files import AdapterFiles
 
-__all__ = ["DEFAULT_LORA", "LORA_CONFIG_KEYS", "LoraRequest", "rank_problem", "resolve_lora", "targets_text"]
+__all__ = [
+    "DEFAULT_LORA",
+    "LORA_CONFIG_KEYS",
+    "LoraRequest",
+    "LoraSettings",
+    "PeftLoraKeywords",
+    "rank_problem",
+    "resolve_lora",
+    "targets_text",
+]
 
 # lora=True. r=16 with alpha=32 (scale alpha/r = 2) is the common QLoRA-era default: enough capacity
 # for instruction or domain tuning on every linear layer, about 0.5 % of an 8B model's parameters.
@@ -35,53 +44,67 @@ DEFAULT_LORA: dict[str, Any] = {
     "task_type": "CAUSAL_LM",
 }
 
-# The keyword arguments of peft's LoraConfig (peft 0.17–0.21). Checked without importing peft, so
-# a typo is refused at once; a key only newer peft knows can still be passed in a LoraConfig object.
-LORA_CONFIG_KEYS: frozenset[str] = frozenset(
-    {
-        "task_type",
-        "base_model_name_or_path",
-        "revision",
-        "inference_mode",
-        "r",
-        "target_modules",
-        "exclude_modules",
-        "lora_alpha",
-        "lora_dropout",
-        "fan_in_fan_out",
-        "bias",
-        "use_rslora",
-        "modules_to_save",
-        "init_lora_weights",
-        "layers_to_transform",
-        "layers_pattern",
-        "rank_pattern",
-        "alpha_pattern",
-        "megatron_config",
-        "megatron_core",
-        "trainable_token_indices",
-        "loftq_config",
-        "eva_config",
-        "corda_config",
-        "lora_ga_config",
-        "use_dora",
-        "velora_config",
-        "alora_invocation_tokens",
-        "use_qalora",
-        "qalora_group_size",
-        "monteclora_config",
-        "layer_replication",
-        "runtime_config",
-        "lora_bias",
-        "target_parameters",
-        "use_bdlora",
-        "arrow_config",
-        "kasa_config",
-        "ensure_weight_tying",
-    }
-)
+
+class PeftLoraKeywords(TypedDict, total=False):
+    """The keyword arguments of peft's ``LoraConfig`` (peft 0.17–0.21), with peft's types; peft's own
+    config objects (LoftQ, EVA, CorDA…) are named ``object``. Checked without importing peft, so a
+    typo is refused at once; a key only newer peft knows can still be passed in a ``LoraConfig``."""
+
+    task_type: str | None
+    base_model_name_or_path: str | None
+    revision: str | None
+    inference_mode: bool
+    r: int
+    target_modules: list[str] | str | None
+    exclude_modules: list[str] | str | None
+    lora_alpha: float
+    lora_dropout: float
+    fan_in_fan_out: bool
+    bias: Literal["none", "all", "lora_only"]
+    use_rslora: bool
+    modules_to_save: list[str] | None
+    init_lora_weights: bool | str
+    layers_to_transform: list[int] | int | None
+    layers_pattern: list[str] | str | None
+    rank_pattern: dict[str, int] | None
+    alpha_pattern: dict[str, float] | None
+    megatron_config: dict[str, object] | None
+    megatron_core: str | None
+    trainable_token_indices: list[int] | dict[str, list[int]] | None
+    loftq_config: object
+    eva_config: object
+    corda_config: object
+    lora_ga_config: object
+    use_dora: bool
+    velora_config: object
+    alora_invocation_tokens: list[int] | None
+    use_qalora: bool
+    qalora_group_size: int
+    monteclora_config: object
+    layer_replication: list[tuple[int, int]] | None
+    runtime_config: object
+    lora_bias: bool
+    target_parameters: list[str] | None
+    use_bdlora: object
+    arrow_config: object
+    kasa_config: object
+    ensure_weight_tying: bool
+
+
+class LoraSettings(PeftLoraKeywords, total=False):
+    """``lora=`` as a dict: peft's ``LoraConfig`` keywords, laid over :data:`DEFAULT_LORA`, and
+    xpukit's own keys (each ``None`` or left out: decided while planning)."""
+
+    gradient_checkpointing: bool | Literal["offload"] | None
+    liger: bool | None
+    fused: bool | None
+    graphs: bool | None
+    packing: bool | None
+
+
+LORA_CONFIG_KEYS: frozenset[str] = PeftLoraKeywords.__optional_keys__
 # Keys of a lora= dict that steer xpukit rather than peft.
-_XPUKIT_KEYS = frozenset({"gradient_checkpointing", "liger", "fused", "graphs", "packing"})
+_XPUKIT_KEYS = LoraSettings.__optional_keys__ - LORA_CONFIG_KEYS
 # LoraConfig fields that describe the object, not the adapter.
 _NOT_KWARGS = frozenset({"peft_type", "auto_mapping", "peft_version"})
 

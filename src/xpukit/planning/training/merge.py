@@ -29,10 +29,9 @@ Acting on the plan is :mod:`xpukit.loading.merge`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from xpukit.errors import InvalidRequestError, PlanError
 from xpukit.planning.budgets import format_bytes, usable_memory
@@ -44,6 +43,7 @@ if TYPE_CHECKING:
     from xpukit.machine.facts import DeviceFacts, MachineFacts
     from xpukit.planning.model.facts import ModelFacts
     from xpukit.planning.training.base_record import BaseRecord
+    from xpukit.planning.training.lora_request import LoraRequest
     from xpukit.planning.vocabulary import MemoryEstimate
 
 __all__ = [
@@ -51,9 +51,9 @@ __all__ = [
     "MERGE_BASES",
     "MergePlan",
     "MergeRequest",
+    "PlanFields",
     "parse_merge",
     "plan_merge",
-    "replace_plan",
 ]
 
 # "dequantized": measured on the CPU (bench/bench_merge.py, docs/merging.md "Merging an adapter"),
@@ -72,6 +72,27 @@ _WHY_NOT_4BIT = (
     "merging into 4-bit weights re-quantises every merged weight (peft's merge_and_unload on a 4-bit "
     'model), which loses part of the adapter (docs/merging.md "Merging an adapter")'
 )
+
+
+class PlanFields(Protocol):
+    """What :meth:`MergePlan.plan_changes` reads of a ``LoadPlan`` (the plan sits above this module)."""
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]: ...
+    @property
+    def attn_implementation(self) -> str: ...
+    @property
+    def attention_kernel(self) -> str | None: ...
+    @property
+    def model_facts(self) -> ModelFacts: ...
+    @property
+    def use_kernels(self) -> bool: ...
+    @property
+    def warnings(self) -> tuple[str, ...]: ...
+    @property
+    def decode(self) -> object | None: ...
+    @property
+    def machine(self) -> MachineFacts: ...
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -139,7 +160,7 @@ class MergePlan:
             "describe": self.describe(),
         }
 
-    def plan_changes(self, plan: Any) -> dict[str, Any]:
+    def plan_changes(self, plan: PlanFields) -> dict[str, Any]:
         """The fields of a ``LoadPlan`` that change when it carries this merge out.
 
         Moved to the CPU: the whole model loads there (``device_map="cpu"``, no ``max_memory``), with
@@ -263,7 +284,7 @@ def parse_merge(
 def plan_merge(
     request: MergeRequest,
     *,
-    lora_request: Any,
+    lora_request: LoraRequest,
     memory: MemoryEstimate,
     main: DeviceFacts,
     machine: MachineFacts,
@@ -271,12 +292,12 @@ def plan_merge(
     dtype: str,
     adapter_check: str,
     record: BaseRecord | None,
-    warnings: list[str],
 ) -> MergePlan:
     """The ``merge`` decision: into which weights, on which device, in which dtype (module docstring).
 
     ``adapter_check`` is what :func:`xpukit.planning.training.adapter_fit.check_adapter` found;
-    ``record`` the adapter's base record, if it has one.
+    ``record`` the adapter's base record, if it has one. What to know about the choice of weights
+    is the plan's :attr:`MergePlan.warning` (the caller adds it to the plan's warnings).
 
     Raises:
         InvalidRequestError: the base is already quantized.
@@ -290,8 +311,6 @@ def plan_merge(
             "trained from."
         )
     base, base_from, asked, warning = _merge_base(request, record, adapter)
-    if warning is not None:
-        warnings.append(warning)
     need = memory.weights + memory.headroom
     sizes = f"{format_bytes(memory.weights)} of {dtype} weights + {format_bytes(memory.headroom)} headroom"
     moved = False
@@ -380,8 +399,3 @@ def _merge_base(
 
 def _bnb_cannot(base: str, main: DeviceFacts) -> bool:
     return base == "dequantized" and main.backend == "mps"
-
-
-def replace_plan(plan: Any, merge: MergePlan) -> Any:
-    """``plan`` (a ``LoadPlan``) carrying ``merge`` out."""
-    return dataclasses.replace(plan, **merge.plan_changes(plan))

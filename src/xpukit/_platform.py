@@ -26,12 +26,13 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from xpukit.errors import InvalidRequestError
 
 __all__ = [
     "SHELLS",
+    "ChildOptions",
     "Shell",
     "System",
     "cache_dir",
@@ -201,7 +202,13 @@ def forwarded_signals() -> tuple[int, ...]:
     return (int(signal.SIGINT), int(signal.SIGTERM))
 
 
-def child_process_options() -> dict[str, Any]:
+class ChildOptions(TypedDict, total=False):
+    """Extra ``subprocess.Popen`` keywords for the launched child."""
+
+    creationflags: int
+
+
+def child_process_options() -> ChildOptions:
     """Extra ``subprocess.Popen`` keywords for the launched child.
 
     On Windows the child gets its own process group (``CREATE_NEW_PROCESS_GROUP``): that is the only

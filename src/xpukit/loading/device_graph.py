@@ -161,7 +161,8 @@ class GraphBackend:
     :meth:`warm_up` allocates from it: a warm-up pass before a capture then reuses the memory that
     earlier captures left free in the pool, instead of taking as much again from the device's default
     pool (the way inductor's graph trees warm up; docs/layer-graphs.md "CUDA graphs of the decoder layers").
-    ``module``: the device module itself (a CPU test's stand-in); by default ``torch.<kind>``.
+    ``module``: the device module itself (a CPU test's stand-in); by default ``torch.<kind>``. A
+    ``pool`` argument is a :class:`GraphPool` from :meth:`pool`, or the raw handle it holds.
     """
 
     def __init__(self, kind: str, module: DeviceModule | None = None) -> None:
@@ -189,7 +190,7 @@ class GraphBackend:
         check = getattr(self.module, "is_current_stream_capturing", None)
         return bool(check()) if check is not None else False
 
-    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: GraphPool) -> None:
+    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> None:
         # Captures happen mid-training, where a data loader's pin-memory thread may call into CUDA;
         # "thread_local" keeps those calls from invalidating this thread's capture (torch.cuda.graph).
         options: dict[str, object] = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
@@ -215,7 +216,7 @@ class GraphBackend:
         self._let_parked_go()
         self.module.empty_cache()
 
-    def pool_bytes(self, pool: GraphPool) -> int | None:
+    def pool_bytes(self, pool: object) -> int | None:
         """The device memory ``pool`` holds from the allocator (its segments' sizes), where the
         device module can say (``MemPool.snapshot``, else the memory snapshot's segments of that
         pool); ``None`` where it cannot."""
@@ -236,7 +237,7 @@ class GraphBackend:
         """Run on the captures' side stream (outside any pool)."""
         return self.module.stream(self._side())
 
-    def warm_up(self, pool: GraphPool) -> contextlib.ExitStack[bool | None]:
+    def warm_up(self, pool: object) -> contextlib.ExitStack[bool | None]:
         """Run a capture's warm-up passes: on the captures' stream, allocating from ``pool`` where
         the device module allows it, with the garbage collector paused."""
         self._blas_workspace()

@@ -8,7 +8,7 @@ costs a few milliseconds and the CLI starts fast.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpukit._compat import quiet_torchao_import
 from xpukit.errors import (
@@ -22,6 +22,8 @@ from xpukit.errors import (
 )
 
 if TYPE_CHECKING:
+    __version__: str  # read from the installed package's metadata on first use (__getattr__)
+
     from xpukit.loading.gguf_export import export_gguf
     from xpukit.loading.load import load_for_xpu
     from xpukit.machine.facts import DeviceFacts, MachineFacts
@@ -61,9 +63,9 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name == "__version__":
-        value: Any = _version()
+        value: object = _version()
         globals()[name] = value
         return value
     module = _LAZY.get(name)

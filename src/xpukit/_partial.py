@@ -36,13 +36,17 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TypeAlias
 
 from xpukit import _platform
 
 __all__ = ["PARTIAL_SUFFIX", "partial_path", "stale_partials", "sweep_stale", "write_file", "writing"]
 
 logger = logging.getLogger(__name__)
+
+# What ``signal.signal`` installs and returns: a function, SIG_DFL / SIG_IGN, or None (not from Python).
+_Handler: TypeAlias = "Callable[[int, FrameType | None], object] | int | signal.Handlers | None"
 
 PARTIAL_SUFFIX = ".partial"
 _NAME = re.compile(r"^\.(?P<final>.+)\.xpukit-(?P<host>[0-9a-f]{8})-(?P<pid>\d+)-[0-9a-f]{8}\.partial$")
@@ -141,9 +145,9 @@ def _removed_on_signal(path: Path) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous: dict[int, Any] = {}
+    previous: dict[int, _Handler] = {}
 
-    def on_signal(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         _remove(path)
         _restore(previous)
         _pass_on(signum, frame, previous.get(signum, signal.SIG_DFL))
@@ -159,13 +163,13 @@ def _removed_on_signal(path: Path) -> Iterator[None]:
         _restore(previous)
 
 
-def _restore(previous: dict[int, Any]) -> None:
+def _restore(previous: dict[int, _Handler]) -> None:
     for signum, before in previous.items():
         with contextlib.suppress(ValueError, OSError):
             signal.signal(signum, before)
 
 
-def _pass_on(signum: int, frame: Any, before: Callable[[int, Any], Any] | int) -> None:
+def _pass_on(signum: int, frame: FrameType | None, before: _Handler) -> None:
     """What would have happened without xpukit's handler: the previous handler, or the default."""
     if callable(before):
         before(signum, frame)  # Python's SIGINT handler raises KeyboardInterrupt; an outer writer's

@@ -3,8 +3,8 @@
 The rest of xpukit asks this module and never looks at ``sys.platform``, ``/proc``, ``/sys``,
 ``/dev/dri``, groups or signal numbers itself. Everything that differs is answered from
 :func:`system`, so a test simulates another platform by replacing that one function (and, for the
-Windows calls that need ``ctypes.windll``, the small ``_windows_*`` readers). What has and has not
-run on Windows: docs/windows.md.
+Windows calls that need ``ctypes.windll``, the small ``_windows_*`` readers, :mod:`xpukit._win32`'s
+calls). What has and has not run on Windows: docs/windows.md.
 
 - Shells: :func:`env_prefix` and :func:`join_command` write a command line for a POSIX shell,
   PowerShell or cmd (docs/windows.md "Shells").
@@ -26,12 +26,16 @@ import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
+from xpukit._win32 import memory as _windows_memory
+from xpukit._win32 import peak_working_set as _windows_peak_working_set
+from xpukit._win32 import process_alive as _windows_process_alive
 from xpukit.errors import InvalidRequestError
 
 __all__ = [
     "SHELLS",
+    "ChildOptions",
     "Shell",
     "System",
     "cache_dir",
@@ -201,7 +205,13 @@ def forwarded_signals() -> tuple[int, ...]:
     return (int(signal.SIGINT), int(signal.SIGTERM))
 
 
-def child_process_options() -> dict[str, Any]:
+class ChildOptions(TypedDict, total=False):
+    """Extra ``subprocess.Popen`` keywords for the launched child."""
+
+    creationflags: int
+
+
+def child_process_options() -> ChildOptions:
     """Extra ``subprocess.Popen`` keywords for the launched child.
 
     On Windows the child gets its own process group (``CREATE_NEW_PROCESS_GROUP``): that is the only
@@ -354,73 +364,3 @@ def cache_dir(app: str = "xpukit") -> Path:
     import platformdirs
 
     return Path(platformdirs.user_cache_dir(app, appauthor=False))
-
-
-# --- Windows readers (ctypes.windll exists only on Windows) --------------------------------------
-
-
-def _windows_memory() -> tuple[int, int]:
-    import ctypes
-    from ctypes import wintypes
-
-    class MemoryStatusEx(ctypes.Structure):
-        _fields_ = [  # MEMORYSTATUSEX (sysinfoapi.h)
-            ("dwLength", wintypes.DWORD),
-            ("dwMemoryLoad", wintypes.DWORD),
-            ("ullTotalPhys", ctypes.c_ulonglong),
-            ("ullAvailPhys", ctypes.c_ulonglong),
-            ("ullTotalPageFile", ctypes.c_ulonglong),
-            ("ullAvailPageFile", ctypes.c_ulonglong),
-            ("ullTotalVirtual", ctypes.c_ulonglong),
-            ("ullAvailVirtual", ctypes.c_ulonglong),
-            ("ullAvailExtendedVirtual", ctypes.c_ulonglong),
-        ]
-
-    status = MemoryStatusEx()
-    status.dwLength = ctypes.sizeof(MemoryStatusEx)
-    if not ctypes.windll.kernel32.GlobalMemoryStatusEx(ctypes.byref(status)):  # type: ignore[attr-defined]
-        return 0, 0
-    return int(status.ullTotalPhys), int(status.ullAvailPhys)
-
-
-def _windows_peak_working_set() -> int | None:
-    import ctypes
-    from ctypes import wintypes
-
-    class ProcessMemoryCounters(ctypes.Structure):
-        _fields_ = [  # PROCESS_MEMORY_COUNTERS (psapi.h)
-            ("cb", wintypes.DWORD),
-            ("PageFaultCount", wintypes.DWORD),
-            ("PeakWorkingSetSize", ctypes.c_size_t),
-            ("WorkingSetSize", ctypes.c_size_t),
-            ("QuotaPeakPagedPoolUsage", ctypes.c_size_t),
-            ("QuotaPagedPoolUsage", ctypes.c_size_t),
-            ("QuotaPeakNonPagedPoolUsage", ctypes.c_size_t),
-            ("QuotaNonPagedPoolUsage", ctypes.c_size_t),
-            ("PagefileUsage", ctypes.c_size_t),
-            ("PeakPagefileUsage", ctypes.c_size_t),
-        ]
-
-    counters = ProcessMemoryCounters()
-    counters.cb = ctypes.sizeof(ProcessMemoryCounters)
-    kernel32 = ctypes.windll.kernel32  # type: ignore[attr-defined]
-    process = kernel32.GetCurrentProcess()
-    if not ctypes.windll.psapi.GetProcessMemoryInfo(process, ctypes.byref(counters), counters.cb):  # type: ignore[attr-defined]
-        return None
-    return int(counters.PeakWorkingSetSize)
-
-
-def _windows_process_alive(pid: int) -> bool:
-    import ctypes
-
-    kernel32 = ctypes.windll.kernel32  # type: ignore[attr-defined]
-    handle = kernel32.OpenProcess(0x1000, False, pid)  # PROCESS_QUERY_LIMITED_INFORMATION
-    if not handle:
-        return bool(kernel32.GetLastError() == 5)  # ERROR_ACCESS_DENIED: it exists
-    try:
-        code = ctypes.c_ulong()
-        if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
-            return True
-        return code.value == 259  # STILL_ACTIVE
-    finally:
-        kernel32.CloseHandle(handle)

@@ -31,10 +31,12 @@ import logging
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Any
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Protocol, TextIO
 
 from xpukit import _environ
 
@@ -117,7 +119,9 @@ def quiet_imports() -> Iterator[None]:
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: asks the finders after it, and wraps the noisy modules' execution."""
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname not in NOISY_LIBRARIES or _CAPTURING.depth:
             return None
         for finder in sys.meta_path:
@@ -133,7 +137,7 @@ class _Finder(importlib.abc.MetaPathFinder):
             return spec
         run = loader.exec_module
 
-        def exec_module(module: Any) -> None:
+        def exec_module(module: ModuleType) -> None:
             with _capturing():
                 run(module)
             with suppress(AttributeError):  # the loader is this spec's own: back to its class's method
@@ -158,7 +162,7 @@ class _Held(io.TextIOBase):
     then; afterwards (a library may keep a reference, as a logging handler does) it writes through to
     the stream it replaced."""
 
-    def __init__(self, stream: Any, name: str) -> None:
+    def __init__(self, stream: TextIO, name: str) -> None:
         super().__init__()
         self._stream = stream
         self._name = name
@@ -185,7 +189,7 @@ class _Held(io.TextIOBase):
         if not self.holding:
             self._stream.flush()
 
-    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty …: the real stream's
+    def __getattr__(self, name: str) -> object:  # encoding, fileno, isatty …: the real stream's
         return getattr(self._stream, name)
 
 
@@ -212,7 +216,7 @@ def _capturing() -> Iterator[None]:
         category: type[Warning],
         filename: str,
         lineno: int,
-        file: Any = None,
+        file: TextIO | None = None,
         line: str | None = None,
     ) -> None:
         _keep_warning(message, category, filename, lineno, line)
@@ -257,7 +261,7 @@ def quiet_load() -> Iterator[None]:
                 category: type[Warning],
                 filename: str,
                 lineno: int,
-                file: Any = None,
+                file: TextIO | None = None,
                 line: str | None = None,
             ) -> None:
                 if not issubclass(category, (DeprecationWarning, PendingDeprecationWarning, FutureWarning)):
@@ -303,6 +307,21 @@ def _keep_warning(
 # --- what a collected record costs, in xpukit's words --------------------------------------------
 
 
+class _Device(Protocol):
+    @property
+    def backend(self) -> str: ...
+
+
+class PlanFacts(Protocol):
+    """What a note's rule reads of a ``LoadPlan`` (this base module does not import planning)."""
+
+    @property
+    def device(self) -> _Device: ...
+
+    @property
+    def quantization(self) -> str | None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class KnownRecord:
     """A third-party log record that can matter to a plan, and the note xpukit says for it."""
@@ -310,10 +329,10 @@ class KnownRecord:
     logger: str  # the logger name's prefix
     contains: str  # a piece of the message
     note: str
-    matters: Callable[[Any], bool]  # given the LoadPlan: does this record change what it means?
+    matters: Callable[[PlanFacts], bool]  # given the LoadPlan: does this record change what it means?
 
 
-def _bnb_4bit_on_cpu(plan: Any) -> bool:
+def _bnb_4bit_on_cpu(plan: PlanFacts) -> bool:
     return bool(plan.device.backend == "cpu" and plan.quantization == "4bit")
 
 
@@ -334,7 +353,7 @@ KNOWN: tuple[KnownRecord, ...] = (
 )
 
 
-def notes_for(records: list[logging.LogRecord], plan: Any) -> list[str]:
+def notes_for(records: list[logging.LogRecord], plan: PlanFacts) -> list[str]:
     """xpukit's notes for the records that matter to ``plan`` (each note once)."""
     notes: list[str] = []
     for known in KNOWN:

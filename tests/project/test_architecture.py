@@ -3,7 +3,7 @@
 Stages, lowest first (docs/index.md#architecture-facts--plan--act):
 
 0. base: ``xpukit.errors``, ``xpukit._compat``, ``xpukit._environ``, ``xpukit.hub``,
-   ``xpukit._platform``, ``xpukit._partial``
+   ``xpukit._platform`` (with ``xpukit._win32``), ``xpukit._partial``
 1. ``xpukit.machine`` — what the machine is (facts, probe, profiles, precision); ``xpukit.sources``
    — the request's files read before planning (a trained adapter's)
 2. ``xpukit.select`` (device selection) and ``xpukit.planning`` (deciding) — side by side, neither
@@ -40,6 +40,7 @@ STAGES: dict[str, int] = {
     "xpukit._quiet": 0,
     "xpukit.hub": 0,
     "xpukit._platform": 0,
+    "xpukit._win32": 0,
     "xpukit._partial": 0,
     "xpukit.machine": 1,
     "xpukit.sources": 1,

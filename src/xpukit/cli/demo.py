@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 from xpukit.cli.output import emit_json
 from xpukit.demo.run import DEFAULT_BATCH_SIZE, DEFAULT_STEPS  # light: xpukit.demo.run imports torch lazily
 
 
-def add_parser(sub: Any) -> None:
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register the ``demo`` subcommand."""
     parser = sub.add_parser(
         "demo",

@@ -25,10 +25,13 @@ import sys
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit import _quiet
 from xpukit._quiet import KNOWN, KnownRecord
+
+if TYPE_CHECKING:
+    from xpukit.planning.loadplan import LoadPlan
 
 __all__ = ["KNOWN", "Collected", "KnownRecord", "command_logging", "library_output", "notes_for"]
 
@@ -48,7 +51,7 @@ class Collected(logging.Handler):
             self.records.append(record)
 
 
-def notes_for(records: list[logging.LogRecord], plan: Any) -> list[str]:
+def notes_for(records: list[logging.LogRecord], plan: LoadPlan) -> list[str]:
     """xpukit's notes for ``records`` and what the quieted imports logged (xpukit/_quiet.py) that
     matter to ``plan`` (each note once)."""
     return _quiet.notes_for([*records, *_quiet.collected()], plan)

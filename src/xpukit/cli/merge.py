@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import textwrap
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.cli.output import emit_json
 
+if TYPE_CHECKING:
+    from xpukit.loading.save_merged import MergeResult
 
-def add_parser(sub: Any) -> None:
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register the ``merge`` subcommand."""
     parser = sub.add_parser(
         "merge",
@@ -114,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def summary(result: Any, base: str, *, wall: float | None = None) -> list[str]:
+def summary(result: MergeResult, base: str, *, wall: float | None = None) -> list[str]:
     """What ``xpukit merge`` prints without ``--explain``: warnings first, then what was merged into
     what, where it was written, the dtype and the time."""
     from xpukit.planning.training.base_record import RECORD_FILE
@@ -125,6 +128,7 @@ def summary(result: Any, base: str, *, wall: float | None = None) -> list[str]:
             warning, 100, initial_indent="warning: ", subsequent_indent="  ", break_on_hyphens=False
         )
     merge = result.plan.merge
+    assert merge is not None  # a merge's plan has its merge
     into = "the dequantised 4-bit base" if merge.base == "dequantized" else "the original weights"
     why = {"record": f"as its {RECORD_FILE} says", "asked": f"--into {merge.base}", "default": "the default"}
     tokenizer = (

@@ -24,7 +24,7 @@ __all__ = ["emit_json", "reserved_stdout"]
 _RESERVED: list[TextIO] = []  # the real standard output while a --json command runs
 
 
-def emit_json(data: Any) -> None:
+def emit_json(data: object) -> None:
     """Print ``data`` as indented JSON on the command's standard output."""
     stream = _RESERVED[-1] if _RESERVED else sys.stdout
     stream.write(json.dumps(data, indent=2) + "\n")

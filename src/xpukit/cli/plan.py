@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpukit.cli.logs import notes_for, plan_warnings_printed
 from xpukit.cli.output import emit_json
 from xpukit.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    from xpukit.machine.facts import MachineFacts
+    from xpukit.planning.loadplan import LoadPlan
 
-def add_parser(sub: Any) -> None:
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register the ``plan`` subcommand."""
     parser = sub.add_parser(
         "plan",
@@ -165,7 +169,7 @@ def _request(args: argparse.Namespace) -> dict[str, Any]:
     return {**kwargs, "offload": offload, "rank": rank}
 
 
-def _plan(args: argparse.Namespace, request: dict[str, Any]) -> Any:
+def _plan(args: argparse.Namespace, request: dict[str, Any]) -> LoadPlan:
     from xpukit.planning.plan import plan_load
 
     kwargs = dict(request)
@@ -184,7 +188,7 @@ def _print_profiles() -> None:
         print(f"  {name:<13}{device.backend:<5} {device.name}")
 
 
-def _train(spec: str | None) -> dict[str, Any]:
+def _train(spec: str | None) -> dict[str, bool | int]:
     """``--train 4x512`` → ``{"lora": True, "batch_size": 4, "seq_len": 512}``."""
     if spec is None:
         return {}
@@ -205,7 +209,7 @@ def _rank(spec: str) -> tuple[int, int]:
     return int(r), int(w)
 
 
-def _facts(assume: str | None, rank: tuple[int, int]) -> Any:
+def _facts(assume: str | None, rank: tuple[int, int]) -> MachineFacts:
     """The machine (a profile or this one) as rank R of W (``--rank R/W``)."""
     from dataclasses import replace
 

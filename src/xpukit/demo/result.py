@@ -7,10 +7,16 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xpukit.demo.output import peak_memory
 from xpukit.planning.budgets import format_bytes
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from xpukit.demo.training_run import TrainingRun
+    from xpukit.planning.loadplan import LoadPlan
 
 __all__ = ["DemoResult", "demo_result"]
 
@@ -113,9 +119,9 @@ class DemoResult:
 
 
 def demo_result(
-    peft_model: Any,
-    run: Any,
-    loaded_plan: Any,
+    peft_model: PeftModel,
+    run: TrainingRun,
+    loaded_plan: LoadPlan,
     *,
     source: str,
     embedded: bool,

@@ -28,7 +28,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING
 
 from xpukit._compat import installed_version, is_installed, require
 from xpukit._partial import writing
@@ -43,6 +43,13 @@ from xpukit.demo.text import readable, token_bytes
 from xpukit.demo.training_run import lora_layers_updated, train
 from xpukit.errors import InvalidRequestError, MissingExtraError
 from xpukit.loading.load_problems import missing_weights_problem
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
+
+    from xpukit.demo.training_run import TrainingRun
+    from xpukit.planning.loadplan import LoadPlan
 
 __all__ = ["DEFAULT_BATCH_SIZE", "DEFAULT_STEPS", "DemoResult", "plot_losses", "run_demo"]
 
@@ -208,7 +215,7 @@ def _source(model: str | os.PathLike[str] | None, say: Narrator) -> str:
     return source
 
 
-def _load(plan: Any, source: str, say: Narrator) -> tuple[Any, Any]:
+def _load(plan: LoadPlan, source: str, say: Narrator) -> tuple[PeftModel, PreTrainedTokenizerBase]:
     """The model loaded as planned (what ran said), and its tokenizer with a pad token."""
     import transformers
 
@@ -224,7 +231,7 @@ def _load(plan: Any, source: str, say: Narrator) -> tuple[Any, Any]:
     return peft_model, tokenizer
 
 
-def _check_gradients(peft_model: Any, run: Any) -> tuple[int, int]:
+def _check_gradients(peft_model: PeftModel, run: TrainingRun) -> tuple[int, int]:
     """The LoRA layers, and how many training updated; a warning when some got no gradient."""
     lora_layers, updated = lora_layers_updated(peft_model)
     no_gradient = sorted(name for name, ok in run.first_gradients.items() if not ok)
@@ -240,9 +247,9 @@ def _check_gradients(peft_model: Any, run: Any) -> tuple[int, int]:
 
 
 def _keep(
-    peft_model: Any,
-    tokenizer: Any,
-    run: Any,
+    peft_model: PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
+    run: TrainingRun,
     say: Narrator,
     *,
     work: Path | None,
@@ -307,7 +314,7 @@ def _check_request(
     return path
 
 
-def _plan(source: str, *, device: str | None, quantize: bool, seed: int = 0) -> tuple[Any, str]:
+def _plan(source: str, *, device: str | None, quantize: bool, seed: int = 0) -> tuple[LoadPlan, str]:
     """The load plan, 4-bit where bitsandbytes can do it here, and a note saying why (or why not).
 
     The seed is the plan's, so the plan says what runs: the LoRA initialisation seeded with it.
@@ -332,7 +339,7 @@ def _plan(source: str, *, device: str | None, quantize: bool, seed: int = 0) -> 
 
 
 def _generate(
-    model: Any, tokenizer: Any, prompts: tuple[str, ...], max_new_tokens: int
+    model: PeftModel, tokenizer: PreTrainedTokenizerBase, prompts: tuple[str, ...], max_new_tokens: int
 ) -> tuple[tuple[str, str], ...]:
     """Greedy continuations, one prompt at a time (no padding to get wrong)."""
     import torch

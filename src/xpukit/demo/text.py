@@ -21,7 +21,10 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 __all__ = ["original_bytes", "readable", "token_bytes"]
 
@@ -100,7 +103,7 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
-def token_bytes(tokenizer: Any, ids: Sequence[int]) -> bytes:
+def token_bytes(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> bytes:
     """The bytes a sequence of token ids stands for, special tokens left out.
 
     Byte-level BPE tokens (GPT-2, Qwen, Llama 3, the demo's tiny tokenizer) map character by

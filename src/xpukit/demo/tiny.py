@@ -154,7 +154,11 @@ def corpus_lines() -> list[str]:
 
 
 def build_tiny_model(
-    arch: str, out_dir: str | os.PathLike[str], *, seed: int = 0, **config_overrides: Any
+    arch: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    **config_overrides: Any,  # a transformers config's fields, of the types that config takes
 ) -> Path:
     """Build a tiny randomly initialised model with its tokenizer and save both to ``out_dir``.
 

@@ -13,7 +13,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Protocol, cast
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftModel
+    from transformers import (
+        PreTrainedTokenizerBase,
+        TrainerCallback,
+        TrainerControl,
+        TrainerState,
+        TrainingArguments,
+    )
 
 __all__ = ["TrainingRun", "lora_layers_updated", "loss_callback", "train"]
 
@@ -26,9 +37,21 @@ class TrainingRun:
     first_gradients: dict[str, bool]
 
 
+class _Bar(Protocol):
+    """What the callback uses of a tqdm bar."""
+
+    n: float
+
+    def update(self, n: float) -> object: ...
+
+    def set_postfix_str(self, s: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def train(
-    model: Any,
-    tokenizer: Any,
+    model: PeftModel,
+    tokenizer: PreTrainedTokenizerBase,
     lines: list[str],
     *,
     steps: int,
@@ -86,7 +109,7 @@ def loss_callback(
     steps: int,
     log_every: int,
     stream: IO[str] | None,
-) -> Any:
+) -> TrainerCallback:
     """A callback that records each step's loss into ``losses`` and, at the first step, which
     ``lora_B`` weights got a non-zero gradient into ``first_gradients``; it shows progress on
     ``stream`` as one bar (a terminal) or as lines (anything else), never both.
@@ -100,27 +123,41 @@ def loss_callback(
     as_bar = stream is not None and _is_terminal(stream)
 
     class LossProgress(TrainerCallback):  # type: ignore[misc]
-        bar: Any = None
+        bar: _Bar | None = None
 
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_pre_optimizer_step(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+        ) -> None:
             if first_gradients:
                 return
-            for name, param in kwargs["model"].named_parameters():
+            model = cast("torch.nn.Module", kwargs["model"])  # Trainer passes its model
+            for name, param in model.named_parameters():
                 if "lora_B" in name:
                     grad = param.grad
                     first_gradients[name] = grad is not None and bool(grad.detach().abs().max().item() > 0)
 
-        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_train_begin(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+        ) -> None:
             if as_bar and state.is_world_process_zero:
                 from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
                 self.bar = tqdm(total=state.max_steps, file=stream, desc="  training", dynamic_ncols=True)
 
-        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_step_end(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+        ) -> None:
             if self.bar is not None:
                 self.bar.update(state.global_step - self.bar.n)
 
-        def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        def on_log(
+            self,
+            args: TrainingArguments,
+            state: TrainerState,
+            control: TrainerControl,
+            logs: dict[str, float] | None = None,
+            **kwargs: object,
+        ) -> None:
             if not logs or "loss" not in logs:
                 return  # the end-of-training summary dict
             losses.append((int(state.global_step), float(logs["loss"])))
@@ -132,7 +169,9 @@ def loss_callback(
             elif stream is not None and (step % log_every == 0 or step == steps or step == 1):
                 print(f"  step {step:>{len(str(steps))}}/{steps}  loss {mean:.3f}", file=stream, flush=True)
 
-        def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        def on_train_end(
+            self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: object
+        ) -> None:
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
@@ -147,7 +186,7 @@ def _is_terminal(stream: IO[str]) -> bool:
         return False
 
 
-def lora_layers_updated(model: Any) -> tuple[int, int]:
+def lora_layers_updated(model: torch.nn.Module) -> tuple[int, int]:
     """LoRA layers, and how many of them moved: peft starts every ``lora_B`` at zero."""
     total = updated = 0
     for name, param in model.named_parameters():

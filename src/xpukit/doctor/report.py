@@ -10,7 +10,7 @@ from xpukit import __version__
 from xpukit.doctor.checks import Finding, diagnose
 from xpukit.doctor.ecosystem import enabled_by_versions
 from xpukit.doctor.host import HostFacts, gather_host
-from xpukit.machine.facts import MachineFacts
+from xpukit.machine.facts import DeviceFacts, MachineFacts
 from xpukit.machine.precision import slow_precision
 
 __all__ = ["SCHEMA_VERSION", "DoctorReport", "run_doctor"]
@@ -118,7 +118,7 @@ class DoctorReport:
         return "OK: no known problem found" + (" (notes above)." if self.findings else ".")
 
 
-def _precisions(device: Any) -> str:
+def _precisions(device: DeviceFacts) -> str:
     """What the device computes in natively, and what it only emulates (docs/platform-notes.md §3.5)."""
     # The loader's rule (machine/precision.py slow_precision), so doctor and the plans agree.
     facts = (("bf16", "bfloat16", device.native_bf16), ("fp16", "float16", device.fp16))

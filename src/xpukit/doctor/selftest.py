@@ -11,11 +11,17 @@ tokens with eager (tens of seconds, the compile), and
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from xpukit.machine.facts import DeviceFacts, MachineFacts
+
+if TYPE_CHECKING:
+    from transformers import Qwen3Config
 
 __all__ = ["NEAR_TIE", "CheckResult", "decode_int4_check", "run_selftest"]
 
@@ -56,11 +62,11 @@ def run_selftest(machine: MachineFacts) -> list[CheckResult]:
     return results
 
 
-def _device_checks(torch: Any, device: DeviceFacts) -> list[CheckResult]:
+def _device_checks(torch: ModuleType, device: DeviceFacts) -> list[CheckResult]:
     name = device.torch_device
     out = []
 
-    def check(label: str, fn: Any, expected: bool = True) -> None:
+    def check(label: str, fn: Callable[[], object], expected: bool = True) -> None:
         start = time.perf_counter()
         try:
             detail = fn()
@@ -78,7 +84,7 @@ def _device_checks(torch: Any, device: DeviceFacts) -> list[CheckResult]:
             )
         )
 
-    def matmul(dtype: Any) -> str:
+    def matmul(dtype: object) -> str:  # a torch.dtype
         gen = torch.Generator().manual_seed(0)
         a = torch.randn(256, 256, generator=gen)
         b = torch.randn(256, 256, generator=gen)
@@ -99,7 +105,7 @@ def _device_checks(torch: Any, device: DeviceFacts) -> list[CheckResult]:
         ("matmul-fp16", torch.float16, device.fp16),
         ("matmul-fp32", torch.float32, True),
     ):
-        check(label, lambda dtype=dtype: matmul(dtype), expected)
+        check(label, functools.partial(matmul, dtype), expected)
     if device.backend != "mps":  # MPS has no float64 at all
         check(
             "fp64",
@@ -122,7 +128,7 @@ def _device_checks(torch: Any, device: DeviceFacts) -> list[CheckResult]:
     return out
 
 
-def _graphs_check(torch: Any, name: str, *, checkpoint: bool = False) -> str:
+def _graphs_check(torch: ModuleType, name: str, *, checkpoint: bool = False) -> str:
     """One LoRA training layer captured as a device graph and replayed (``lora={"graphs": ...}``;
     with ``checkpoint``, checkpointed inside the graph as with ``"gradient_checkpointing": True``),
     against the same layer eager: the losses and LoRA gradients of the third step (the second is
@@ -165,7 +171,7 @@ def _graphs_check(torch: Any, name: str, *, checkpoint: bool = False) -> str:
     return f"captured and replayed: loss and LoRA gradients equal eager ({err:.1e} relative)"
 
 
-def _decode_check(torch: Any, name: str, backend: str) -> str:
+def _decode_check(torch: ModuleType, name: str, backend: str) -> str:
     """xpukit's decode loop as ``fast_decode=True`` sets it up here, against the loop eager: the time
     to the first token and which tier served it, then the compiled tier's tokens.
 
@@ -219,7 +225,7 @@ def _decode_check(torch: Any, name: str, backend: str) -> str:
     )
 
 
-def decode_int4_check(torch: Any, device: DeviceFacts, *, compiled: bool = True) -> str:
+def decode_int4_check(torch: ModuleType, device: DeviceFacts, *, compiled: bool = True) -> str:
     """A tiny int4 model decoded the way ``quantize="4bit"`` loads it to run here: the device's torchao
     int4 format, fused projections, xpukit's loop compiled as ``fast_decode`` compiles it (``compiled``
     False: eager, as on the CPU), against transformers' plain ``generate`` over the same weights.
@@ -295,7 +301,7 @@ def decode_int4_check(torch: Any, device: DeviceFacts, *, compiled: bool = True)
     return f"{fmt.label}, {mode}, {groups}: {note}; first call {first:.1f} s"
 
 
-def _tiny_config(*, layers: int, **extra: Any) -> Any:
+def _tiny_config(*, layers: int, **extra: object) -> Qwen3Config:
     """The selftests' tiny Qwen3 (512 words, hidden 64), random weights built on the spot."""
     from transformers import Qwen3Config
 
@@ -313,7 +319,7 @@ def _tiny_config(*, layers: int, **extra: Any) -> Any:
     )
 
 
-def _sync(torch: Any, device: DeviceFacts | str) -> None:
+def _sync(torch: ModuleType, device: DeviceFacts | str) -> None:
     backend = device if isinstance(device, str) else device.backend
     if backend in ("xpu", "cuda", "mps"):
         getattr(torch, backend).synchronize()

@@ -15,7 +15,7 @@ only from :func:`~xpukit.kernels.nf4.dequantize_nf4`, on a CUDA/XPU tensor, once
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 try:
     import triton  # type: ignore[import-not-found, unused-ignore]
@@ -27,6 +27,7 @@ from xpukit.kernels._launch import on_device
 
 if TYPE_CHECKING:
     import torch
+    from bitsandbytes.functional import QuantState
 
 __all__ = ["dequantize_nf4_triton"]
 
@@ -70,7 +71,7 @@ if triton is not None:
 
 
 @functools.cache
-def _nf4_table(device: Any) -> torch.Tensor:
+def _nf4_table(device: torch.device) -> torch.Tensor:
     import torch
 
     from xpukit.kernels.nf4_table import NF4_VALUES
@@ -79,7 +80,7 @@ def _nf4_table(device: Any) -> torch.Tensor:
 
 
 def dequantize_nf4_triton(
-    weight: torch.Tensor, quant_state: Any, out: torch.Tensor | None = None
+    weight: torch.Tensor, quant_state: QuantState, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Dequantise an nf4 weight on a CUDA/XPU device with the Triton kernel (see the module docstring)."""
     import torch

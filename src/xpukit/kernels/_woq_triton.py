@@ -27,7 +27,7 @@ only from :mod:`xpukit.kernels.woq` once triton imported.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 try:
     import triton  # type: ignore[import-not-found, unused-ignore]
@@ -200,7 +200,7 @@ def _pow2(k: int) -> int:
     return max(16, 1 << (max(k, 1) - 1).bit_length())
 
 
-def _programs(device: Any) -> int:
+def _programs(device: torch.device) -> int:
     """Two programs per multiprocessor (CUDA) or execution unit group (XPU), 264 if unknown."""
     import torch
 

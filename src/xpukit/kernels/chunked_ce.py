@@ -23,21 +23,39 @@ each re-reading the head; docs/training-plan.md "liger's loss chunk").
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["IGNORE_INDEX", "chunked_linear_cross_entropy", "liger_linear_cross_entropy"]
 
 IGNORE_INDEX = -100
 
 
+class _Ctx(Protocol):
+    """What the function keeps on autograd's context between forward and backward."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None: ...
+
+
 @functools.cache
-def _function() -> Any:
+def _function() -> type[torch.autograd.Function]:
     """Define the autograd function (needs torch; built once, as ``lora_ops._functions``)."""
     import torch
 
     class ChunkedLinearCrossEntropy(torch.autograd.Function):  # type: ignore[misc]
         @staticmethod
-        def forward(ctx: Any, hidden: Any, weight: Any, labels: Any, denominator: Any, chunk: int) -> Any:
+        def forward(
+            ctx: _Ctx,
+            hidden: torch.Tensor,
+            weight: torch.Tensor,
+            labels: torch.Tensor,
+            denominator: torch.Tensor,
+            chunk: int,
+        ) -> torch.Tensor:
             grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             for start in range(0, hidden.shape[0], chunk):
@@ -57,7 +75,7 @@ def _function() -> Any:
             return total / denominator
 
         @staticmethod
-        def backward(ctx: Any, grad_loss: Any) -> Any:
+        def backward(ctx: _Ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
             grad_hidden, denominator = ctx.saved_tensors
             scale = (grad_loss / denominator).to(grad_hidden.dtype)
             return grad_hidden * scale, None, None, None, None
@@ -65,7 +83,9 @@ def _function() -> Any:
     return ChunkedLinearCrossEntropy
 
 
-def _flat(hidden: Any, weight: Any, labels: Any) -> tuple[Any, Any, Any]:
+def _flat(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hidden states as ``(tokens, hidden)`` in the compute dtype, the weight in it, and the labels
     shifted left by one and flattened (transformers' ``ForCausalLMLoss``)."""
     import torch
@@ -81,8 +101,13 @@ def _flat(hidden: Any, weight: Any, labels: Any) -> tuple[Any, Any, Any]:
 
 
 def chunked_linear_cross_entropy(
-    hidden: Any, weight: Any, labels: Any, *, chunk: int, num_items_in_batch: Any = None
-) -> Any:
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
     """transformers' causal-LM loss of ``hidden @ weight.T`` against ``labels``, chunk by chunk.
 
     Args:
@@ -104,13 +129,13 @@ def chunked_linear_cross_entropy(
 
 
 def liger_linear_cross_entropy(
-    hidden: Any,
-    weight: Any,
-    labels: Any,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
     *,
     chunk_mem_const: int,
-    num_items_in_batch: Any = None,
-) -> Any:
+    num_items_in_batch: torch.Tensor | int | None = None,
+) -> torch.Tensor:
     """The same loss through liger-kernel's fused linear cross-entropy with its ``chunk_mem_const``
     (the caller's, for this call's token count: liger's chunk grows with it). The sum is divided by
     ``num_items_in_batch`` when given, as liger's model forwards do."""

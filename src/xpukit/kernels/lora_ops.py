@@ -44,10 +44,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NamedTuple, Protocol, TypeAlias
 
 if TYPE_CHECKING:
     import torch
+    from bitsandbytes.functional import QuantState
+
+    # One projection as the autograd functions carry it: packed weight, quant state, scale, bias.
+    _Spec: TypeAlias = tuple[torch.Tensor, QuantState, float, torch.Tensor | None]
 
 __all__ = [
     "GATE_ACTIVATIONS",
@@ -67,15 +71,38 @@ class Projection:
     """One 4-bit projection with its adapter: the frozen weight, the trainable ``A``/``B``, the scale,
     and the base layer's frozen bias (``None`` for none)."""
 
-    weight: Any  # bitsandbytes Params4bit (packed uint8)
-    quant_state: Any
+    weight: torch.Tensor  # bitsandbytes Params4bit (packed uint8)
+    quant_state: QuantState
     lora_A: torch.Tensor  # r × in
     lora_B: torch.Tensor  # out × r
     scale: float
     bias: torch.Tensor | None = None
 
 
-def _specs(projs: tuple[Projection, ...]) -> tuple[tuple[Any, Any, float, Any], ...]:
+class _Ctx(Protocol):
+    """What the functions keep on autograd's context between forward and backward."""
+
+    saved_tensors: tuple[torch.Tensor, ...]
+    needs_input_grad: tuple[bool, ...]
+    specs: tuple[_Spec, ...]
+    dtype: torch.dtype
+    x_shape: torch.Size
+    x_dtype: torch.dtype
+    adapter_dtypes: list[torch.dtype]
+    act: str
+    liger: bool
+
+    def save_for_backward(self, *tensors: torch.Tensor) -> None: ...
+
+
+class _Functions(NamedTuple):
+    """The autograd functions, built on first use (:func:`_functions`)."""
+
+    SharedInput: type[torch.autograd.Function]
+    GatedMLP: type[torch.autograd.Function]
+
+
+def _specs(projs: tuple[Projection, ...]) -> tuple[_Spec, ...]:
     return tuple((p.weight, p.quant_state, float(p.scale), p.bias) for p in projs)
 
 
@@ -178,7 +205,7 @@ def _act_mul_backward(
     return d_gate, d_up
 
 
-def _dequant(weight: Any, quant_state: Any, dtype: torch.dtype) -> torch.Tensor:
+def _dequant(weight: torch.Tensor, quant_state: QuantState, dtype: torch.dtype) -> torch.Tensor:
     from xpukit.kernels.nf4 import dequantize_nf4
 
     w = dequantize_nf4(weight, quant_state)
@@ -201,7 +228,7 @@ def _gate_up_parts(n_in: int, out_features: int) -> tuple[tuple[int, slice], tup
 
 
 @functools.cache
-def _functions() -> Any:
+def _functions() -> _Functions:
     """Define the autograd functions (needs torch; built once) from the pieces below."""
     import torch
 
@@ -210,12 +237,12 @@ def _functions() -> Any:
 
         @staticmethod
         def forward(
-            ctx: Any, x: torch.Tensor, dtype: torch.dtype, specs: Any, *adapters: torch.Tensor
-        ) -> Any:
+            ctx: _Ctx, x: torch.Tensor, dtype: torch.dtype, specs: tuple[_Spec, ...], *adapters: torch.Tensor
+        ) -> tuple[torch.Tensor, ...]:
             return _shared_forward(ctx, x, dtype, specs, adapters)
 
         @staticmethod
-        def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+        def backward(ctx: _Ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
             return _shared_backward(ctx, grads)
 
     class GatedMLP(torch.autograd.Function):  # type: ignore[misc]
@@ -223,30 +250,30 @@ def _functions() -> Any:
 
         @staticmethod
         def forward(
-            ctx: Any,
+            ctx: _Ctx,
             x: torch.Tensor,
             dtype: torch.dtype,
-            specs: Any,
+            specs: tuple[_Spec, ...],
             act: str,
             liger: bool,
             *adapters: torch.Tensor,
-        ) -> Any:
+        ) -> torch.Tensor:
             return _gated_forward(ctx, x, dtype, specs, act, liger, adapters)
 
         @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        def backward(ctx: _Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
             return _gated_backward(ctx, grad)
 
-    class _Functions:
-        pass
-
-    functions = _Functions()
-    functions.SharedInput = SharedInput  # type: ignore[attr-defined]
-    functions.GatedMLP = GatedMLP  # type: ignore[attr-defined]
-    return functions
+    return _Functions(SharedInput=SharedInput, GatedMLP=GatedMLP)
 
 
-def _shared_forward(ctx: Any, x: Any, dtype: Any, specs: Any, adapters: tuple[Any, ...]) -> Any:
+def _shared_forward(
+    ctx: _Ctx,
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    specs: tuple[_Spec, ...],
+    adapters: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, ...]:
     """Each projection of ``x``: the 4-bit product plus the scaled LoRA term; saves ``x`` and ``x Aᵀ``."""
     import torch
 
@@ -269,7 +296,7 @@ def _shared_forward(ctx: Any, x: Any, dtype: Any, specs: Any, adapters: tuple[An
     return tuple(outs)
 
 
-def _shared_backward(ctx: Any, grads: tuple[Any, ...]) -> Any:
+def _shared_backward(ctx: _Ctx, grads: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...]:
     """The adapters' gradients per projection, and ``dx`` accumulated in one buffer."""
     import torch
 
@@ -299,10 +326,16 @@ def _shared_backward(ctx: Any, grads: tuple[Any, ...]) -> Any:
     return (dx, None, None, *adapter_grads)
 
 
-def _gate_and_up(x2: Any, cast: list[Any], specs: Any, dtype: Any, xas: list[Any]) -> list[Any]:
+def _gate_and_up(
+    x2: torch.Tensor,
+    cast: list[torch.Tensor],
+    specs: tuple[_Spec, ...],
+    dtype: torch.dtype,
+    xas: list[torch.Tensor],
+) -> list[torch.Tensor]:
     """``gate(x)`` and ``up(x)`` with their LoRA terms (two projections, or the halves of one)."""
     n_in = len(specs) - 1
-    halves: list[Any] = []
+    halves: list[torch.Tensor] = []
     w, held = x2, -1  # the dequantised weight of input projection `held`
     for i, rows in _gate_up_parts(n_in, cast[1].shape[0]):
         weight, quant_state, scale, bias = specs[i]
@@ -318,8 +351,14 @@ def _gate_and_up(x2: Any, cast: list[Any], specs: Any, dtype: Any, xas: list[Any
 
 
 def _gated_forward(
-    ctx: Any, x: Any, dtype: Any, specs: Any, act: str, liger: bool, adapters: tuple[Any, ...]
-) -> Any:
+    ctx: _Ctx,
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    specs: tuple[_Spec, ...],
+    act: str,
+    liger: bool,
+    adapters: tuple[torch.Tensor, ...],
+) -> torch.Tensor:
     """``down(act(gate) * up)`` with the adapters; saves ``x``, ``gate``, ``up`` and the ``x Aᵀ``."""
     import torch
 
@@ -344,8 +383,12 @@ def _gated_forward(
 
 
 def _gate_up_backward(
-    ctx: Any, x2: Any, xas: list[Any], cast: list[Any], d_halves: Any
-) -> tuple[list[Any], Any]:
+    ctx: _Ctx,
+    x2: torch.Tensor,
+    xas: list[torch.Tensor],
+    cast: list[torch.Tensor],
+    d_halves: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """The gate and up adapters' gradients and ``dx``, from the gradients of ``gate`` and ``up``."""
     import torch
 
@@ -371,7 +414,7 @@ def _gate_up_backward(
     return grads, dx
 
 
-def _gated_backward(ctx: Any, grad: Any) -> Any:
+def _gated_backward(ctx: _Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """The down adapter's gradients, ``act(gate) * up`` recomputed, then gate's and up's (and ``dx``)."""
     import torch
 

@@ -18,12 +18,13 @@ fp4). :func:`dequantize_nf4_reference` is the readable PyTorch statement of the 
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpukit.kernels.nf4_table import NF4_VALUES
 
 if TYPE_CHECKING:
     import torch
+    from bitsandbytes.functional import QuantState
 
 __all__ = ["NF4_VALUES", "dequantize_nf4", "dequantize_nf4_reference", "triton_available"]
 
@@ -40,7 +41,9 @@ def triton_available() -> bool:
     return True
 
 
-def dequantize_nf4(weight: torch.Tensor, quant_state: Any, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_nf4(
+    weight: torch.Tensor, quant_state: QuantState, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Dequantise a bitsandbytes 4-bit weight into ``quant_state.dtype``, shaped ``quant_state.shape``.
 
     Args:
@@ -65,7 +68,7 @@ def dequantize_nf4(weight: torch.Tensor, quant_state: Any, out: torch.Tensor | N
     return bnb_functional.dequantize_4bit(weight, quant_state, out=out)
 
 
-def nested_absmax_reference(quant_state: Any) -> torch.Tensor:
+def nested_absmax_reference(quant_state: QuantState) -> torch.Tensor:
     """The fp32 per-block scales of a 4-bit weight, undoing double quantisation where it was used."""
     import torch
 
@@ -78,7 +81,7 @@ def nested_absmax_reference(quant_state: Any) -> torch.Tensor:
     return absmax + torch.as_tensor(quant_state.offset, dtype=torch.float32, device=absmax.device)
 
 
-def dequantize_nf4_reference(weight: torch.Tensor, quant_state: Any) -> torch.Tensor:
+def dequantize_nf4_reference(weight: torch.Tensor, quant_state: QuantState) -> torch.Tensor:
     """The plain PyTorch statement of nf4 dequantisation (module docstring); runs on any device."""
     import torch
 

@@ -27,7 +27,7 @@ torchao's own dispatch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpukit.kernels.int4_tile import int4_tile_mm_reference
 from xpukit.kernels.nf4 import triton_available
@@ -55,12 +55,12 @@ _REGISTERED = False  # set once xpukit's ops exist in this process
 _KINDS = {"Int8Tensor": "int8", "Int4TilePackedTo4dTensor": "int4"}  # torchao's class → xpukit's kernel
 
 
-def kernel_of(weight: Any) -> str | None:
+def kernel_of(weight: torch.Tensor) -> str | None:
     """The name of xpukit's kernel for ``weight`` (``int8``, ``int4``), ``None`` when it has none."""
     return _KINDS.get(type(weight).__name__) if unsupported(weight) is None else None
 
 
-def unsupported(weight: Any) -> str | None:
+def unsupported(weight: torch.Tensor) -> str | None:
     """``None`` when :func:`weight_only_linear` has a kernel for ``weight``, else why not."""
     kind = type(weight).__name__
     if kind not in ("Int8Tensor", "Int4TilePackedTo4dTensor") or not hasattr(weight, "qdata"):
@@ -143,7 +143,7 @@ def int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.
 
 def int4_tile_mm(
     x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int, rows: int
-) -> Any:
+) -> torch.Tensor:
     """``xpukit::int4_tile_mm`` on a 2-D ``x`` (``rows``: the weight's output rows)."""
     import torch
 
@@ -153,7 +153,11 @@ def int4_tile_mm(
 
 
 def weight_only_linear(
-    x: torch.Tensor, weight: Any, bias: torch.Tensor | None = None, *, devices: tuple[str, ...] = _DEVICES
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    devices: tuple[str, ...] = _DEVICES,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through xpukit's kernel where it serves (module docstring).
 

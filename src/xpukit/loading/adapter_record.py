@@ -17,11 +17,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from xpukit._partial import write_file
 from xpukit.planning.training.base_record import RECORD_FILE, BaseRecord, parse_record, record_from
 from xpukit.sources.adapter_files import read_record_data
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 __all__ = ["SaveWithRecord", "read_base_record", "record_on_save", "write_record"]
 
@@ -36,7 +39,7 @@ def read_base_record(adapter: str | Path) -> BaseRecord | None:
     return parse_record(*found) if found is not None else None
 
 
-def record_on_save(model: Any, *, dtype: str, base_model: str) -> str:
+def record_on_save(model: PeftModel, *, dtype: str, base_model: str) -> str:
     """Make ``model.save_pretrained`` also write the base record; returns the note for the plan."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(getattr(base, "config", None), "quantization_config", None)
@@ -58,16 +61,17 @@ def write_record(directory: str | os.PathLike[str], record: dict[str, Any]) -> P
 class SaveWithRecord:
     """A model's ``save_pretrained``: peft's, then the base record beside each adapter it wrote."""
 
-    def __init__(self, model: Any, record: dict[str, Any]) -> None:
+    def __init__(self, model: PeftModel, record: dict[str, Any]) -> None:
         self.model = model
         self.record = record
 
-    def __call__(self, save_directory: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, save_directory: str | os.PathLike[str], *args: object, **kwargs: object) -> object:
         model = self.model
-        result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        result: object = type(model).save_pretrained(model, save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True):
             return result  # peft wrote nothing in this process
-        names = kwargs.get("selected_adapters") or list(getattr(model, "peft_config", {}) or ["default"])
+        selected = cast("list[str] | None", kwargs.get("selected_adapters"))  # peft's keyword
+        names = selected or list(getattr(model, "peft_config", {}) or ["default"])
         for name in names:
             where = Path(save_directory) if name == "default" else Path(save_directory) / str(name)
             if (where / "adapter_config.json").is_file():

@@ -11,14 +11,18 @@ off for the layers of a model that is about to be trained.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.errors import DeviceUnavailableError
+
+if TYPE_CHECKING:
+    import torch
+    from bitsandbytes.nn import Linear4bit
 
 __all__ = ["keep_trained_4bit_numerics", "restore_trainable_4bit_layout"]
 
 
-def restore_trainable_4bit_layout(model: Any) -> list[str]:
+def restore_trainable_4bit_layout(model: torch.nn.Module) -> list[str]:
     """Undo bitsandbytes' CPU inference repacking and keep it from happening again.
 
     ``Linear4bit.forward`` repacks its weight for ``gemv_4bit`` on the first eval-mode, no-grad
@@ -62,7 +66,7 @@ def restore_trainable_4bit_layout(model: Any) -> list[str]:
     return notes
 
 
-def keep_trained_4bit_numerics(model: Any) -> list[str]:
+def keep_trained_4bit_numerics(model: torch.nn.Module) -> list[str]:
     """A trained adapter loaded to run on a 4-bit base: no CPU repacking, so it computes as it trained.
 
     The repacked layout rounds each block's scale to bf16 (docs/known-issues.md "bitsandbytes: CPU
@@ -81,7 +85,7 @@ def keep_trained_4bit_numerics(model: Any) -> list[str]:
     ]
 
 
-def _no_cpu_repacking(model: Any, linear4bit: Any) -> int:
+def _no_cpu_repacking(model: torch.nn.Module, linear4bit: type[Linear4bit]) -> int:
     """Turn bitsandbytes' CPU repacking off on every 4-bit layer on the CPU; how many it was on for."""
     guarded = 0
     for module in model.modules():
@@ -95,7 +99,7 @@ def _no_cpu_repacking(model: Any, linear4bit: Any) -> int:
     return guarded
 
 
-def _unpack_cpu_weight(module: Any) -> None:
+def _unpack_cpu_weight(module: Linear4bit) -> None:
     import torch
     from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 

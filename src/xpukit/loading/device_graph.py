@@ -29,10 +29,16 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
+    "DeviceGraph",
+    "DeviceModule",
     "GraphBackend",
     "GraphPool",
     "background_busy",
@@ -42,10 +48,43 @@ __all__ = [
     "wait_for_background",
 ]
 
+
+class DeviceGraph(Protocol):
+    """A captured device graph (``torch.cuda.CUDAGraph``, ``torch.xpu.XPUGraph``)."""
+
+    def replay(self) -> None: ...
+
+
+class DeviceModule(Protocol):
+    """What :class:`GraphBackend` uses of a torch device module (``torch.cuda``, ``torch.xpu``, or a
+    CPU test's stand-in). Its graph class is looked up by name; ``MemPool`` and ``use_mem_pool``
+    (torch 2.6+ on CUDA) and ``is_current_stream_capturing`` are used where the module has them."""
+
+    def graph(self, graph: DeviceGraph, **options: object) -> AbstractContextManager[object]: ...
+
+    def graph_pool_handle(self) -> object: ...
+
+    def stream(self, stream: torch.Stream) -> AbstractContextManager[object]: ...
+
+    def Stream(self) -> torch.Stream: ...
+
+    def current_device(self) -> int: ...
+
+    def synchronize(self) -> None: ...
+
+    def empty_cache(self) -> None: ...
+
+    def memory_snapshot(self) -> list[dict[str, Any]]: ...  # torch's allocator records (JSON-like)
+
+    def MemPool(self) -> object: ...
+
+    def use_mem_pool(self, pool: object) -> AbstractContextManager[object]: ...
+
+
 # The captures' side stream of each device (kind, index), shared by every model of the process.
-_SIDE_STREAMS: dict[tuple[str, int], Any] = {}
-# Pools whose last owner went while a capture was under way: let go at the next safe point.
-_PARKED: list[Any] = []
+_SIDE_STREAMS: dict[tuple[str, int], torch.Stream] = {}
+# Pool handles whose last owner went while a capture was under way: let go at the next safe point.
+_PARKED: list[object] = []
 # Work on other threads that may touch the device (module docstring), and its end.
 _BACKGROUND = [0]
 _QUIET = threading.Condition()
@@ -98,12 +137,12 @@ class GraphPool:
     by the graphs captured into it and by their owner. Letting go of a ``MemPool`` empties its cache,
     which synchronizes: when that would happen during a capture the pool is parked instead."""
 
-    def __init__(self, handle: Any, capturing: Callable[[], bool]) -> None:
+    def __init__(self, handle: object, capturing: Callable[[], bool]) -> None:
         self.handle = handle
         self._capturing = capturing
 
     @property
-    def id(self) -> Any:
+    def id(self) -> object:
         return getattr(self.handle, "id", self.handle)
 
     def __del__(self) -> None:
@@ -122,22 +161,24 @@ class GraphBackend:
     :meth:`warm_up` allocates from it: a warm-up pass before a capture then reuses the memory that
     earlier captures left free in the pool, instead of taking as much again from the device's default
     pool (the way inductor's graph trees warm up; docs/layer-graphs.md "CUDA graphs of the decoder layers").
-    ``module``: the device module itself (a CPU test's stand-in); by default ``torch.<kind>``.
+    ``module``: the device module itself (a CPU test's stand-in); by default ``torch.<kind>``. A
+    ``pool`` argument is a :class:`GraphPool` from :meth:`pool`, or the raw handle it holds.
     """
 
-    def __init__(self, kind: str, module: Any = None) -> None:
+    def __init__(self, kind: str, module: DeviceModule | None = None) -> None:
         import inspect
 
         import torch
 
         self.kind = kind
-        self.module = module if module is not None else getattr(torch, kind)
+        self.module: DeviceModule = module if module is not None else getattr(torch, kind)
         self.graph_class = getattr(self.module, "CUDAGraph" if kind == "cuda" else f"{kind.upper()}Graph")
         self.mem_pools = hasattr(self.module, "MemPool") and hasattr(self.module, "use_mem_pool")
         self._graph_stream = "stream" in inspect.signature(self.module.graph).parameters
 
-    def new_graph(self) -> Any:
-        return self.graph_class()
+    def new_graph(self) -> DeviceGraph:
+        graph: DeviceGraph = self.graph_class()
+        return graph
 
     def pool(self) -> GraphPool:
         self._let_parked_go()
@@ -149,10 +190,10 @@ class GraphBackend:
         check = getattr(self.module, "is_current_stream_capturing", None)
         return bool(check()) if check is not None else False
 
-    def capture(self, graph: Any, body: Callable[[], None], pool: Any) -> None:
+    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> None:
         # Captures happen mid-training, where a data loader's pin-memory thread may call into CUDA;
         # "thread_local" keeps those calls from invalidating this thread's capture (torch.cuda.graph).
-        options: dict[str, Any] = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
+        options: dict[str, object] = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
         if self._graph_stream:
             options["stream"] = self._side()
         wait_for_background()  # another thread's device work would invalidate the capture
@@ -175,16 +216,16 @@ class GraphBackend:
         self._let_parked_go()
         self.module.empty_cache()
 
-    def pool_bytes(self, pool: Any) -> int | None:
+    def pool_bytes(self, pool: object) -> int | None:
         """The device memory ``pool`` holds from the allocator (its segments' sizes), where the
         device module can say (``MemPool.snapshot``, else the memory snapshot's segments of that
         pool); ``None`` where it cannot."""
-        handle = getattr(pool, "handle", pool)
+        handle: object = getattr(pool, "handle", pool)
         try:
             if hasattr(handle, "snapshot"):
                 segments = handle.snapshot()
-            else:
-                pool_id = tuple(getattr(handle, "id", handle))
+            else:  # graph_pool_handle's id: a pair of ints
+                pool_id = tuple(cast("Iterable[int]", getattr(handle, "id", handle)))
                 segments = [
                     s for s in self.module.memory_snapshot() if tuple(s.get("segment_pool_id", ())) == pool_id
                 ]
@@ -192,11 +233,11 @@ class GraphBackend:
         except Exception:  # a device module without snapshots: the pool's size is not known
             return None
 
-    def side_stream(self) -> Any:
+    def side_stream(self) -> AbstractContextManager[object]:
         """Run on the captures' side stream (outside any pool)."""
         return self.module.stream(self._side())
 
-    def warm_up(self, pool: Any) -> Any:
+    def warm_up(self, pool: object) -> contextlib.ExitStack[bool | None]:
         """Run a capture's warm-up passes: on the captures' stream, allocating from ``pool`` where
         the device module allows it, with the garbage collector paused."""
         self._blas_workspace()
@@ -208,7 +249,7 @@ class GraphBackend:
             stack.enter_context(self.module.use_mem_pool(handle))
         return stack
 
-    def _side(self) -> Any:
+    def _side(self) -> torch.Stream:
         key = (self.kind, int(self.module.current_device()))
         if key not in _SIDE_STREAMS:
             _SIDE_STREAMS[key] = self.module.Stream()

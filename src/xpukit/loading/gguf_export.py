@@ -23,12 +23,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from xpukit._compat import installed_version
 from xpukit._partial import writing
 from xpukit.errors import InvalidRequestError, MissingExtraError
 from xpukit.planning.model.gguf_export import ExportFacts, GgufExportPlan, gguf_type, plan_gguf_export
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from xpukit.planning.loadplan import LoadPlan
+    from xpukit.planning.request import DeviceArg, MergeArg
+
+# A tokenizer, or the folder or Hub id of one.
+TokenizerArg: TypeAlias = "PreTrainedTokenizerBase | str | os.PathLike[str]"
 
 __all__ = ["GgufExport", "export_facts", "export_gguf", "export_gguf_from_source", "modelfile"]
 
@@ -49,9 +59,9 @@ class GgufExport:
     bytes: int
     seconds: float
     modelfile: Path | None = None
-    merge: Any = field(default=None, repr=False)
+    merge: LoadPlan | None = field(default=None, repr=False)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-able dict (``xpukit export --json``)."""
         return {
             "out": str(self.out),
@@ -68,7 +78,7 @@ def _require_gguf() -> None:
         raise MissingExtraError("GGUF export", "gguf", "export")
 
 
-def export_facts(model: Any, out: Path, tokenizer_dir: Path | None) -> ExportFacts:
+def export_facts(model: PreTrainedModel, out: Path, tokenizer_dir: Path | None) -> ExportFacts:
     """The facts of a loaded (or ``meta``-device) model: config, tensor shapes, tokenizer, free disk."""
     config = model.config.to_dict()
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -91,11 +101,11 @@ def export_facts(model: Any, out: Path, tokenizer_dir: Path | None) -> ExportFac
 
 
 def export_gguf(
-    model: Any,
+    model: PreTrainedModel,
     out: str | os.PathLike[str],
     *,
     type: str = "bf16",
-    tokenizer: Any = None,
+    tokenizer: TokenizerArg | None = None,
     ollama: bool = False,
     name: str | None = None,
 ) -> GgufExport:
@@ -148,8 +158,8 @@ def export_gguf_from_source(
     adapter: str | None = None,
     ollama: bool = False,
     name: str | None = None,
-    device: Any = None,
-    merge: Any = True,
+    device: DeviceArg = None,
+    merge: MergeArg = True,
     force: bool = False,
 ) -> GgufExport:
     """``xpukit export``: plan from SOURCE's config (no weight read), then load, merge and write.
@@ -200,7 +210,7 @@ def modelfile(gguf_name: str, eos_tokens: list[str]) -> str:
 
 
 def _write(
-    model: Any,
+    model: PreTrainedModel,
     plan: GgufExportPlan,
     target: Path,
     tokenizer_dir: Path,
@@ -234,13 +244,13 @@ def _write(
     )
 
 
-def _tensors(model: Any, plan: GgufExportPlan) -> Iterator[tuple[str, Any]]:
+def _tensors(model: PreTrainedModel, plan: GgufExportPlan) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor_name, tensor in model.state_dict().items():
         if tensor_name in plan.tensor_types:
             yield tensor_name, tensor
 
 
-def _meta_model(source: str) -> Any:
+def _meta_model(source: str) -> PreTrainedModel:
     """SOURCE's model built on the ``meta`` device from its config: names and shapes, no weights."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -258,7 +268,7 @@ def _has_tokenizer(folder: str | None) -> bool:
 
 
 @contextmanager
-def _tokenizer_folder(tokenizer: Any) -> Iterator[Path | None]:
+def _tokenizer_folder(tokenizer: TokenizerArg | None) -> Iterator[Path | None]:
     """A folder holding the tokenizer's files: the one given, or one it is saved to for the export."""
     if isinstance(tokenizer, str | os.PathLike) and (Path(tokenizer) / "tokenizer.json").is_file():
         yield Path(tokenizer)

@@ -22,6 +22,7 @@ from xpukit.planning.model.gguf_export import GgufExportPlan, rope_parameters
 if TYPE_CHECKING:
     import numpy as np
     import torch
+    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 
 __all__ = ["gguf_tensor_name", "llama3_rope_factors", "write_gguf"]
 
@@ -104,7 +105,7 @@ def llama3_rope_factors(config: Mapping[str, Any]) -> list[float]:
     return factors
 
 
-def _metadata(writer: Any, plan: GgufExportPlan, config: Mapping[str, Any], name: str) -> None:
+def _metadata(writer: GGUFWriter, plan: GgufExportPlan, config: Mapping[str, Any], name: str) -> None:
     import gguf
 
     heads = int(config["num_attention_heads"])
@@ -135,7 +136,9 @@ def _metadata(writer: Any, plan: GgufExportPlan, config: Mapping[str, Any], name
             writer.add_final_logit_softcapping(float(config["final_logit_softcapping"]))
 
 
-def _vocabulary(writer: Any, plan: GgufExportPlan, config: Mapping[str, Any], tokenizer_dir: Path) -> None:
+def _vocabulary(
+    writer: GGUFWriter, plan: GgufExportPlan, config: Mapping[str, Any], tokenizer_dir: Path
+) -> None:
     """The tokenizer as llama.cpp's converter writes it: tokens padded to the embedding's rows."""
     import gguf
 
@@ -192,7 +195,7 @@ def _byte_level_tokens(tokenizer_dir: Path, rows: int) -> tuple[list[str], list[
     return tokens, types
 
 
-def _pad(tokens: list[Any], types: list[Any], rows: int, scores: list[float]) -> None:
+def _pad(tokens: list[bytes], types: list[TokenType], rows: int, scores: list[float]) -> None:
     import gguf
 
     if len(tokens) > rows:
@@ -234,16 +237,17 @@ def _prepared(
     return data.contiguous()
 
 
-def _raw(kind: str) -> Any:
+def _raw(kind: str) -> GGMLQuantizationType | None:
     import gguf
 
     return None if kind in ("F32", "F16") else getattr(gguf.GGMLQuantizationType, kind)
 
 
-def _np_dtype(kind: str) -> Any:
+def _np_dtype(kind: str) -> type[np.generic]:
     import numpy as np
 
-    return {"F32": np.float32, "F16": np.float16}.get(kind, np.uint8)
+    floats: dict[str, type[np.generic]] = {"F32": np.float32, "F16": np.float16}
+    return floats.get(kind, np.uint8)
 
 
 def _encoded_layout(shape: tuple[int, ...], kind: str) -> tuple[tuple[int, ...], int]:

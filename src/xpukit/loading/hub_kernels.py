@@ -9,19 +9,34 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from typing import TypedDict
 
 from xpukit.hub import fetch_timeout, run_bounded
 from xpukit.planning.loadplan import LoadPlan
 from xpukit.planning.vocabulary import Decision, LoadEvent
 
-__all__ = ["fetch_attention_kernel", "fetch_layer_kernels", "preload_layer_kernels", "replace_decision"]
+__all__ = [
+    "PlanChanges",
+    "fetch_attention_kernel",
+    "fetch_layer_kernels",
+    "preload_layer_kernels",
+    "replace_decision",
+]
 
 logger = logging.getLogger(__name__)
 
 
+class PlanChanges(TypedDict, total=False):
+    """The plan's fields a fallback at load changes (``LoadPlan.with_events(events, **changes)``)."""
+
+    attn_implementation: str
+    attention_kernel: str | None
+    use_kernels: bool
+    decisions: tuple[Decision, ...]
+
+
 def fetch_attention_kernel(
-    plan: LoadPlan, kwargs: dict[str, Any], events: list[LoadEvent], changes: dict[str, Any]
+    plan: LoadPlan, kwargs: dict[str, object], events: list[LoadEvent], changes: PlanChanges
 ) -> None:
     """Load the Hub attention kernel under a time bound; transformers reuses what was loaded."""
     from transformers import modeling_flash_attention_utils as fa
@@ -63,7 +78,7 @@ def fetch_attention_kernel(
 
 
 def fetch_layer_kernels(
-    plan: LoadPlan, kwargs: dict[str, Any], events: list[LoadEvent], changes: dict[str, Any]
+    plan: LoadPlan, kwargs: dict[str, object], events: list[LoadEvent], changes: PlanChanges
 ) -> None:
     """Kernelize a throwaway meta-device copy under a time bound, so the layer kernels are loaded.
 
@@ -112,7 +127,7 @@ def preload_layer_kernels(plan: LoadPlan) -> None:
 
 
 def replace_decision(
-    decisions: tuple[Decision, ...], name: str, actual: Any, planned: Any, cause: str
+    decisions: tuple[Decision, ...], name: str, actual: object, planned: object, cause: str
 ) -> tuple[Decision, ...]:
     return tuple(
         Decision(

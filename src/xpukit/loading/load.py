@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from xpukit import _quiet
 from xpukit._compat import require
@@ -27,6 +28,7 @@ from xpukit._quiet import quiet_imports
 from xpukit.errors import DeviceUnavailableError, InvalidRequestError, XpukitError
 from xpukit.hub import hub_offline, hub_status, offline_guard
 from xpukit.loading.hub_kernels import (
+    PlanChanges,
     fetch_attention_kernel,
     fetch_layer_kernels,
 )
@@ -39,13 +41,25 @@ from xpukit.planning.plan import plan_request
 from xpukit.planning.request import LoadRequest, ModelArg, takes_request
 from xpukit.planning.vocabulary import LoadEvent
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
 __all__ = ["carry_out", "load_for_xpu"]
 
 logger = logging.getLogger(__name__)
 
 
+class _LoadingInfo(TypedDict, total=False):
+    """What ``from_pretrained(..., output_loading_info=True)`` reports and the load reads of it."""
+
+    missing_keys: Collection[str]
+    unexpected_keys: Collection[str]
+
+
+# ``**keywords``: LoadRequest's, which checks them; takes_request gives load_for_xpu their types.
 @takes_request(LoadRequest)
-def load_for_xpu(model: ModelArg | LoadPlan, **keywords: Any) -> Any:
+def load_for_xpu(model: ModelArg | LoadPlan, **keywords: Any) -> PreTrainedModel | PeftModel:
     """Load a model for inference the way :func:`xpukit.plan_load` plans it, and say what ran.
 
     Takes the same arguments as :func:`xpukit.plan_load`, the keywords of
@@ -96,7 +110,9 @@ def load_for_xpu(model: ModelArg | LoadPlan, **keywords: Any) -> Any:
         return carry_out(plan, model_class=req.model_class, warmup=req.warmup)
 
 
-def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) -> Any:
+def carry_out(
+    plan: LoadPlan, *, model_class: type[PreTrainedModel] | str | None = None, warmup: bool = False
+) -> PreTrainedModel | PeftModel:
     """Load the model a plan describes; see the module docstring for the steps.
 
     The steps follow the plan's stages: the request checked before anything is read, the class and
@@ -109,7 +125,7 @@ def carry_out(plan: LoadPlan, *, model_class: Any = None, warmup: bool = False) 
     cls = _model_class(plan, model_class)
     kwargs = _from_pretrained_kwargs(plan)
     events: list[LoadEvent] = []
-    changes: dict[str, Any] = {}
+    changes: PlanChanges = {}
     # Everything that may import bitsandbytes (from_pretrained with 4-bit, peft for LoRA) runs inside
     # the guard: on avx512_bf16 CPUs `import bitsandbytes` makes a Hub call with no timeout.
     with offline_guard(_needs_offline_guard(plan)), _quiet.quiet_load():
@@ -169,16 +185,17 @@ def _check_before_reading(plan: LoadPlan, warmup: bool) -> None:
         require("torchao", f"quantization {plan.decision('quantization').value}")
 
 
-def _model_class(plan: LoadPlan, model_class: Any) -> Any:
+def _model_class(plan: LoadPlan, model_class: type[PreTrainedModel] | str | None) -> type[PreTrainedModel]:
     """The transformers class to load with: the one given, else the plan's."""
     import transformers
 
     if model_class is not None and not isinstance(model_class, str):
         return model_class
-    return getattr(transformers, model_class or plan.model_class)
+    named: type[PreTrainedModel] = getattr(transformers, model_class or plan.model_class)
+    return named
 
 
-def _from_pretrained_kwargs(plan: LoadPlan) -> dict[str, Any]:
+def _from_pretrained_kwargs(plan: LoadPlan) -> dict[str, object]:
     """The config: ``from_pretrained``'s keywords, with the config already read for the plan."""
     kwargs = plan.from_pretrained_kwargs()
     if plan.config is not None:
@@ -190,8 +207,8 @@ def _from_pretrained_kwargs(plan: LoadPlan) -> dict[str, Any]:
 
 
 def _fetch_kernels(
-    plan: LoadPlan, kwargs: dict[str, Any], events: list[LoadEvent], changes: dict[str, Any]
-) -> dict[str, Any]:
+    plan: LoadPlan, kwargs: dict[str, object], events: list[LoadEvent], changes: PlanChanges
+) -> dict[str, object]:
     """Attention and kernels: the Hub kernels the plan chose, fetched under a time bound (a fallback
     recorded when one cannot be had); ``merge=``'s keywords for the base it merges into."""
     if plan.attention_kernel is not None:
@@ -205,7 +222,9 @@ def _fetch_kernels(
     return kwargs
 
 
-def _read_weights(plan: LoadPlan, cls: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def _read_weights(
+    plan: LoadPlan, cls: type[PreTrainedModel], kwargs: dict[str, object]
+) -> tuple[PreTrainedModel, _LoadingInfo]:
     """Placement: ``from_pretrained`` with the plan's keywords, and its loading report."""
     problem = None
     kwargs.pop("output_loading_info", None)  # always asked: the load report decides below
@@ -224,7 +243,11 @@ def _read_weights(plan: LoadPlan, cls: Any, kwargs: dict[str, Any]) -> tuple[Any
 
 
 def _check_weights(
-    plan: LoadPlan, cls: Any, model: Any, info: dict[str, Any], events: list[LoadEvent]
+    plan: LoadPlan,
+    cls: type[PreTrainedModel],
+    model: PreTrainedModel,
+    info: _LoadingInfo,
+    events: list[LoadEvent],
 ) -> str | None:
     """Never a model with checkpoint weights left out (docs/planning.md "Model class (`model_class=`)"):
     the problem, else ``None`` with the loading report's notes and the placement recorded."""
@@ -244,8 +267,9 @@ def _check_weights(
     if head_note is not None:
         logger.warning("%s", head_note)
         events.append(LoadEvent(kind="note", what="weights", actual=head_note))
-    if info.get("missing_keys"):
-        new = ", ".join(sorted(info["missing_keys"]))
+    missing = info.get("missing_keys")
+    if missing:
+        new = ", ".join(sorted(missing))
         events.append(LoadEvent(kind="note", what="weights", actual=f"newly initialised: {new}"))
     events.append(LoadEvent(kind="applied", what="placement", planned=plan.device_map, actual=_where(model)))
     if plan.quantization == "torchao":  # how many layers the format really took
@@ -255,7 +279,9 @@ def _check_weights(
     return None
 
 
-def _adapters(model: Any, plan: LoadPlan, events: list[LoadEvent]) -> tuple[Any, XpukitError | None]:
+def _adapters(
+    model: PreTrainedModel, plan: LoadPlan, events: list[LoadEvent]
+) -> tuple[PreTrainedModel | PeftModel, XpukitError | None]:
     """Adapters and training: the LoRA adapters applied (or merged), and the error that refused them."""
     from xpukit.loading.lora import apply_lora, lora_problem
 
@@ -362,7 +388,7 @@ def _needs_offline_guard(plan: LoadPlan) -> bool:
     return not status.usable
 
 
-def _where(model: Any) -> Any:
+def _where(model: PreTrainedModel) -> dict[str, str] | str:
     #  hf_device_map exists only when a model is split over several devices (docs/known-issues.md
     # "transformers: hf_device_map only for multi-device maps").
     device_map = getattr(model, "hf_device_map", None)

@@ -26,7 +26,7 @@ prepares for training.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpukit._compat import require
 from xpukit.errors import InvalidRequestError
@@ -39,6 +39,8 @@ from xpukit.planning.training.lora_request import LoraRequest, targets_text
 
 if TYPE_CHECKING:
     import torch
+    from peft import LoraConfig, PeftModel
+    from transformers import PreTrainedModel
 
 __all__ = ["apply_lora", "linear_module_names", "lora_problem"]
 
@@ -46,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 
 def apply_lora(
-    model: Any,
+    model: PreTrainedModel,
     request: LoraRequest,
     *,
     compute_dtype: str,
@@ -58,7 +60,7 @@ def apply_lora(
     packing: int | None = None,
     pass_tokens: int | None = None,
     host_embedding: bool = False,
-) -> tuple[Any, list[str]]:
+) -> tuple[PeftModel, list[str]]:
     """Carry out a :class:`LoraRequest` on a loaded model.
 
     For ``kind="new"``: validates the targets against the model before changing anything, undoes a
@@ -122,7 +124,7 @@ def apply_lora(
     )
 
 
-def _load_adapter(model: Any, request: LoraRequest) -> tuple[Any, list[str]]:
+def _load_adapter(model: PreTrainedModel, request: LoraRequest) -> tuple[PeftModel, list[str]]:
     from peft import PeftModel
 
     try:
@@ -138,7 +140,7 @@ def _load_adapter(model: Any, request: LoraRequest) -> tuple[Any, list[str]]:
 
 
 def _new_adapters(
-    model: Any,
+    model: PreTrainedModel,
     request: LoraRequest,
     *,
     dtype: str,
@@ -150,7 +152,7 @@ def _new_adapters(
     packing: int | None = None,
     pass_tokens: int | None = None,
     host_embedding: bool = False,
-) -> tuple[Any, list[str]]:
+) -> tuple[PeftModel, list[str]]:
     import torch
 
     problem = None
@@ -199,7 +201,7 @@ def _new_adapters(
 
 
 def _prepare_base(
-    model: Any, request: LoraRequest, *, dtype: str, quantized: bool, device: DeviceFacts
+    model: PreTrainedModel, request: LoraRequest, *, dtype: str, quantized: bool, device: DeviceFacts
 ) -> list[str]:
     """The base model made ready for adapters: frozen, cast, checkpointing, the loss, offloading."""
     import torch
@@ -236,7 +238,7 @@ def _prepare_base(
 
 
 def _speedups(
-    peft_model: Any,
+    peft_model: PeftModel,
     request: LoraRequest,
     *,
     fused: bool,
@@ -281,7 +283,7 @@ def _speedups(
     return notes
 
 
-def _attach(model: Any, request: LoraRequest, config: Any) -> Any:
+def _attach(model: PreTrainedModel, request: LoraRequest, config: LoraConfig | None) -> PeftModel:
     """New adapters (``get_peft_model``), or a saved adapter loaded trainable (``trainable=True``)."""
     from peft import PeftModel, get_peft_model
 
@@ -290,7 +292,7 @@ def _attach(model: Any, request: LoraRequest, config: Any) -> Any:
     return get_peft_model(model, config)
 
 
-def _chunked_loss(model: Any) -> str:
+def _chunked_loss(model: PreTrainedModel) -> str:
     """xpukit's chunked cross-entropy on ``model``, or the note that the plain loss stays."""
     from xpukit.loading.training.chunked_loss import apply_chunked_loss
 
@@ -301,7 +303,7 @@ def _chunked_loss(model: Any) -> str:
         return f"fallback: chunked cross-entropy not applied ({exc}); the plain loss stays"
 
 
-def lora_problem(model: Any, request: LoraRequest) -> str | None:
+def lora_problem(model: torch.nn.Module, request: LoraRequest) -> str | None:
     """Why ``request`` cannot be applied to the loaded ``model`` (``None`` when it can); raises nothing.
 
     The loader's safety net after ``from_pretrained``: it returns a message, so the caller can drop
@@ -313,7 +315,7 @@ def lora_problem(model: Any, request: LoraRequest) -> str | None:
     return lora_config_problem(request, names, linear_module_names(model), type(model).__name__)
 
 
-def linear_module_names(model: Any) -> list[str]:
+def linear_module_names(model: torch.nn.Module) -> list[str]:
     """The distinct names (last path part) of a model's linear layers, e.g. ``['down_proj', ...]``.
 
     These are what ``target_modules`` can name. bitsandbytes' 4/8-bit layers subclass
@@ -328,7 +330,7 @@ def linear_module_names(model: Any) -> list[str]:
     return sorted(names)
 
 
-def _cast_half_params(model: Any, dtype: torch.dtype) -> int:
+def _cast_half_params(model: torch.nn.Module, dtype: torch.dtype) -> int:
     import torch
 
     changed = 0
@@ -339,7 +341,7 @@ def _cast_half_params(model: Any, dtype: torch.dtype) -> int:
     return changed
 
 
-def _upcast_trainable(model: Any, dtype: torch.dtype) -> int:
+def _upcast_trainable(model: torch.nn.Module, dtype: torch.dtype) -> int:
     changed = 0
     for param in model.parameters():
         if param.requires_grad and param.dtype != dtype:
@@ -348,7 +350,7 @@ def _upcast_trainable(model: Any, dtype: torch.dtype) -> int:
     return changed
 
 
-def _count_parameters(model: Any) -> tuple[int, int]:
+def _count_parameters(model: torch.nn.Module) -> tuple[int, int]:
     trainable = total = 0
     for param in model.parameters():
         # A 4-bit weight packs two values per uint8 element.

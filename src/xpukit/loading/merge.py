@@ -12,7 +12,7 @@ decision is :func:`xpukit.planning.training.merge.plan_merge`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from xpukit import _quiet
 from xpukit.errors import InvalidRequestError
@@ -22,12 +22,15 @@ from xpukit.planning.device.quant_configs import quantization_config
 from xpukit.planning.device.quantization import require_bnb
 
 if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
     from xpukit.planning.loadplan import LoadPlan
 
 __all__ = ["merge_adapter", "merge_kwargs"]
 
 
-def merge_kwargs(plan: LoadPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
+def merge_kwargs(plan: LoadPlan, kwargs: dict[str, object]) -> dict[str, object]:
     """``from_pretrained``'s keywords for the merge: the 4-bit config that rebuilds the trained-on base.
 
     Raises:
@@ -54,7 +57,7 @@ def merge_kwargs(plan: LoadPlan, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "quantization_config": quantization_config(merge.quantization_config)}
 
 
-def merge_adapter(model: Any, plan: LoadPlan) -> tuple[Any, list[str]]:
+def merge_adapter(model: PreTrainedModel, plan: LoadPlan) -> tuple[PreTrainedModel, list[str]]:
     """Merge the plan's adapter into ``model`` (the loaded base); returns the plain model and notes.
 
     Raises:
@@ -107,5 +110,5 @@ def merge_adapter(model: Any, plan: LoadPlan) -> tuple[Any, list[str]]:
     return merged, notes
 
 
-def _count(model: Any, class_name: str) -> int:
+def _count(model: torch.nn.Module, class_name: str) -> int:
     return sum(1 for m in model.modules() if type(m).__name__ == class_name)

@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.loading.quantized_layers import quantized_layers_event
 from xpukit.planning.device.quant_configs import torchao_config
 from xpukit.planning.device.saved_quant import SAVED_KEY, SavedFormat
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["free_bytes", "write_quantized"]
 
 
-def write_quantized(model_class: Any, full: Path, out: Path, saved: SavedFormat) -> list[str]:
+def write_quantized(
+    model_class: type[PreTrainedModel], full: Path, out: Path, saved: SavedFormat
+) -> list[str]:
     """Quantize the checkpoint in ``full`` to ``saved``'s format and write it to ``out``; returns notes.
 
     ``full`` is a full-precision checkpoint ``save_pretrained`` wrote, in ``saved.dtype``.

@@ -8,14 +8,17 @@ said "torchao int4"; the load now says how many (docs/planning.md "Quantization 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from xpukit.planning.vocabulary import LoadEvent
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["quantized_layers_event"]
 
 
-def quantized_layers_event(model: Any, what: str) -> LoadEvent:
+def quantized_layers_event(model: torch.nn.Module, what: str) -> LoadEvent:
     """A note of how many of ``model``'s linear layers hold torchao weights (``what``: the format)."""
     import torch
 
@@ -36,7 +39,7 @@ def quantized_layers_event(model: Any, what: str) -> LoadEvent:
     return LoadEvent(kind="applied", what="quantized_layers", actual=text)
 
 
-def _is_torchao(weight: Any) -> bool:
+def _is_torchao(weight: object) -> bool:
     """A torchao tensor subclass (its weights are not plain ``torch.Tensor``/``Parameter`` data)."""
     import torch
 

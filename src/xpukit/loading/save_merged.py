@@ -25,7 +25,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from xpukit._partial import writing
 from xpukit.errors import InvalidRequestError
@@ -39,7 +39,18 @@ from xpukit.planning.device.saved_quant import (
     saved_format,
 )
 
-__all__ = ["MergeResult", "checkpoint_dtype", "merge_dtype", "save_merged"]
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from xpukit.planning.loadplan import LoadPlan
+    from xpukit.planning.request import DeviceArg, MergeArg
+
+__all__ = ["MergeResult", "QuantizedAs", "checkpoint_dtype", "merge_dtype", "save_merged"]
+
+# How a quantized merge was written (``MergeResult.quantized``; "for" is a keyword: functional form).
+QuantizedAs = TypedDict(
+    "QuantizedAs", {"format": str, "for": str, "runs_on": list[str], "on_disk": bool, "reason": str}
+)
 
 # --quantize values -> the quantize= a load without adapters takes from the record.
 MERGE_QUANTIZE = {"int4": "4bit", "int8": "8bit", "4bit": "4bit", "8bit": "8bit"}
@@ -70,14 +81,14 @@ class MergeResult:
     dtype: str
     dtype_reason: str
     tokenizer_from: str | None
-    plan: Any = field(repr=False)
+    plan: LoadPlan = field(repr=False)
     quantize: str | None = None
     seconds: float = 0.0
     dtype_from: str = "asked"
-    quantized: dict[str, Any] | None = None
+    quantized: QuantizedAs | None = None
     notes: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-able dict (``xpukit merge --json``)."""
         return {
             "out": str(self.out),
@@ -94,7 +105,7 @@ class MergeResult:
         }
 
 
-def checkpoint_dtype(base: Any) -> tuple[str, str]:
+def checkpoint_dtype(base: str | os.PathLike[str]) -> tuple[str, str]:
     """The dtype a base checkpoint declares, and where that was read (float32 when it declares none)."""
     from xpukit.planning.model.reference_models import BUILTIN_SHAPES
     from xpukit.sources.model_config import read_config
@@ -111,13 +122,13 @@ def checkpoint_dtype(base: Any) -> tuple[str, str]:
 
 
 def save_merged(
-    base: Any,
+    base: str | os.PathLike[str],
     adapter: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
     dtype: str | None = None,
-    device: Any = None,
-    merge: Any = True,
+    device: DeviceArg = None,
+    merge: MergeArg = True,
     force: bool = False,
     quantize: str | None = None,
     for_family: str | None = None,
@@ -183,7 +194,7 @@ def save_merged(
             target.rmdir()  # empty, checked above
         partial.rename(target)
     files = tuple(sorted(p.name for p in target.iterdir()))
-    quantized = None
+    quantized: QuantizedAs | None = None
     if saved is not None:
         quantized = {
             "format": saved.label,
@@ -207,7 +218,7 @@ def save_merged(
     )
 
 
-def _check_out(target: Path, base: Any, adapter: str | os.PathLike[str]) -> None:
+def _check_out(target: Path, base: str | os.PathLike[str], adapter: str | os.PathLike[str]) -> None:
     for name, where in (("the base", base), ("the adapter", adapter)):
         local = isinstance(where, str | os.PathLike) and Path(where).exists() and target.exists()
         if local and target.resolve() == Path(where).resolve():
@@ -241,7 +252,7 @@ def _quantize_kind(quantize: str | None, for_family: str | None) -> str | None:
     return kind
 
 
-def _saved(kind: str | None, for_family: str | None, plan: Any) -> SavedFormat | None:
+def _saved(kind: str | None, for_family: str | None, plan: LoadPlan) -> SavedFormat | None:
     """The quantized format for the family asked (default: this machine's), its writer checked here."""
     if kind is None:
         return None
@@ -253,7 +264,9 @@ def _saved(kind: str | None, for_family: str | None, plan: Any) -> SavedFormat |
     return saved
 
 
-def _write_weights(model: Any, partial: Path, kind: str | None, saved: SavedFormat | None) -> list[str]:
+def _write_weights(
+    model: PreTrainedModel, partial: Path, kind: str | None, saved: SavedFormat | None
+) -> list[str]:
     """The merged weights into ``partial``: as they are, quantized by torchao, or with the record."""
     if saved is None or not saved.on_disk:
         if kind is not None:
@@ -271,7 +284,9 @@ def _write_weights(model: Any, partial: Path, kind: str | None, saved: SavedForm
     return notes
 
 
-def merge_dtype(dtype: str | None, base: Any, adapter: str | os.PathLike[str]) -> tuple[str, str, str]:
+def merge_dtype(
+    dtype: str | None, base: str | os.PathLike[str], adapter: str | os.PathLike[str]
+) -> tuple[str, str, str]:
     """The dtype to merge in (``"auto"``: the plan's, which is the recorded one), why, and from where:
     ``"asked"`` (``dtype=``), ``"record"`` (the dtype the adapter trained in, as its base record says)
     or ``"checkpoint"`` (no record: the base checkpoint's own dtype)."""
@@ -310,7 +325,7 @@ def _save_tokenizer(source: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _tokenizer_source(adapter: Path, base: Any) -> str | None:
+def _tokenizer_source(adapter: Path, base: str | os.PathLike[str]) -> str | None:
     """The adapter directory when it holds a tokenizer (tokens added in training), else the base's."""
     if any((adapter / name).is_file() for name in _TOKENIZER_FILES):
         return str(adapter)

@@ -23,8 +23,8 @@ Treat the returned directories as read-only (other tests share them); copy one t
 
 The tests mirror ``src/xpukit/`` (``tests/planning/``, ``tests/loading/decode/``, …; ``tests/project/``
 holds the checks of the repository itself); a fixture used by one sub-folder only lives in that
-folder's ``conftest.py`` (``tests/loading/conftest.py``: ``trained_tiny``, ``bf16_base``;
-``tests/loading/decode/conftest.py``: ``rerun_graphs``).
+folder's ``conftest.py`` (``tests/loading/conftest.py``: ``trained_tiny``, ``export_tiny_factory``,
+``bf16_base``; ``tests/loading/decode/conftest.py``: ``rerun_graphs``).
 """
 
 from __future__ import annotations

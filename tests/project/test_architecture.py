@@ -435,3 +435,63 @@ def test_no_bench_file_is_over_450_lines() -> None:
     bench = SRC.parent / "bench"
     long = {p.name: n for p in sorted(bench.glob("*.py")) if (n := len(p.read_text().splitlines())) > 450}
     assert long == {}, f"bench files over 450 lines: {long}"
+
+
+# Where a bare ``Any`` is still the honest type (each commented at its place): keyword arguments
+# handed on whole to a function or dataclass that checks them, a transformers config's untyped
+# fields, and a decision's value, whose type is each decision's own.
+ANY_ALLOWED = {
+    "xpukit.loading.load:load_for_xpu:**keywords",
+    "xpukit.planning.plan:plan_load:**keywords",
+    "xpukit.planning.loadplan:with_events:**changes",
+    "xpukit.planning.vocabulary:Decision:value",
+    "xpukit.demo.tiny:build_tiny_model:**config_overrides",
+}
+
+
+def _bare_any(tree: ast.AST, module: str) -> list[str]:
+    """Every parameter, return or field annotated with a bare ``Any``, as ``module:owner:name``."""
+
+    def is_any(node: ast.expr | None) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "Any") or (
+            isinstance(node, ast.Attribute) and node.attr == "Any"
+        )
+
+    found: list[str] = []
+    for owner in ast.walk(tree):
+        if isinstance(owner, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = owner.args
+            named = [*a.posonlyargs, *a.args, *a.kwonlyargs]
+            found += [f"{module}:{owner.name}:{p.arg}" for p in named if is_any(p.annotation)]
+            found += [f"{module}:{owner.name}:*{p.arg}" for p in [a.vararg] if p and is_any(p.annotation)]
+            found += [f"{module}:{owner.name}:**{p.arg}" for p in [a.kwarg] if p and is_any(p.annotation)]
+            if is_any(owner.returns):
+                found.append(f"{module}:{owner.name}:return")
+        elif isinstance(owner, ast.ClassDef | ast.Module):
+            name = owner.name if isinstance(owner, ast.ClassDef) else "<module>"
+            for node in owner.body:
+                if isinstance(node, ast.AnnAssign) and is_any(node.annotation):
+                    found.append(f"{module}:{name}:{ast.unparse(node.target)}")
+    return found
+
+
+def test_any_is_kept_for_what_is_really_untyped() -> None:
+    """The code says what it takes and returns (``torch.Tensor``, the plan's dataclasses, ``Literal``s,
+    ``TypedDict``s, ``Protocol``s); a bare ``Any`` only where a value is really untyped (listed above)."""
+    found = {
+        item
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for item in _bare_any(ast.parse(path.read_text(encoding="utf-8")), _module_name(path))
+    }
+    assert found - ANY_ALLOWED == set(), f"new bare Any annotations: {sorted(found - ANY_ALLOWED)}"
+    assert ANY_ALLOWED - found == set(), f"typed now, off the list: {sorted(ANY_ALLOWED - found)}"
+
+
+def test_the_any_rule_sees_each_kind_of_annotation() -> None:
+    code = (
+        "import typing\nclass C:\n    v: Any\n"
+        "def f(a: Any, *b: typing.Any, c: int = 0, **d: Any) -> Any: ...\n"
+        "def g(x: list[Any]) -> int: ...\n"
+    )
+    found = sorted(_bare_any(ast.parse(code), "m"))
+    assert found == ["m:C:v", "m:f:**d", "m:f:*b", "m:f:a", "m:f:return"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Concatenate, ParamSpec
 
 from xpukit.loading.decode.step import decode_step
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from xpukit.loading.decode.interfaces import DecodeModel
 
 __all__ = ["LayerCache", "compile_layers", "decoder_layers", "regional_layers", "regional_step"]
+
+P = ParamSpec("P")
 
 # The keyword a decoder layer takes its cache by (transformers 5.25 renamed past_key_values).
 _CACHE_KEYWORDS = ("cache", "past_key_values")
@@ -132,44 +134,17 @@ def regional_layers(cache: StaticCache) -> Iterator[None]:
         _ACTIVE.cache = previous
 
 
-def regional_step(
-    model: DecodeModel,
-    cache: StaticCache,
-    tokens: torch.Tensor,
-    positions: torch.Tensor,
-    mask: torch.Tensor,
-    window: torch.Tensor | None,
-    unfinished: torch.Tensor,
-    out: torch.Tensor,
-    index: torch.Tensor,
-    is_eos: torch.Tensor,
-    pad: torch.Tensor,
-    min_new: torch.Tensor,
-    temperature: torch.Tensor,
-    top_p: torch.Tensor | None,
-    do_sample: bool,
-    top_k: int,
-    keep_one: bool,
-) -> None:
-    """:func:`~xpukit.loading.decode.step.decode_step` with the decoder layers' compiled code (the
-    rest eager)."""
-    with regional_layers(cache):
-        decode_step(
-            model,
-            cache,
-            tokens,
-            positions,
-            mask,
-            window,
-            unfinished,
-            out,
-            index,
-            is_eos,
-            pad,
-            min_new,
-            temperature,
-            top_p,
-            do_sample,
-            top_k,
-            keep_one,
-        )
+def _with_regional_layers(
+    step: Callable[Concatenate[DecodeModel, StaticCache, P], None],
+) -> Callable[Concatenate[DecodeModel, StaticCache, P], None]:
+    """``step`` run with the decoder layers' compiled code in place (the rest eager)."""
+
+    def run(model: DecodeModel, cache: StaticCache, /, *args: P.args, **kwargs: P.kwargs) -> None:
+        with regional_layers(cache):
+            step(model, cache, *args, **kwargs)
+
+    return run
+
+
+# :func:`~xpukit.loading.decode.step.decode_step` with the decoder layers' compiled code (the rest eager).
+regional_step = _with_regional_layers(decode_step)

@@ -111,10 +111,11 @@ FLOORS = {"f16": 1.0, "q8_0": 0.90, "q4_0": 0.25}
 # of 128 tokens (the length trained) every 64 tokens of the corpus, every position counted. Measured on
 # the CPU (2026-12-05, docs/export.md "Size and agreement"): q8_0 99.76-100 %, q4_0 97.46-99.12 %,
 # f16 identical; every position q8_0 flips is a near-tie (top two logits within 0.2), every one at
-# least NEAR_TIE apart agrees. The floors leave room for another CPU's training to land elsewhere
-# (q8_0: 20 flips allowed, at most 5 measured).
+# least 0.5 apart agrees. The floors leave room for another CPU's training to land elsewhere
+# (q8_0: 20 flips allowed, at most 5 measured; no flip where the top two lead by NEAR_TIE, twice the
+# largest logit difference q8_0 measured, 0.53, so that only a real error fails it).
 TRAINED_FLOORS = {"f16": 1.0, "q8_0": 0.99, "q4_0": 0.95}
-NEAR_TIE = 0.5
+NEAR_TIE = 1.1
 TRAINED_WINDOW = 128  # trained_tiny's windows (tests/loading/conftest.py)
 # Each family's trained model: its FAMILIES shape, cheaper to train where the exporter writes nothing
 # differently: Qwen3 with 2 query heads over 1, Gemma 3 with one head and 2 layers (both sliding, as

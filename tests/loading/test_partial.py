@@ -104,13 +104,13 @@ def test_signals_remove_the_partial_and_go_on_to_the_previous_handler(tmp_path: 
 _HELD_MERGE = """
 import sys, time
 from xpukit.loading import save_merged
-real = save_merged._save_tokenizer
+real = save_merged.save_tokenizer
 def held(source, out):
     real(source, out)
     print("writing", flush=True)
     for _ in range(2400):  # busy in Python, as a writer is: a signal's handler runs within 50 ms
         time.sleep(0.05)
-save_merged._save_tokenizer = held
+save_merged.save_tokenizer = held
 from xpukit.cli.main import main
 sys.exit(main(["merge", *sys.argv[1:]]))
 """

@@ -45,7 +45,18 @@ if TYPE_CHECKING:
     from xpukit.planning.loadplan import LoadPlan
     from xpukit.planning.request import DeviceArg, MergeArg
 
-__all__ = ["MergeResult", "QuantizedAs", "checkpoint_dtype", "merge_dtype", "save_merged"]
+__all__ = [
+    "MergeResult",
+    "QuantizedAs",
+    "check_out",
+    "checkpoint_dtype",
+    "merge_dtype",
+    "quantize_kind",
+    "save_merged",
+    "save_tokenizer",
+    "saved_for",
+    "tokenizer_source",
+]
 
 # How a quantized merge was written (``MergeResult.quantized``; "for" is a keyword: functional form).
 QuantizedAs = TypedDict(
@@ -158,8 +169,8 @@ def save_merged(
     """
     start = time.perf_counter()
     target = Path(out)
-    _check_out(target, base, adapter)
-    kind = _quantize_kind(quantize, for_family)
+    check_out(target, base, adapter)
+    kind = quantize_kind(quantize, for_family)
     chosen, why, dtype_from = merge_dtype(dtype, base, adapter)
     from xpukit.loading.load import load_for_xpu
     from xpukit.loading.quantized_checkpoint import free_bytes
@@ -167,7 +178,7 @@ def save_merged(
 
     # Decided before any weight is read: the format, the device that writes it, the disk it needs.
     planned = plan_load(base, lora=os.fspath(adapter), merge=merge, force=force, dtype=chosen, device=device)
-    saved = _saved(kind, for_family, planned)
+    saved = saved_for(kind, for_family, planned)
     facts = planned.model_facts
     check_merge_disk(
         out=str(target),
@@ -181,7 +192,7 @@ def save_merged(
     plan = model.xpukit_plan
     if dtype_from == "record":  # the plan's dtype decision took the recorded dtype, and says why
         chosen, why = plan.dtype, plan.decision("dtype").reason
-    tokenizer_from = _tokenizer_source(Path(adapter), base)
+    tokenizer_from = tokenizer_source(Path(adapter), base)
     notes: list[str] = []
     with writing(target) as partial:  # removed on an error, SIGTERM or Ctrl-C; swept if killed
         try:
@@ -189,7 +200,7 @@ def save_merged(
         finally:
             del model  # an error must not keep the merged weights alive in its traceback
         if tokenizer_from is not None:
-            _save_tokenizer(tokenizer_from, partial)
+            save_tokenizer(tokenizer_from, partial)
         if target.exists():
             target.rmdir()  # empty, checked above
         partial.rename(target)
@@ -218,10 +229,12 @@ def save_merged(
     )
 
 
-def _check_out(target: Path, base: str | os.PathLike[str], adapter: str | os.PathLike[str]) -> None:
+def check_out(target: Path, base: str | os.PathLike[str], adapter: str | os.PathLike[str] | None) -> None:
+    """OUT is a new or empty directory, neither the base's nor the adapter's."""
     for name, where in (("the base", base), ("the adapter", adapter)):
-        local = isinstance(where, str | os.PathLike) and Path(where).exists() and target.exists()
-        if local and target.resolve() == Path(where).resolve():
+        if where is None or not (Path(where).exists() and target.exists()):
+            continue
+        if target.resolve() == Path(where).resolve():
             raise InvalidRequestError(f"OUT={str(target)!r} is {name}'s directory. Fix: write to a new one.")
     if target.exists() and not target.is_dir():
         raise InvalidRequestError(
@@ -235,7 +248,7 @@ def _check_out(target: Path, base: str | os.PathLike[str], adapter: str | os.Pat
         )
 
 
-def _quantize_kind(quantize: str | None, for_family: str | None) -> str | None:
+def quantize_kind(quantize: str | None, for_family: str | None) -> str | None:
     if quantize is None:
         if for_family is not None:
             raise InvalidRequestError(
@@ -252,7 +265,7 @@ def _quantize_kind(quantize: str | None, for_family: str | None) -> str | None:
     return kind
 
 
-def _saved(kind: str | None, for_family: str | None, plan: LoadPlan) -> SavedFormat | None:
+def saved_for(kind: str | None, for_family: str | None, plan: LoadPlan) -> SavedFormat | None:
     """The quantized format for the family asked (default: this machine's), its writer checked here."""
     if kind is None:
         return None
@@ -312,7 +325,7 @@ def merge_dtype(
     )
 
 
-def _save_tokenizer(source: str, out: Path) -> None:
+def save_tokenizer(source: str, out: Path) -> None:
     from transformers import AutoTokenizer
 
     try:
@@ -325,7 +338,7 @@ def _save_tokenizer(source: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _tokenizer_source(adapter: Path, base: str | os.PathLike[str]) -> str | None:
+def tokenizer_source(adapter: Path, base: str | os.PathLike[str]) -> str | None:
     """The adapter directory when it holds a tokenizer (tokens added in training), else the base's."""
     if any((adapter / name).is_file() for name in _TOKENIZER_FILES):
         return str(adapter)

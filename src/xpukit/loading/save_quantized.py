@@ -79,7 +79,8 @@ def save_quantized(
     saved = saved_for(kind, for_family, plan)
     assert saved is not None  # a quantization was asked
     if not saved.on_disk or saved.config is None:
-        in_bf16 = "--dtype bfloat16 (the checkpoint is float32), " if plan.dtype == "float32" else ""
+        dtype_is_why = plan.dtype == "float32" and saved.family != "cpu"  # CPU int4: no format at all
+        in_bf16 = "--dtype bfloat16 (the checkpoint is float32), " if dtype_is_why else ""
         raise InvalidRequestError(
             f"export --quantize {quantize} for {saved.family}: {saved.reason}. Without an on-disk format "
             f"the weights would be written as they are. Fix: {in_bf16}--quantize int8 (written for every "

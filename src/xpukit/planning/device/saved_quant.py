@@ -16,6 +16,7 @@ int4 for the CPU, and any family where torchao's format does not run, keeps the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ __all__ = [
     "check_saved_family",
     "check_writer_device",
     "default_family",
+    "families_reading",
     "read_saved",
     "saved_dtype",
     "saved_format",
@@ -119,6 +121,16 @@ def _family_device(family: str) -> DeviceFacts:
     )
 
 
+def families_reading(config: Mapping[str, object] | None) -> tuple[str, ...] | None:
+    """The device families that read a torchao config's weights from safetensors, or ``None`` when
+    torchao cannot write them there (``config``: a serve format's, ``quant_method`` torchao)."""
+    if config is None:
+        return None
+    kwargs = config.get("quant_type_kwargs")
+    packing = kwargs.get("int4_packing_format") if isinstance(kwargs, Mapping) else None
+    return _RUNS_ON.get((str(config["quant_type"]), None if packing is None else str(packing)))
+
+
 def saved_format(kind: str, family: str, dtype: str, torchao: str | None) -> SavedFormat:
     """The format a merge writes for ``family`` (``4bit``/``8bit``, weights in ``dtype``).
 
@@ -132,10 +144,7 @@ def saved_format(kind: str, family: str, dtype: str, torchao: str | None) -> Sav
         )
     chosen = serve_format(_family_device(family), kind, dtype, torchao)
     config = chosen.config
-    key = None
-    if config is not None:
-        key = (str(config["quant_type"]), (config.get("quant_type_kwargs") or {}).get("int4_packing_format"))
-    runs_on = _RUNS_ON.get(key) if key is not None else None
+    runs_on = families_reading(config)
     if config is None or runs_on is None:
         why = (
             f"{chosen.label} has no safetensors form in torchao (its CPU int4 tensor is not on torchao's "

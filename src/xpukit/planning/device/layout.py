@@ -24,7 +24,7 @@ from xpukit.planning.budgets import DeviceMap, format_bytes
 from xpukit.planning.device.given_layout import check_budget_keys
 from xpukit.planning.device.layout_rungs import Placed, QuantChoice, Sizing, place
 from xpukit.planning.device.quantization import QuantRequest, bnb_kwargs, check_bnb
-from xpukit.planning.device.saved_quant import SavedFormat
+from xpukit.planning.device.saved_quant import SavedFormat, families_reading
 from xpukit.planning.device.serve_quant import ServeFormat, serve_format, torchao_version
 from xpukit.planning.model.facts import ModelFacts, quantized_bits
 from xpukit.planning.vocabulary import Decision, MemoryEstimate
@@ -256,7 +256,7 @@ def _quantization(s: Sizing, choice: QuantChoice, quant: QuantRequest, formats: 
             quantization="torchao",
             config=fmt.config,
             label=fmt.label,
-            reason=_with_format(choice.reason, quant, fmt),
+            reason=_with_format(choice.reason, quant, fmt) + _written_once(fmt, fixed, formats.main),
             rejected=(*choice.rejected, *fmt.rejected),
         )
     if fixed:
@@ -380,6 +380,19 @@ def _with_format(reason: str, quant: QuantRequest, fmt: ServeFormat) -> str:
     if quant.kind in {"4bit", "8bit"}:
         return f"quantize={quant.kind!r} {quant.origin}, a load to run (no adapters): {fmt.reason}"
     return f"{reason}; {fmt.reason}"
+
+
+def _written_once(fmt: ServeFormat, kind: str | None, main: DeviceFacts) -> str:
+    """Where torchao can write ``fmt``'s weights for this device's family: the command that quantizes
+    them once instead of at every load (docs/export.md "To another machine")."""
+    families = families_reading(fmt.config)
+    if kind not in {"4bit", "8bit"} or families is None or main.backend not in families:
+        return ""
+    bits = "int4" if kind == "4bit" else "int8"
+    return (
+        f"; quantized as the weights load, in every process: `xpukit export SOURCE OUT --quantize {bits} "
+        f"--for {main.backend}` writes them once, and load_for_xpu(OUT) loads them as they are"
+    )
 
 
 def _config_dict(config: object) -> dict[str, Any]:

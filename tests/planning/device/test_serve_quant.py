@@ -69,6 +69,10 @@ def test_decision_on_every_profile(torchao: Any, profile: str, bits: str) -> Non
         assert "TorchAoConfig" in decision.reason
         assert any("bitsandbytes" in str(value) for value, _ in decision.rejected)
         assert plan.memory.weights == plan.model_facts.weights(plan.dtype, bits)  # sized as the bit width
+        # where torchao writes this format to disk for the device's family, the command that does it once
+        on_disk = bits == "8bit" or plan.device.backend in {"cuda", "xpu"}
+        export = f"--quantize {'int4' if bits == '4bit' else 'int8'} --for {plan.device.backend}`"
+        assert (export in decision.reason) is on_disk, decision.reason
     else:
         assert plan.quantization == bits
         assert "does not run here" in decision.reason

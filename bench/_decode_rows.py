@@ -19,14 +19,19 @@ import _harness as h
 
 # --second-process-quantize: the child's load (docs/decode.md "Fast by default"); "none" is bf16,
 # which the default leaves plain, so that child asks for fast_decode=True (no warm-up either).
-CHILD_LOADS = {
+# "4bit-saved"/"8bit-saved": the child loads the checkpoint `xpukit export --quantize` wrote from the
+# same weights (written by this process first, timed), so nothing is quantized at its load.
+CHILD_LOADS: dict[str, dict[str, Any]] = {
     "none": {"fast_decode": True},
     "4bit": {"quantize": "4bit"},
     "8bit": {"quantize": "8bit"},
+    "4bit-saved": {},
+    "8bit-saved": {},
 }
 # The variants whose run fills the compile cache a child reads (the same weights, fused the same
 # way, same cache length); the child runs right after the first of them in --variants.
 CHILD_SOURCES = {"none": ("fast",), "4bit": ("int4", "int4-fast"), "8bit": ("int8", "int8-fast")}
+CHILD_SOURCES |= {"4bit-saved": CHILD_SOURCES["4bit"], "8bit-saved": CHILD_SOURCES["8bit"]}
 NO_PLAN = (
     "no fast_decode decision: fast_decode=False, or 'auto' where the plan does not take it "
     "(bf16, bitsandbytes, the CPU, MPS)"
@@ -143,6 +148,9 @@ def second_process(
         TRITON_CACHE_DIR=str(caches / "triton"),
         TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
     )
+    saved: dict[str, Any] = {}
+    if quantize is not None and quantize.endswith("-saved"):
+        path, saved = write_saved(path, caches / "saved", quantize.removesuffix("-saved"))
     command = [sys.executable, script, "--child", str(path), "--device", args.device]
     command += [f"--new-tokens={args.new_tokens}", f"--prompt-len={args.prompt_len}"]
     command += [f"--batch={b}" for b in args.batch or [1, 8]]
@@ -150,7 +158,7 @@ def second_process(
     command += [f"--threads={args.threads}"] if args.threads else []
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
-    row: dict[str, Any] = {"variant": name, "process_s": round(time.perf_counter() - start, 2)}
+    row: dict[str, Any] = {"variant": name, "process_s": round(time.perf_counter() - start, 2)} | saved
     row["xpukit_cache_dir"] = os.environ.get("XPUKIT_CACHE_DIR", "xpukit's default (docs/env.md)")
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -158,6 +166,20 @@ def second_process(
         return row
     child = json.loads(lines[-1])
     return row | {k: v for k, v in child.items() if k not in {"bench", "date", "machine", "versions"}}
+
+
+def write_saved(path: Path, out: Path, kind: str) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint ``xpukit export --quantize`` writes from ``path`` for this machine's family."""
+    from xpukit.loading.save_quantized import save_quantized
+
+    start = time.perf_counter()
+    result = save_quantized(path, out, quantize=kind)
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    return out, {
+        "saved_write_s": round(time.perf_counter() - start, 2),
+        "saved_gb": round(size / 1e9, 3),
+        "saved_format": (result.quantized or {}).get("format"),
+    }
 
 
 def child_row(args: argparse.Namespace, started: float) -> dict[str, Any]:

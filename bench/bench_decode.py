@@ -146,7 +146,8 @@ def main() -> None:
         action="append",
         choices=sorted(rows.CHILD_LOADS),
         help="repeatable: a fresh process loads load_for_xpu(path, quantize=Q) (none: bf16 with "
-        "fast_decode=True), no warm-up, and times its first generate, with this run's compile cache",
+        "fast_decode=True; 4bit-saved/8bit-saved: the checkpoint xpukit export --quantize writes first), "
+        "no warm-up, and times its first generate, with this run's compile cache",
     )
     parser.add_argument("--model-dir", type=Path, help="build the random-weight models here and reuse them")
     parser.add_argument("--keep-caches", action="store_true", help="use the usual compile and xpukit caches")

@@ -41,7 +41,15 @@ from typing import TypeAlias
 
 from xpukit import _platform
 
-__all__ = ["PARTIAL_SUFFIX", "partial_path", "stale_partials", "sweep_stale", "write_file", "writing"]
+__all__ = [
+    "PARTIAL_SUFFIX",
+    "into_place",
+    "partial_path",
+    "stale_partials",
+    "sweep_stale",
+    "write_file",
+    "writing",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +127,14 @@ def writing(final: str | os.PathLike[str], *, directory: bool = True) -> Iterato
             yield path
     finally:
         _remove(path)
+
+
+def into_place(partial: Path, final: Path) -> None:
+    """Rename a complete partial folder to ``final``, which may be an empty folder (callers refuse a
+    non-empty one before writing)."""
+    if final.exists():
+        final.rmdir()
+    partial.rename(final)
 
 
 def write_file(final: str | os.PathLike[str], data: str | bytes) -> Path:

@@ -60,11 +60,9 @@ def test_an_exported_int8_checkpoint_loads_without_quantizing(
 
 @pytest.fixture
 def no_weights_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    from xpukit.loading import quantized_checkpoint
+    from xpukit.loading import save_quantized
 
-    monkeypatch.setattr(
-        quantized_checkpoint, "write_quantized", lambda *a, **k: pytest.fail("weights were read")
-    )
+    monkeypatch.setattr(save_quantized, "write_quantized", lambda *a, **k: pytest.fail("weights were read"))
 
 
 @pytest.mark.usefixtures("no_weights_read")
@@ -91,7 +89,7 @@ def test_a_format_that_cannot_be_written_here_is_refused_before_any_weight(
 def test_an_existing_out_a_bad_dtype_and_too_little_disk_are_refused(
     wide_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from xpukit.loading import quantized_checkpoint
+    from xpukit.loading import save_quantized as module
     from xpukit.loading.save_quantized import save_quantized
 
     taken = tmp_path / "taken"
@@ -105,7 +103,7 @@ def test_an_existing_out_a_bad_dtype_and_too_little_disk_are_refused(
         save_quantized(wide_model, tmp_path / "f32", quantize="int8", dtype="float32")
     with pytest.raises(InvalidRequestError, match="--dtype bfloat16"):  # the checkpoint is float32
         save_quantized(wide_model, tmp_path / "f32", quantize="int4", for_family="cuda")
-    monkeypatch.setattr(quantized_checkpoint, "free_bytes", lambda out: 2**20)
+    monkeypatch.setattr(module, "free_bytes", lambda out: 2**20)
     with pytest.raises(PlanError, match=r"MiB free\. Nothing was written"):
         save_quantized(wide_model, tmp_path / "full-disk", quantize="int8")
     assert (taken / "keep.txt").read_text() == "mine"

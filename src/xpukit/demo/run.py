@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from xpukit._compat import installed_version, is_installed, require
-from xpukit._partial import writing
+from xpukit._partial import into_place, writing
 from xpukit.demo.output import (
     Narrator,
     one_cpu_thread,
@@ -262,9 +262,7 @@ def _keep(
         with writing(work) as partial:  # written whole, or not at all (an error, Ctrl-C)
             peft_model.save_pretrained(partial)
             tokenizer.save_pretrained(partial)
-            if work.exists():
-                work.rmdir()  # empty, checked before the run
-            partial.rename(work)
+            into_place(partial, work)  # an empty work folder: checked before the run
         say("", f"Adapter saved in {work} (load it with load_for_xpu({source!r}, lora={str(work)!r})).")
     if plot_path is not None:
         what = f"{loaded_plan.quantization} + LoRA" if loaded_plan.quantization else "LoRA"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 from xpukit._compat import installed_version
-from xpukit._partial import writing
+from xpukit._partial import into_place, writing
 from xpukit.errors import InvalidRequestError, MissingExtraError
 from xpukit.planning.model.gguf_export import ExportFacts, GgufExportPlan, gguf_type, plan_gguf_export
 
@@ -230,9 +230,7 @@ def _write(
             (partial / "Modelfile").write_text(
                 modelfile(file_name, _stop_tokens(tokenizer_dir)), encoding="utf-8"
             )
-        if target.exists():
-            target.rmdir()  # empty: the plan refused anything else
-        partial.rename(target)
+        into_place(partial, target)  # an empty target: the plan refused anything else
     file = target / file_name
     return GgufExport(
         out=target,

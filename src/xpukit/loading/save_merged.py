@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
-from xpukit._partial import writing
+from xpukit._partial import into_place, writing
 from xpukit.errors import InvalidRequestError
 from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.device.quantization import RECORDED_QUANTIZE_KEY
@@ -48,10 +48,12 @@ if TYPE_CHECKING:
 __all__ = [
     "MergeResult",
     "QuantizedAs",
+    "base_tokenizer",
     "check_out",
     "checkpoint_dtype",
     "merge_dtype",
     "quantize_kind",
+    "quantized_as",
     "save_merged",
     "save_tokenizer",
     "saved_for",
@@ -201,19 +203,8 @@ def save_merged(
             del model  # an error must not keep the merged weights alive in its traceback
         if tokenizer_from is not None:
             save_tokenizer(tokenizer_from, partial)
-        if target.exists():
-            target.rmdir()  # empty, checked above
-        partial.rename(target)
+        into_place(partial, target)  # an empty target: check_out refused anything else
     files = tuple(sorted(p.name for p in target.iterdir()))
-    quantized: QuantizedAs | None = None
-    if saved is not None:
-        quantized = {
-            "format": saved.label,
-            "for": saved.family,
-            "runs_on": list(saved.runs_on),
-            "on_disk": saved.on_disk,
-            "reason": saved.reason,
-        }
     return MergeResult(
         out=target,
         files=files,
@@ -223,7 +214,7 @@ def save_merged(
         plan=plan,
         quantize=kind,
         dtype_from=dtype_from,
-        quantized=quantized,
+        quantized=None if saved is None else quantized_as(saved),
         notes=tuple(notes),
         seconds=time.perf_counter() - start,
     )
@@ -338,10 +329,26 @@ def save_tokenizer(source: str, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def quantized_as(saved: SavedFormat) -> QuantizedAs:
+    """How a quantized checkpoint was written (``MergeResult.quantized``)."""
+    return {
+        "format": saved.label,
+        "for": saved.family,
+        "runs_on": list(saved.runs_on),
+        "on_disk": saved.on_disk,
+        "reason": saved.reason,
+    }
+
+
 def tokenizer_source(adapter: Path, base: str | os.PathLike[str]) -> str | None:
     """The adapter directory when it holds a tokenizer (tokens added in training), else the base's."""
     if any((adapter / name).is_file() for name in _TOKENIZER_FILES):
         return str(adapter)
+    return base_tokenizer(base)
+
+
+def base_tokenizer(base: str | os.PathLike[str]) -> str | None:
+    """``base`` when it has a tokenizer (a folder holding one, or a Hub id whose tokenizer loads)."""
     local = Path(str(base))
     if local.is_dir():
         return str(local) if any((local / name).is_file() for name in _TOKENIZER_FILES) else None

@@ -21,15 +21,23 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from xpukit._partial import writing
+from xpukit._partial import into_place, writing
 from xpukit.errors import InvalidRequestError
+from xpukit.loading.quantized_checkpoint import free_bytes, write_quantized
+from xpukit.loading.save_merged import (
+    MergeResult,
+    base_tokenizer,
+    check_out,
+    checkpoint_dtype,
+    quantize_kind,
+    quantized_as,
+    save_tokenizer,
+    saved_for,
+)
 from xpukit.machine.precision import DTYPES, normalize_dtype
 from xpukit.planning.device.saved_quant import check_merge_disk
-
-if TYPE_CHECKING:
-    from xpukit.loading.save_merged import MergeResult
+from xpukit.planning.plan import plan_load
 
 __all__ = ["save_quantized"]
 
@@ -61,10 +69,6 @@ def save_quantized(
             ``out`` not new or empty, or ``source``'s own folder.
         PlanError: too little free disk for the output.
     """
-    from xpukit.loading.quantized_checkpoint import free_bytes, write_quantized
-    from xpukit.loading.save_merged import MergeResult, check_out, quantize_kind, saved_for
-    from xpukit.planning.plan import plan_load
-
     start = time.perf_counter()
     target = Path(out)
     check_out(target, source, None)
@@ -99,17 +103,13 @@ def save_quantized(
     )
     import transformers
 
-    from xpukit.loading.save_merged import save_tokenizer, tokenizer_source
-
-    tokenizer_from = tokenizer_source(Path(os.fspath(source)), source)
+    tokenizer_from = base_tokenizer(source)
     model_class = getattr(transformers, plan.model_class)
     with writing(target) as partial:  # removed on an error, SIGTERM or Ctrl-C; swept if killed
         notes = write_quantized(model_class, Path(os.fspath(source)), partial, saved)
         if tokenizer_from is not None:
             save_tokenizer(tokenizer_from, partial)
-        if target.exists():
-            target.rmdir()  # empty, checked above
-        partial.rename(target)
+        into_place(partial, target)  # an empty target: check_out refused anything else
     return MergeResult(
         out=target,
         files=tuple(sorted(p.name for p in target.iterdir())),
@@ -119,13 +119,7 @@ def save_quantized(
         plan=plan,
         quantize=kind,
         dtype_from="asked" if dtype is not None else "checkpoint",
-        quantized={
-            "format": saved.label,
-            "for": saved.family,
-            "runs_on": list(saved.runs_on),
-            "on_disk": saved.on_disk,
-            "reason": saved.reason,
-        },
+        quantized=quantized_as(saved),
         notes=tuple(notes),
         seconds=time.perf_counter() - start,
     )
@@ -133,8 +127,6 @@ def save_quantized(
 
 def _dtype(asked: str | None, source: str | os.PathLike[str]) -> tuple[str, str]:
     """The dtype the weights are quantized from: the one asked, else the checkpoint's own; why."""
-    from xpukit.loading.save_merged import checkpoint_dtype
-
     if asked is None:
         return checkpoint_dtype(source)
     chosen = normalize_dtype(asked)

@@ -141,6 +141,10 @@ def main() -> int:
         default=0,
         help="profile the last N steps (torch.profiler): the device's busy share, kernels, device ms a step",
     )
+    parser.add_argument(
+        "--trace",
+        help="with --profile-steps: write each profiled run's trace here (VARIANT.json.gz, chrome://tracing)",
+    )
     parser.add_argument("--device", help="cuda, xpu or cpu (default: the first available)")
     parser.add_argument("--first-round", type=int, default=0, help="the first round's number (runs split up)")
     parser.add_argument(
@@ -182,6 +186,20 @@ def main() -> int:
             compare=compare,
         )
     return status
+
+
+def write_trace(prof: Any, path: Path) -> None:
+    """The profiler's chrome trace of the profiled steps, gzipped (the host's ops and the device's kernels
+    on one timeline: where the device waits and what the host does meanwhile)."""
+    import gzip
+    import shutil
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plain = path.with_suffix("")
+    prof.export_chrome_trace(str(plain))
+    with open(plain, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
 
 
 class Counting:
@@ -313,6 +331,8 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
                 wall = time.perf_counter() - profiled["start"]
                 profiled["prof"].stop()
+                if args.trace:
+                    write_trace(profiled["prof"], Path(args.trace) / f"{variant.replace('@', '-')}.json.gz")
                 profiled["summary"] = profile_summary(profiled.pop("prof"), wall, args.profile_steps, device)
 
     if variant == "xpukit-sft" or UNSLOTH_SETUPS.get(variant, ("",))[0] == "sft":

@@ -33,6 +33,8 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     xpukit-b512        xpukit-nowarm with the packed row padded to a multiple of 512 tokens (fewer shapes)
     xpukit-paged       xpukit with optim="paged_adamw_8bit" (the plan's optimizer under a budget before
                        2026-12-04; the fused AdamW since, where the plan fits)
+    xpukit-nofilter    xpukit with logging_nan_inf_filter=False: Trainer's check of each step's loss for
+                       nan/inf (a read of the loss on the host, which waits for the backward) left out
     xpukit-warm1       xpukit with a warm-up pass before every capture (LayerGraphs.warmups = 1), as
                        before 2026-12-04 without checkpointing
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
@@ -48,7 +50,8 @@ peer chosen and every peer's tokens/s (bench/_peers.py ``against_fastest_peer``)
 comma-separated list too (``uniform,longtail``): each data set is its own run of the whole thing.
 
 Reported per variant and round (one JSON line): non-padding tokens/s over the steps after
-``--warmup``, the step time's median and spread, peak memory from the first step on (on a GPU
+``--warmup``, the step time's median and spread (each step's end is an event on the device's
+timeline, ``_harness.StepClock``: the benchmark never makes the host wait for the device mid-run), peak memory from the first step on (on a GPU
 ``max_memory_reserved``, what the process held: a replay of the layer graphs writes its activations
 into their pool unseen by ``max_memory_allocated``, which is reported beside it), the loss per step, and
 for xpukit the packing and graph counters (``model.xpukit_packing.stats``,
@@ -100,6 +103,7 @@ VARIANTS = (
     "xpukit-b512",
     "xpukit-warm1",
     "xpukit-paged",
+    "xpukit-nofilter",
     *UNSLOTH_SETUPS,
 )
 # lora= and training_args keywords of the xpukit variants beside the one call.
@@ -113,6 +117,7 @@ XPUKIT_LORA: dict[str, Any] = {
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
     "xpukit-paged": {"optim": "paged_adamw_8bit"},
+    "xpukit-nofilter": {"logging_nan_inf_filter": False},
 }
 
 
@@ -305,7 +310,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             )
     micro = targs.per_device_train_batch_size
     accumulate = targs.gradient_accumulation_steps
-    times: list[float] = []
+    clock: Any = None  # h.StepClock, made just before training starts
     captures: list[int] = []  # graphs captured so far, at each step's end
     graphs = getattr(model, "xpukit_layer_graphs", None)
 
@@ -314,7 +319,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
 
     class Clock(TrainerCallback):  # type: ignore[misc]
         def on_step_begin(self, *a: Any, **k: Any) -> None:
-            if profile_from is not None and len(times) == profile_from:
+            if profile_from is not None and len(clock) == profile_from:
                 from torch.profiler import ProfilerActivity, profile
 
                 kind = ProfilerActivity.XPU if device == "xpu" else ProfilerActivity.CUDA
@@ -323,12 +328,12 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
                 profiled["start"] = time.perf_counter()
 
         def on_step_end(self, *a: Any, **k: Any) -> None:
-            h.synchronize(device)
-            times.append(time.perf_counter())
+            clock.mark()  # no wait for the device: the host runs ahead as in a user's run
             captures.append(graphs.stats["captures"] if graphs is not None else 0)
-            if "prof" in profiled and len(times) == args.steps:
+            if "prof" in profiled and len(clock) == args.steps:
                 from _kernels import profile_summary
 
+                h.synchronize(device)
                 wall = time.perf_counter() - profiled["start"]
                 profiled["prof"].stop()
                 if args.trace:
@@ -349,8 +354,10 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     trainer.add_callback(Clock())
     h.synchronize(device)
     h.reset_peak(device)
-    started = time.perf_counter()
+    clock = h.StepClock(device)
+    started = clock.started
     trainer.train()
+    times = clock.times()
     if profile_from is not None:  # the profiled steps run slower: the timed figures leave them out
         times, captures = times[:profile_from], captures[:profile_from]
     first = min(20, len(times))  # a short run's view: the first 20 steps, captures and warm-up included

@@ -51,7 +51,8 @@ comma-separated list too (``uniform,longtail``): each data set is its own run of
 
 Reported per variant and round (one JSON line): non-padding tokens/s over the steps after
 ``--warmup``, the step time's median and spread (each step's end is an event on the device's
-timeline, ``_harness.StepClock``: the benchmark never makes the host wait for the device mid-run), peak memory from the first step on (on a GPU
+timeline, ``_harness.StepClock``: the benchmark never makes the host wait for the device mid-run),
+peak memory from the first step on (on a GPU
 ``max_memory_reserved``, what the process held: a replay of the layer graphs writes its activations
 into their pool unseen by ``max_memory_allocated``, which is reported beside it), the loss per step, and
 for xpukit the packing and graph counters (``model.xpukit_packing.stats``,

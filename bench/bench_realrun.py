@@ -51,7 +51,7 @@ comma-separated list too (``uniform,longtail``): each data set is its own run of
 
 Reported per variant and round (one JSON line): non-padding tokens/s over the steps after
 ``--warmup``, the step time's median and spread (each step's end is an event on the device's
-timeline, ``_harness.StepClock``: the benchmark never makes the host wait for the device mid-run),
+timeline, ``_clock.StepClock``: the benchmark never makes the host wait for the device mid-run),
 peak memory from the first step on (on a GPU
 ``max_memory_reserved``, what the process held: a replay of the layer graphs writes its activations
 into their pool unseen by ``max_memory_allocated``, which is reported beside it), the loss per step, and
@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h  # bench/_harness.py, beside this script: devices, memory, rounds, rows
+from _clock import StepClock
 from _data import DATA, as_dataset, dataset, summarize_files, summary, with_data
 from _peers import UNSLOTH_SETUPS, against_fastest_peer, budget_bytes, load_unsloth
 from _shapes import SHAPES, build_model
@@ -311,7 +312,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             )
     micro = targs.per_device_train_batch_size
     accumulate = targs.gradient_accumulation_steps
-    clock: Any = None  # h.StepClock, made just before training starts
+    clock: Any = None  # a StepClock, made just before training starts
     captures: list[int] = []  # graphs captured so far, at each step's end
     graphs = getattr(model, "xpukit_layer_graphs", None)
 
@@ -355,7 +356,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     trainer.add_callback(Clock())
     h.synchronize(device)
     h.reset_peak(device)
-    clock = h.StepClock(device)
+    clock = StepClock(device)
     started = clock.started
     trainer.train()
     times = clock.times()

@@ -49,19 +49,18 @@ xpukit row with the ratio of the interleaved rounds (median and range), the firs
 peer chosen and every peer's tokens/s (bench/_peers.py ``against_fastest_peer``). ``--data`` takes a
 comma-separated list too (``uniform,longtail``): each data set is its own run of the whole thing.
 
-Reported per variant and round (one JSON line): non-padding tokens/s over the steps after
-``--warmup``, the step time's median and spread (each step's end is an event on the device's
-timeline, ``_clock.StepClock``: the benchmark never makes the host wait for the device mid-run),
-peak memory from the first step on (on a GPU
-``max_memory_reserved``, what the process held: a replay of the layer graphs writes its activations
-into their pool unseen by ``max_memory_allocated``, which is reported beside it), the loss per step, and
-for xpukit the packing and graph counters (``model.xpukit_packing.stats``,
-``model.xpukit_layer_graphs.stats``). Rounds interleave the variants (``--repeat``); the summary
-gives medians and ranges. ``--max-memory 8GB`` gives xpukit that budget (unsloth has none: its
-checkpointing is its memory setting); a list (``--max-memory 8GB,10GB,12GB,none``) runs every variant
-at every budget, the rows named ``variant@budget``. ``tokens_per_s_first20`` is a short run's figure:
-every non-padding token of the first 20 steps over the time from the start of training to the end of
-step 20 (captures, warm-up and all), as a notebook run of 20 steps sees it.
+Reported per variant and round (one JSON line): non-padding tokens/s over the steps after ``--warmup``,
+the step time's median and spread (each step's end is an event on the device's timeline,
+``_clock.StepClock``: the benchmark never makes the host wait for the device mid-run), peak memory from
+the first step on (on a GPU ``max_memory_reserved``, what the process held: a replay of the layer graphs
+writes its activations into their pool unseen by ``max_memory_allocated``, which is reported beside it),
+the loss per step, and for xpukit the packing and graph counters (``model.xpukit_packing.stats``,
+``model.xpukit_layer_graphs.stats``). Rounds interleave the variants (``--repeat``); the summary gives
+medians and ranges. ``--max-memory 8GB`` gives xpukit that budget (unsloth has none: its checkpointing
+is its memory setting); a list (``--max-memory 8GB,10GB,12GB,none``) runs every variant at every budget,
+the rows named ``variant@budget``. ``tokens_per_s_first20`` is a short run's figure: every non-padding
+token of the first 20 steps over the time from the start of training to the end of step 20 (captures,
+warm-up and all), as a notebook run of 20 steps sees it.
 
 Usage::
 
@@ -325,6 +324,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
                 from torch.profiler import ProfilerActivity, profile
 
                 kind = ProfilerActivity.XPU if device == "xpu" else ProfilerActivity.CUDA
+                h.synchronize(device)  # the window starts on an idle device (its steps are not timed)
                 profiled["prof"] = profile(activities=[ProfilerActivity.CPU, kind])
                 profiled["prof"].start()
                 profiled["start"] = time.perf_counter()

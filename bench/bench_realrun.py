@@ -33,8 +33,8 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     xpukit-b512        xpukit-nowarm with the packed row padded to a multiple of 512 tokens (fewer shapes)
     xpukit-paged       xpukit with optim="paged_adamw_8bit" (the plan's optimizer under a budget before
                        2026-12-04; the fused AdamW since, where the plan fits)
-    xpukit-nofilter    xpukit with logging_nan_inf_filter=False: Trainer's check of each step's loss for
-                       nan/inf (a read of the loss on the host, which waits for the backward) left out
+    xpukit-filter      xpukit with transformers' logging_nan_inf_filter=True (xpukit's choice on a GPU
+                       before 2026-12-05): Trainer reads each loss on the host, waiting for its backward
     xpukit-warm1       xpukit with a warm-up pass before every capture (LayerGraphs.warmups = 1), as
                        before 2026-12-04 without checkpointing
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
@@ -104,7 +104,7 @@ VARIANTS = (
     "xpukit-b512",
     "xpukit-warm1",
     "xpukit-paged",
-    "xpukit-nofilter",
+    "xpukit-filter",
     *UNSLOTH_SETUPS,
 )
 # lora= and training_args keywords of the xpukit variants beside the one call.
@@ -118,7 +118,7 @@ XPUKIT_LORA: dict[str, Any] = {
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
     "xpukit-paged": {"optim": "paged_adamw_8bit"},
-    "xpukit-nofilter": {"logging_nan_inf_filter": False},
+    "xpukit-filter": {"logging_nan_inf_filter": True},
 }
 
 
@@ -224,8 +224,8 @@ class Counting:
 
 def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     args.variant_child, _, budget = args.variant_child.partition("@")
-    if budget:
-        args.max_memory = None if budget == "none" else budget
+    if budget or "," in (args.max_memory or ""):  # a peer among several budgets runs once, unbudgeted
+        args.max_memory = None if budget in ("none", "") else budget
     if args.variant_child.startswith("unsloth"):
         os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
         import unsloth  # noqa: F401  (before transformers, as unsloth requires)

@@ -56,6 +56,24 @@ def timed_load(path: Path, device: str, quantize: str | None) -> tuple[float, An
     return time.perf_counter() - start, model
 
 
+def profile_load(path: Path, device: str, top: int) -> None:
+    """Where one load of the saved checkpoint spends its time: the top functions by their own time and
+    by the time below them (cProfile; the device's work shows as the host's waits)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    seconds, model = timed_load(path, device, None)
+    prof.disable()
+    del model
+    for key in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats(key).print_stats(top)
+        emit({"bench": "saved_quant", "profile": key, "load_s": round(seconds, 2), "top": text.getvalue()})
+
+
 def write_saved(full: Path, out: Path, kind: str, device: str) -> tuple[float, Any]:
     """The checkpoint ``xpukit merge --quantize`` writes, for ``device``'s family; its write time."""
     from transformers import AutoModelForCausalLM
@@ -83,6 +101,7 @@ def main() -> None:
     parser.add_argument("--bits", choices=("int4", "int8"), help="default: int4 on a GPU, int8 on the CPU")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--root", help="a folder for the checkpoints (default: a temporary one)")
+    parser.add_argument("--profile", type=int, default=0, help="then profile one saved load: top N functions")
     args = parser.parse_args()
 
     import torch
@@ -113,6 +132,8 @@ def main() -> None:
                         logits[name] = model(ids).logits.float().cpu()
                 del model
         same = bool(torch.equal(logits["at_load"], logits["saved"]))
+        if args.profile:
+            profile_load(out, device, args.profile)
         for name, (path, _) in paths.items():
             emit(
                 {

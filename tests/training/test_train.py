@@ -514,3 +514,24 @@ def test_a_real_int4_load_to_run_is_refused(tiny_model: Path, tmp_path: Path) ->
     with pytest.raises(InvalidRequestError, match=r"no adapters.*lora=True"):
         training_args(model, output_dir=str(out), max_steps=1)
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("profile", "keywords", "expected"),
+    [
+        ("h100", {}, False),  # a GPU in bf16: the per-step wait goes
+        ("max-1550", {}, False),
+        ("t4", {}, None),  # fp16 with GradScaler: it waits each step anyway, transformers' default kept
+        ("h100", {"fp16": True}, None),
+        ("cpu-bf16", {}, None),  # the CPU runs synchronously
+        ("h100", {"logging_nan_inf_filter": True}, True),  # the user's value wins
+    ],
+)
+def test_the_loss_filter_is_off_on_a_gpu_without_gradscaler(
+    profile: str, keywords: dict[str, Any], expected: bool | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="xpukit.training.keywords"):
+        kw = training_kwargs(device_profile(profile), **keywords)
+    assert kw.get("logging_nan_inf_filter") is expected
+    if expected is False:
+        assert "logging_nan_inf_filter=False" in caplog.text and "Why the loss filter is off" in caplog.text

@@ -2,9 +2,9 @@
 
 A ``quantize="4bit"`` (or ``"8bit"``) load of a full-precision checkpoint quantizes every layer as it
 loads, in every process (the Qwen3-8B shape's int4 load: 2.26 s on an H200 with a warm page cache,
-the saved checkpoint 4.62 s but 2.65x smaller; docs/export.md "To another machine"). :func:`save_quantized` does it once: SOURCE (a
-model folder or Hub id, no adapter) is loaded by transformers' ``TorchAoConfig`` in the format a
-quantized load on the device family ``for_family`` takes
+the saved checkpoint 4.62 s but 2.65x smaller; docs/export.md "To another machine").
+:func:`save_quantized` does it once: SOURCE (a model folder or Hub id, no adapter) is loaded by
+transformers' ``TorchAoConfig`` in the format a quantized load on the device family ``for_family`` takes
 (:func:`xpukit.planning.device.saved_quant.saved_format`) and written with ``save_pretrained``
 (:func:`xpukit.loading.quantized_checkpoint.write_quantized`), tokenizer included;
 ``load_for_xpu(out)`` and ``from_pretrained(out)`` then load it without quantizing. With an adapter,

@@ -171,6 +171,12 @@ def test_cli_merge_int8_writes_a_checkpoint_that_loads_without_quantizing(
         got = saved.generate(ids, max_new_tokens=8, do_sample=False)
         want = at_load.generate(ids, max_new_tokens=8, do_sample=False)
     assert got.tolist() == want.tolist()
+    # each weight rebuilt from its own metadata (docs/export.md "To another machine"), then put back
+    from transformers.integrations import torchao as integration
+
+    assert any(e.what == "torchao read" for e in saved.xpukit_plan.events)
+    assert not any(e.what == "torchao read" for e in at_load.xpukit_plan.events)
+    assert not hasattr(integration.unflatten_tensor_state_dict, "__wrapped__")
 
 
 def test_int4_for_a_family_this_machine_lacks_is_refused_before_any_weight(
@@ -228,3 +234,78 @@ def test_a_load_cannot_quantize_a_saved_checkpoint_again(int8_merge: Path, wide_
     (copy / "config.json").write_text(json.dumps(config))
     with pytest.raises(InvalidRequestError, match="--for cpu"):
         plan_load(str(copy), device="cpu")
+
+
+# --- the read linear in the weights (docs/export.md "To another machine") ------------------------
+
+
+def _checkpoint_metadata(path: Path) -> dict[str, Any]:
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return dict(f.metadata())
+
+
+def test_own_metadata_keeps_the_weights_in_the_call_only() -> None:
+    from xpukit.loading.torchao_read import own_metadata
+
+    metadata = {
+        "tensor_names": json.dumps(["a.q.weight", "a.q.bias", "a.k.weight", "norm.weight"]),
+        "a.q.weight": "{q}",
+        "a.q.bias": "{qb}",
+        "a.k.weight": "{k}",
+        "norm.weight": "{n}",
+    }
+    scoped = own_metadata({"a.q._weight_qdata": 1, "a.q._weight_scale": 2, "a.q.bias": 3}, metadata)
+    assert json.loads(scoped.pop("tensor_names")) == ["a.q.weight", "a.q.bias"]
+    assert scoped == {"a.q.weight": "{q}", "a.q.bias": "{qb}"}
+    assert json.loads(own_metadata({"norm.weight": 0}, metadata)["tensor_names"]) == ["norm.weight"]
+
+
+def test_the_scoped_rebuild_equals_torchaos_on_a_real_checkpoint(int8_merge: Path) -> None:
+    """Every weight of a real int8 checkpoint, handed over as transformers hands it (its own tensors,
+    the whole metadata): the same tensors, type and attributes as torchao's own call gives."""
+    import torch
+    from safetensors.torch import load_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    from xpukit.loading.torchao_read import scoped_unflatten
+
+    out = int8_merge / "int8"
+    metadata, tensors = _checkpoint_metadata(out), load_file(str(out / "model.safetensors"))
+    scoped = scoped_unflatten(unflatten_tensor_state_dict)
+    names = json.loads(metadata["tensor_names"])
+    quantized = [n for n in names if json.loads(metadata[n])["_type"] != "Tensor"]
+    assert len(quantized) >= 7  # every linear layer of the tiny model
+    for name in names:
+        module, _, attr = name.rpartition(".")
+        own = {k: v for k, v in tensors.items() if k == name or k.startswith(f"{module}._{attr}_")}
+        want, want_left = unflatten_tensor_state_dict(own, metadata)
+        got, got_left = scoped(own, metadata)
+        if not own:  # a tied weight listed without tensors of its own (lm_head): nothing either way
+            assert got == want == {} and not got_left and not want_left
+            continue
+        assert list(got) == list(want) == [name] and not got_left and not want_left
+        a, b = got[name], want[name]
+        assert type(a) is type(b)
+        if type(a).__name__ == "Int8Tensor":
+            assert torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale)
+            assert a.block_size == b.block_size and a.shape == b.shape
+        else:
+            assert torch.equal(a, b)
+
+
+def test_the_wrapper_is_put_back_when_the_load_fails() -> None:
+    from transformers.integrations import torchao as integration
+
+    from xpukit.loading.torchao_read import linear_torchao_read
+
+    original = integration.unflatten_tensor_state_dict
+    with pytest.raises(RuntimeError), linear_torchao_read(True) as scoped:
+        assert scoped and integration.unflatten_tensor_state_dict is not original
+        with linear_torchao_read(True) as inner:  # a load inside a load does not wrap twice
+            assert not inner
+        raise RuntimeError("the load failed")
+    assert integration.unflatten_tensor_state_dict is original
+    with linear_torchao_read(False) as scoped:
+        assert not scoped and integration.unflatten_tensor_state_dict is original

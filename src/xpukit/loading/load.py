@@ -130,7 +130,7 @@ def carry_out(
     # the guard: on avx512_bf16 CPUs `import bitsandbytes` makes a Hub call with no timeout.
     with offline_guard(_needs_offline_guard(plan)), _quiet.quiet_load():
         kwargs = _fetch_kernels(plan, kwargs, events, changes)
-        model, info = _read_weights(plan, cls, kwargs)
+        model, info = _read_weights(plan, cls, kwargs, events)
         unused = _check_weights(plan, cls, model, info, events)
         if unused is not None:
             del model  # dropped before raising, so the traceback does not keep the weights alive
@@ -223,16 +223,22 @@ def _fetch_kernels(
 
 
 def _read_weights(
-    plan: LoadPlan, cls: type[PreTrainedModel], kwargs: dict[str, object]
+    plan: LoadPlan, cls: type[PreTrainedModel], kwargs: dict[str, object], events: list[LoadEvent]
 ) -> tuple[PreTrainedModel, _LoadingInfo]:
     """Placement: ``from_pretrained`` with the plan's keywords, and its loading report."""
     problem = None
     kwargs.pop("output_loading_info", None)  # always asked: the load report decides below
+    from xpukit.loading.torchao_read import linear_torchao_read
     from xpukit.loading.training.host_embedding import weights_apart
 
+    apart = plan.training is not None and plan.training.embedding_on_host
+    torchao = plan.model_facts.pre_quantized == "torchao"  # docs/export.md "To another machine"
     try:
-        with weights_apart(plan.training is not None and plan.training.embedding_on_host):
+        with weights_apart(apart), linear_torchao_read(torchao) as scoped:
             model, info = cls.from_pretrained(plan.model, output_loading_info=True, **kwargs)
+        if scoped:
+            note = "torchao's weights rebuilt from their own metadata (a read linear in the weights)"
+            events.append(LoadEvent(kind="applied", what="torchao read", actual=note))
     except Exception as exc:
         problem = weights_problem(plan, exc)
         if problem is None:

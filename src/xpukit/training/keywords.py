@@ -111,11 +111,11 @@ def training_kwargs(
         reasons.append("bf16 off: use_cpu=False was given and transformers refuses bf16 then")
     out.update(user)
     if "logging_nan_inf_filter" not in user:
-        keep, why = _loss_filter(device, bool(out.get("fp16")))
+        keep, note = _loss_filter(device, bool(out.get("fp16")))
         if keep is not None:
             out["logging_nan_inf_filter"] = keep
-        if why:
-            reasons.append(why)
+        if note:
+            reasons.append(note)
     if out.get("gradient_checkpointing") and "gradient_checkpointing_kwargs" not in user:
         out["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
     for reason in reasons:

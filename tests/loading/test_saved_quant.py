@@ -236,7 +236,7 @@ def test_a_load_cannot_quantize_a_saved_checkpoint_again(int8_merge: Path, wide_
         plan_load(str(copy), device="cpu")
 
 
-# --- the read linear in the weights (docs/export.md "To another machine") ------------------------
+# --- each weight rebuilt from its own metadata (docs/export.md "To another machine") ------------
 
 
 def _checkpoint_metadata(path: Path) -> dict[str, Any]:
@@ -298,14 +298,14 @@ def test_the_scoped_rebuild_equals_torchaos_on_a_real_checkpoint(int8_merge: Pat
 def test_the_wrapper_is_put_back_when_the_load_fails() -> None:
     from transformers.integrations import torchao as integration
 
-    from xpukit.loading.torchao_read import linear_torchao_read
+    from xpukit.loading.torchao_read import scoped_torchao_read
 
     original = integration.unflatten_tensor_state_dict
-    with pytest.raises(RuntimeError), linear_torchao_read(True) as scoped:
+    with pytest.raises(RuntimeError), scoped_torchao_read(True) as scoped:
         assert scoped and integration.unflatten_tensor_state_dict is not original
-        with linear_torchao_read(True) as inner:  # a load inside a load does not wrap twice
+        with scoped_torchao_read(True) as inner:  # a load inside a load does not wrap twice
             assert not inner
         raise RuntimeError("the load failed")
     assert integration.unflatten_tensor_state_dict is original
-    with linear_torchao_read(False) as scoped:
+    with scoped_torchao_read(False) as scoped:
         assert not scoped and integration.unflatten_tensor_state_dict is original

@@ -228,16 +228,16 @@ def _read_weights(
     """Placement: ``from_pretrained`` with the plan's keywords, and its loading report."""
     problem = None
     kwargs.pop("output_loading_info", None)  # always asked: the load report decides below
-    from xpukit.loading.torchao_read import linear_torchao_read
+    from xpukit.loading.torchao_read import scoped_torchao_read
     from xpukit.loading.training.host_embedding import weights_apart
 
     apart = plan.training is not None and plan.training.embedding_on_host
     torchao = plan.model_facts.pre_quantized == "torchao"  # docs/export.md "To another machine"
     try:
-        with weights_apart(apart), linear_torchao_read(torchao) as scoped:
+        with weights_apart(apart), scoped_torchao_read(torchao) as scoped:
             model, info = cls.from_pretrained(plan.model, output_loading_info=True, **kwargs)
         if scoped:
-            note = "torchao's weights rebuilt from their own metadata (a read linear in the weights)"
+            note = "torchao's weights rebuilt each from its own metadata, not the whole checkpoint's"
             events.append(LoadEvent(kind="applied", what="torchao read", actual=note))
     except Exception as exc:
         problem = weights_problem(plan, exc)

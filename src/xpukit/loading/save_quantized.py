@@ -1,8 +1,8 @@
 """``xpukit export SOURCE OUT --quantize``: a model's weights quantized once and written to disk.
 
 A ``quantize="4bit"`` (or ``"8bit"``) load of a full-precision checkpoint quantizes every layer as it
-loads, in every process (the Qwen3-8B shape's int4 load: 2.26 s on an H200 with a warm page cache,
-the saved checkpoint 4.62 s but 2.65x smaller; docs/export.md "To another machine").
+loads, in every process (its load times and sizes against the saved checkpoint: docs/export.md "To
+another machine").
 :func:`save_quantized` does it once: SOURCE (a model folder or Hub id, no adapter) is loaded by
 transformers' ``TorchAoConfig`` in the format a quantized load on the device family ``for_family`` takes
 (:func:`xpukit.planning.device.saved_quant.saved_format`) and written with ``save_pretrained``

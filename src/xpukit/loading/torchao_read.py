@@ -1,12 +1,13 @@
-"""Reading a torchao checkpoint in time linear in its weights (docs/export.md "To another machine").
+"""Reading a torchao checkpoint without a walk of all its metadata per weight (docs/export.md "To another
+machine").
 
 transformers rebuilds each quantized weight of a torchao safetensors checkpoint by calling torchao's
 ``unflatten_tensor_state_dict`` with that weight's tensors and the metadata of the whole checkpoint;
 the function walks every tensor name in the metadata against every metadata entry, so a load does
 ``weights x names x entries`` prefix tests (40.7 million for the Qwen3-8B shape's 252 weights).
 :func:`scoped_unflatten` hands each call the metadata of its own weight only: the same tensors come
-back, in time that grows with the weights (the Qwen3-8B shape's 36 layers at tiny widths, int8, on a
-2-core CPU: 3.71 s a load before, 0.69 s after).
+back after ``weights x names`` cheap tests instead (the Qwen3-8B shape's 36 layers at tiny widths,
+int8, on a 2-core CPU: 3.71 s a load before, 0.69 s after).
 
 The wrapper is in place for the duration of one ``from_pretrained`` and is put back after it, also
 when the load fails.
@@ -19,7 +20,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["linear_torchao_read", "own_metadata"]
+__all__ = ["own_metadata", "scoped_torchao_read", "scoped_unflatten"]
 
 Rebuilt = tuple[dict[str, Any], dict[str, Any]]  # the rebuilt weights, the tensors left over
 Unflatten = Callable[[dict[str, Any], dict[str, Any]], Rebuilt]
@@ -56,7 +57,7 @@ def scoped_unflatten(original: Unflatten) -> Unflatten:
 
 
 @contextlib.contextmanager
-def linear_torchao_read(active: bool) -> Iterator[bool]:
+def scoped_torchao_read(active: bool) -> Iterator[bool]:
     """While active, transformers' torchao integration rebuilds each weight from its own metadata.
 
     Yields whether the wrapper is in place (``False`` when not asked, or when this transformers has no

@@ -25,6 +25,9 @@ docs/known-issues.md "TrainingArguments: ddp_backend in a single process", docs/
 * ``gradient_checkpointing_kwargs={"use_reentrant": False}`` whenever checkpointing is on.
 * ``optim``: ``paged_adamw_8bit`` for a quantised model where bitsandbytes has paged optimizers for
   the device (CUDA; XPU from bitsandbytes 0.50), else ``adamw_torch``.
+* ``logging_nan_inf_filter=False`` on CUDA/XPU unless fp16's GradScaler runs: ``Trainer``'s
+  per-step nan/inf check of the loss makes the host wait for the device (docs/training.md "Why the
+  loss filter is off").
 * ``report_to="none"`` unless given.
 * A model with parameters of which none requires a gradient (a trained adapter loaded for
   inference, a merged model) is refused with the fix (``load_for_xpu(..., lora=DIR,

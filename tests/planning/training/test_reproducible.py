@@ -42,7 +42,9 @@ def train(model_dir: Path, out: Path, mode: str, seed: int = SEED) -> None:
 
     class PauseAfterSave(TrainerCallback):
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            (out / "saved").write_text(str(state.global_step))
+            # Written whole, then renamed: the parent polls for the name and reads it at once.
+            (out / "saved.tmp").write_text(str(state.global_step))
+            (out / "saved.tmp").replace(out / "saved")
             time.sleep(600)  # the parent kills this process now
 
     threads = torch.get_num_threads()

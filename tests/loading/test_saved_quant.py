@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -300,12 +301,50 @@ def test_the_wrapper_is_put_back_when_the_load_fails() -> None:
 
     from xpukit.loading.torchao_read import scoped_torchao_read
 
-    original = integration.unflatten_tensor_state_dict
+    original, check = integration.unflatten_tensor_state_dict, integration.is_metadata_torchao
     with pytest.raises(RuntimeError), scoped_torchao_read(True) as scoped:
         assert scoped and integration.unflatten_tensor_state_dict is not original
+        assert integration.is_metadata_torchao is not check
+        assert "__deepcopy__" in vars(integration.TorchAoDeserialize)
         with scoped_torchao_read(True) as inner:  # a load inside a load does not wrap twice
             assert not inner
         raise RuntimeError("the load failed")
     assert integration.unflatten_tensor_state_dict is original
+    assert integration.is_metadata_torchao is check
+    assert "__deepcopy__" not in vars(integration.TorchAoDeserialize)
     with scoped_torchao_read(False) as scoped:
         assert not scoped and integration.unflatten_tensor_state_dict is original
+
+
+def test_a_copied_converter_shares_its_quantizer_only_while_reading() -> None:
+    """transformers deep-copies a weight's converter per tensor; while reading, the copy keeps the
+    quantizer (and the checkpoint's metadata it holds) instead of copying it."""
+    import copy
+
+    from transformers.integrations.torchao import TorchAoDeserialize
+
+    from xpukit.loading.torchao_read import scoped_torchao_read
+
+    quantizer = SimpleNamespace(metadata={"tensor_names": "[]", "big": ["entries"] * 3})
+    op = TorchAoDeserialize(quantizer)
+    with scoped_torchao_read(True):
+        shared = copy.deepcopy(op)
+    assert shared is not op and shared.hf_quantizer is quantizer
+    copied = copy.deepcopy(op)
+    assert copied.hf_quantizer is not quantizer and copied.hf_quantizer.metadata == quantizer.metadata
+
+
+def test_the_metadata_check_runs_once_per_object_it_accepts() -> None:
+    from xpukit.loading.torchao_read import checked_once
+
+    calls: list[object] = []
+
+    def original(metadata: dict[str, Any]) -> bool:
+        calls.append(metadata)
+        return metadata.get("ok") is True
+
+    check = checked_once(original)
+    good, equal, bad = {"ok": True}, {"ok": True}, {"ok": False}
+    assert [check(good) for _ in range(3)] == [True] * 3 and calls == [good]
+    assert check(equal) and len(calls) == 2  # another object (even an equal one) is checked itself
+    assert not check(bad) and not check(bad) and len(calls) == 4  # a rejection is never remembered

@@ -237,7 +237,10 @@ def _read_weights(
         with weights_apart(apart), scoped_torchao_read(torchao) as scoped:
             model, info = cls.from_pretrained(plan.model, output_loading_info=True, **kwargs)
         if scoped:
-            note = "torchao's weights rebuilt each from its own metadata, not the whole checkpoint's"
+            note = (
+                "torchao's weights read without a walk of the whole checkpoint per weight: each "
+                "rebuilt from its own metadata, the quantizer shared by the copies, one metadata check"
+            )
             events.append(LoadEvent(kind="applied", what="torchao read", actual=note))
     except Exception as exc:
         problem = weights_problem(plan, exc)

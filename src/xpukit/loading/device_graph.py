@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -175,6 +176,8 @@ class GraphBackend:
         self.graph_class = getattr(self.module, "CUDAGraph" if kind == "cuda" else f"{kind.upper()}Graph")
         self.mem_pools = hasattr(self.module, "MemPool") and hasattr(self.module, "use_mem_pool")
         self._graph_stream = "stream" in inspect.signature(self.module.graph).parameters
+        # The last capture's milliseconds: before recording, recording, and the capture's end.
+        self.last_capture: dict[str, float] = {}
 
     def new_graph(self) -> DeviceGraph:
         graph: DeviceGraph = self.graph_class()
@@ -193,14 +196,24 @@ class GraphBackend:
     def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> None:
         # Captures happen mid-training, where a data loader's pin-memory thread may call into CUDA;
         # "thread_local" keeps those calls from invalidating this thread's capture (torch.cuda.graph).
+        begun = time.perf_counter()
         options: dict[str, object] = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
         if self._graph_stream:
             options["stream"] = self._side()
         wait_for_background()  # another thread's device work would invalidate the capture
         self._let_parked_go()
         self._blas_workspace()
+        # torch.cuda.graph's entry synchronizes and empties the caches; its exit instantiates the graph.
         with collector_paused(), self.module.graph(graph, pool=getattr(pool, "id", pool), **options):
+            entered = time.perf_counter()
             body()
+            recorded = time.perf_counter()
+        ended = time.perf_counter()
+        self.last_capture = {
+            "graph_enter": 1000 * (entered - begun),
+            "record": 1000 * (recorded - entered),
+            "graph_end": 1000 * (ended - recorded),
+        }
 
     def synchronize(self) -> None:
         self.module.synchronize()

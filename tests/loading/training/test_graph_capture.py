@@ -639,6 +639,42 @@ def test_each_capture_first_hands_the_default_pools_cache_back() -> None:
     assert emptied == [True]
 
 
+def test_each_capture_records_where_its_time_went() -> None:
+    """A capture's milliseconds split into its warm-up, its two graphs and, where the backend times
+    them, each graph's wait before recording, its recording and its end (the instantiation)."""
+    import time
+    from types import SimpleNamespace
+
+    from xpukit.loading.device_graph import GraphBackend
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) for _ in range(2)]
+    graphs = _plain_graphs(layers)
+    for rows in (2, 2, 3):  # the first call runs eagerly; then shapes 2 and 3 are captured
+        _stack(graphs, torch.randn(rows, 4)).sum().backward()
+    each = graphs.record()["each"]
+    assert [c["tokens"] for c in each] == [2, 3]  # Linear rows stand for the packed row's tokens
+    for cost in each:
+        assert set(cost["parts"]) == {"warm_up", "forward", "backward"}
+        assert all(ms >= 0 for ms in cost["parts"].values())
+        assert sum(cost["parts"].values()) <= cost["ms"] + 3  # parts of the whole (rounded)
+    assert graphs.stats["capture_forward_ms"] == sum(c["parts"]["forward"] for c in each)
+
+    @contextlib.contextmanager
+    def graph(g: Any, **options: Any) -> Any:
+        time.sleep(0.02)  # torch's entry: synchronize, empty the caches, begin
+        yield
+        time.sleep(0.03)  # the capture's end: instantiate
+
+    backend = GraphBackend("cuda")
+    backend.module = SimpleNamespace(graph=graph, Stream=object, current_device=lambda: 0)
+    backend._blas_workspace = lambda: None  # type: ignore[method-assign]  (no device here)
+    backend.capture(None, lambda: time.sleep(0.01), "pool")
+    split = backend.last_capture
+    assert set(split) == {"graph_enter", "record", "graph_end"}
+    assert split["graph_enter"] >= 20 and split["record"] >= 10 and split["graph_end"] >= 30
+
+
 def test_plain_values_of_other_types_are_other_shapes() -> None:
     from xpukit.loading.training.layer_calls import flatten
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -223,6 +224,22 @@ class Captured:
         # The parameters' gradients do not go through autograd (they land in ``shared``), so the
         # output needs this empty leaf to require grad when no input does (frozen embeddings).
         self.anchor = inputs[0].new_empty(0).requires_grad_(True)
+        # Milliseconds of the capture's parts: ``warm_up`` (the synchronizations, the cache's release
+        # and the warm-up passes), ``forward`` and ``backward`` (each graph's capture), and, where the
+        # backend says (``GraphBackend.last_capture``), the two graphs' ``graph_enter`` (the waits
+        # before recording), ``record`` (the code run into the graph) and ``graph_end`` (the
+        # capture's end, where the graph is instantiated).
+        self.cost: dict[str, float] = {}
+
+    def timed(self, backend: CaptureBackend, part: str, since: float) -> float:
+        """Add the milliseconds of ``part`` since ``since`` (and the backend's split of its last
+        capture) to :attr:`cost`; the time now."""
+        now = time.perf_counter()
+        self.cost[part] = 1000 * (now - since)
+        split: dict[str, float] = getattr(backend, "last_capture", None) or {}
+        for key, ms in split.items():
+            self.cost[key] = self.cost.get(key, 0.0) + ms
+        return now
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         return _replay_function().apply(self, self.anchor, *inputs)
@@ -272,6 +289,7 @@ def capture(
         raise ValueError("the stand-ins and the shared gradients must cover the same parameters, in order")
     wanted = [s for s in samples if s.requires_grad]
     leaves = stand_ins.leaves
+    started = time.perf_counter()
     backend.synchronize()
     # What the eager passes left cached in the default pool goes back to the device, for the pool.
     backend.release_cached()
@@ -285,6 +303,7 @@ def capture(
             del out
     backend.synchronize()
     captured = Captured(backend, samples, shared, pool, keep)
+    warmed = captured.timed(backend, "warm_up", started)
     state = captured.state
 
     def forward_body() -> None:
@@ -292,6 +311,7 @@ def capture(
             state.out = fn(*samples)
 
     backend.capture(captured.forward_graph, forward_body, pool)
+    forwarded = captured.timed(backend, "forward", warmed)
     out = state.out
     assert out is not None  # the forward body ran
     state.grad_out = torch.empty_like(out)
@@ -307,5 +327,6 @@ def capture(
         state.grad_in = tuple(next(it) if s.requires_grad else None for s in samples)
 
     backend.capture(captured.backward_graph, backward_body, pool)
+    captured.timed(backend, "backward", forwarded)
     state.out = out.detach()  # the capture's autograd graph is spent; its output buffer stays
     return captured

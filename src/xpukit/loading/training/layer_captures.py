@@ -53,12 +53,13 @@ CallKey: TypeAlias = tuple[
 
 
 class CaptureCost(TypedDict):
-    """One capture: its row's tokens, its milliseconds, and the pool's bytes after it (``None``:
-    the device cannot say)."""
+    """One capture: its row's tokens, its milliseconds, the pool's bytes after it (``None``: the
+    device cannot say), and the milliseconds of its parts (``graph_capture.Captured.cost``)."""
 
     tokens: int
     ms: int
     pool_bytes: int | None
+    parts: dict[str, int]
 
 
 class GraphRecord(TypedDict):
@@ -267,13 +268,18 @@ class LayerCaptures:
             return "capture failed"
         self._graphs[key] = run
         self._watch = Watch(self.layers)
-        self._count(hidden, backend, started)
+        self._count(hidden, backend, started, run.cost)
         return None
 
-    def _count(self, hidden: torch.Tensor, backend: CaptureBackend, started: float) -> None:
-        """A capture done: its cost in :attr:`stats` and :attr:`captured`."""
+    def _count(
+        self, hidden: torch.Tensor, backend: CaptureBackend, started: float, parts: dict[str, float]
+    ) -> None:
+        """A capture done: its cost in :attr:`stats` (its parts as ``capture_<part>_ms``) and
+        :attr:`captured`."""
         self.stats["captures"] += 1
         self.stats["capture_ms"] += round(1000 * (time.perf_counter() - started))
+        for part, ms in parts.items():
+            self.stats[f"capture_{part}_ms"] += round(ms)
         pool = backend.pool_bytes(self._pool) if hasattr(backend, "pool_bytes") else None
         if pool is not None:
             self.stats["pool_bytes"] = pool
@@ -282,6 +288,7 @@ class LayerCaptures:
                 "tokens": int(hidden.shape[-2]) if hidden.dim() >= 2 else 1,
                 "ms": round(1000 * (time.perf_counter() - started)),
                 "pool_bytes": pool,
+                "parts": {part: round(ms) for part, ms in parts.items()},
             }
         )
 

@@ -176,8 +176,6 @@ class GraphBackend:
         self.graph_class = getattr(self.module, "CUDAGraph" if kind == "cuda" else f"{kind.upper()}Graph")
         self.mem_pools = hasattr(self.module, "MemPool") and hasattr(self.module, "use_mem_pool")
         self._graph_stream = "stream" in inspect.signature(self.module.graph).parameters
-        # The last capture's milliseconds: before recording, recording, and the capture's end.
-        self.last_capture: dict[str, float] = {}
 
     def new_graph(self) -> DeviceGraph:
         graph: DeviceGraph = self.graph_class()
@@ -193,7 +191,9 @@ class GraphBackend:
         check = getattr(self.module, "is_current_stream_capturing", None)
         return bool(check()) if check is not None else False
 
-    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> None:
+    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> dict[str, float]:
+        """Capture ``body`` into ``graph``; the milliseconds before recording (``graph_enter``),
+        recording (``record``) and at the capture's end (``graph_end``, where the graph is instantiated)."""
         # Captures happen mid-training, where a data loader's pin-memory thread may call into CUDA;
         # "thread_local" keeps those calls from invalidating this thread's capture (torch.cuda.graph).
         begun = time.perf_counter()
@@ -209,7 +209,7 @@ class GraphBackend:
             body()
             recorded = time.perf_counter()
         ended = time.perf_counter()
-        self.last_capture = {
+        return {
             "graph_enter": 1000 * (entered - begun),
             "record": 1000 * (recorded - entered),
             "graph_end": 1000 * (ended - recorded),

@@ -669,10 +669,28 @@ def test_each_capture_records_where_its_time_went() -> None:
     backend = GraphBackend("cuda")
     backend.module = SimpleNamespace(graph=graph, Stream=object, current_device=lambda: 0)
     backend._blas_workspace = lambda: None  # type: ignore[method-assign]  (no device here)
-    backend.capture(None, lambda: time.sleep(0.01), "pool")
-    split = backend.last_capture
+    split = backend.capture(None, lambda: time.sleep(0.01), "pool")
     assert set(split) == {"graph_enter", "record", "graph_end"}
     assert split["graph_enter"] >= 20 and split["record"] >= 10 and split["graph_end"] >= 30
+
+
+def test_each_capture_counts_its_own_two_graphs_only() -> None:
+    """A backend's split of a graph adds to that capture's parts: twice a capture (forward and
+    backward), never carried into the next capture's warm-up."""
+
+    class TimedBackend(RerunBackend):
+        def capture(self, graph: RerunGraph, body: Any, pool: Any) -> dict[str, float]:
+            super().capture(graph, body, pool)
+            return {"record": 5.0}
+
+    from xpukit.loading.training.graph_capture import SharedGrads
+
+    net = _net()
+    backend = TimedBackend()
+    shared = SharedGrads([p for p in net.parameters() if p.requires_grad])
+    for rows in (3, 5):
+        cost = _captured(net, backend, shared, rows).cost
+        assert cost["record"] == 10.0 and set(cost) == {"warm_up", "forward", "backward", "record"}
 
 
 def test_plain_values_of_other_types_are_other_shapes() -> None:

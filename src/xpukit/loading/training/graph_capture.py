@@ -55,7 +55,8 @@ class CaptureBackend(Protocol):
 
     def pool(self) -> object: ...
 
-    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> None: ...
+    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> dict[str, float] | None:
+        """Capture ``body``; where the backend times it, its parts in milliseconds."""
 
     def synchronize(self) -> None: ...
 
@@ -226,18 +227,17 @@ class Captured:
         self.anchor = inputs[0].new_empty(0).requires_grad_(True)
         # Milliseconds of the capture's parts: ``warm_up`` (the synchronizations, the cache's release
         # and the warm-up passes), ``forward`` and ``backward`` (each graph's capture), and, where the
-        # backend says (``GraphBackend.last_capture``), the two graphs' ``graph_enter`` (the waits
+        # backend times them (``GraphBackend.capture``), the two graphs' ``graph_enter`` (the waits
         # before recording), ``record`` (the code run into the graph) and ``graph_end`` (the
         # capture's end, where the graph is instantiated).
         self.cost: dict[str, float] = {}
 
-    def timed(self, backend: CaptureBackend, part: str, since: float) -> float:
-        """Add the milliseconds of ``part`` since ``since`` (and the backend's split of its last
-        capture) to :attr:`cost`; the time now."""
+    def timed(self, part: str, since: float, split: dict[str, float] | None = None) -> float:
+        """Add the milliseconds of ``part`` since ``since`` (and ``split``, a graph's parts as the
+        backend timed them) to :attr:`cost`; the time now."""
         now = time.perf_counter()
         self.cost[part] = 1000 * (now - since)
-        split: dict[str, float] = getattr(backend, "last_capture", None) or {}
-        for key, ms in split.items():
+        for key, ms in (split or {}).items():
             self.cost[key] = self.cost.get(key, 0.0) + ms
         return now
 
@@ -303,15 +303,15 @@ def capture(
             del out
     backend.synchronize()
     captured = Captured(backend, samples, shared, pool, keep)
-    warmed = captured.timed(backend, "warm_up", started)
+    warmed = captured.timed("warm_up", started)
     state = captured.state
 
     def forward_body() -> None:
         with stand_ins.installed():
             state.out = fn(*samples)
 
-    backend.capture(captured.forward_graph, forward_body, pool)
-    forwarded = captured.timed(backend, "forward", warmed)
+    split = backend.capture(captured.forward_graph, forward_body, pool)
+    forwarded = captured.timed("forward", warmed, split)
     out = state.out
     assert out is not None  # the forward body ran
     state.grad_out = torch.empty_like(out)
@@ -326,7 +326,7 @@ def capture(
         it = iter(grads[: len(wanted)])
         state.grad_in = tuple(next(it) if s.requires_grad else None for s in samples)
 
-    backend.capture(captured.backward_graph, backward_body, pool)
-    captured.timed(backend, "backward", forwarded)
+    split = backend.capture(captured.backward_graph, backward_body, pool)
+    captured.timed("backward", forwarded, split)
     state.out = out.detach()  # the capture's autograd graph is spent; its output buffer stays
     return captured

@@ -26,17 +26,16 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
                        checkpointed inside the layer graphs (the budget case, device-bound)
     xpukit-offload-graphs  xpukit with lora={"gradient_checkpointing": "offload", "graphs": True}: each
                        layer's input copied to a pinned host slot and back inside the graphs
-    xpukit-lean        xpukit with fewer captures: no warm-up pass before a capture after the first
-                       (model.xpukit_layer_graphs.warmups = 0) and a bucket captured only once it
-                       recurs (model.xpukit_packing.capture_on_recurrence)
+    xpukit-lean        xpukit-nowarm with a bucket captured only once it recurs
+                       (model.xpukit_packing.capture_on_recurrence)
     xpukit-nowarm      xpukit without the warm-up pass before a capture after the first only
     xpukit-b512        xpukit-nowarm with the packed row padded to a multiple of 512 tokens (fewer shapes)
+    xpukit-nosync      xpukit, captures after the first not waiting for the device (settle = False)
     xpukit-paged       xpukit with optim="paged_adamw_8bit" (the plan's optimizer under a budget before
                        2026-12-04; the fused AdamW since, where the plan fits)
     xpukit-filter      xpukit with transformers' logging_nan_inf_filter=True (xpukit's choice on a GPU
                        before 2026-12-05): Trainer reads each loss on the host, waiting for its backward
-    xpukit-warm1       xpukit with a warm-up pass before every capture (LayerGraphs.warmups = 1), as
-                       before 2026-12-04 without checkpointing
+    xpukit-warm1       xpukit with a warm-up pass before every capture (as before 2026-12-04)
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
                        unsloth's recommended set-up (it turns padding-free batches on for text SFT)
     unsloth-nogc       the same with unsloth's checkpointing off (its fastest setting, more memory)
@@ -103,6 +102,7 @@ VARIANTS = (
     "xpukit-nowarm",
     "xpukit-b512",
     "xpukit-warm1",
+    "xpukit-nosync",
     "xpukit-paged",
     "xpukit-filter",
     *UNSLOTH_SETUPS,
@@ -114,6 +114,14 @@ XPUKIT_LORA: dict[str, Any] = {
     "xpukit-liger": {"liger": True},
     "xpukit-gc-graphs": {"gradient_checkpointing": True, "graphs": True},
     "xpukit-offload-graphs": {"gradient_checkpointing": "offload", "graphs": True},
+}
+# Attributes the graph variants set on the loaded model: (model attribute, name) -> value.
+XPUKIT_GRAPHS: dict[str, dict[tuple[str, str], Any]] = {
+    "xpukit-warm1": {("xpukit_layer_graphs", "warmups"): 1},
+    "xpukit-nowarm": {("xpukit_layer_graphs", "warmups"): 0},
+    "xpukit-lean": {("xpukit_layer_graphs", "warmups"): 0, ("xpukit_packing", "capture_on_recurrence"): True},
+    "xpukit-b512": {("xpukit_layer_graphs", "warmups"): 0, ("xpukit_packing", "bucket"): 512},
+    "xpukit-nosync": {("xpukit_layer_graphs", "settle"): False},
 }
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
@@ -277,16 +285,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             max_memory=budget,
         )
         plan = model.xpukit_plan
-        if variant == "xpukit-warm1" and getattr(model, "xpukit_layer_graphs", None) is not None:
-            model.xpukit_layer_graphs.warmups = 1
-        if (
-            variant in ("xpukit-lean", "xpukit-nowarm", "xpukit-b512")
-            and getattr(model, "xpukit_layer_graphs", None) is not None
-        ):
-            model.xpukit_layer_graphs.warmups = 0
-            model.xpukit_packing.capture_on_recurrence = variant == "xpukit-lean"
-            if variant == "xpukit-b512":
-                model.xpukit_packing.bucket = 512
+        if getattr(model, "xpukit_layer_graphs", None) is not None:  # the graph switches of the variant
+            for (attribute, name), value in XPUKIT_GRAPHS.get(variant, {}).items():
+                setattr(getattr(model, attribute), name, value)
         if variant == "xpukit-sft":
             from trl import SFTConfig
 

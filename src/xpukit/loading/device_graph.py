@@ -56,6 +56,14 @@ class DeviceGraph(Protocol):
     def replay(self) -> None: ...
 
 
+class _Capturable(Protocol):
+    """A device graph's own capture calls (what ``torch.cuda.graph`` / ``torch.xpu.graph`` call)."""
+
+    def capture_begin(self, *pool: object, **options: object) -> None: ...
+
+    def capture_end(self) -> None: ...
+
+
 class DeviceModule(Protocol):
     """What :class:`GraphBackend` uses of a torch device module (``torch.cuda``, ``torch.xpu``, or a
     CPU test's stand-in). Its graph class is looked up by name; ``MemPool`` and ``use_mem_pool``
@@ -191,23 +199,45 @@ class GraphBackend:
         check = getattr(self.module, "is_current_stream_capturing", None)
         return bool(check()) if check is not None else False
 
-    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> dict[str, float]:
+    def capture(
+        self, graph: DeviceGraph, body: Callable[[], None], pool: object, settle: bool = True
+    ) -> dict[str, float]:
         """Capture ``body`` into ``graph``; the milliseconds before recording (``graph_enter``),
-        recording (``record``) and at the capture's end (``graph_end``, where the graph is instantiated)."""
+        recording (``record``) and at the capture's end (``graph_end``, where the graph is instantiated).
+
+        ``settle``: enter through ``torch.<kind>.graph``, which first waits for the device and empties
+        the caches (the device's and, on CUDA, the pinned host memory's). With ``False`` the capture
+        begins at once on the side stream (``capture_begin`` / ``capture_end``, what that context
+        calls inside): work queued on other streams keeps running while the host records, and no
+        cache is emptied (docs/layer-graphs.md "What a capture costs").
+        """
         # Captures happen mid-training, where a data loader's pin-memory thread may call into CUDA;
         # "thread_local" keeps those calls from invalidating this thread's capture (torch.cuda.graph).
         begun = time.perf_counter()
         options: dict[str, object] = {"capture_error_mode": "thread_local"} if self.kind == "cuda" else {}
-        if self._graph_stream:
-            options["stream"] = self._side()
         wait_for_background()  # another thread's device work would invalidate the capture
         self._let_parked_go()
         self._blas_workspace()
-        # torch.cuda.graph's entry synchronizes and empties the caches; its exit instantiates the graph.
-        with collector_paused(), self.module.graph(graph, pool=getattr(pool, "id", pool), **options):
-            entered = time.perf_counter()
-            body()
-            recorded = time.perf_counter()
+        handle = getattr(pool, "id", pool)
+        with collector_paused():
+            if settle or not hasattr(graph, "capture_begin"):
+                if self._graph_stream:
+                    options["stream"] = self._side()
+                # torch.cuda.graph's entry synchronizes and empties the caches; its exit instantiates
+                with self.module.graph(graph, pool=handle, **options):
+                    entered = time.perf_counter()
+                    body()
+                    recorded = time.perf_counter()
+            else:
+                with self.module.stream(self._side()):
+                    direct = cast("_Capturable", graph)
+                    direct.capture_begin(*(() if handle is None else (handle,)), **options)
+                    entered = time.perf_counter()
+                    try:
+                        body()
+                    finally:
+                        recorded = time.perf_counter()
+                        direct.capture_end()  # instantiates the graph
         ended = time.perf_counter()
         return {
             "graph_enter": 1000 * (entered - begun),

@@ -41,8 +41,8 @@ class RerunBackend:
     def pool(self) -> None:
         return None
 
-    def capture(self, graph: RerunGraph, body: Any, pool: Any) -> None:
-        self.events.append("capture")
+    def capture(self, graph: RerunGraph, body: Any, pool: Any, settle: bool = True) -> None:
+        self.events.append("capture" if settle else "capture unsettled")
         graph.body = body
         body()
 
@@ -639,6 +639,97 @@ def test_each_capture_first_hands_the_default_pools_cache_back() -> None:
     assert emptied == [True]
 
 
+def test_a_capture_without_a_warm_up_may_record_while_the_device_runs() -> None:
+    """``settle=False``: a capture with no warm-up pass neither waits for the device nor releases its
+    cache, and its graphs are captured unsettled; a warm-up pass still settles first (it allocates).
+    The gradients are the same either way."""
+    from xpukit.loading.training.graph_capture import SharedGrads, StandIns, capture
+
+    class Counting(RerunBackend):
+        def synchronize(self) -> None:
+            self.events.append("sync")
+
+    grads = []
+    for settle, warmup, want in (
+        (False, 0, ["warm-up", "capture unsettled", "capture unsettled"]),
+        (False, 1, ["sync", "release", "warm-up", "sync", "capture", "capture"]),
+        (True, 0, ["sync", "release", "warm-up", "sync", "capture", "capture"]),
+    ):
+        net = _net()
+        backend = Counting()
+        params = [p for p in net.parameters() if p.requires_grad]
+        shared = SharedGrads(params)
+        x = torch.randn(3, 4)
+        run = capture(
+            net, (x,), StandIns([net]), shared, backend=backend, pool=None, warmup=warmup, settle=settle
+        )
+        assert backend.events == want
+        run(x).sum().backward()
+        grads.append([p.grad.clone() for p in params])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_an_unsettled_capture_begins_on_the_side_stream_without_waiting() -> None:
+    """``GraphBackend.capture(..., settle=False)`` calls the graph's own ``capture_begin`` (with the
+    pool and, on CUDA, the thread-local error mode) and ``capture_end`` on the captures' stream,
+    never the device module's ``graph`` context (which synchronizes and empties the caches); the
+    capture ends also when the recorded code raises."""
+    from types import SimpleNamespace
+
+    from xpukit.loading.device_graph import GraphBackend
+
+    events: list[tuple[str, Any]] = []
+
+    @contextlib.contextmanager
+    def record(what: str, value: Any) -> Any:
+        events.append((what, value))
+        yield
+        events.append(("left " + what, value))
+
+    class Graph:
+        def capture_begin(self, *pool: Any, **options: Any) -> None:
+            events.append(("begin", (pool, options)))
+
+        def capture_end(self) -> None:
+            events.append(("end", None))
+
+    module = SimpleNamespace(
+        graph=lambda g, **o: pytest.fail("the settling graph context was entered"),
+        synchronize=lambda: pytest.fail("synchronized"),
+        empty_cache=lambda: pytest.fail("emptied the cache"),
+        stream=lambda s: record("stream", s),
+        Stream=object,
+        current_device=lambda: 0,
+    )
+    for kind, options in (("cuda", {"capture_error_mode": "thread_local"}), ("xpu", {})):
+        backend = GraphBackend(kind)
+        backend.module = module
+        backend._blas_workspace = lambda: None  # type: ignore[method-assign]  (no device here)
+        events.clear()
+        split = backend.capture(
+            Graph(), lambda: events.append(("body", None)), SimpleNamespace(id=(1, 2)), False
+        )
+        stream = backend._side()
+        assert events == [
+            ("stream", stream),
+            ("begin", (((1, 2),), options)),
+            ("body", None),
+            ("end", None),
+            ("left stream", stream),
+        ]
+        assert set(split) == {"graph_enter", "record", "graph_end"}
+
+    def fails() -> None:
+        raise RuntimeError("bad layer")
+
+    events.clear()
+    with pytest.raises(RuntimeError, match="bad layer"):
+        backend.capture(Graph(), fails, None, False)
+    assert events[1] == ("begin", ((), {})) and ("end", None) in events
+
+
 def test_each_capture_records_where_its_time_went() -> None:
     """A capture's milliseconds split into its warm-up, its two graphs and, where the backend times
     them, each graph's wait before recording, its recording and its end (the instantiation)."""
@@ -679,8 +770,8 @@ def test_each_capture_counts_its_own_two_graphs_only() -> None:
     backward), never carried into the next capture's warm-up."""
 
     class TimedBackend(RerunBackend):
-        def capture(self, graph: RerunGraph, body: Any, pool: Any) -> dict[str, float]:
-            super().capture(graph, body, pool)
+        def capture(self, graph: RerunGraph, body: Any, pool: Any, settle: bool = True) -> dict[str, float]:
+            super().capture(graph, body, pool, settle)
             return {"record": 5.0}
 
     from xpukit.loading.training.graph_capture import SharedGrads

@@ -55,8 +55,11 @@ class CaptureBackend(Protocol):
 
     def pool(self) -> object: ...
 
-    def capture(self, graph: DeviceGraph, body: Callable[[], None], pool: object) -> dict[str, float] | None:
-        """Capture ``body``; where the backend times it, its parts in milliseconds."""
+    def capture(
+        self, graph: DeviceGraph, body: Callable[[], None], pool: object, settle: bool = True
+    ) -> dict[str, float] | None:
+        """Capture ``body`` (with ``settle``, after the device is idle and its caches emptied);
+        where the backend times it, its parts in milliseconds."""
 
     def synchronize(self) -> None: ...
 
@@ -273,6 +276,7 @@ def capture(
     pool: object,
     warmup: int = 1,
     keep: tuple[torch.Tensor, ...] = (),
+    settle: bool = True,
 ) -> Captured:
     """Capture ``fn(*samples)`` (one tensor out) and its backward into ``pool``.
 
@@ -281,6 +285,11 @@ def capture(
     get their gradient returned by the backward; the others get ``None``. The returned callable
     takes tensors of the samples' shapes, dtypes and devices, and holds ``pool`` and ``keep`` (host
     buffers the captured code copies to) as long as it lives.
+
+    ``settle``: wait for the device and release the default pool's cache before capturing, and
+    capture each graph through the device's graph context (which waits and empties the caches again).
+    ``False`` (only where no warm-up pass runs) records while the device still runs the work queued
+    before: the capture's host time overlaps it (docs/layer-graphs.md "What a capture costs").
     """
     import torch
 
@@ -290,9 +299,11 @@ def capture(
     wanted = [s for s in samples if s.requires_grad]
     leaves = stand_ins.leaves
     started = time.perf_counter()
-    backend.synchronize()
-    # What the eager passes left cached in the default pool goes back to the device, for the pool.
-    backend.release_cached()
+    settle = settle or warmup > 0  # a warm-up pass allocates: the cache goes first
+    if settle:
+        backend.synchronize()
+        # What the eager passes left cached in the default pool goes back to the device, for the pool.
+        backend.release_cached()
     # Lazily built state stays out of the graphs; the passes reuse the pool's free memory.
     with backend.warm_up(pool), stand_ins.installed():
         for _ in range(warmup):
@@ -301,7 +312,8 @@ def capture(
                 raise NothingToTrain
             torch.autograd.grad(out, (*wanted, *leaves), torch.empty_like(out), allow_unused=True)
             del out
-    backend.synchronize()
+    if settle:
+        backend.synchronize()
     captured = Captured(backend, samples, shared, pool, keep)
     warmed = captured.timed("warm_up", started)
     state = captured.state
@@ -310,7 +322,7 @@ def capture(
         with stand_ins.installed():
             state.out = fn(*samples)
 
-    split = backend.capture(captured.forward_graph, forward_body, pool)
+    split = backend.capture(captured.forward_graph, forward_body, pool, settle)
     forwarded = captured.timed("forward", warmed, split)
     out = state.out
     assert out is not None  # the forward body ran
@@ -326,7 +338,7 @@ def capture(
         it = iter(grads[: len(wanted)])
         state.grad_in = tuple(next(it) if s.requires_grad else None for s in samples)
 
-    split = backend.capture(captured.backward_graph, backward_body, pool)
+    split = backend.capture(captured.backward_graph, backward_body, pool, settle)
     captured.timed("backward", forwarded, split)
     state.out = out.detach()  # the capture's autograd graph is spent; its output buffer stays
     return captured

@@ -109,6 +109,9 @@ class LayerCaptures:
         # and autotuned the kernels (checkpointed, H200, 8 GB: 3 447 against 3 264 tokens/s over 20
         # steps); the same kernels run without checkpointing (docs/layer-graphs.md "What a capture costs").
         self.warmups = 0
+        # Wait for the device and empty its cache before each capture (graph_capture.capture); False:
+        # a capture without a warm-up pass records while the device runs the steps queued before.
+        self.settle = True
         self.stats: Counter[str] = Counter()
         self.failed: str | None = None
         self._graphs: dict[CallKey, Captured] = {}
@@ -249,6 +252,7 @@ class LayerCaptures:
                     pool=self._pool,
                     warmup=warmup,
                     keep=keep,
+                    settle=self.settle,
                 )
 
         try:

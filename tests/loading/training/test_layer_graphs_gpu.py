@@ -117,9 +117,13 @@ def test_two_forwards_before_one_backward_run_eagerly(tiny_model: Any) -> None:
     assert float((results[0] - results[1]).norm() / results[0].norm()) < 2e-2
 
 
-def test_packed_padded_batches_replay_graphs_and_train_as_the_padded_eager_batches(tiny_model: Any) -> None:
+@pytest.mark.parametrize("settle", [True, False])
+def test_packed_padded_batches_replay_graphs_and_train_as_the_padded_eager_batches(
+    tiny_model: Any, settle: bool
+) -> None:
     """The real-run case: batches of different lengths padded by a collator. Packed into buckets, the
-    graphs replay after the first call of each shape; losses and gradients are the padded batches'."""
+    graphs replay after the first call of each shape; losses and gradients are the padded batches'.
+    With ``settle=False`` the captures after the first record while the device runs earlier steps."""
     _need_cuda()
     import torch
 
@@ -134,6 +138,8 @@ def test_packed_padded_batches_replay_graphs_and_train_as_the_padded_eager_batch
     results = []
     for lora in ({"graphs": False, "packing": False}, {"graphs": True, "packing": True}):
         model = _load(tiny_model, lora, batch_size=3, seq_len=40)
+        if lora["graphs"]:
+            model.xpukit_layer_graphs.settle = settle
         model.train()
         run = []
         for ids, mask, _ in batches:
@@ -147,6 +153,7 @@ def test_packed_padded_batches_replay_graphs_and_train_as_the_padded_eager_batch
     (_, eager), (packed, graphed) = results
     stats = packed.xpukit_layer_graphs.stats
     assert stats["graphed"] >= 6 and stats["eager"] == 1, packed.xpukit_layer_graphs.eager_reasons
+    assert stats["captures"] >= 2
     assert packed.xpukit_packing.stats["packed"] == 8 and packed.xpukit_packing.stats["padding_removed"] > 0
     for (la, ga), (lb, gb) in zip(eager, graphed, strict=True):
         assert abs(la - lb) <= 1e-2 * abs(la)

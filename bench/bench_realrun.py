@@ -26,8 +26,7 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
                        checkpointed inside the layer graphs (the budget case, device-bound)
     xpukit-offload-graphs  xpukit with lora={"gradient_checkpointing": "offload", "graphs": True}: each
                        layer's input copied to a pinned host slot and back inside the graphs
-    xpukit-lean        xpukit-nowarm with a bucket captured only once it recurs
-                       (model.xpukit_packing.capture_on_recurrence)
+    xpukit-lean        xpukit-nowarm, a bucket captured only once it recurs (capture_on_recurrence)
     xpukit-nowarm      xpukit without the warm-up pass before a capture after the first only
     xpukit-b512        xpukit-nowarm with the packed row padded to a multiple of 512 tokens (fewer shapes)
     xpukit-nosync      xpukit, captures after the first not waiting for the device (settle = False)

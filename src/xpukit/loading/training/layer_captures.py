@@ -280,17 +280,18 @@ class LayerCaptures:
     ) -> None:
         """A capture done: its cost in :attr:`stats` (its parts as ``capture_<part>_ms``) and
         :attr:`captured`."""
+        ms = round(1000 * (time.perf_counter() - started))  # before the pool's snapshot, which is ours
         self.stats["captures"] += 1
-        self.stats["capture_ms"] += round(1000 * (time.perf_counter() - started))
-        for part, ms in parts.items():
-            self.stats[f"capture_{part}_ms"] += round(ms)
+        self.stats["capture_ms"] += ms
+        for part, part_ms in parts.items():
+            self.stats[f"capture_{part}_ms"] += round(part_ms)
         pool = backend.pool_bytes(self._pool) if hasattr(backend, "pool_bytes") else None
         if pool is not None:
             self.stats["pool_bytes"] = pool
         self.captured.append(
             {
                 "tokens": int(hidden.shape[-2]) if hidden.dim() >= 2 else 1,
-                "ms": round(1000 * (time.perf_counter() - started)),
+                "ms": ms,
                 "pool_bytes": pool,
                 "parts": {part: round(ms) for part, ms in parts.items()},
             }

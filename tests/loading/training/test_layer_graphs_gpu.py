@@ -130,14 +130,15 @@ def test_packed_padded_batches_replay_graphs_and_train_as_the_padded_eager_batch
     gen = torch.Generator().manual_seed(0)
     batches = []
     for step in range(8):
-        lengths = torch.randint(8, 40, (3,), generator=gen).tolist()
+        # packed rows of 24-600 tokens: two buckets of 256 at least, so a second shape is captured
+        lengths = torch.randint(8, 200, (3,), generator=gen).tolist()
         width = max(lengths)
         ids = torch.randint(5, 500, (3, width), generator=gen)
         mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
         batches.append((ids.cuda() * mask.cuda(), mask.cuda(), step))
     results = []
     for lora in ({"graphs": False, "packing": False}, {"graphs": True, "packing": True}):
-        model = _load(tiny_model, lora, batch_size=3, seq_len=40)
+        model = _load(tiny_model, lora, batch_size=3, seq_len=200)
         if lora["graphs"]:
             model.xpukit_layer_graphs.settle = settle
         model.train()

@@ -110,7 +110,8 @@ class LayerCaptures:
         # steps); the same kernels run without checkpointing (docs/layer-graphs.md "What a capture costs").
         self.warmups = 0
         # Wait for the device and empty its cache before each capture (graph_capture.capture); False:
-        # a capture without a warm-up pass records while the device runs the steps queued before.
+        # a capture without a warm-up pass records while the device runs the steps queued before. No
+        # gain measured (docs/layer-graphs.md "What a capture costs"): the host's recording is the cost.
         self.settle = True
         self.stats: Counter[str] = Counter()
         self.failed: str | None = None

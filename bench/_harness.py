@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -25,6 +24,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from _caches import add_cache_arguments, child_caches
 
 # --- the device ----------------------------------------------------------------------------------
 
@@ -242,6 +243,7 @@ def add_variant_arguments(
     parser.add_argument("--variants", default=",".join(variants), help="comma-separated subset")
     parser.add_argument("--variant-child", help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
+    add_cache_arguments(parser)
 
 
 def chosen_variants(parser: argparse.ArgumentParser, text: str, known: tuple[str, ...]) -> list[str]:
@@ -253,29 +255,21 @@ def chosen_variants(parser: argparse.ArgumentParser, text: str, known: tuple[str
     return variants
 
 
-def fresh_caches(prefix: str) -> dict[str, str]:
-    """The environment with empty Triton and inductor caches (a first run's compile)."""
-    fresh = Path(tempfile.mkdtemp(prefix=prefix))
-    return dict(
-        os.environ, TRITON_CACHE_DIR=str(fresh / "triton"), TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor")
-    )
-
-
 def run_child(
-    args: argparse.Namespace, variant: str, model_dir: Path, *, script: str, bench: str
+    args: argparse.Namespace, variant: str, model_dir: Path, *, script: str, bench: str, caches: Path
 ) -> dict[str, Any]:
-    """Run one variant of ``script`` in its own process; its last JSON line is the row."""
+    """Run one variant of ``script`` in its own process, with the compiled-kernel caches
+    ``--kernel-caches`` gives it under ``caches`` (bench/_caches.py); its last JSON line is the row."""
     if variant.startswith("unsloth") and importlib.util.find_spec("unsloth") is None:
         return {"bench": bench, "variant": variant, "skipped": "unsloth is not installed"}
     child = [sys.executable, script, *sys.argv[1:], "--variant-child", variant, "--model-dir", str(model_dir)]
-    # --cold-caches: a first run's compile, no kernel cached by an earlier child.
-    env = fresh_caches("xpukit-bench-caches-") if getattr(args, "cold_caches", False) else None
+    env, held = child_caches(getattr(args, "kernel_caches", "shared"), variant, caches)
     proc = subprocess.run(child, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-6:]
-        return {"bench": bench, "variant": variant, "error": " | ".join(tail)}
-    return dict(json.loads(lines[-1]))
+        return {"bench": bench, "variant": variant, "error": " | ".join(tail), "kernel_caches": held}
+    return {**json.loads(lines[-1]), "kernel_caches": held}
 
 
 def ensure_model(
@@ -352,7 +346,8 @@ def rounds_of_children(
         ensure_model(args, model_dir, bench, build)
         if not variants:  # --variants '': only build the model (into --model-cache)
             return 0
-        run = lambda v: run_child(args, v, model_dir, script=script, bench=bench)  # noqa: E731
+        caches = Path(getattr(args, "kernel_cache_dir", None) or Path(tmp) / "kernel-caches")
+        run = lambda v: run_child(args, v, model_dir, script=script, bench=bench, caches=caches)  # noqa: E731
         failed = interleaved_rounds(args, variants, run, summarize, bench, compare)
     return 1 if failed else 0
 

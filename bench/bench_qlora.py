@@ -44,7 +44,7 @@ Variants:
                       ``check_blocks`` with one that checks nothing): ``load_s`` + ``first_step_s``
                       against xpukit-auto's is the check's own cost, apart from the kernels' first
                       compilation, which the first step pays when the check did not (with
-                      ``--cold-caches``: otherwise a child finds the kernels an earlier one compiled)
+                      ``--kernel-caches empty`` or the default ``own``, bench/_caches.py)
 
 A step runs the plan's micro-batch (``micro_batch_run``) with gradient accumulation up to
 ``--batch``, as ``Trainer`` does with ``training_args``; the other variants run the whole batch.
@@ -204,11 +204,6 @@ def main() -> int:
         help="unsloth: a small local tokenizer (it always loads one; default: the demo model's)",
     )
     parser.add_argument("--profile", action="store_true", help="torch.profiler breakdown (docstring)")
-    parser.add_argument(
-        "--cold-caches",
-        action="store_true",
-        help="each child starts with empty Triton and inductor caches (load_s, first_step_s: a first run)",
-    )
     args = parser.parse_args()
     args.seq = args.seq or (128 if args.tiny else 512)
     if args.variant_child:

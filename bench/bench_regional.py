@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h  # bench/_harness.py: devices, timing, rows
+from _caches import fresh_caches
 from _shapes import build_decode_model as build
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -103,7 +104,7 @@ def main() -> int:
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
             cmd = [sys.executable, __file__, *sys.argv[1:], "--mode", mode, "--model-path", str(path)]
             started = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=h.fresh_caches("xpukit-regional-"))
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=fresh_caches("xpukit-regional-"))
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             if proc.returncode or not lines:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:]

@@ -35,6 +35,8 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     xpukit-filter      xpukit with transformers' logging_nan_inf_filter=True (xpukit's choice on a GPU
                        before 2026-12-05): Trainer reads each loss on the host, waiting for its backward
     xpukit-warm1       xpukit with a warm-up pass before every capture (as before 2026-12-04)
+    xpukit-expandable  xpukit with torch's allocator on expandable segments (PYTORCH_ALLOC_CONF), as
+                       unsloth sets it for itself at import (its reserved memory against the same)
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
                        unsloth's recommended set-up (it turns padding-free batches on for text SFT)
     unsloth-nogc       the same with unsloth's checkpointing off (its fastest setting, more memory)
@@ -104,6 +106,7 @@ VARIANTS = (
     "xpukit-nosync",
     "xpukit-paged",
     "xpukit-filter",
+    "xpukit-expandable",
     *UNSLOTH_SETUPS,
 )
 # lora= and training_args keywords of the xpukit variants beside the one call.
@@ -122,6 +125,10 @@ XPUKIT_GRAPHS: dict[str, dict[tuple[str, str], Any]] = {
     "xpukit-b512": {("xpukit_layer_graphs", "warmups"): 0, ("xpukit_packing", "bucket"): 512},
     "xpukit-nosync": {("xpukit_layer_graphs", "settle"): False},
 }
+# The child's environment before torch's allocator starts (read at the device's first allocation).
+XPUKIT_ENV = {"xpukit-expandable": {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}}
+PLAN_SHOWN = ("gradient_checkpointing", "liger", "loss", "micro_batch", "fused_lora", "layer_graphs")
+PLAN_SHOWN += ("packing", "input_embedding")
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
     "xpukit-paged": {"optim": "paged_adamw_8bit"},
@@ -233,6 +240,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     args.variant_child, _, budget = args.variant_child.partition("@")
     if budget or "," in (args.max_memory or ""):  # a peer among several budgets runs once, unbudgeted
         args.max_memory = None if budget in ("none", "") else budget
+    os.environ.update(XPUKIT_ENV.get(args.variant_child, {}))
     if args.variant_child.startswith("unsloth"):
         os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
         import unsloth  # noqa: F401  (before transformers, as unsloth requires)
@@ -407,6 +415,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         "budget_kept": reserved <= (budget_bytes(args.max_memory) or reserved)
         if reserved is not None and args.max_memory
         else None,
+        "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "versions": h.versions(),
         "date": h.today(),
     }
@@ -416,21 +425,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         row["pass_tokens"] = plan.training.pass_tokens
         row["split_by_tokens"] = plan.training.split_by_tokens
     if plan is not None:
-        row["plan"] = {
-            d.name: str(d.value)
-            for d in plan.decisions
-            if d.name
-            in (
-                "gradient_checkpointing",
-                "liger",
-                "loss",
-                "micro_batch",
-                "fused_lora",
-                "layer_graphs",
-                "packing",
-                "input_embedding",
-            )
-        }
+        row["plan"] = {d.name: str(d.value) for d in plan.decisions if d.name in PLAN_SHOWN}
     for attr, key in (("xpukit_packing", "packing"), ("xpukit_layer_graphs", "graphs")):
         counters = getattr(model, attr, None)
         if counters is not None:

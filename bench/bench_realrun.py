@@ -68,6 +68,7 @@ Usage::
     python bench/bench_realrun.py --data chat --repeat 3      # CUDA / XPU, Qwen3-8B shape
     python bench/bench_realrun.py --data chat --max-memory 8GB --variants xpukit,unsloth
     python bench/bench_realrun.py --shape gemma-3-4b --variants xpukit,unsloth-nogc
+    python bench/bench_realrun.py --data uniform --variants xpukit --profile-captures 25  # capture host time
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 import _harness as h  # bench/_harness.py, beside this script: devices, memory, rounds, rows
+from _capture_profile import CaptureProfile
 from _clock import StepClock
 from _data import DATA, as_dataset, dataset, summarize_files, summary, with_data
 from _peers import UNSLOTH_SETUPS, against_fastest_peer, budget_bytes, load_unsloth
@@ -127,8 +129,7 @@ XPUKIT_GRAPHS: dict[str, dict[tuple[str, str], Any]] = {
 }
 # The child's environment before torch's allocator starts (read at the device's first allocation).
 XPUKIT_ENV = {"xpukit-expandable": {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}}
-PLAN_SHOWN = ("gradient_checkpointing", "liger", "loss", "micro_batch", "fused_lora", "layer_graphs")
-PLAN_SHOWN += ("packing", "input_embedding")
+PLAN_SHOWN = "gradient_checkpointing liger loss micro_batch fused_lora layer_graphs packing input_embedding"
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
     "xpukit-paged": {"optim": "paged_adamw_8bit"},
@@ -161,6 +162,7 @@ def main() -> int:
         default=0,
         help="profile the last N steps (torch.profiler): the device's busy share, kernels, device ms a step",
     )
+    parser.add_argument("--profile-captures", type=int, default=0, help="cProfile the captures: top N")
     parser.add_argument(
         "--trace",
         help="with --profile-steps: write each profiled run's trace here (VARIANT.json.gz, chrome://tracing)",
@@ -275,6 +277,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         dataloader_num_workers=0,
     )
     plan: Any = None
+    host_profile: CaptureProfile | None = None
     if variant.startswith("xpukit"):
         from xpukit import load_for_xpu, training_args
 
@@ -292,6 +295,7 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
             max_memory=budget,
         )
         plan = model.xpukit_plan
+        host_profile = CaptureProfile.installed(args.profile_captures) if args.profile_captures else None
         if getattr(model, "xpukit_layer_graphs", None) is not None:  # the graph switches of the variant
             for (attribute, name), value in XPUKIT_GRAPHS.get(variant, {}).items():
                 setattr(getattr(model, attribute), name, value)
@@ -421,11 +425,12 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
     }
     if "summary" in profiled:
         row["profile"] = profiled["summary"]
+    row["capture_profile"] = host_profile.summary() if host_profile is not None else None
     if plan is not None and plan.training is not None:
         row["pass_tokens"] = plan.training.pass_tokens
         row["split_by_tokens"] = plan.training.split_by_tokens
     if plan is not None:
-        row["plan"] = {d.name: str(d.value) for d in plan.decisions if d.name in PLAN_SHOWN}
+        row["plan"] = {d.name: str(d.value) for d in plan.decisions if d.name in PLAN_SHOWN.split()}
     for attr, key in (("xpukit_packing", "packing"), ("xpukit_layer_graphs", "graphs")):
         counters = getattr(model, attr, None)
         if counters is not None:

@@ -22,19 +22,17 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     xpukit-eager       xpukit with lora={"graphs": False}: what the graphs of the layers give
     xpukit-liger       xpukit with lora={"liger": True}: liger's fused loss (memory) instead of the plain one
     xpukit-adamw       xpukit with optim="adamw_torch_fused" instead of the plan's paged 8-bit AdamW
-    xpukit-gc-graphs   xpukit with lora={"gradient_checkpointing": True, "graphs": True}: each layer
-                       checkpointed inside the layer graphs (the budget case, device-bound)
-    xpukit-offload-graphs  xpukit with lora={"gradient_checkpointing": "offload", "graphs": True}: each
-                       layer's input copied to a pinned host slot and back inside the graphs
+    xpukit-gc-graphs   lora={"gradient_checkpointing": True, "graphs": True}: checkpointed inside the graphs
+    xpukit-offload-graphs  lora={"gradient_checkpointing": "offload", "graphs": True}: inputs in host slots
     xpukit-lean        xpukit-nowarm, a bucket captured only once it recurs (capture_on_recurrence)
     xpukit-nowarm      xpukit without the warm-up pass before a capture after the first only
     xpukit-b512        xpukit-nowarm with the packed row padded to a multiple of 512 tokens (fewer shapes)
     xpukit-nosync      xpukit, captures after the first not waiting for the device (settle = False)
-    xpukit-paged       xpukit with optim="paged_adamw_8bit" (the plan's optimizer under a budget before
-                       2026-12-04; the fused AdamW since, where the plan fits)
-    xpukit-filter      xpukit with transformers' logging_nan_inf_filter=True (xpukit's choice on a GPU
-                       before 2026-12-05): Trainer reads each loss on the host, waiting for its backward
+    xpukit-paged       xpukit with optim="paged_adamw_8bit" (the plan's optimizer under a budget to 12-04)
+    xpukit-filter      xpukit with transformers' logging_nan_inf_filter=True (Trainer waits for each loss)
     xpukit-warm1       xpukit with a warm-up pass before every capture (as before 2026-12-04)
+    xpukit-nonblocking xpukit with accelerator_config={"non_blocking": True}: batches copied to the
+                       device without the host waiting (pinned memory is Trainer's default)
     xpukit-expandable  xpukit with torch's allocator on expandable segments (PYTORCH_ALLOC_CONF), as
                        unsloth sets it for itself at import (its reserved memory against the same)
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
@@ -109,6 +107,7 @@ VARIANTS = (
     "xpukit-paged",
     "xpukit-filter",
     "xpukit-expandable",
+    "xpukit-nonblocking",
     *UNSLOTH_SETUPS,
 )
 # lora= and training_args keywords of the xpukit variants beside the one call.
@@ -134,6 +133,7 @@ XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
     "xpukit-paged": {"optim": "paged_adamw_8bit"},
     "xpukit-filter": {"logging_nan_inf_filter": True},
+    "xpukit-nonblocking": {"accelerator_config": {"non_blocking": True}},
 }
 
 

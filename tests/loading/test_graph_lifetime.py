@@ -159,6 +159,21 @@ def test_the_record_says_what_each_capture_cost() -> None:
     assert record["captures"] == 2 and record["shapes"] == 2 and len(record["each"]) == 2
     assert [each["tokens"] for each in record["each"]] == [2, 3]
     assert record["capture_ms"] == graphs.stats["capture_ms"]
+    assert record["pool_bytes_first"] is None and record["pool_bytes_per_later_shape"] is None  # not known
+
+
+def test_the_record_splits_the_pool_into_the_first_shape_and_each_later_one() -> None:
+    """The first capture's warm-up pass allocates in the pool too: the record gives the pool after the
+    first shape and what each later shape added on average, beside the plain average per shape."""
+    graphs = _graphs([torch.nn.Linear(4, 4) for _ in range(2)])
+    sizes = iter([600, 700, 900])
+    graphs.backend.pool_bytes = lambda pool: next(sizes)
+    for rows in (2, 2, 3, 4):  # the first call runs eagerly; then shapes 2, 3 and 4 are captured
+        _step(graphs, rows).sum().backward()
+    record = graphs.record()
+    assert [each["pool_bytes"] for each in record["each"]] == [600, 700, 900]
+    assert record["pool_bytes"] == 900 and record["pool_bytes_per_shape"] == 300
+    assert record["pool_bytes_first"] == 600 and record["pool_bytes_per_later_shape"] == 150
 
 
 def test_changing_what_is_trained_drops_the_graphs_and_their_pool() -> None:

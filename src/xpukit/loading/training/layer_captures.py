@@ -70,6 +70,8 @@ class GraphRecord(TypedDict):
     shapes: int
     pool_bytes: int | None
     pool_bytes_per_shape: int | None
+    pool_bytes_first: int | None
+    pool_bytes_per_later_shape: int | None
     host_slot_bytes: int
     each: list[CaptureCost]
 
@@ -117,6 +119,7 @@ class LayerCaptures:
         self.failed: str | None = None
         self._graphs: dict[CallKey, Captured] = {}
         self._pool: object = None  # the backend's pool handle, once made
+        self._pool_first: int | None = None  # the pool's bytes after its first shape's capture
         self.captured: list[CaptureCost] = []  # each capture: row tokens, ms, pool bytes (record())
         # The capture's leaves and the adapters' gradients every shape shares (graph_capture).
         self._trained: tuple[StandIns, SharedGrads] | None = None
@@ -289,6 +292,8 @@ class LayerCaptures:
         pool = backend.pool_bytes(self._pool) if hasattr(backend, "pool_bytes") else None
         if pool is not None:
             self.stats["pool_bytes"] = pool
+            if len(self._graphs) == 1:  # the first shape in this pool (its warm-up pass allocated there)
+                self._pool_first = pool
         self.captured.append(
             {
                 "tokens": int(hidden.shape[-2]) if hidden.dim() >= 2 else 1,
@@ -300,16 +305,23 @@ class LayerCaptures:
 
     def record(self) -> GraphRecord:
         """What the graphs cost this run, for a trainer-side record (bench/bench_realrun.py reads it):
-        ``captures`` and their total ``capture_ms``; the pool's bytes at the end and per captured
-        shape; each capture's row length, milliseconds and the pool's bytes after it."""
+        ``captures`` and their total ``capture_ms``; the pool's bytes at the end, per captured shape,
+        after the first shape (whose warm-up pass allocated in the pool too) and added by each later
+        shape on average; each capture's row length, milliseconds and the pool's bytes after it."""
         shapes = len(self._graphs)
         pool = self.stats.get("pool_bytes")
+        first = self._pool_first if shapes else None
+        later = (
+            (pool - first) // (shapes - 1) if pool is not None and first is not None and shapes > 1 else None
+        )
         return {
             "captures": self.stats["captures"],
             "capture_ms": self.stats["capture_ms"],
             "shapes": shapes,
             "pool_bytes": pool,
             "pool_bytes_per_shape": pool // shapes if pool and shapes else None,
+            "pool_bytes_first": first,
+            "pool_bytes_per_later_shape": later,
             "host_slot_bytes": self.stats.get("host_slot_bytes", 0),
             "each": list(self.captured),
         }

@@ -437,6 +437,28 @@ def test_no_bench_file_is_over_450_lines() -> None:
     assert long == {}, f"bench files over 450 lines: {long}"
 
 
+def test_every_bench_realrun_variant_changes_something() -> None:
+    """Each ``xpukit-*`` variant of bench_realrun is in one of its settings tables (or is the plain
+    call, or names its trainer in the code): a variant whose entry was renamed away would otherwise
+    run the plain call under its name. And every table entry is a variant the command line takes."""
+    import ast
+
+    tree = ast.parse((SRC.parent / "bench" / "bench_realrun.py").read_text())
+    found: dict[str, set[str]] = {}
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign | ast.Assign) and isinstance(node.value, ast.Dict | ast.Tuple):
+            target = node.target if isinstance(node, ast.AnnAssign) else node.targets[0]
+            keys = node.value.keys if isinstance(node.value, ast.Dict) else node.value.elts
+            names = {k.value for k in keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+            found[target.id if isinstance(target, ast.Name) else ""] = names
+    variants = {v for v in found["VARIANTS"] if v.startswith("xpukit")}
+    tables = set().union(
+        *(found[name] for name in ("XPUKIT_LORA", "XPUKIT_GRAPHS", "XPUKIT_ARGS", "XPUKIT_ENV"))
+    )
+    assert variants - tables == {"xpukit", "xpukit-sft"}
+    assert tables <= variants
+
+
 # Where a bare ``Any`` is still the honest type (each commented at its place): keyword arguments
 # handed on whole to a function or dataclass that checks them, a transformers config's untyped
 # fields, and a decision's value, whose type is each decision's own.

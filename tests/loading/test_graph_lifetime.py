@@ -162,6 +162,27 @@ def test_the_record_says_what_each_capture_cost() -> None:
     assert record["pool_bytes_first"] is None and record["pool_bytes_per_later_shape"] is None  # not known
 
 
+def test_the_record_times_the_host_slots_apart_from_the_rest_before_a_capture() -> None:
+    """A longer row than the pinned host buffer holds allocates a new one (on a GPU, pinning it costs
+    about a second per gigabyte): each capture's parts say how long its slots took, apart from the
+    rest of the preparation."""
+    import time
+
+    graphs = _graphs([torch.nn.Linear(4, 4) for _ in range(2)], checkpoint="offload")
+    slots = graphs.host.slots
+
+    def slow_slots(*args: Any) -> Any:
+        time.sleep(0.03)
+        return slots(*args)
+
+    graphs.host.slots = slow_slots
+    for rows in (2, 2, 3):  # the first call runs eagerly; then shapes 2 and 3 are captured
+        _step(graphs, rows).sum().backward()
+    for each in graphs.record()["each"]:
+        assert each["parts"]["host_slots"] >= 30 and each["parts"]["prepare"] >= 0
+        assert sum(each["parts"].values()) <= each["ms"] + 5  # the slots counted once
+
+
 def test_the_record_splits_the_pool_into_the_first_shape_and_each_later_one() -> None:
     """The first capture's warm-up pass allocates in the pool too: the record gives the pool after the
     first shape and what each later shape added on average, beside the plain average per shape."""

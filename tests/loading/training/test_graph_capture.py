@@ -746,9 +746,10 @@ def test_each_capture_records_where_its_time_went() -> None:
     each = graphs.record()["each"]
     assert [c["tokens"] for c in each] == [2, 3]  # Linear rows stand for the packed row's tokens
     for cost in each:
-        assert set(cost["parts"]) == {"warm_up", "forward", "backward"}
-        assert all(ms >= 0 for ms in cost["parts"].values())
-        assert sum(cost["parts"].values()) <= cost["ms"] + 3  # parts of the whole (rounded)
+        # before the capture: the gradients' buffers, the sample, the RoPE check, the host slots
+        assert set(cost["parts"]) == {"prepare", "host_slots", "warm_up", "forward", "backward"}
+        assert all(ms >= 0 for ms in cost["parts"].values()) and cost["parts"]["host_slots"] == 0
+        assert sum(cost["parts"].values()) <= cost["ms"] + 5  # parts of the whole (rounded)
     assert graphs.stats["capture_forward_ms"] == sum(c["parts"]["forward"] for c in each)
 
     @contextlib.contextmanager

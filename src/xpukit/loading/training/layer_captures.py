@@ -227,9 +227,12 @@ class LayerCaptures:
         stand_ins, grads = self._trained_now(backend)  # first: it may drop the graphs and their slots
 
         slots: list[torch.Tensor | None] = [None] * len(forwards)
+        slots_ms = 0.0  # a longer row than the host buffer holds allocates (and pins) a new one
         if self.checkpoint == "offload" and torch.is_grad_enabled():
             self.host.pin = kind in GRAPH_BACKENDS
+            slots_started = time.perf_counter()
             slots = self.host.slots(len(forwards), hidden)
+            slots_ms = 1000 * (time.perf_counter() - slots_started)
             self.stats["host_slot_bytes"] = self.host.bytes
 
         def stack(h: torch.Tensor, *values: torch.Tensor) -> torch.Tensor:
@@ -240,7 +243,8 @@ class LayerCaptures:
 
         sample = torch.randn(hidden.shape, device=hidden.device, dtype=hidden.dtype)
         samples = (sample.requires_grad_(hidden.requires_grad), *(t.detach().clone() for t in inputs))
-        self.rope.decide(calls)
+        self.rope.decide(calls)  # the first capture only: liger's RoPE checked against the model's
+        prepared = {"prepare": 1000 * (time.perf_counter() - started) - slots_ms, "host_slots": slots_ms}
 
         def captured() -> Captured:
             buffer = self.host.buffer  # the host slots' buffer: the graphs copy to it
@@ -276,7 +280,7 @@ class LayerCaptures:
             return "capture failed"
         self._graphs[key] = run
         self._watch = Watch(self.layers)
-        self._count(hidden, backend, started, run.cost)
+        self._count(hidden, backend, started, {**prepared, **run.cost})
         return None
 
     def _count(

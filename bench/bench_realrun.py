@@ -24,17 +24,15 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
     xpukit-adamw       xpukit with optim="adamw_torch_fused" instead of the plan's paged 8-bit AdamW
     xpukit-gc-graphs   lora={"gradient_checkpointing": True, "graphs": True}: checkpointed inside the graphs
     xpukit-offload-graphs  lora={"gradient_checkpointing": "offload", "graphs": True}: inputs in host slots
-    xpukit-lean        xpukit-nowarm, a bucket captured only once it recurs (capture_on_recurrence)
-    xpukit-nowarm      xpukit without the warm-up pass before a capture after the first only
-    xpukit-b512        xpukit-nowarm with the packed row padded to a multiple of 512 tokens (fewer shapes)
+    xpukit-lean        xpukit, a bucket captured only once it recurs (capture_on_recurrence)
+    xpukit-b512        xpukit with the packed row padded to a multiple of 512 tokens (fewer shapes)
     xpukit-nosync      xpukit, captures after the first not waiting for the device (settle = False)
     xpukit-paged       xpukit with optim="paged_adamw_8bit" (the plan's optimizer under a budget to 12-04)
     xpukit-filter      xpukit with transformers' logging_nan_inf_filter=True (Trainer waits for each loss)
     xpukit-warm1       xpukit with a warm-up pass before every capture (as before 2026-12-04)
-    xpukit-nonblocking xpukit with accelerator_config={"non_blocking": True}: batches copied to the
-                       device without the host waiting (pinned memory is Trainer's default)
-    xpukit-expandable  xpukit with torch's allocator on expandable segments (PYTORCH_ALLOC_CONF), as
-                       unsloth sets it for itself at import (its reserved memory against the same)
+    xpukit-nonblocking xpukit with accelerator_config={"non_blocking": True} (batches copied without a wait)
+    xpukit-ordinary    xpukit with PYTORCH_ALLOC_CONF=expandable_segments:False (which the plan keeps)
+    xpukit-expandable  the same with :True from the process's start, as unsloth sets it at its import
     unsloth            unsloth's FastLanguageModel (its checkpointing, "unsloth") + TRL's SFTTrainer,
                        unsloth's recommended set-up (it turns padding-free batches on for text SFT)
     unsloth-nogc       the same with unsloth's checkpointing off (its fastest setting, more memory)
@@ -100,13 +98,13 @@ VARIANTS = (
     "xpukit-gc-graphs",
     "xpukit-offload-graphs",
     "xpukit-lean",
-    "xpukit-nowarm",
     "xpukit-b512",
     "xpukit-warm1",
     "xpukit-nosync",
     "xpukit-paged",
     "xpukit-filter",
     "xpukit-expandable",
+    "xpukit-ordinary",
     "xpukit-nonblocking",
     *UNSLOTH_SETUPS,
 )
@@ -121,14 +119,16 @@ XPUKIT_LORA: dict[str, Any] = {
 # Attributes the graph variants set on the loaded model: (model attribute, name) -> value.
 XPUKIT_GRAPHS: dict[str, dict[tuple[str, str], Any]] = {
     "xpukit-warm1": {("xpukit_layer_graphs", "warmups"): 1},
-    "xpukit-nowarm": {("xpukit_layer_graphs", "warmups"): 0},
     "xpukit-lean": {("xpukit_layer_graphs", "warmups"): 0, ("xpukit_packing", "capture_on_recurrence"): True},
     "xpukit-b512": {("xpukit_layer_graphs", "warmups"): 0, ("xpukit_packing", "bucket"): 512},
     "xpukit-nosync": {("xpukit_layer_graphs", "settle"): False},
 }
 # The child's environment before torch's allocator starts (read at the device's first allocation).
-XPUKIT_ENV = {"xpukit-expandable": {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}}
-PLAN_SHOWN = "gradient_checkpointing liger loss micro_batch fused_lora layer_graphs packing input_embedding"
+XPUKIT_ENV = {
+    "xpukit-expandable": {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
+    "xpukit-ordinary": {"PYTORCH_ALLOC_CONF": "expandable_segments:False"},
+}
+PLAN_SHOWN = "gradient_checkpointing loss fused_lora layer_graphs packing input_embedding expandable_segments"
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
     "xpukit-paged": {"optim": "paged_adamw_8bit"},

@@ -142,6 +142,10 @@ def carry_out(
                 _drop_frames(error)
                 raise error
     events += _import_notes(plan)
+    if plan.lora is not None:  # the training's allocator, once nothing can refuse the load any more
+        from xpukit.loading.training.expandable_segments import apply_expandable_segments
+
+        events += apply_expandable_segments(plan)
     if plan.decode is not None:
         from xpukit.loading.decode.fast_decode import apply_fast_decode, warm_up
 

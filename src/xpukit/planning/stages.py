@@ -41,6 +41,7 @@ from xpukit.planning.stage_values import Adapters, Attention, Config, Decode, Ma
 from xpukit.planning.training.adapter_base import AdapterBase, adapter_base
 from xpukit.planning.training.adapter_fit import check_saved_adapter
 from xpukit.planning.training.allocation import allocation_cap
+from xpukit.planning.training.expandable_segments import decide_expandable_segments
 from xpukit.planning.training.fit import training_plan_for
 from xpukit.planning.training.fused import decide_fused, fused_will_run
 from xpukit.planning.training.graphs import decide_layer_graphs, graphs_possible
@@ -301,6 +302,13 @@ def adapters_stage(req: LoadRequest, mach: Machine, model: Model, place: Placeme
         torch_version=mach.machine.torch_version,
     )
     decisions += [graphs] if graphs is not None else []
+    segments = decide_expandable_segments(
+        graphs=bool(graphs is not None and graphs.value),
+        backend=main.backend,
+        torch_version=mach.machine.torch_version,
+        env=mach.machine.env,
+    )
+    decisions += [segments] if segments is not None else []
     checkpointing = training.gradient_checkpointing if training is not None else False
     packing = decide_packing(
         lora, facts, graphs=bool(graphs is not None and graphs.value), checkpointing=checkpointing

@@ -300,6 +300,36 @@ def test_ten_loads_in_one_process_train_and_give_the_device_memory_back(tiny_mod
         assert end[0] - start[0] <= 16 * 2**20 and end[1] - start[1] <= 64 * 2**20, (i, start, end)
 
 
+def test_the_graphs_pool_grows_expandable_segments_after_the_load(tiny_model: Any) -> None:
+    """The plan's ``expandable_segments`` on CUDA (torch 2.11+, no allocator variable set): the
+    load records the switch, and the segments the graphs' private pool then takes are expandable
+    (docs/layer-graphs.md "The allocator's expandable segments")."""
+    import os
+
+    import torch
+
+    model = _load(tiny_model, {"graphs": True})
+    decision = next((d for d in model.xpukit_plan.decisions if d.name == "expandable_segments"), None)
+    if decision is None or decision.value is not True or decision.source == "user":
+        pytest.skip(f"the plan keeps the allocator here: {decision}")
+    events = [e for e in model.xpukit_plan.events if e.what == "expandable_segments"]
+    assert [e.kind for e in events] == ["applied"], events
+    assert "PYTORCH_ALLOC_CONF" not in os.environ and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    ids = (torch.arange(64, device="cuda").reshape(2, 32) * 7) % 500
+    before = {seg["address"] for seg in torch.cuda.memory_snapshot()}  # earlier tests' segments
+    _steps(model, ids, 3)
+    assert model.xpukit_layer_graphs.stats["captures"] == 1
+    pools = [
+        seg
+        for seg in torch.cuda.memory_snapshot()
+        if seg["address"] not in before and tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+    ]
+    assert pools, "the capture took no new segment of a private pool"
+    assert all(seg.get("is_expandable") for seg in pools), [
+        (seg.get("segment_pool_id"), seg.get("is_expandable")) for seg in pools
+    ]
+
+
 def test_a_graph_pool_let_go_during_a_capture_is_parked_not_released() -> None:
     """The abort of the GPU suite run whole (docs/layer-graphs.md "What the graphs hold, and for how
     long"): a pool whose last owner goes in the middle of a capture (a dropped model freed by a

@@ -40,13 +40,15 @@ __all__ = [
     "graph_api",
     "graphs_possible",
     "layer_graphs_problem",
+    "torch_release",
 ]
 
 # The first torch whose XPU build has torch.xpu.graph and XPUGraph.
 XPU_GRAPHS_TORCH = (2, 11)
 
 
-def _version(text: str | None) -> tuple[int, int] | None:
+def torch_release(text: str | None) -> tuple[int, int] | None:
+    """``(major, minor)`` of a torch version string (``None`` where it cannot be read)."""
     if not text:
         return None
     parts = text.split("+")[0].split(".")
@@ -60,7 +62,7 @@ def graph_api(backend: str, torch_version: str | None) -> str | None:
     """The graph API the layers would be captured with on ``backend`` (``None``: none there)."""
     if backend == "cuda":
         return "torch.cuda.graph"
-    version = _version(torch_version)
+    version = torch_release(torch_version)
     if backend == "xpu" and version is not None and version >= XPU_GRAPHS_TORCH:
         return "torch.xpu.graph"
     return None

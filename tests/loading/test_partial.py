@@ -70,12 +70,18 @@ def test_an_error_while_writing_leaves_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not POSIX, reason="SIGTERM is sent between processes on POSIX only")
 def test_signals_remove_the_partial_and_go_on_to_the_previous_handler(tmp_path: Path) -> None:
-    # Ctrl-C: Python's handler raises KeyboardInterrupt, after the partial is gone.
-    before = signal.getsignal(signal.SIGINT)
-    with pytest.raises(KeyboardInterrupt), writing(tmp_path / "out") as partial:
-        (partial / "half").write_text("x")
-        signal.raise_signal(signal.SIGINT)
-    assert list(tmp_path.iterdir()) == [] and signal.getsignal(signal.SIGINT) is before
+    # Ctrl-C: Python's handler raises KeyboardInterrupt, after the partial is gone. Python's own
+    # handler is put in place first: a process started in the background by a shell ignores SIGINT.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt), writing(tmp_path / "out") as partial:
+            (partial / "half").write_text("x")
+            signal.raise_signal(signal.SIGINT)
+        assert (
+            list(tmp_path.iterdir()) == [] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+    finally:
+        signal.signal(signal.SIGINT, before)
     # SIGTERM with a handler of the program's own: it still runs, and is back in place afterwards.
     seen: list[tuple[int, bool]] = []
 

@@ -303,7 +303,7 @@ def test_ten_loads_in_one_process_train_and_give_the_device_memory_back(tiny_mod
 def test_the_graphs_pool_grows_expandable_segments_after_the_load(tiny_model: Any) -> None:
     """The plan's ``expandable_segments`` on CUDA (torch 2.11+, no allocator variable set): the
     load records the switch, and the segments the graphs' private pool then takes are expandable
-    (docs/layer-graphs.md "The allocator's expandable segments")."""
+    (docs/layer-graphs.md "Expandable segments in the allocator")."""
     import os
 
     import torch

@@ -1,7 +1,7 @@
 """Switch CUDA's caching allocator to expandable segments once a training load has succeeded.
 
 The plan decides whether to do this (``planning/training/expandable_segments.py``). The rule and the
-measurements are in docs/layer-graphs.md "The allocator's expandable segments".
+measurements are in docs/layer-graphs.md "Expandable segments in the allocator".
 
 This runs after the weights and adapters are in place. Two things follow from that:
 

@@ -6,11 +6,12 @@ every shape's activations. With *expandable segments* the allocator grows one ma
 pool and maps pages as needed, so what it holds sits closer to what is used. unsloth turns this on
 for its whole process when it is imported.
 
-Measured on an H100 on 2026-12-06 (docs/layer-graphs.md "The allocator's expandable segments"), with
-the Qwen3-8B shape in 4-bit and LoRA, through ``Trainer``, 60 steps, 3 interleaved rounds:
+Measured on an H100 on 2026-12-06 (docs/layer-graphs.md "Expandable segments in the allocator"), with
+the Qwen3-8B shape in 4-bit and LoRA, through ``Trainer``, 60 steps:
 
-- with room, reserved fell from 16.97 to 16.21 GB (unsloth's fastest set-up: 16.24);
-- with long-tail data under 12 GB, from 11.83 to 11.00 GB;
+- with room (3 interleaved rounds), reserved fell from 16.97 to 16.21 GB (unsloth's fastest set-up:
+  16.24), and 16.22 GB with the switch made after the load, as xpukit does;
+- with long-tail data under 12 GB (one round), from 11.83 to 11.00 GB (11.01 switched after the load);
 - tokens/s stayed within the rounds' spread (6 311 against 6 419, ranges overlapping).
 
 The decision is on for CUDA with torch 2.11 or newer, where it was measured and where the graphs'
@@ -32,11 +33,11 @@ __all__ = ["ALLOC_VARIABLES", "EXPANDABLE_SETTING", "EXPANDABLE_TORCH", "decide_
 # torch reads the first of these that is set (PYTORCH_CUDA_ALLOC_CONF is the older name).
 ALLOC_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXPANDABLE_SETTING = "expandable_segments:True"
-# The torch release it was measured on (docs/layer-graphs.md "The allocator's expandable segments").
+# The torch release it was measured on (docs/layer-graphs.md "Expandable segments in the allocator").
 EXPANDABLE_TORCH = (2, 11)
 _MEASURED = (
-    "H100, Qwen3-8B shape, 60 steps, 3 rounds: 16.97 -> 16.21 GB reserved with room, 11.83 -> 11.00 GB "
-    "under 12 GB, tokens/s within the rounds' spread"
+    "H100, Qwen3-8B shape, 60 steps: 16.97 -> 16.21 GB reserved with room (3 rounds), 11.83 -> 11.00 GB "
+    "under 12 GB (one round), tokens/s within the rounds' spread"
 )
 
 
@@ -80,6 +81,6 @@ def decide_expandable_segments(
             "loaded, as unsloth does at import: the graphs' pool grows one mapped segment instead of "
             f"keeping blocks per shape ({_MEASURED}); PYTORCH_ALLOC_CONF set to anything keeps the "
             "allocator as configured "
-            '(docs/layer-graphs.md "The allocator\'s expandable segments")'
+            '(docs/layer-graphs.md "Expandable segments in the allocator")'
         ),
     )

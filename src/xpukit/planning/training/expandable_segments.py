@@ -6,13 +6,10 @@ every shape's activations. With *expandable segments* the allocator grows one ma
 pool and maps pages as needed, so what it holds sits closer to what is used. unsloth turns this on
 for its whole process when it is imported.
 
-Measured on an H100 on 2026-12-06 (docs/layer-graphs.md "Expandable segments in the allocator"), with
-the Qwen3-8B shape in 4-bit and LoRA, through ``Trainer``, 60 steps:
-
-- with room (3 interleaved rounds), reserved fell from 16.97 to 16.21 GB (unsloth's fastest set-up:
-  16.24), and 16.22 GB with the switch made after the load, as xpukit does;
-- with long-tail data under 12 GB (one round), from 11.83 to 11.00 GB (11.01 switched after the load);
-- tokens/s stayed within the rounds' spread (6 311 against 6 419, ranges overlapping).
+It was measured on an H100 with the Qwen3-8B shape in 4-bit and LoRA through ``Trainer``: less
+reserved, tokens/s within the rounds' spread. The table is in
+docs/layer-graphs.md "Expandable segments in the allocator"; ``_MEASURED`` below is its summary,
+shown in the decision's reason.
 
 The decision is on for CUDA with torch 2.11 or newer, where it was measured and where the graphs'
 private pools take expandable segments. The loader switches the allocator once the load has

@@ -47,6 +47,7 @@ from xpukit.planning.training.fused import decide_fused, fused_will_run
 from xpukit.planning.training.graphs import decide_layer_graphs, graphs_possible
 from xpukit.planning.training.lora_config import fit_lora_to_class
 from xpukit.planning.training.merge import MergePlan, plan_merge
+from xpukit.planning.training.packed_attention import decide_packed_attention
 from xpukit.planning.training.packing import decide_packing, packing_wanted
 from xpukit.planning.vocabulary import Decision
 from xpukit.sources.hub_access import HubFacts
@@ -276,8 +277,11 @@ def attention_stage(req: LoadRequest, mach: Machine, model: Model, place: Placem
     return Attention(attention=attention, kernels=kernels, warnings=warnings)
 
 
-def adapters_stage(req: LoadRequest, mach: Machine, model: Model, place: Placement) -> Adapters:
-    """The LoRA decision, the training plan's, the fused path, the layer graphs, packing, the seed."""
+def adapters_stage(
+    req: LoadRequest, mach: Machine, model: Model, place: Placement, attn: Attention
+) -> Adapters:
+    """The LoRA decision, the training plan's, the fused path, the layer graphs, packing and its
+    attention (``attn``: the attention stage's choice), the seed."""
     lora, training, facts, main = place.lora, place.training, model.facts, mach.main
     quantization = place.layout.quantization
     decisions: list[Decision] = []
@@ -314,6 +318,14 @@ def adapters_stage(req: LoadRequest, mach: Machine, model: Model, place: Placeme
         lora, facts, graphs=bool(graphs is not None and graphs.value), checkpointing=checkpointing
     )
     decisions += [packing] if packing is not None else []
+    packed = decide_packed_attention(
+        packing,
+        attn.attention.decision,
+        device=main,
+        dtype=place.dtype,
+        torch_version=mach.machine.torch_version,
+    )
+    decisions += [packed] if packed is not None else []
     new_adapters = lora is not None and lora.kind == "new"
     if req.seed is not None or new_adapters:
         decisions.append(seed_decision(req.seed, new_adapters=new_adapters))

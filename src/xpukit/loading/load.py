@@ -318,6 +318,7 @@ def _adapters(
             fused = next((d for d in plan.decisions if d.name == "fused_lora"), None)
             graphs = next((d for d in plan.decisions if d.name == "layer_graphs"), None)
             packing = next((d for d in plan.decisions if d.name == "packing"), None)
+            packed = next((d for d in plan.decisions if d.name == "packed_attention"), None)
             model, notes = apply_lora(
                 model,
                 plan.lora,
@@ -330,6 +331,7 @@ def _adapters(
                 packing=int(packing.value) if packing is not None and packing.value else None,
                 pass_tokens=plan.training.pass_tokens if plan.training is not None else None,
                 host_embedding=plan.training is not None and plan.training.embedding_on_host,
+                varlen=packed is not None and packed.value == "varlen",
             )
     except XpukitError as exc:
         return model, exc

@@ -60,6 +60,7 @@ def apply_lora(
     packing: int | None = None,
     pass_tokens: int | None = None,
     host_embedding: bool = False,
+    varlen: bool = False,
 ) -> tuple[PeftModel, list[str]]:
     """Carry out a :class:`LoraRequest` on a loaded model.
 
@@ -85,6 +86,10 @@ def apply_lora(
             padded to a multiple of this many tokens
             (:func:`xpukit.loading.training.packing.install_packing`); ``None``: batches run as given.
         pass_tokens: with packing, the plan's token budget per pass (a longer row is split by tokens).
+        varlen: with packing, a packed row's attention runs torch's ``varlen_attn`` from its
+            boundaries (the ``packed_attention`` decision): the attention is set to
+            ``xpukit_varlen`` before the layer graphs are installed
+            (:func:`xpukit.loading.training.varlen_attention.use_varlen`).
         host_embedding: for new adapters, the frozen input embedding moves to host memory
             (:func:`xpukit.loading.training.host_embedding.install_host_embedding`).
         fused_insist: with ``fused``, refuse (``InvalidRequestError``) when not every decoder block
@@ -121,6 +126,7 @@ def apply_lora(
         packing=packing,
         pass_tokens=pass_tokens,
         host_embedding=host_embedding,
+        varlen=varlen,
     )
 
 
@@ -152,6 +158,7 @@ def _new_adapters(
     packing: int | None = None,
     pass_tokens: int | None = None,
     host_embedding: bool = False,
+    varlen: bool = False,
 ) -> tuple[PeftModel, list[str]]:
     import torch
 
@@ -184,6 +191,7 @@ def _new_adapters(
         insist=insist,
         packing=packing,
         pass_tokens=pass_tokens,
+        varlen=varlen,
     )
     if host_embedding:
         from xpukit.loading.training.host_embedding import install_host_embedding
@@ -246,9 +254,16 @@ def _speedups(
     insist: bool,
     packing: int | None,
     pass_tokens: int | None = None,
+    varlen: bool = False,
 ) -> list[str]:
-    """The fused path, the layer graphs and packing, on the model with its adapters."""
+    """The fused path, packed rows' attention, the layer graphs and packing, on the model with its
+    adapters (the attention first: the layer graphs read it when they are installed)."""
     notes: list[str] = []
+    varlen = varlen and packing is not None
+    if varlen:
+        from xpukit.loading.training.varlen_attention import use_varlen
+
+        notes.append(use_varlen(peft_model))
     # liger's SwiGLU inside the fused MLP and its RoPE inside the layer graphs are speed choices, not
     # the plan's memory saver: only the user's own lora={"liger": False} keeps them out.
     no_liger = request.liger_given and request.liger is False
@@ -279,7 +294,11 @@ def _speedups(
         from xpukit.loading.training.packing import install_packing
 
         graphs_of = getattr(peft_model, "xpukit_layer_graphs", None)  # their shapes, once full
-        notes.append(install_packing(peft_model, bucket=packing, graphs=graphs_of, max_tokens=pass_tokens))
+        notes.append(
+            install_packing(
+                peft_model, bucket=packing, graphs=graphs_of, max_tokens=pass_tokens, varlen=varlen
+            )
+        )
     return notes
 
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 from xpukit.loading.training.graph_capture import CaptureBackend
 from xpukit.loading.training.layer_calls import Call, Unsupported, flatten, given_cache, outputs_recorded
 from xpukit.loading.training.layer_captures import GRAPH_BACKENDS, MAX_SHAPES, LayerCaptures
+from xpukit.loading.training.varlen_attention import NAME as VARLEN
 
 if TYPE_CHECKING:
     import torch
@@ -48,8 +49,10 @@ if TYPE_CHECKING:
 
 __all__ = ["GRAPH_BACKENDS", "MAX_SHAPES", "LayerGraphs", "install_layer_graphs"]
 
-# Attention implementations that take everything they need from the mask and the rotary tensors.
-_MASK_ATTENTION = ("sdpa", "eager")
+# Attention implementations that take everything they need from the layers' tensor arguments: the
+# mask and the rotary tensors, and for packed rows under ``xpukit_varlen`` the row's boundaries (one
+# more graph input, of a fixed shape per bucket: varlen_attention.boundaries) and its padded length.
+_MASK_ATTENTION = ("sdpa", "eager", VARLEN)
 _FIRST_CALL = "first training call (warms lazily built state; shapes are captured from the next)"
 
 

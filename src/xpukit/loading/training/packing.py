@@ -11,7 +11,8 @@ and left padding) runs the layers on one row of the real tokens:
   example and no mask is passed, so transformers builds a causal mask per example from the
   positions (SDPA, eager and flex attention; the flash-attention kernels run them as
   variable-length batches). With rotary positions an example computes exactly what it computes
-  alone;
+  alone. With ``varlen`` (the ``packed_attention`` decision) the call also gets the examples'
+  boundaries and the ``xpukit_varlen`` attention builds no mask (:mod:`.varlen_attention`);
 * the row is padded at its end to a multiple of ``bucket`` tokens (positions of their own, so the
   tail is a separate sequence nobody attends to): steps then take one of a few shapes, and the
   graphs of the layers (``layer_graphs``) replay instead of running eagerly; once the graphs hold
@@ -38,10 +39,18 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
 from xpukit.loading.training.layer_calls import given_cache
+from xpukit.loading.training.packing_rows import (
+    example_lengths,
+    group_lengths,
+    padded_length,
+    tensor_arg,
+    token_groups,
+    tokens_arg,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -70,25 +79,6 @@ _MARK = "_xpukit_packing"
 _OUTPUT_FLAGS = ("output_attentions", "output_hidden_states")
 
 
-def padded_length(
-    tokens: int, captured: Iterable[int], bucket: int, *, full: bool = False, seen: int | None = None
-) -> int:
-    """The length a packed row of ``tokens`` is padded to where the layers run as graphs: the next
-    multiple of ``bucket``; when the graphs capture no more shapes (``full``) and that one is not
-    among the ``captured`` row lengths, the shortest captured length that holds the row instead, so
-    that the step replays rather than running eagerly beside the graphs' memory. With ``seen`` (how
-    often this bucket came before), a bucket seen for the first time also takes the shortest captured
-    length that holds it: a shape is captured only once it recurs. ``bucket`` 1: not padded."""
-    if bucket <= 1:
-        return tokens
-    target = -(-tokens // bucket) * bucket
-    shapes = list(captured)
-    if target in shapes or not (full or seen == 0):
-        return target
-    above = [s for s in shapes if s >= tokens]
-    return min(above) if above else target
-
-
 class Packing:
     """The packing wrapper of one decoder and what it did.
 
@@ -99,7 +89,10 @@ class Packing:
             ``None`` when the layers run eagerly.
         stats: ``packed`` calls, ``tokens`` (real tokens run), ``padding_removed`` (padding tokens
             of the collator's batches not run through the layers), ``bucket_padding`` (tokens added
-            to reach a bucket), ``flattened_input`` (calls that arrived already flattened).
+            to reach a bucket), ``flattened_input`` (calls that arrived already flattened), ``varlen``
+            (decoder calls given the row's boundaries for varlen attention).
+        varlen: each packed row's decoder call gets its examples' boundaries
+            (:func:`.varlen_attention.run_packed`): the ``xpukit_varlen`` attention needs no mask.
         passed: calls that ran unchanged, counted by reason.
     """
 
@@ -111,8 +104,10 @@ class Packing:
         pad_id: int,
         graphs: CapturedShapes | None = None,
         max_tokens: int | None = None,
+        varlen: bool = False,
     ) -> None:
         self.forward = forward
+        self.varlen = varlen
         self.bucket = max(int(bucket), 1)
         self.pad_id = pad_id
         self.graphs = graphs
@@ -138,9 +133,9 @@ class Packing:
     def _why_not(self, args: tuple[object, ...], kwargs: Mapping[str, object]) -> str | None:
         if args:
             return "positional arguments"
-        mask, positions = _tensor(kwargs, "attention_mask"), _tensor(kwargs, "position_ids")
+        mask, positions = tensor_arg(kwargs, "attention_mask"), tensor_arg(kwargs, "position_ids")
         cache = given_cache(kwargs)
-        tokens = _tokens(kwargs)
+        tokens = tokens_arg(kwargs)
         if tokens is None or tokens.dim() != (2 if kwargs.get("input_ids") is not None else 3):
             return "no [batch, length] input"
         if cache is not None and cache.get_seq_length() > 0:
@@ -156,7 +151,7 @@ class Packing:
     def _packed(self, kwargs: dict[str, object]) -> ModelOutput:
         import torch
 
-        mask, tokens = _tensor(kwargs, "attention_mask"), _tokens(kwargs)
+        mask, tokens = tensor_arg(kwargs, "attention_mask"), tokens_arg(kwargs)
         assert tokens is not None  # _why_not let only a call with tokens through
         batch, length = tokens.shape[:2]
         keep = torch.ones(batch, length, dtype=torch.bool) if mask is None else mask.detach().to("cpu") != 0
@@ -181,11 +176,12 @@ class Packing:
         index_dev = index.to(tokens.device, non_blocking=True)
         flat = tokens.flatten(0, 1).index_select(0, index_dev)
         positions = positions.to(tokens.device, non_blocking=True)
-        groups = token_groups(lengths.tolist(), self.max_tokens)
+        sizes = lengths.tolist()
+        groups = token_groups(sizes, self.max_tokens)
         if len(groups) > 1:
-            out, hidden = self._split(kwargs, flat, positions, groups)
+            out, hidden = self._split(kwargs, flat, positions, group_lengths(sizes, groups))
         else:
-            out = self._run(kwargs, flat, positions)
+            out = self._run(kwargs, flat, positions, sizes)
             hidden = out.last_hidden_state[0, :total]
         self.stats["padding_removed"] += batch * length - total
         full = hidden.new_zeros(batch * length, hidden.shape[-1]).index_copy(0, index_dev, hidden)
@@ -193,10 +189,10 @@ class Packing:
         return out
 
     def _split(
-        self, kwargs: dict[str, object], flat: torch.Tensor, positions: torch.Tensor, groups: list[int]
+        self, kwargs: dict[str, object], flat: torch.Tensor, positions: torch.Tensor, groups: list[list[int]]
     ) -> tuple[ModelOutput, torch.Tensor]:
-        """A row over the token budget, run as passes of whole examples (``groups``: the tokens of
-        each), each checkpointed: its activations are dropped after its forward and recomputed in
+        """A row over the token budget, run as passes of whole examples (``groups``: the examples'
+        lengths of each), each checkpointed: its activations are dropped after its forward and recomputed in
         backward one pass at a time, so no more than one pass's activations are held (docs/training-plan.md
         "A token budget per pass"). The passes run eagerly, each layer as the plan's rung has it."""
         import torch
@@ -205,18 +201,19 @@ class Packing:
         why = f"a step over the token budget of {self.max_tokens}, split by tokens"
         graphs = self.graphs
 
-        def one(part: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        def one(part: torch.Tensor, where: torch.Tensor, sizes: list[int]) -> torch.Tensor:
             if graphs is None:
-                return self._run(kwargs, part, where, pad=False).last_hidden_state
+                return self._run(kwargs, part, where, sizes, pad=False).last_hidden_state
             with graphs.eager_inside(why):
-                return self._run(kwargs, part, where, pad=False).last_hidden_state
+                return self._run(kwargs, part, where, sizes, pad=False).last_hidden_state
 
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
         outs, start = [], 0
-        for size in groups:
+        for sizes in groups:
+            size = sum(sizes)
             part, where = flat[start : start + size], positions[start : start + size]
-            outs.append(checkpoint(one, part, where, use_reentrant=False)[0, :size])
+            outs.append(checkpoint(one, part, where, sizes, use_reentrant=False)[0, :size])
             start += size
         self.stats["split_steps"] += 1
         self.stats["split_passes"] += len(groups)
@@ -225,18 +222,26 @@ class Packing:
 
     def _bucketed(self, kwargs: dict[str, object]) -> ModelOutput:
         """A batch already flattened by the collator: only padded to the bucket."""
-        tokens, positions = _tokens(kwargs), _tensor(kwargs, "position_ids")
+        tokens, positions = tokens_arg(kwargs), tensor_arg(kwargs, "position_ids")
         assert tokens is not None and positions is not None  # as __call__ and _why_not found them
         total = int(tokens.shape[1])
         self.stats["flattened_input"] += 1
-        out = self._run(kwargs, tokens[0], positions.reshape(-1))
+        lengths = example_lengths(positions) if self.varlen else [total]
+        out = self._run(kwargs, tokens[0], positions.reshape(-1), lengths)
         out["last_hidden_state"] = out.last_hidden_state[:, :total]
         return out
 
     def _run(
-        self, kwargs: dict[str, object], tokens: torch.Tensor, positions: torch.Tensor, *, pad: bool = True
+        self,
+        kwargs: dict[str, object],
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        lengths: list[int],
+        *,
+        pad: bool = True,
     ) -> ModelOutput:
-        """The decoder over one packed row (``pad``: to its bucket, for the graphs)."""
+        """The decoder over one packed row of examples of ``lengths`` (``pad``: to its bucket, for the
+        graphs), given the row's boundaries with varlen attention."""
         import torch
 
         total = int(tokens.shape[0])
@@ -274,39 +279,19 @@ class Packing:
         }
         rest["use_cache"] = False  # a cache would turn transformers' per-example masks off
         name = "input_ids" if tokens.dim() == 1 else "inputs_embeds"
-        out = self.forward(**{name: tokens[None]}, position_ids=positions[None], attention_mask=None, **rest)
+        call = {name: tokens[None], "position_ids": positions[None], "attention_mask": None, **rest}
+        if self.varlen:
+            from xpukit.loading.training.varlen_attention import boundaries, run_packed
+
+            cu = boundaries([*lengths, extra] if extra else lengths).to(tokens.device, non_blocking=True)
+            out = cast("ModelOutput", run_packed(self.forward, cu, total + extra, **call))
+            self.stats["varlen"] += 1
+        else:
+            out = self.forward(**call)
         self.stats["packed"] += 1
         self.stats["tokens"] += total
         self.stats["bucket_padding"] += extra
         return out
-
-
-def token_groups(lengths: list[int], max_tokens: int | None) -> list[int]:
-    """The packed row's examples (``lengths``, in order) gathered into passes of at most ``max_tokens``
-    tokens, whole examples each, greedily in order; returns each pass's tokens. One pass when the
-    row fits or no budget is set; an example longer than the budget is a pass of its own."""
-    if not max_tokens or sum(lengths) <= max_tokens:
-        return [sum(lengths)]
-    groups: list[int] = []
-    current = 0
-    for n in lengths:
-        if current and current + n > max_tokens:
-            groups.append(current)
-            current = 0
-        current += n
-    groups.append(current)
-    return groups
-
-
-def _tensor(kwargs: Mapping[str, object], name: str) -> torch.Tensor | None:
-    """The decoder call's tensor argument ``name`` (``input_ids``, ``attention_mask`` …), or ``None``."""
-    return cast("torch.Tensor | None", kwargs.get(name))
-
-
-def _tokens(kwargs: Mapping[str, object]) -> torch.Tensor | None:
-    """The call's ``input_ids`` (``[B, L]``), else its ``inputs_embeds`` (``[B, L, H]``), else ``None``."""
-    ids = _tensor(kwargs, "input_ids")
-    return ids if ids is not None else _tensor(kwargs, "inputs_embeds")
 
 
 def _decoder(model: PreTrainedModel | PeftModel) -> torch.nn.Module | None:
@@ -322,12 +307,14 @@ def install_packing(
     bucket: int = 1,
     graphs: CapturedShapes | None = None,
     max_tokens: int | None = None,
+    varlen: bool = False,
 ) -> str:
     """Wrap the decoder under ``model`` (a PeftModel or a transformers causal LM) with
     :class:`Packing`; returns a note. ``model.xpukit_packing`` is the wrapper (``stats``, ``passed``).
     ``graphs``: the layers' ``LayerGraphs``, whose captured shapes a row takes once they are full
     (:func:`padded_length`). ``max_tokens``: the plan's token budget per pass (a row with more is
-    split, :func:`token_groups`)."""
+    split, :func:`token_groups`). ``varlen``: each packed row's decoder call gets its boundaries for
+    the ``xpukit_varlen`` attention (:func:`.varlen_attention.use_varlen` sets it)."""
     decoder = _decoder(model)
     if decoder is None:
         return "packing: not installed (no decoder with layers under the model's head)"
@@ -346,7 +333,9 @@ def install_packing(
         ),
         0,
     )
-    packing = Packing(forward, bucket=bucket, pad_id=pad_id, graphs=graphs, max_tokens=max_tokens)
+    packing = Packing(
+        forward, bucket=bucket, pad_id=pad_id, graphs=graphs, max_tokens=max_tokens, varlen=varlen
+    )
 
     @functools.wraps(forward)
     def packed(*args: object, **kwargs: object) -> ModelOutput:
@@ -358,6 +347,8 @@ def install_packing(
     tail = f", the row padded to a multiple of {packing.bucket} tokens" if packing.bucket > 1 else ""
     if max_tokens:
         tail += f", a row over {max_tokens:,} tokens split by tokens into passes of whole examples"
+    if varlen:
+        tail += ", its examples' boundaries given to the attention (varlen_attn, no mask)"
     return (
         "packing: the decoder layers run a padded training batch as one row of its real tokens, positions "
         f"restarting per example{tail} (model.xpukit_packing.stats)"

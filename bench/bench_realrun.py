@@ -19,6 +19,7 @@ padding collator for ``Trainer`` (``DataCollatorForLanguageModeling``: pads to t
                        training_args(model, ...) + transformers.Trainer
     xpukit-sft         the same through TRL's SFTTrainer (training_args(config_class=SFTConfig))
     xpukit-nopack      xpukit with lora={"packing": False}: the padded batches as the collator made them
+    xpukit-mask        xpukit with attn="sdpa" given: packed rows through SDPA's mask instead of varlen_attn
     xpukit-eager       xpukit with lora={"graphs": False}: what the graphs of the layers give
     xpukit-liger       xpukit with lora={"liger": True}: liger's fused loss (memory) instead of the plain one
     xpukit-adamw       xpukit with optim="adamw_torch_fused" instead of the plan's paged 8-bit AdamW
@@ -92,6 +93,7 @@ VARIANTS = (
     "xpukit",
     "xpukit-sft",
     "xpukit-nopack",
+    "xpukit-mask",
     "xpukit-eager",
     "xpukit-liger",
     "xpukit-adamw",
@@ -108,13 +110,14 @@ VARIANTS = (
     "xpukit-nonblocking",
     *UNSLOTH_SETUPS,
 )
-# lora= and training_args keywords of the xpukit variants beside the one call.
-XPUKIT_LORA: dict[str, Any] = {
-    "xpukit-nopack": {"packing": False},
-    "xpukit-eager": {"graphs": False},
-    "xpukit-liger": {"liger": True},
-    "xpukit-gc-graphs": {"gradient_checkpointing": True, "graphs": True},
-    "xpukit-offload-graphs": {"gradient_checkpointing": "offload", "graphs": True},
+# load_for_xpu keywords of the xpukit variants beside the one call (lora=True by default).
+XPUKIT_LOAD: dict[str, dict[str, Any]] = {
+    "xpukit-nopack": {"lora": {"packing": False}},
+    "xpukit-mask": {"attn": "sdpa"},  # the plan's packed_attention is then "mask"
+    "xpukit-eager": {"lora": {"graphs": False}},
+    "xpukit-liger": {"lora": {"liger": True}},
+    "xpukit-gc-graphs": {"lora": {"gradient_checkpointing": True, "graphs": True}},
+    "xpukit-offload-graphs": {"lora": {"gradient_checkpointing": "offload", "graphs": True}},
 }
 # Attributes the graph variants set on the loaded model: (model attribute, name) -> value.
 XPUKIT_GRAPHS: dict[str, dict[tuple[str, str], Any]] = {
@@ -128,7 +131,8 @@ XPUKIT_ENV = {
     "xpukit-expandable": {"PYTORCH_ALLOC_CONF": "expandable_segments:True"},
     "xpukit-ordinary": {"PYTORCH_ALLOC_CONF": "expandable_segments:False"},
 }
-PLAN_SHOWN = "gradient_checkpointing loss fused_lora layer_graphs packing input_embedding expandable_segments"
+PLAN_SHOWN = "gradient_checkpointing loss fused_lora layer_graphs packing packed_attention input_embedding "
+PLAN_SHOWN += "expandable_segments"
 XPUKIT_ARGS: dict[str, dict[str, Any]] = {
     "xpukit-adamw": {"optim": "adamw_torch_fused"},
     "xpukit-paged": {"optim": "paged_adamw_8bit"},
@@ -282,18 +286,9 @@ def run_variant(args: argparse.Namespace) -> dict[str, Any]:
         from xpukit import load_for_xpu, training_args
 
         budget = {0 if device != "cpu" else "cpu": args.max_memory} if args.max_memory else None
-        lora: Any = XPUKIT_LORA.get(variant, True)
-        model = load_for_xpu(
-            args.model_dir,
-            device=device,
-            dtype=dtype,
-            quantize="4bit",
-            lora=lora,
-            seed=0,
-            batch_size=args.batch,
-            seq_len=longest,
-            max_memory=budget,
-        )
+        load = {"batch_size": args.batch, "seq_len": longest, "max_memory": budget, "lora": True}
+        load |= XPUKIT_LOAD.get(variant, {})
+        model = load_for_xpu(args.model_dir, device=device, dtype=dtype, quantize="4bit", seed=0, **load)
         plan = model.xpukit_plan
         host_profile = CaptureProfile.installed(args.profile_captures) if args.profile_captures else None
         if getattr(model, "xpukit_layer_graphs", None) is not None:  # the graph switches of the variant

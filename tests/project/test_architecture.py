@@ -453,7 +453,7 @@ def test_every_bench_realrun_variant_changes_something() -> None:
             found[target.id if isinstance(target, ast.Name) else ""] = names
     variants = {v for v in found["VARIANTS"] if v.startswith("xpukit")}
     tables = set().union(
-        *(found[name] for name in ("XPUKIT_LORA", "XPUKIT_GRAPHS", "XPUKIT_ARGS", "XPUKIT_ENV"))
+        *(found[name] for name in ("XPUKIT_LOAD", "XPUKIT_GRAPHS", "XPUKIT_ARGS", "XPUKIT_ENV"))
     )
     assert variants - tables == {"xpukit", "xpukit-sft"}
     assert tables <= variants

@@ -44,13 +44,14 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, cast
 
 from xpukit.loading.training.layer_calls import given_cache
 from xpukit.loading.training.packing_rows import (
+    example_groups,
     example_lengths,
-    group_lengths,
     padded_length,
     tensor_arg,
     token_groups,
     tokens_arg,
 )
+from xpukit.loading.training.varlen_attention import boundaries, run_packed
 
 if TYPE_CHECKING:
     import torch
@@ -177,9 +178,9 @@ class Packing:
         flat = tokens.flatten(0, 1).index_select(0, index_dev)
         positions = positions.to(tokens.device, non_blocking=True)
         sizes = lengths.tolist()
-        groups = token_groups(sizes, self.max_tokens)
+        groups = example_groups(sizes, self.max_tokens)
         if len(groups) > 1:
-            out, hidden = self._split(kwargs, flat, positions, group_lengths(sizes, groups))
+            out, hidden = self._split(kwargs, flat, positions, groups)
         else:
             out = self._run(kwargs, flat, positions, sizes)
             hidden = out.last_hidden_state[0, :total]
@@ -281,8 +282,6 @@ class Packing:
         name = "input_ids" if tokens.dim() == 1 else "inputs_embeds"
         call = {name: tokens[None], "position_ids": positions[None], "attention_mask": None, **rest}
         if self.varlen:
-            from xpukit.loading.training.varlen_attention import boundaries, run_packed
-
             cu = boundaries([*lengths, extra] if extra else lengths).to(tokens.device, non_blocking=True)
             out = cast("ModelOutput", run_packed(self.forward, cu, total + extra, **call))
             self.stats["varlen"] += 1

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, cast
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["example_lengths", "group_lengths", "padded_length", "tensor_arg", "token_groups", "tokens_arg"]
+__all__ = ["example_groups", "example_lengths", "padded_length", "tensor_arg", "token_groups", "tokens_arg"]
 
 
 def padded_length(
@@ -33,21 +33,26 @@ def padded_length(
     return min(above) if above else target
 
 
-def token_groups(lengths: list[int], max_tokens: int | None) -> list[int]:
+def example_groups(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
     """The packed row's examples (``lengths``, in order) gathered into passes of at most ``max_tokens``
-    tokens, whole examples each, greedily in order; returns each pass's tokens. One pass when the
-    row fits or no budget is set; an example longer than the budget is a pass of its own."""
+    tokens, whole examples each, greedily in order; returns each pass's examples' lengths. One pass
+    when the row fits or no budget is set; an example longer than the budget is a pass of its own."""
     if not max_tokens or sum(lengths) <= max_tokens:
-        return [sum(lengths)]
-    groups: list[int] = []
-    current = 0
+        return [list(lengths)]
+    groups: list[list[int]] = []
+    current: list[int] = []
     for n in lengths:
-        if current and current + n > max_tokens:
+        if current and sum(current) + n > max_tokens:
             groups.append(current)
-            current = 0
-        current += n
+            current = []
+        current.append(n)
     groups.append(current)
     return groups
+
+
+def token_groups(lengths: list[int], max_tokens: int | None) -> list[int]:
+    """Each pass's tokens of :func:`example_groups`."""
+    return [sum(group) for group in example_groups(lengths, max_tokens)]
 
 
 def tensor_arg(kwargs: Mapping[str, object], name: str) -> torch.Tensor | None:
@@ -59,18 +64,6 @@ def tokens_arg(kwargs: Mapping[str, object]) -> torch.Tensor | None:
     """The call's ``input_ids`` (``[B, L]``), else its ``inputs_embeds`` (``[B, L, H]``), else ``None``."""
     ids = tensor_arg(kwargs, "input_ids")
     return ids if ids is not None else tensor_arg(kwargs, "inputs_embeds")
-
-
-def group_lengths(lengths: list[int], groups: list[int]) -> list[list[int]]:
-    """The examples' ``lengths`` of each pass of :func:`token_groups` (``groups``: each pass's tokens)."""
-    out: list[list[int]] = []
-    rest = iter(lengths)
-    for size in groups:
-        part: list[int] = []
-        while sum(part) < size:
-            part.append(next(rest))
-        out.append(part)
-    return out
 
 
 def example_lengths(positions: torch.Tensor) -> list[int]:

@@ -24,7 +24,8 @@ Treat the returned directories as read-only (other tests share them); copy one t
 The tests mirror ``src/xpukit/`` (``tests/planning/``, ``tests/loading/decode/``, …; ``tests/project/``
 holds the checks of the repository itself); a fixture used by one sub-folder only lives in that
 folder's ``conftest.py`` (``tests/loading/conftest.py``: ``trained_tiny``, ``export_tiny_factory``,
-``bf16_base``; ``tests/loading/decode/conftest.py``: ``rerun_graphs``).
+``bf16_base``; ``tests/loading/decode/conftest.py``: ``rerun_graphs``; ``tests/loading/training/conftest.py``:
+``lora_case``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
 ARCHS = ["qwen3", "llama", "mistral", "gemma", "phi3"]
-LENGTHS = [5, 11, 3, 8]
 
 
 # ---- the decision (pure) ---------------------------------------------------------------------------
@@ -56,36 +55,6 @@ def test_the_user_turns_it_off_or_insists_and_a_model_without_rotary_positions_i
 # ---- the act: numbers --------------------------------------------------------------------------------
 
 
-def _lora_model(path: Path) -> Any:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    torch.manual_seed(1)  # non-zero adapters, so every LoRA gradient is exercised
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False
-    )
-    model = get_peft_model(model, config)
-    model.train()
-    return model
-
-
-def _batch(side: str, seed: int = 3, lengths: list[int] = LENGTHS) -> tuple[Any, Any, Any]:
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.randint(5, 500, (len(lengths), width), generator=gen)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        mask[row, :n] = 1 if side == "right" else 0
-        if side == "left":
-            mask[row, width - n :] = 1
-    ids = ids * mask
-    labels = ids.masked_fill(mask == 0, -100)
-    if side == "left":  # in a left-padded row the first token is the target of a padding position
-        labels[torch.arange(len(lengths)), width - torch.tensor(lengths)] = -100
-    return ids, mask, labels
-
-
 def _alone(model: Any, ids: Any, mask: Any, labels: Any) -> Any:
     """The mean loss over every example run alone (no padding), weighted by its targets."""
     total, count = 0.0, 0
@@ -98,52 +67,43 @@ def _alone(model: Any, ids: Any, mask: Any, labels: Any) -> Any:
     return total / count
 
 
-def _lora_grads(model: Any) -> dict[str, Any]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _assert_same(loss: Any, want_loss: Any, grads: dict[str, Any], want: dict[str, Any]) -> None:
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == want.keys() and len(grads) > 0
-    for name, grad in grads.items():
-        scale = want[name].abs().max().clamp_min(1e-12)
-        assert float((grad - want[name]).abs().max() / scale) < 1e-4, name
-
-
 @pytest.mark.parametrize("arch", [*ARCHS, "gemma-sliding"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_packed_batch_gives_each_example_what_it_gives_alone(
-    tiny_models: Any, sliding_gemma: Path, arch: str, side: str
+    tiny_models: Any, sliding_gemma: Path, arch: str, side: str, lora_case: Any
 ) -> None:
     from xpukit.loading.training.packing import install_packing
 
+    lengths = list(lora_case.lengths)
     path = sliding_gemma if arch == "gemma-sliding" else tiny_models[arch]
-    ids, mask, labels = _batch(side)
-    alone = _lora_model(path)
+    ids, mask, labels = lora_case.batch(side)
+    alone = lora_case.model(path)
     want_loss = _alone(alone, ids, mask, labels)
     want_loss.backward()
-    packed = _lora_model(path)
+    packed = lora_case.model(path)
     install_packing(packed, bucket=16)
     out = packed(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
-    _assert_same(out.loss, want_loss, _lora_grads(packed), _lora_grads(alone))
+    lora_case.assert_same(out.loss, want_loss, lora_case.grads(packed), lora_case.grads(alone))
     stats = packed.xpukit_packing.stats
-    real = sum(LENGTHS)
+    real = sum(lengths)
     assert stats["packed"] == 1 and stats["tokens"] == real
-    assert stats["padding_removed"] == len(LENGTHS) * max(LENGTHS) - real
+    assert stats["padding_removed"] == len(lengths) * max(lengths) - real
     assert stats["bucket_padding"] == -real % 16
     assert tuple(out.logits.shape) == (*ids.shape, alone.config.vocab_size)
 
 
-def test_right_padded_batch_gives_the_padded_batchs_loss_gradients_and_logits(tiny_models: Any) -> None:
+def test_right_padded_batch_gives_the_padded_batchs_loss_gradients_and_logits(
+    tiny_models: Any, lora_case: Any
+) -> None:
     """With right padding the padded batch itself is the reference (its targets are the real ones)."""
     from xpukit.loading.training.packing import install_packing
 
-    ids, mask, labels = _batch("right")
-    padded = _lora_model(tiny_models["qwen3"])
+    ids, mask, labels = lora_case.batch("right")
+    padded = lora_case.model(tiny_models["qwen3"])
     want = padded(input_ids=ids, attention_mask=mask, labels=labels)
     want.loss.backward()
-    packed = _lora_model(tiny_models["qwen3"])
+    packed = lora_case.model(tiny_models["qwen3"])
     install_packing(packed)
     out = packed(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(23))
     again = padded(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(23))
@@ -151,18 +111,18 @@ def test_right_padded_batch_gives_the_padded_batchs_loss_gradients_and_logits(ti
     packed.zero_grad()
     out = packed(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
-    _assert_same(out.loss, want.loss, _lora_grads(packed), _lora_grads(padded))
+    lora_case.assert_same(out.loss, want.loss, lora_case.grads(packed), lora_case.grads(padded))
     real = mask.bool()
     torch.testing.assert_close(out.logits[real], want.logits[real], rtol=1e-4, atol=1e-4)
     assert tuple(out.logits.shape) == tuple(want.logits.shape)
 
 
-def test_calls_that_cannot_be_packed_run_unchanged_with_the_reason(tiny_models: Any) -> None:
+def test_calls_that_cannot_be_packed_run_unchanged_with_the_reason(tiny_models: Any, lora_case: Any) -> None:
     from xpukit.loading.training.packing import install_packing
 
-    model = _lora_model(tiny_models["qwen3"])
+    model = lora_case.model(tiny_models["qwen3"])
     install_packing(model)
-    ids, mask, labels = _batch("right")
+    ids, mask, labels = lora_case.batch("right")
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, labels=labels)
     model(input_ids=ids, attention_mask=mask)
@@ -180,26 +140,27 @@ def test_calls_that_cannot_be_packed_run_unchanged_with_the_reason(tiny_models: 
     assert model.xpukit_packing.stats["packed"] == 1  # the call without labels: the layers do not need them
 
 
-def test_an_already_flattened_batch_is_only_padded_to_its_bucket(tiny_models: Any) -> None:
+def test_an_already_flattened_batch_is_only_padded_to_its_bucket(tiny_models: Any, lora_case: Any) -> None:
     """TRL's padding_free collator gives one row with positions restarting per example."""
     from xpukit.loading.training.packing import install_packing
 
-    ids, mask, labels = _batch("right")
+    lengths = list(lora_case.lengths)
+    ids, mask, labels = lora_case.batch("right")
     keep = mask.bool()
     flat_ids, flat_labels = ids[keep][None], labels[keep][None].clone()
-    starts = torch.cumsum(torch.tensor(LENGTHS), 0) - torch.tensor(LENGTHS)
+    starts = torch.cumsum(torch.tensor(lengths), 0) - torch.tensor(lengths)
     flat_labels[0, starts] = -100
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
-    plain = _lora_model(tiny_models["llama"])
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    plain = lora_case.model(tiny_models["llama"])
     # use_cache=False: with a cache transformers does not build per-example masks from the positions
     want = plain(input_ids=flat_ids, labels=flat_labels, position_ids=positions, use_cache=False)
-    packed = _lora_model(tiny_models["llama"])
+    packed = lora_case.model(tiny_models["llama"])
     install_packing(packed, bucket=32)
     out = packed(input_ids=flat_ids, labels=flat_labels, position_ids=positions)
     torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
     assert tuple(out.logits.shape[:2]) == tuple(flat_ids.shape)
     stats = packed.xpukit_packing.stats
-    assert stats["flattened_input"] == 1 and stats["bucket_padding"] == 32 - sum(LENGTHS)
+    assert stats["flattened_input"] == 1 and stats["bucket_padding"] == 32 - sum(lengths)
 
 
 def _examples(n: int, seed: int) -> list[dict[str, list[int]]]:
@@ -288,11 +249,13 @@ def test_sft_trainer_packs_padded_batches_and_buckets_flattened_ones(
     assert stats["flattened_input" if padding_free else "padding_removed"] > 0
 
 
-def test_packing_under_gradient_checkpointing_gives_the_unpacked_loss_and_gradients(tiny_model: Path) -> None:
+def test_packing_under_gradient_checkpointing_gives_the_unpacked_loss_and_gradients(
+    tiny_model: Path, lora_case: Any
+) -> None:
     """The checkpointed layers recompute inside backward on the packed row (the budget rungs)."""
     from xpukit import load_for_xpu
 
-    ids, mask, labels = _batch("right")
+    ids, mask, labels = lora_case.batch("right")
     results = []
     for packing in (False, True):
         model = load_for_xpu(
@@ -305,9 +268,9 @@ def test_packing_under_gradient_checkpointing_gives_the_unpacked_loss_and_gradie
         model.train()
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
         out.loss.backward()
-        results.append((out.loss.detach(), _lora_grads(model)))
+        results.append((out.loss.detach(), lora_case.grads(model)))
     (want_loss, want), (loss, grads) = results
-    _assert_same(loss, want_loss, grads, want)
+    lora_case.assert_same(loss, want_loss, grads, want)
 
 
 @pytest.mark.parametrize(
@@ -334,21 +297,21 @@ def test_a_packed_row_takes_a_captured_shape_once_no_more_are_captured(
 
 
 @pytest.mark.parametrize("mask", ["ones", "none"])
-def test_a_batch_without_padding_runs_as_it_is(tiny_models: Any, mask: str) -> None:
+def test_a_batch_without_padding_runs_as_it_is(tiny_models: Any, mask: str, lora_case: Any) -> None:
     """Several rows and no padding: nothing to remove, so the rows keep plain causal attention (no
     per-example mask); the loss and gradients are the unwrapped model's."""
     from xpukit.loading.training.packing import install_packing
 
     ids = torch.randint(3, 500, (3, 10), generator=torch.Generator().manual_seed(1))
     extra = {"attention_mask": torch.ones_like(ids)} if mask == "ones" else {}
-    plain = _lora_model(tiny_models["qwen3"])
+    plain = lora_case.model(tiny_models["qwen3"])
     want = plain(input_ids=ids, labels=ids, **extra).loss
     want.backward()
-    model = _lora_model(tiny_models["qwen3"])
+    model = lora_case.model(tiny_models["qwen3"])
     install_packing(model, bucket=16)
     out = model(input_ids=ids, labels=ids, **extra)
     out.loss.backward()
-    _assert_same(out.loss, want, _lora_grads(model), _lora_grads(plain))
+    lora_case.assert_same(out.loss, want, lora_case.grads(model), lora_case.grads(plain))
     assert out.past_key_values is None  # a training pass fills no KV cache
     assert model.xpukit_packing.passed == {"no padding: the rows run as they are": 1}
     assert model.xpukit_packing.stats["packed"] == 0

@@ -22,7 +22,6 @@ from xpukit.planning.vocabulary import Decision
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-LENGTHS = [5, 11, 3, 8]
 GIB = 1 << 30
 
 
@@ -118,7 +117,7 @@ def test_the_plan_decides_it_after_packing() -> None:
 def test_boundaries_count_the_tail_as_an_example_and_pad_to_a_multiple_of_the_slots() -> None:
     from xpukit.loading.training.varlen_attention import SLOTS, boundaries
 
-    cu = boundaries([*LENGTHS, 5])
+    cu = boundaries([5, 11, 3, 8, 5])
     assert cu.dtype == torch.int32 and SLOTS == 8
     assert cu.tolist() == [0, 5, 16, 19, 27, 32, 32, 32, 32]
     assert boundaries([1] * 8).numel() == 9 and boundaries([1] * 9).numel() == 17
@@ -190,50 +189,17 @@ def test_varlen_attn_raises_on_the_cpu_and_the_call_takes_the_reference(
 # ---- the act: a packed row with its boundaries ---------------------------------------------------
 
 
-def _lora_model(path: Path, *, varlen: bool = False, bucket: int = 16, **packing: Any) -> Any:
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
+def _lora_model(case: Any, path: Path, *, varlen: bool = False, bucket: int = 16, **packing: Any) -> Any:
+    """``case.model(path)`` packed into ``bucket``-token rows, with the row's boundaries and the
+    ``xpukit_varlen`` attention where ``varlen``."""
     from xpukit.loading.training.packing import install_packing
     from xpukit.loading.training.varlen_attention import use_varlen
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    torch.manual_seed(1)  # non-zero adapters, so every LoRA gradient is exercised
-    config = LoraConfig(
-        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0, init_lora_weights=False
-    )
-    model = get_peft_model(model, config)
-    model.train()
+    model = case.model(path)
     if varlen:
         use_varlen(model)
     install_packing(model, bucket=bucket, varlen=varlen, **packing)
     return model
-
-
-def _batch(side: str, lengths: list[int] = LENGTHS) -> tuple[Any, Any, Any]:
-    gen = torch.Generator().manual_seed(3)
-    width = max(lengths)
-    ids = torch.randint(5, 500, (len(lengths), width), generator=gen)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        if side == "right":
-            mask[row, :n] = 1
-        else:
-            mask[row, width - n :] = 1
-    ids = ids * mask
-    return ids, mask, ids.masked_fill(mask == 0, -100)
-
-
-def _grads(model: Any) -> dict[str, Any]:
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _assert_same(loss: Any, want_loss: Any, grads: dict[str, Any], want: dict[str, Any]) -> None:
-    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == want.keys() and len(grads) > 0
-    for name, grad in grads.items():
-        scale = want[name].abs().max().clamp_min(1e-12)
-        assert float((grad - want[name]).abs().max() / scale) < 1e-4, name
 
 
 class _MaskSpy:
@@ -255,35 +221,41 @@ class _MaskSpy:
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma", "gemma-sliding"])
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_a_packed_row_with_boundaries_trains_as_the_masked_row_without_a_mask(
-    tiny_models: Any, sliding_gemma: Path, monkeypatch: pytest.MonkeyPatch, arch: str, side: str
+    tiny_models: Any,
+    sliding_gemma: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    arch: str,
+    side: str,
+    lora_case: Any,
 ) -> None:
     from xpukit.loading.training import varlen_attention as va
 
+    lengths = list(lora_case.lengths)
     path = sliding_gemma if arch == "gemma-sliding" else tiny_models[arch]
-    ids, mask, labels = _batch(side)
-    masked = _lora_model(path)
+    ids, mask, labels = lora_case.batch(side)
+    masked = _lora_model(lora_case, path)
     want = masked(input_ids=ids, attention_mask=mask, labels=labels)
     want.loss.backward()
-    model = _lora_model(path, varlen=True)
+    model = _lora_model(lora_case, path, varlen=True)
     assert model.config._attn_implementation == va.NAME
     monkeypatch.setattr(va, "FALLBACKS", va.FALLBACKS.__class__())
     spy = _MaskSpy(monkeypatch)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
     assert spy.calls == 0  # no mask built for the packed row
-    _assert_same(out.loss, want.loss, _grads(model), _grads(masked))
+    lora_case.assert_same(out.loss, want.loss, lora_case.grads(model), lora_case.grads(masked))
     layers = model.config.num_hidden_layers
     assert dict(va.FALLBACKS) == {"not CUDA (cpu)": layers}  # every layer's attention took the reference
     stats = model.xpukit_packing.stats
-    assert stats["varlen"] == stats["packed"] == 1 and stats["bucket_padding"] == -sum(LENGTHS) % 16
+    assert stats["varlen"] == stats["packed"] == 1 and stats["bucket_padding"] == -sum(lengths) % 16
 
 
 def test_evaluation_and_generate_run_sdpa_with_its_masks(
-    tiny_models: Any, monkeypatch: pytest.MonkeyPatch
+    tiny_models: Any, monkeypatch: pytest.MonkeyPatch, lora_case: Any
 ) -> None:
     path = tiny_models["qwen3"]
-    ids, mask, _ = _batch("left")
-    plain, model = _lora_model(path), _lora_model(path, varlen=True)
+    ids, mask, _ = lora_case.batch("left")
+    plain, model = _lora_model(lora_case, path), _lora_model(lora_case, path, varlen=True)
     spy = _MaskSpy(monkeypatch)
     for each in (plain, model):
         each.eval()
@@ -298,46 +270,51 @@ def test_evaluation_and_generate_run_sdpa_with_its_masks(
     assert model.xpukit_packing.stats["varlen"] == 0
 
 
-def test_a_step_split_by_tokens_gives_each_pass_its_boundaries(tiny_models: Any) -> None:
+def test_a_step_split_by_tokens_gives_each_pass_its_boundaries(tiny_models: Any, lora_case: Any) -> None:
     path = tiny_models["llama"]
-    ids, mask, labels = _batch("right")
-    masked = _lora_model(path, max_tokens=16)
+    ids, mask, labels = lora_case.batch("right")
+    masked = _lora_model(lora_case, path, max_tokens=16)
     want = masked(input_ids=ids, attention_mask=mask, labels=labels)
     want.loss.backward()
-    model = _lora_model(path, varlen=True, max_tokens=16)
+    model = _lora_model(lora_case, path, varlen=True, max_tokens=16)
     out = model(input_ids=ids, attention_mask=mask, labels=labels)
     out.loss.backward()
-    _assert_same(out.loss, want.loss, _grads(model), _grads(masked))
+    lora_case.assert_same(out.loss, want.loss, lora_case.grads(model), lora_case.grads(masked))
     stats = model.xpukit_packing.stats
     assert stats["split_steps"] == 1 and stats["split_passes"] == 2
     assert stats["varlen"] == stats["packed"] >= 2  # each pass (and its recomputation) took them
 
 
-def test_a_flattened_batch_reads_its_examples_from_the_position_restarts(tiny_models: Any) -> None:
+def test_a_flattened_batch_reads_its_examples_from_the_position_restarts(
+    tiny_models: Any, lora_case: Any
+) -> None:
     from xpukit.loading.training.packing_rows import example_lengths
 
-    ids, mask, labels = _batch("right")
+    lengths = list(lora_case.lengths)
+    ids, mask, labels = lora_case.batch("right")
     keep = mask.bool()
     flat_ids, flat_labels = ids[keep][None], labels[keep][None].clone()
-    starts = torch.cumsum(torch.tensor(LENGTHS), 0) - torch.tensor(LENGTHS)
+    starts = torch.cumsum(torch.tensor(lengths), 0) - torch.tensor(lengths)
     flat_labels[0, starts] = -100
-    positions = torch.cat([torch.arange(n) for n in LENGTHS])[None]
-    assert example_lengths(positions) == LENGTHS
-    masked = _lora_model(tiny_models["qwen3"], bucket=32)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    assert example_lengths(positions) == lengths
+    masked = _lora_model(lora_case, tiny_models["qwen3"], bucket=32)
     want = masked(input_ids=flat_ids, labels=flat_labels, position_ids=positions)
-    model = _lora_model(tiny_models["qwen3"], varlen=True, bucket=32)
+    model = _lora_model(lora_case, tiny_models["qwen3"], varlen=True, bucket=32)
     out = model(input_ids=flat_ids, labels=flat_labels, position_ids=positions)
     torch.testing.assert_close(out.loss, want.loss, rtol=1e-5, atol=1e-6)
     stats = model.xpukit_packing.stats
     assert stats["flattened_input"] == stats["varlen"] == 1
 
 
-def test_rows_of_one_bucket_are_one_graph_shape_whatever_their_examples(tiny_models: Any) -> None:
+def test_rows_of_one_bucket_are_one_graph_shape_whatever_their_examples(
+    tiny_models: Any, lora_case: Any
+) -> None:
     """What the layer graphs key a replay on (layer_calls.flatten's signature) is the same for rows of
     one bucket with 2 and 6 examples: the boundaries keep their length, the padded length is the max."""
     from xpukit.loading.training.layer_calls import flatten
 
-    model = _lora_model(tiny_models["qwen3"], varlen=True, bucket=32)
+    model = _lora_model(lora_case, tiny_models["qwen3"], varlen=True, bucket=32)
     layer = model.get_base_model().model.layers[0]
     seen: list[tuple[Any, ...]] = []
 
@@ -346,13 +323,13 @@ def test_rows_of_one_bucket_are_one_graph_shape_whatever_their_examples(tiny_mod
 
     layer.register_forward_pre_hook(keep, with_kwargs=True)
     for lengths in ([9, 12], [3, 2, 6, 4, 1, 5]):
-        ids, mask, labels = _batch("right", lengths)
+        ids, mask, labels = lora_case.batch("right", lengths=lengths)
         model(input_ids=ids, attention_mask=mask, labels=labels)
     assert len(seen) == 2 and seen[0] == seen[1]
     assert "cu_seq_lens_q" in str(seen[0]) and "max_length_q" in str(seen[0])
 
 
-def test_apply_lora_with_varlen_sets_the_attention_before_packing(tiny_model: Path) -> None:
+def test_apply_lora_with_varlen_sets_the_attention_before_packing(tiny_model: Path, lora_case: Any) -> None:
     from transformers import AutoModelForCausalLM
 
     from xpukit.loading.lora import apply_lora
@@ -369,7 +346,7 @@ def test_apply_lora_with_varlen_sets_the_attention_before_packing(tiny_model: Pa
     assert any(note.startswith("packed attention: xpukit_varlen") for note in notes)
     assert model.xpukit_packing.varlen and model.xpukit_packing.bucket == 8
     model.train()
-    ids, mask, labels = _batch("right")
+    ids, mask, labels = lora_case.batch("right")
     model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     assert model.xpukit_packing.stats["varlen"] == 1
     plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation="sdpa")
